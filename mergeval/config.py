@@ -1,0 +1,89 @@
+"""The run-config schema: dataclasses registered in Hydra's ConfigStore.
+
+Every YAML under ``conf/`` extends one of these schemas (``defaults: [<x>_schema]``),
+so an unknown key or a value of the wrong type fails when Hydra composes the
+config, before anything runs. Method schemas live beside their merge function
+(``mergeval/methods``) and are registered here under ``method/<name>_schema``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from mergeval.methods import METHODS
+
+
+@dataclass
+class TrainConfig:
+    """How zoo experts are fine-tuned from the modelset's base (part of each expert's cache key)."""
+
+    steps: int = 30
+    batch_size: int = 16
+    lr: float = 5e-5
+    seed: int = 0
+
+
+@dataclass
+class ExpertConfig:
+    """One constituent to merge: an existing model (``source``) or one mergeval fine-tunes (``domain``)."""
+
+    source: str | None = None  # hf:<id>, a local directory, smollm2, zoo:tiny
+    domain: str | None = None  # fine-tune the modelset's base on this generated domain
+    task: str | None = None  # the benchmark task that measures this expert's own skill
+
+
+@dataclass
+class ModelsetConfig:
+    name: str = MISSING
+    base: str = MISSING
+    experts: dict[str, ExpertConfig] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass
+class BenchmarkConfig:
+    name: str = MISSING
+    tasks: list[str] = field(default_factory=list)
+    n_items: int = 200  # items per generated task
+    limit: int | None = None  # evaluate only the first N items of each task (reduced runs)
+    num_fewshot: int = 0
+
+
+@dataclass
+class MetricConfig:
+    name: str = "default"
+    scale: str = "percent"  # Macro-Gain / Macro-OG reported in "percent" points or as a "fraction"
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 32
+    dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
+    device: str = "cpu"
+
+
+@dataclass
+class RunConfig:
+    method: Any = MISSING
+    modelset: ModelsetConfig = MISSING
+    benchmark: BenchmarkConfig = MISSING
+    metric: MetricConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    cache_dir: str | None = None  # default: the user cache dir (or $MERGEVAL_CACHE)
+    offline: bool = True  # hub ids resolve from the local Hugging Face cache only
+    save_merged: bool = False  # also write the merged model as a Hugging Face directory
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="modelset", name="modelset_schema", node=ModelsetConfig)
+    cs.store(group="benchmark", name="benchmark_schema", node=BenchmarkConfig)
+    cs.store(group="metric", name="metric_schema", node=MetricConfig)
+    for name, method in METHODS.items():
+        cs.store(group="method", name=f"{name}_schema", node=method.config)

@@ -1,0 +1,1 @@
+"""Evaluation: generated lm-eval tasks and the lm-eval-harness adapter for in-memory models."""

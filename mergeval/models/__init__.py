@@ -1,0 +1,1 @@
+"""Model sources, content fingerprints, loading and compatibility checks."""

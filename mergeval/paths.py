@@ -1,0 +1,51 @@
+"""Where mergeval keeps what it builds (converted models, experts, generated tasks)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """``cache_dir`` from the config, else $MERGEVAL_CACHE, else the user cache dir."""
+    root = cache_dir or os.environ.get("MERGEVAL_CACHE") or user_cache_dir("mergeval")
+    path = Path(root).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def atomic_dir(final: Path):
+    """Yield a temporary sibling directory; rename it to ``final`` only if the block succeeds.
+
+    An interrupted build leaves no half-written ``final`` (only a ``.tmp-*``
+    sibling, which the next build ignores and which is removed on failure).
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():  # built concurrently by another process: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

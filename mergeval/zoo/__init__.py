@@ -1,0 +1,1 @@
+"""Models mergeval builds itself: the tiny test model and fine-tuned domain experts."""

@@ -1,0 +1,57 @@
+"""Domain experts that mergeval fine-tunes from a modelset's base and caches.
+
+An expert's cache key is the base's fingerprint, the domain, the data version
+and the training settings: change any and a new expert is built; otherwise the
+cached one is reused. Building writes to a temporary directory renamed into
+place, so an interrupted build never leaves a half-written expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from mergeval.errors import UserError
+from mergeval.paths import atomic_dir
+from mergeval.zoo.domains import DATA_VERSION, DOMAINS, split_items
+
+# The held-out evaluation items the training pool must avoid (the benchmark's n_items
+# never exceeds this; see eval/tasks.py).
+EVAL_POOL = 500
+
+
+def expert_key(base_fingerprint: str, domain: str, train) -> str:
+    settings = dict(base=base_fingerprint, domain=domain, data=DATA_VERSION, steps=train.steps,
+                    batch_size=train.batch_size, lr=train.lr, seed=train.seed)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache: Path, field: str) -> Path:
+    if domain not in DOMAINS:
+        raise UserError(field, f"unknown training domain '{domain}'", f"choose one of: {', '.join(sorted(DOMAINS))}")
+    if train.steps < 1 or train.batch_size < 1 or not train.lr > 0:
+        raise UserError("modelset.train", "steps, batch_size and lr must be positive", "fix modelset.train")
+    target = cache / "experts" / f"{domain}-{expert_key(base_fingerprint, domain, train)}"
+    if target.exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer
+
+    from mergeval.models.checkpoint import load_model
+    from mergeval.zoo.finetune import finetune
+
+    train_items, _ = split_items(domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL,
+                                 train_seed=train.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = load_model(base_dir, dtype=torch.float32)
+    losses = finetune(model, tokenizer, train_items, train.steps, train.batch_size, train.lr, train.seed,
+                      desc=f"building expert '{domain}'")
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "mergeval-expert.json").write_text(json.dumps(
+            dict(base_fingerprint=base_fingerprint, domain=domain, data_version=DATA_VERSION,
+                 train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed),
+                 first_loss=losses[0], last_loss=losses[-1]), indent=2))
+    return target

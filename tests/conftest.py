@@ -1,0 +1,22 @@
+"""Shared fixtures: one cache directory per test session, and the tiny zoo model in it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mergeval-cache")
+    os.environ["MERGEVAL_CACHE"] = str(path)  # subprocesses started by tests inherit it
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(cache) -> Path:
+    from mergeval.zoo.tiny import zoo_dir
+
+    return zoo_dir("tiny", cache)

@@ -1,0 +1,119 @@
+"""The Hydra app end to end on the tiny zoo: composition, runs, multirun, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from mergeval.config import register_configs
+
+
+def mergeval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "mergeval", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_the_default_composes_the_quickstart():
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        cfg = compose("config")
+        assert (cfg.modelset.name, cfg.benchmark.name, cfg.method.name) == ("quickstart", "quickstart",
+                                                                            "task_arithmetic")
+        assert cfg.modelset.base == "smollm2"
+        explicit = compose("config", overrides=["+experiment=quickstart"])
+        assert explicit == cfg
+        ties = compose("config", overrides=["+experiment=tiny", "method=ties", "method.density=0.3"])
+        assert (ties.method.name, ties.method.density, ties.modelset.base) == ("ties", 0.3, "zoo:tiny")
+
+
+@pytest.mark.parametrize("override,field", [
+    ("method=nope", "method: unknown option 'nope'"),
+    ("modelset=nope", "modelset: unknown option 'nope'"),
+    ("benchmark=nope", "benchmark: unknown option 'nope'"),
+    ("method.lambda_=abc", "method.lambda_"),
+    ("method.densty=0.5", "method.densty: no such field"),
+    ("modelset.train.steps=1.5", "modelset.train.steps"),
+])
+def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_path):
+    out = mergeval("+experiment=tiny", override, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["method=ties", "method.density=-0.5"], "method.density"),
+    (["method=ties", "method.density=0"], "method.density"),
+    (["modelset.base=/no/such/dir"], "modelset.base"),
+    (["modelset.experts.chem.domain=null", "modelset.experts.chem.source=/no/such/model"],
+     "modelset.experts.chem.source"),
+    (["benchmark.tasks=[mergeval_nope]"], "benchmark.tasks"),
+])
+def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
+    out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"mergeval: error: {field}:"), out.stderr
+    assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob(".hydra"))
+
+
+def test_mismatched_architecture_is_one_line(tmp_path, cache):
+    from mergeval.zoo.tiny import ZOO, zoo_dir
+
+    ZOO["tiny_wide"] = dict(ZOO["tiny"], hidden_size=48)  # same process only: build the odd model here
+    wide = zoo_dir("tiny_wide", cache)
+    out = mergeval("+experiment=tiny", "modelset.experts.chem.domain=null",
+                   f"modelset.experts.chem.source={wide}", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("mergeval: error: modelset.experts.chem: hidden_size is 48"), out.stderr
+
+
+def read_result(job: Path) -> dict:
+    return json.loads((job / "result.json").read_text())
+
+
+def test_tiny_run_end_to_end(tmp_path, cache):
+    out = mergeval("+experiment=tiny", "method=ties", "seed=3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (result_file,) = tmp_path.rglob("result.json")
+    result = read_result(result_file.parent)
+    assert result["config"]["method"]["name"] == "ties" and result["seeds"]["run"] == 3
+    roles = [m["role"] for m in result["models"]]
+    assert roles == ["base", "chem", "units", "merged"]
+    assert all(len(m["fingerprint"]) == 32 for m in result["models"])
+    assert len({m["fingerprint"] for m in result["models"]}) == 4
+    for task in result["tasks"]:
+        for role in roles:
+            s = result["scores"][task][role]
+            assert 0 <= s["acc"] <= 1 and s["stderr"] >= 0 and s["n"] == 24
+    agg = result["aggregates"]
+    assert agg["macro_og"] <= agg["macro_gain"] and agg["scale"] == "percent"
+    assert set(agg["normalized"]) == {"mergeval_chem_count", "mergeval_unit_convert"}
+    assert result["versions"]["torch"] and result["versions"]["lm_eval"] and "commit" in result["git"]
+    assert "Macro-Gain" in out.stdout and "mergeval_general_facts" in out.stdout
+
+
+def test_multirun_writes_one_result_per_job(tmp_path, cache):
+    out = mergeval("-m", "+experiment=tiny", "method=linear,task_arithmetic,ties", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = sorted(tmp_path.rglob("result.json"))
+    assert len(results) == 3 and len({r.parent for r in results}) == 3
+    assert {read_result(r.parent)["config"]["method"]["name"] for r in results} == {
+        "linear", "task_arithmetic", "ties"}
+
+
+def test_save_merged_writes_a_loadable_model(tmp_path, cache):
+    out = mergeval("+experiment=tiny", "save_merged=true", "benchmark.limit=4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (result_file,) = tmp_path.rglob("result.json")
+    merged = read_result(result_file.parent)["models"][-1]
+    from mergeval.models.fingerprint import fingerprint
+
+    assert fingerprint(Path(merged["path"])) == merged["fingerprint"]

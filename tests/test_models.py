@@ -1,0 +1,80 @@
+"""Model sources, fingerprints and the compatibility check, on the tiny zoo model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergeval.errors import UserError
+from mergeval.models.checkpoint import check_compatible, load_model, load_tensors
+from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict
+from mergeval.models.sources import resolve_source
+
+
+def copy_with(src, dst, change=None):
+    shutil.copytree(src, dst)
+    if change:
+        tensors = load_file(str(dst / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_fingerprint_is_content_based_and_cached(tiny_dir, tmp_path):
+    cache_file = tmp_path / "fp.json"
+    fp = fingerprint(tiny_dir, cache_file)
+    assert fp == fingerprint_state_dict(load_tensors(tiny_dir))
+    assert json.loads(cache_file.read_text())  # cached by (path, size, mtime)
+    assert fingerprint(copy_with(tiny_dir, tmp_path / "copy"), cache_file) == fp
+    changed = copy_with(tiny_dir, tmp_path / "changed", lambda t: t["model.norm.weight"].add_(1e-3))
+    assert fingerprint(changed, cache_file) != fp
+
+
+def test_fingerprint_cache_is_used(tiny_dir, tmp_path, monkeypatch):
+    cache_file = tmp_path / "fp.json"
+    fp = fingerprint(tiny_dir, cache_file)
+    import mergeval.models.fingerprint as module
+
+    monkeypatch.setattr(module, "_hash_tensor", lambda *a: pytest.fail("re-hashed an unchanged file"))
+    assert fingerprint(tiny_dir, cache_file) == fp
+
+
+def test_shape_mismatch_is_a_clear_error(tiny_dir, tmp_path):
+    def widen(t):
+        t["model.norm.weight"] = torch.ones(33)
+
+    other = copy_with(tiny_dir, tmp_path / "other", widen)
+    with pytest.raises(UserError, match=r"model.norm.weight has shape \[33\] but the base has \[32\]") as err:
+        check_compatible(tiny_dir, {"bad": other})
+    assert err.value.field == "modelset.experts.bad"
+
+
+def test_architecture_mismatch_is_a_clear_error(tiny_dir, tmp_path):
+    other = copy_with(tiny_dir, tmp_path / "deeper")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="num_hidden_layers"):
+        check_compatible(tiny_dir, {"deeper": other})
+
+
+def test_sources(tiny_dir, cache, tmp_path):
+    assert resolve_source(str(tiny_dir), "f", cache, offline=True) == tiny_dir
+    assert resolve_source("zoo:tiny", "f", cache, offline=True) == tiny_dir
+    with pytest.raises(UserError, match="no such model directory"):
+        resolve_source(str(tmp_path / "missing"), "modelset.base", cache, offline=True)
+    with pytest.raises(UserError, match="unknown zoo model"):
+        resolve_source("zoo:huge", "modelset.base", cache, offline=True)
+    with pytest.raises(UserError, match="offline") as err:
+        resolve_source("hf:HuggingFaceTB/SmolLM2-1.7B-Instruct", "modelset.base", cache, offline=True)
+    assert err.value.field == "modelset.base"
+
+
+def test_load_model_with_merged_tensors(tiny_dir):
+    tensors = {k: v * 0 for k, v in load_tensors(tiny_dir).items()}
+    model = load_model(tiny_dir, tensors)
+    assert all(float(p.abs().sum()) == 0 for p in model.parameters())

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.errors import UserError
-from mergeval.eval.tasks import task_digest, write_tasks
+from mergeval.eval.tasks import check_tasks, task_digest, write_tasks
 from mergeval.methods import get_method
 from mergeval.metrics.aggregates import band, macro_gain, macro_og, mean_normalized_score, normalized_score
 from mergeval.models.checkpoint import check_compatible, load_tensors
@@ -52,6 +52,7 @@ def validate(cfg: DictConfig):
     """All config checks that need no model: returns the method and its typed config."""
     method = get_method(cfg.method.name)
     method_cfg = OmegaConf.to_object(cfg.method)
+    check_tasks(list(cfg.benchmark.tasks), cfg.benchmark.n_items)
     experts = cfg.modelset.experts
     if not experts:
         raise UserError("modelset.experts", "no experts to merge", "list at least one expert in the modelset")
@@ -72,6 +73,7 @@ def validate(cfg: DictConfig):
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     import torch
+    import transformers
     from transformers import AutoTokenizer
 
     from mergeval.engine import merge_tensors
@@ -80,6 +82,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     from mergeval.models.fingerprint import fingerprint_state_dict
     from mergeval.zoo.experts import expert_dir
 
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -95,17 +99,19 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     task_dir = write_tasks(tasks, cfg.benchmark.n_items, cache)
     fp_cache = cache / "fingerprints.json"
 
+    # Given models first (cheap to check), then the base, then experts built from it.
+    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
+             for name, e in cfg.modelset.experts.items() if e.source is not None}
     base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
+    check_compatible(base_dir, given)  # before spending minutes on building experts
     models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
-        field_ = f"modelset.experts.{name}"
-        if expert.source is not None:
-            path = resolve_source(expert.source, f"{field_}.source", cache, cfg.offline)
-            source = expert.source
+        if name in given:
+            path, source = given[name], expert.source
         else:
             path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
-                              f"{field_}.domain")
+                              f"modelset.experts.{name}.domain")
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
         models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))

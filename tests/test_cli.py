@@ -97,7 +97,7 @@ def test_tiny_run_end_to_end(tmp_path, cache):
     assert agg["macro_og"] <= agg["macro_gain"] and agg["scale"] == "percent"
     assert set(agg["normalized"]) == {"mergeval_chem_count", "mergeval_unit_convert"}
     assert result["versions"]["torch"] and result["versions"]["lm_eval"] and "commit" in result["git"]
-    assert "Macro-Gain" in out.stdout and "mergeval_general_facts" in out.stdout
+    assert "Macro-Gain" in out.stdout and "general_facts" in out.stdout
 
 
 def test_multirun_writes_one_result_per_job(tmp_path, cache):

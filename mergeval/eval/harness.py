@@ -1,8 +1,9 @@
 """lm-eval-harness on models held in memory.
 
 ``HFLM(pretrained=<model object>)`` wraps a live model, so a merge is scored
-without being written to disk. lm-eval's own request cache is never used: it is
-keyed without the model and would hand one checkpoint's answers to another.
+without being written to disk. The tasks are loaded once per run and reused
+for every model. lm-eval's own request cache is never used: it is keyed
+without the model and would hand one checkpoint's answers to another.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampling seed, fixed so runs are comparable
+
 
 @dataclass(frozen=True)
 class TaskScore:
@@ -25,26 +28,27 @@ class TaskScore:
 
 
 class Harness:
-    """One lm-eval task index for a run; ``score`` evaluates one model on all tasks."""
+    """The run's lm-eval tasks; ``score`` evaluates one model on all of them."""
 
     def __init__(self, task_dir: Path, tasks: list[str], batch_size: int, limit: int | None, num_fewshot: int):
+        import datasets
         from lm_eval.tasks import TaskManager
 
+        datasets.disable_progress_bars()
         for name in ("lm-eval", "lm_eval"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        self.tasks, self.batch_size, self.limit, self.num_fewshot = tasks, batch_size, limit, num_fewshot
-        self.manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+        self.tasks, self.batch_size, self.limit = tasks, batch_size, limit
+        self.loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load(tasks)
+        for task in self.loaded["tasks"].values():
+            task.set_config(key="num_fewshot", value=num_fewshot)
+            task.set_fewshot_seed(seed=FEWSHOT_SEED)
 
     def score(self, model, tokenizer) -> dict[str, TaskScore]:
-        from lm_eval import simple_evaluate
+        from lm_eval.evaluator import evaluate
         from lm_eval.models.huggingface import HFLM
 
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size)
-        out = simple_evaluate(model=lm, tasks=self.tasks, task_manager=self.manager, num_fewshot=self.num_fewshot,
-                              limit=self.limit, use_cache=None, log_samples=False, verbosity="ERROR")
-        scores = {}
-        for task in self.tasks:
-            res = out["results"][task]
-            scores[task] = TaskScore(float(res["acc,none"]), float(res["acc_stderr,none"]),
-                                     int(out["n-samples"][task]["effective"]))
-        return scores
+        out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, log_samples=False, verbosity="ERROR")
+        return {task: TaskScore(float(out["results"][task]["acc,none"]), float(out["results"][task]["acc_stderr,none"]),
+                                int(out["n-samples"][task]["effective"]))
+                for task in self.tasks}

@@ -54,8 +54,10 @@ metadata:
 """
 
 
-def write_tasks(names: list[str], n_items: int, cache: Path) -> Path:
-    """Write every generated task in ``names``; returns the directory to give lm-eval as include_path."""
+def check_tasks(names: list[str], n_items: int) -> None:
+    """Fail on an unknown task name or an item count outside what the generators hold out."""
+    if not names:
+        raise UserError("benchmark.tasks", "no tasks", f"list some of: {', '.join(sorted(GENERATED))}")
     unknown = [n for n in names if n not in GENERATED]
     if unknown:
         raise UserError("benchmark.tasks", f"unknown generated task(s) {unknown}",
@@ -63,6 +65,11 @@ def write_tasks(names: list[str], n_items: int, cache: Path) -> Path:
     if not 1 <= n_items <= EVAL_POOL:
         raise UserError("benchmark.n_items", f"must be in [1, {EVAL_POOL}], got {n_items}",
                         "set e.g. benchmark.n_items=200")
+
+
+def write_tasks(names: list[str], n_items: int, cache: Path) -> Path:
+    """Write every generated task in ``names``; returns the directory to give lm-eval as include_path."""
+    check_tasks(names, n_items)
     rows = {name: [dict(item, prompt=prompt(item["question"])) for item in GENERATED[name](n_items)]
             for name in names}
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]

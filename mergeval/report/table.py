@@ -14,19 +14,19 @@ def _cell(score: dict[str, float], bold: bool = False) -> str:
 
 
 def render(outcome: Outcome, title: str, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(width=None if Console().is_terminal else 160)
     roles = [m.role for m in outcome.models]
     own = {m.task: m.role for m in outcome.models if m.task}
     table = Table(title=title, title_justify="left")
-    table.add_column("task")
+    table.add_column("task (acc ± stderr)", no_wrap=True)
     for role in roles:
-        table.add_column(role, justify="right")
-    table.add_column("normalized", justify="right")
+        table.add_column(role, justify="right", no_wrap=True)
+    table.add_column("normalized", justify="right", no_wrap=True)
     norm = outcome.aggregates["normalized"]
     for task in outcome.tasks:
         row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
         value = norm.get(task)
-        table.add_row(task, *row, "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}"))
+        table.add_row(task.removeprefix("mergeval_"), *row, "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}"))
     console.print(table)
     agg = outcome.aggregates
     unit = " pts" if agg["scale"] == "percent" else ""

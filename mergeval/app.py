@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,7 @@ class ModelInfo:
     fingerprint: str
     path: str | None = None
     task: str | None = None  # the expert's own task
+    evaluated: str | None = None  # "this run" or "reused from the results store"
 
 
 @dataclass
@@ -124,16 +126,27 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged)))
     lap("merge")
 
-    harness = Harness(task_dir, tasks, cfg.eval.batch_size, cfg.benchmark.limit, cfg.benchmark.num_fewshot)
+    digests = {t: task_digest(task_dir, t) for t in tasks}
+    settings = eval_settings(cfg)
+    store = open_store(cfg, cache)
+    harness = None
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tasks}
     for info in models:
-        print(f"mergeval: evaluating {info.role} on {len(tasks)} tasks", flush=True)
-        model = load_model(base_dir, merged, dtype) if info.role == MERGED else load_model(Path(info.path), None, dtype)
-        for task, s in harness.score(model, tokenizer).items():
-            scores[task][info.role] = {"acc": s.acc, "stderr": s.stderr, "n": s.n}
-        del model
+        got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings)
+        info.evaluated = "reused from the results store" if got else "this run"
+        if got is None:
+            print(f"mergeval: evaluating {info.role} on {len(tasks)} tasks", flush=True)
+            harness = harness or Harness(task_dir, tasks, cfg.eval.batch_size, cfg.benchmark.limit,
+                                         cfg.benchmark.num_fewshot)
+            path = base_dir if info.role == MERGED else Path(info.path)
+            model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
+            got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
+            store.put_scores(info.fingerprint, digests, settings, got)
+            del model
+        for task in tasks:
+            scores[task][info.role] = got[task]
     lap("evaluate")
 
     aggregates = aggregate(scores, tasks, models, cfg.metric.scale)
@@ -145,8 +158,21 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
             tokenizer.save_pretrained(tmp)
         models[-1].path = str(target)
         lap("save_merged")
-    digests = {t: task_digest(task_dir, t) for t in tasks}
     return Outcome(models, tasks, scores, aggregates, digests, timings)
+
+
+def eval_settings(cfg: DictConfig) -> dict:
+    """Everything besides model and task data that can change a score (part of the store's key)."""
+    from importlib.metadata import version
+
+    return {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
+            "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
+
+
+def open_store(cfg: DictConfig, cache: Path):
+    from mergeval.store import Store
+
+    return Store(Path(cfg.store).expanduser() if cfg.store else cache / "results.sqlite")
 
 
 def aggregate(scores: dict[str, dict[str, dict[str, float]]], tasks: list[str], models: list[ModelInfo],
@@ -172,7 +198,10 @@ def aggregate(scores: dict[str, dict[str, dict[str, float]]], tasks: list[str], 
 
 
 def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
+    """result.json in the job directory (atomic), then the run's row in the results store."""
+    run_id = uuid.uuid4().hex
     result = {
+        "run_id": run_id,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "seeds": {"run": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0},
@@ -187,4 +216,6 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
     }
     path = out_dir / "result.json"
     atomic_write_text(path, json.dumps(result, indent=2))
+    open_store(cfg, cache_root(cfg.cache_dir)).record_run(run_id, path, cfg.modelset.name, cfg.method.name,
+                                                         result["config"], outcome.aggregates)
     return path

@@ -64,6 +64,7 @@ class EvalConfig:
     batch_size: int = 32
     dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
     device: str = "cpu"
+    force: bool = False  # re-evaluate even when the results store already holds this evaluation
 
 
 @dataclass
@@ -75,6 +76,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     cache_dir: str | None = None  # default: the user cache dir (or $MERGEVAL_CACHE)
+    store: str | None = None  # the SQLite results store; default: <cache_dir>/results.sqlite
     offline: bool = True  # hub ids resolve from the local Hugging Face cache only
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
 

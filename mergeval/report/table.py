@@ -35,3 +35,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
                   f"normalized (mean over expert tasks) "
                   f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})")
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
+    reused = [m.role for m in outcome.models if m.evaluated != "this run"]
+    if reused:
+        console.print(f"[dim]scores reused from the results store: {', '.join(reused)} "
+                      "(eval.force=true re-evaluates)[/dim]")

@@ -26,6 +26,7 @@ from mergeval.models.fingerprint import fingerprint
 from mergeval.models.sources import resolve_source
 from mergeval.paths import atomic_dir, atomic_write_text, cache_root
 from mergeval.provenance import git_commit, package_versions
+from mergeval.zoo.domains import DOMAINS
 
 MERGED = "merged"
 
@@ -62,6 +63,9 @@ def validate(cfg: DictConfig):
         if (expert.source is None) == (expert.domain is None):
             raise UserError(f"modelset.experts.{name}", "needs exactly one of source or domain",
                             "set source (a model) or domain (fine-tune the base on generated data)")
+        if expert.domain is not None and expert.domain not in DOMAINS:
+            raise UserError(f"modelset.experts.{name}.domain", f"unknown training domain '{expert.domain}'",
+                            f"choose one of: {', '.join(sorted(DOMAINS))}")
         if expert.task is not None and expert.task not in cfg.benchmark.tasks:
             raise UserError(f"modelset.experts.{name}.task", f"'{expert.task}' is not in benchmark.tasks",
                             f"use one of {list(cfg.benchmark.tasks)} or null")

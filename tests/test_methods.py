@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mergeval.errors import UserError
 from mergeval.methods import METHODS, get_method
-from mergeval.methods.task_vector import LinearConfig, TaskArithmeticConfig, TiesConfig, trim_to_density
+from mergeval.methods.task_vector import kept_count, trim_to_density
 
 SETTINGS = settings(max_examples=60, deadline=None)
 GEN = torch.Generator()
@@ -76,7 +76,7 @@ def test_trim_keeps_the_largest_entries(data, density):
     delta = experts[0]
     trimmed = trim_to_density(delta, density)
     kept = trimmed != 0
-    assert int(kept.sum()) == (delta.numel() if density >= 1.0 else max(1, math.ceil(density * delta.numel())))
+    assert int(kept.sum()) == (delta.numel() if density >= 1.0 else kept_count(density, delta.numel()))
     if kept.any() and (~kept).any():
         assert delta[kept].abs().min() >= delta[~kept].abs().max()
 
@@ -101,6 +101,10 @@ def test_ties_weights_before_election_changes_the_sign():
     # mergekit order: weighted sum 3 - 2 = +1 -> positive -> only a
     assert merge("ties", base, [a, b], density=1.0, weights=[3.0, 1.0],
                  weights_before_election=True).item() == pytest.approx(1.0)
+
+
+def test_trim_count_is_not_inflated_by_float_error():
+    assert kept_count(0.07, 100) == 7 and kept_count(0.5, 3) == 2 and kept_count(1e-9, 10) == 1
 
 
 def test_task_arithmetic_formula():

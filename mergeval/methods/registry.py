@@ -41,4 +41,4 @@ def get_method(name: str) -> MergeMethod:
 
 
 # Registration happens on import of the method families.
-from mergeval.methods import task_vector  # noqa: E402,F401
+from mergeval.methods import geometric, sparsify, task_vector  # noqa: E402,F401

@@ -111,11 +111,16 @@ def task_arithmetic(base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskAr
     return (b + cfg.lambda_ * delta).to(base.dtype)
 
 
+def kept_count(density: float, n: int) -> int:
+    """k = ceil(density * n), at least 1; rounded first so float error (0.07 * 100 = 7.000000000000001) adds no entry."""
+    return max(1, math.ceil(round(density * n, 9)))
+
+
 def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
     """Keep the k = ceil(density * numel) entries of largest magnitude, zero the rest."""
     if density >= 1.0:
         return delta
-    k = max(1, math.ceil(density * delta.numel()))
+    k = kept_count(density, delta.numel())
     flat = delta.flatten()
     keep = torch.zeros_like(flat, dtype=torch.bool)
     keep[flat.abs().topk(k, sorted=False).indices] = True

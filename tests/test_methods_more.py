@@ -1,0 +1,357 @@
+"""Invariants of the sparsifying (DARE, Breadcrumbs, DELLA, SCE) and geometric (SLERP, Model Stock) methods."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeval.errors import UserError
+from mergeval.methods import METHODS, get_method
+from mergeval.methods.sparsify import breadcrumbs_mask, dare_drop, della_keep_prob, della_magprune
+
+SETTINGS = settings(max_examples=40, deadline=None)
+LAMBDA_METHODS = ["dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce"]
+RANDOM_METHODS = ["dare_linear", "dare_ties", "della", "della_linear"]
+
+
+@st.composite
+def tensors(draw, min_experts: int = 1, max_experts: int = 4, shapes=((7,), (3, 5), (4, 4, 2))):
+    """(base, experts) of one random shape, from a drawn seed."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    n = draw(st.integers(min_experts, max_experts))
+    shape = draw(st.sampled_from(list(shapes)))
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    return base, [base + 0.1 * torch.randn(shape, generator=g) for _ in range(n)]
+
+
+def merge(name: str, base, experts, seed: int = 0, **params):
+    method = METHODS[name]
+    cfg = method.config(**params)
+    method.validate(cfg, len(experts))
+    return method.merge(base, experts, cfg, torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- shared invariants
+
+
+@SETTINGS
+@given(tensors(), st.sampled_from(LAMBDA_METHODS))
+def test_lambda_zero_returns_base(data, name):
+    base, experts = data
+    assert torch.equal(merge(name, base, experts, lambda_=0.0), base)
+
+
+@SETTINGS
+@given(tensors(min_experts=2), st.sampled_from(["breadcrumbs_ties", "sce", "dare_ties", "della"]),
+       st.booleans(), st.floats(0.1, 1.0), st.randoms())
+def test_election_methods_do_not_depend_on_expert_order(data, name, flag, frac, rnd):
+    # The random ones (dare_ties, della) consume their draws in expert order, so only their
+    # deterministic setting (keep everything) is order-invariant pointwise; see the module docstring.
+    base, experts = data
+    params = {
+        "breadcrumbs_ties": {"density": frac * 0.9, "gamma": 0.1, "sign_rule": "sum" if flag else "count"},
+        "sce": {"select_topk": frac, "normalize": flag},
+        "dare_ties": {"density": 1.0, "sign_rule": "sum" if flag else "count"},
+        "della": {"density": 1.0, "epsilon": 0.0},
+    }[name]
+    shuffled = experts[:]
+    rnd.shuffle(shuffled)
+    assert torch.allclose(merge(name, base, experts, **params), merge(name, base, shuffled, **params), atol=1e-6)
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.sampled_from(["dare_linear", "breadcrumbs", "della_linear", "sce"]))
+def test_one_expert_kept_whole_with_weight_one_returns_it(data, name):
+    base, experts = data
+    params = {"dare_linear": {"density": 1.0, "weights": [1.0]},
+              "breadcrumbs": {"density": 1.0, "gamma": 0.0, "weights": [1.0]},
+              "della_linear": {"density": 1.0, "epsilon": 0.0, "weights": [1.0]},
+              "sce": {}}[name]
+    assert torch.allclose(merge(name, base, experts, **params), experts[0], atol=1e-6)
+
+
+# ---------------------------------------------------------------- DARE
+
+
+@SETTINGS
+@given(tensors(), st.sampled_from(["inverse_density", "l1"]), st.floats(-2.0, 2.0), st.data())
+def test_dare_with_density_one_is_task_arithmetic_and_ties(data, rescale, lam, draw):
+    base, experts = data
+    weights = draw.draw(st.lists(st.floats(0.1, 2.0), min_size=len(experts), max_size=len(experts)))
+    expected = merge("task_arithmetic", base, experts, lambda_=lam, weights=weights)
+    got = merge("dare_linear", base, experts, lambda_=lam, weights=weights, density=1.0, rescale=rescale)
+    assert torch.equal(got, expected)
+    for sign_rule in ("sum", "count"):
+        for before in (False, True):
+            tie = dict(lambda_=lam, weights=weights, density=1.0, sign_rule=sign_rule, weights_before_election=before)
+            assert torch.allclose(merge("dare_ties", base, experts, rescale=rescale, **tie),
+                                  merge("ties", base, experts, **tie), atol=1e-6)
+
+
+@SETTINGS
+@given(tensors(shapes=((16, 16), (9, 30))), st.sampled_from(RANDOM_METHODS), st.floats(0.1, 0.9),
+       st.integers(0, 2**31 - 1))
+def test_a_seed_fixes_the_output_and_another_seed_changes_it(data, name, density, seed):
+    base, experts = data
+    params = {"density": density}
+    if name.startswith("della"):
+        params["epsilon"] = min(density, 1 - density) / 2
+    a = merge(name, base, experts, seed=seed, **params)
+    assert torch.equal(a, merge(name, base, experts, seed=seed, **params))
+    # >= 256 entries, each kept with probability in [0.05, 0.95]: two seeds agree on every draw
+    # with probability <= 0.905 ** 256 < 1e-11.
+    assert not torch.equal(a, merge(name, base, experts, seed=seed + 1, **params))
+
+
+SEEDS = 400
+
+
+@settings(max_examples=20, deadline=None)
+@given(tensors(max_experts=1, shapes=((8, 8),)), st.floats(0.2, 0.9), st.integers(0, 2**31 - 1))
+def test_dare_keeps_density_and_is_unbiased(data, density, seed):
+    """Over SEEDS generators: kept fraction ~ density and mean rescaled delta ~ delta.
+
+    Kept count ~ Binomial(n * SEEDS, density), so the fraction has standard deviation
+    sqrt(density (1 - density) / (n SEEDS)) <= 0.0013 here; each entry's mean of m * d / density has
+    standard deviation |d| sqrt((1 - density) / (density SEEDS)). Both bounds are 7 standard deviations
+    (a false alarm per check < 1e-11 under the normal approximation, still tiny for the binomial tails
+    with >= 80 expected kept draws per entry), plus 1e-6 for float32 rounding.
+    """
+    _, (delta,) = data
+    n = delta.numel()
+    outs = torch.stack([dare_drop(delta, density, "inverse_density", torch.Generator().manual_seed(seed + i))
+                        for i in range(SEEDS)]).double()
+    kept = (outs != 0).double().mean()
+    assert abs(kept - density) <= 7 * math.sqrt(density * (1 - density) / (n * SEEDS))
+    sd = delta.double().abs() * math.sqrt((1 - density) / (density * SEEDS))
+    assert ((outs.mean(0) - delta.double()).abs() <= 7 * sd + 1e-6).all()
+    # every kept entry is exactly delta / density
+    ratio = outs / delta.double()
+    assert torch.allclose(ratio[outs != 0], torch.full_like(ratio[outs != 0], 1 / density), rtol=1e-6)
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.floats(0.05, 0.95), st.integers(0, 2**31 - 1))
+def test_dare_l1_rescale_keeps_the_l1_norm(data, density, seed):
+    _, (delta,) = data
+    out = dare_drop(delta, density, "l1", torch.Generator().manual_seed(seed))
+    if (out != 0).any():
+        assert torch.allclose(out.abs().sum(), delta.abs().sum(), rtol=1e-5)
+        assert torch.equal(out != 0, (out / delta) > 0)  # kept entries keep their sign, others are 0
+
+
+# ---------------------------------------------------------------- Breadcrumbs
+
+
+def test_breadcrumbs_keeps_exactly_the_intended_entries():
+    delta = torch.tensor([0.1, -5.0, 3.0, -0.2, 2.0, 1.0, -4.0, 0.5, 0.3, 6.0])
+    # n = 10: gamma 0.2 drops the 2 largest |.| (6, -5); density 0.4 keeps the next 4 (-4, 3, 2, 1).
+    expected = torch.tensor([0.0, 0.0, 3.0, 0.0, 2.0, 1.0, -4.0, 0.0, 0.0, 0.0])
+    assert torch.equal(breadcrumbs_mask(delta, 0.4, 0.2), expected)
+    base = torch.ones(10)
+    out = merge("breadcrumbs", base, [base + delta, base - delta], density=0.4, gamma=0.2,
+                weights=[2.0, 1.0], lambda_=0.5)
+    assert torch.allclose(out, base + 0.5 * (2 * expected - expected))
+    # gamma below 1/n drops no outlier
+    assert torch.equal(breadcrumbs_mask(delta, 0.2, 0.05), torch.tensor([0.0, -5.0] + [0.0] * 7 + [6.0]))
+
+
+@SETTINGS
+@given(tensors(), st.floats(0.05, 0.95), st.floats(0.0, 0.5))
+def test_breadcrumbs_keeps_a_middle_band_of_magnitudes(data, density, gamma):
+    _, experts = data
+    delta = experts[0]
+    density = min(density, 1 - gamma)
+    out = breadcrumbs_mask(delta, density, gamma)
+    n = delta.numel()
+    n_top = int(gamma * n + 1e-9)
+    kept = out != 0
+    assert int(kept.sum()) == min(max(1, math.ceil(density * n)), n - n_top)
+    assert torch.equal(out[kept], delta[kept])
+    mags = delta.abs().flatten().sort(descending=True).values
+    if n_top:
+        assert delta[kept].abs().max() <= mags[n_top]  # nothing above the outlier band survives
+    dropped = delta.abs()[~kept]
+    below = dropped[dropped < delta[kept].abs().min()]
+    assert below.numel() == n - n_top - int(kept.sum())  # all the rest are below the kept band
+
+
+@SETTINGS
+@given(tensors(min_experts=2), st.floats(0.05, 1.0))
+def test_breadcrumbs_ties_without_outliers_is_ties(data, density):
+    base, experts = data
+    assert torch.allclose(merge("breadcrumbs_ties", base, experts, density=density, gamma=0.0),
+                          merge("ties", base, experts, density=density), atol=1e-6)
+
+
+# ---------------------------------------------------------------- DELLA
+
+
+@SETTINGS
+@given(tensors(), st.floats(0.1, 0.9), st.floats(0.0, 1.0))
+def test_della_keep_probabilities_span_the_band_by_magnitude(data, density, frac):
+    _, experts = data
+    delta = experts[0]
+    eps = frac * min(density, 1 - density) * 0.99
+    p = della_keep_prob(delta, density, eps).flatten()
+    order = delta.abs().flatten().argsort(stable=True)
+    assert torch.all(p[order].diff() >= 0)  # larger magnitude -> higher keep probability
+    assert p.min().item() == pytest.approx(density - eps, abs=1e-6)
+    assert p.max().item() == pytest.approx(density + eps, abs=1e-6)
+    assert p.mean().item() == pytest.approx(density, abs=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(tensors(max_experts=1, shapes=((8, 8),)), st.floats(0.3, 0.7), st.integers(0, 2**31 - 1))
+def test_della_is_unbiased(data, density, seed):
+    """Mean over SEEDS of m * d / p ~ d; same 7-standard-deviation bound as DARE, with p >= 0.15."""
+    _, (delta,) = data
+    eps = 0.15
+    p = della_keep_prob(delta, density, eps).double()
+    outs = torch.stack([della_magprune(delta, density, eps, "inverse_prob", torch.Generator().manual_seed(seed + i))
+                        for i in range(SEEDS)]).double()
+    sd = delta.double().abs() * torch.sqrt((1 - p) / (p * SEEDS))
+    assert ((outs.mean(0) - delta.double()).abs() <= 7 * sd + 1e-6).all()
+
+
+@SETTINGS
+@given(tensors(), st.floats(0.05, 1.0), st.integers(0, 2**31 - 1), st.sampled_from(["sum", "count"]))
+def test_della_without_epsilon_is_dare(data, density, seed, sign_rule):
+    base, experts = data
+    assert torch.equal(merge("della", base, experts, seed=seed, density=density, epsilon=0.0, sign_rule=sign_rule),
+                       merge("dare_ties", base, experts, seed=seed, density=density, sign_rule=sign_rule))
+    assert torch.equal(merge("della_linear", base, experts, seed=seed, density=density, epsilon=0.0),
+                       merge("dare_linear", base, experts, seed=seed, density=density))
+
+
+# ---------------------------------------------------------------- SCE
+
+
+def test_sce_by_hand():
+    base = torch.zeros(4)
+    a = torch.tensor([1.0, -2.0, 3.0, 0.0])
+    b = torch.tensor([3.0, 1.0, -1.0, 0.0])
+    # energies 14, 11 -> w = 14/25, 11/25; sum [4, -1, 2, 0] -> signs [+, -, +, 0]
+    out = merge("sce", base, [a, b])
+    assert torch.allclose(out, torch.tensor([47 / 25, -28 / 25, 42 / 25, 0.0]))
+    assert torch.allclose(merge("sce", base, [a, b], normalize=True), torch.tensor([47 / 25, -2.0, 3.0, 0.0]))
+    # variances [1, 2.25, 4, 0]: the top half keeps entries 2 and 1; energies 13, 2
+    out = merge("sce", base, [a, b], select_topk=0.5, lambda_=2.0)
+    assert torch.allclose(out, 2.0 * torch.tensor([0.0, -26 / 15, 39 / 15, 0.0]))
+
+
+# ---------------------------------------------------------------- SLERP
+
+
+@SETTINGS
+@given(tensors(max_experts=1))
+def test_slerp_endpoints(data):
+    base, experts = data
+    assert torch.equal(merge("slerp", base, experts, t=0.0), base)
+    assert torch.equal(merge("slerp", base, experts, t=1.0), experts[0])
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.floats(0.1, 3.0), st.floats(0.0, 1.0))
+def test_slerp_of_colinear_tensors_is_lerp(data, scale, t):
+    base, _ = data
+    expert = scale * base
+    assert torch.allclose(merge("slerp", base, [expert], t=t), (1 - t) * base + t * expert, atol=1e-6)
+
+
+@SETTINGS
+@given(tensors(max_experts=1, shapes=((16,), (4, 8))), st.floats(0.0, 1.0))
+def test_slerp_keeps_the_norm_of_equal_norm_tensors(data, t):
+    base, _ = data
+    other = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
+    expert = other * (base.norm() / other.norm())
+    out = merge("slerp", base, [expert], t=t)
+    assert out.norm().item() == pytest.approx(base.norm().item(), rel=1e-5)
+
+
+def test_slerp_by_hand():
+    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=0.5)
+    assert torch.allclose(out, torch.tensor([math.sqrt(0.5), math.sqrt(0.5)]))
+    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=1 / 3)
+    assert torch.allclose(out, torch.tensor([math.cos(math.pi / 6), math.sin(math.pi / 6)]))
+
+
+# ---------------------------------------------------------------- Model Stock
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.integers(2, 4), st.booleans())
+def test_model_stock_of_identical_experts_returns_the_expert(data, copies, filter_wise):
+    base, (expert,) = data
+    assert torch.allclose(merge("model_stock", base, [expert] * copies, filter_wise=filter_wise), expert, atol=1e-6)
+
+
+def test_model_stock_by_hand():
+    base = torch.zeros(2)
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.5, math.sqrt(3) / 2])  # cos 0.5 -> t = 1 / 1.5
+    assert torch.allclose(merge("model_stock", base, [e1, e2]), (2 / 3) * (e1 + e2) / 2)
+    base = torch.ones(2)
+    out = merge("model_stock", base, [base + e1, base - e1])  # cos -1, clamped to 0 -> t = 0
+    assert torch.equal(out, base)
+
+
+@SETTINGS
+@given(tensors(min_experts=2), st.booleans(), st.randoms())
+def test_model_stock_does_not_depend_on_expert_order(data, filter_wise, rnd):
+    base, experts = data
+    shuffled = experts[:]
+    rnd.shuffle(shuffled)
+    assert torch.allclose(merge("model_stock", base, experts, filter_wise=filter_wise),
+                          merge("model_stock", base, shuffled, filter_wise=filter_wise), atol=1e-6)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("name,params,n_experts,field", [
+    ("dare_linear", {"density": 0.0}, 2, "method.density"),
+    ("dare_ties", {"density": 1.5}, 2, "method.density"),
+    ("dare_linear", {"rescale": "l2"}, 2, "method.rescale"),
+    ("dare_ties", {"sign_rule": "vote"}, 2, "method.sign_rule"),
+    ("dare_linear", {"lambda_": float("inf")}, 2, "method.lambda_"),
+    ("dare_ties", {"weights": [1.0]}, 2, "method.weights"),
+    ("breadcrumbs", {"density": -0.1}, 2, "method.density"),
+    ("breadcrumbs", {"gamma": 1.0}, 2, "method.gamma"),
+    ("breadcrumbs_ties", {"gamma": -0.01}, 2, "method.gamma"),
+    ("breadcrumbs", {"density": 0.95, "gamma": 0.1}, 2, "method.gamma"),
+    ("breadcrumbs_ties", {"weights": [1.0, 2.0, 3.0]}, 2, "method.weights"),
+    ("della", {"density": 0.5, "epsilon": 0.5}, 2, "method.epsilon"),
+    ("della_linear", {"density": 0.9, "epsilon": 0.2}, 2, "method.epsilon"),
+    ("della", {"epsilon": -0.1}, 2, "method.epsilon"),
+    ("della_linear", {"density": 2.0}, 2, "method.density"),
+    ("della", {"rescale": "inverse_density"}, 2, "method.rescale"),
+    ("della", {"sign_rule": "max"}, 2, "method.sign_rule"),
+    ("sce", {"select_topk": 0.0}, 2, "method.select_topk"),
+    ("sce", {"select_topk": 1.2}, 2, "method.select_topk"),
+    ("sce", {"select_topk": 0.5}, 1, "modelset.experts"),
+    ("sce", {"lambda_": float("nan")}, 2, "method.lambda_"),
+    ("slerp", {"t": -0.1}, 1, "method.t"),
+    ("slerp", {"t": 1.5}, 1, "method.t"),
+    ("slerp", {}, 2, "modelset.experts"),
+    ("model_stock", {}, 1, "modelset.experts"),
+])
+def test_invalid_hyperparameters_name_the_field(name, params, n_experts, field):
+    method = get_method(name)
+    with pytest.raises(UserError) as err:
+        method.validate(method.config(**params), n_experts)
+    assert err.value.field == field
+    assert "\n" not in str(err.value) and field in str(err.value)
+
+
+def test_defaults_are_valid():
+    for name in ["dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce",
+                 "model_stock"]:
+        method = get_method(name)
+        method.validate(method.config(), 2)
+        assert method.config().name == name
+    get_method("slerp").validate(get_method("slerp").config(), 1)

@@ -72,6 +72,10 @@ def validate(cfg: DictConfig):
     method.validate(method_cfg, len(experts))
     if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:
         raise UserError("benchmark.limit", f"must be positive, got {cfg.benchmark.limit}", "set it to null or >= 1")
+    if cfg.metric.scale not in ("percent", "fraction"):
+        raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
+    if cfg.eval.batch_size < 1:
+        raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
     return method, method_cfg

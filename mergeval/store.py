@@ -80,6 +80,18 @@ class Store:
                 (fingerprint, digests[task], key, task, json.dumps(settings, sort_keys=True), s["acc"], s["stderr"],
                  s["n"], now) for task, s in scores.items()])
 
+    def runs(self, experiment: str | None = None, method: str | None = None) -> list[dict]:
+        """Finished runs, oldest first, optionally filtered by modelset (experiment) and method name."""
+        query, args = "SELECT run_id, created, result_path, experiment, method, config, aggregates FROM runs", []
+        filters = [(col, val) for col, val in (("experiment", experiment), ("method", method)) if val is not None]
+        if filters:
+            query += " WHERE " + " AND ".join(f"{col}=?" for col, _ in filters)
+            args = [val for _, val in filters]
+        with closing(self._connect()) as db:
+            rows = db.execute(query + " ORDER BY created", args).fetchall()
+        return [dict(run_id=r[0], created=r[1], result_path=r[2], experiment=r[3], method=r[4],
+                     config=json.loads(r[5]), aggregates=json.loads(r[6])) for r in rows]
+
     def record_run(self, run_id: str, result_path: Path, experiment: str, method: str, config: dict,
                    aggregates: dict) -> None:
         with closing(self._connect()) as db, db:

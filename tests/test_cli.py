@@ -55,6 +55,9 @@ def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_p
     (["modelset.experts.chem.domain=null", "modelset.experts.chem.source=/no/such/model"],
      "modelset.experts.chem.source"),
     (["benchmark.tasks=[mergeval_nope]"], "benchmark.tasks"),
+    (["metric.scale=permille"], "metric.scale"),
+    (["eval.batch_size=0"], "eval.batch_size"),
+    (["modelset.experts.chem.domain=poetry"], "modelset.experts.chem.domain"),
 ])
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)

@@ -37,3 +37,23 @@ def test_a_rerun_reuses_every_evaluation_and_force_redoes_them(tmp_path, cache):
     assert forced.stdout.count("mergeval: evaluating") == 4
     runs = sqlite3.connect(store).execute("SELECT COUNT(*) FROM runs").fetchone()[0]
     assert runs == 4
+
+
+def test_results_command_lists_filters_and_exports(tmp_path, capsys):
+    import csv
+
+    from mergeval import results
+
+    store = Store(tmp_path / "r.sqlite")
+    for i, method in enumerate(["ties", "linear"]):
+        store.record_run(f"run{i}", tmp_path / f"{i}/result.json", "tiny", method,
+                         {"method": {"name": method, "density": 0.5 if method == "ties" else None}},
+                         {"macro_gain": 1.5, "macro_og": -0.5, "normalized_mean": None})
+    store.record_run("run0", tmp_path / "dup.json", "tiny", "ties", {"method": {"name": "ties"}},
+                     {"macro_gain": 0, "macro_og": 0, "normalized_mean": 0})  # recorded exactly once
+    out = tmp_path / "ties.csv"
+    assert results.main(["--store", str(tmp_path / "r.sqlite"), "--method", "ties", "--csv", str(out)]) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert row["run_id"] == "run0" and row["params"] == "density=0.5" and float(row["macro_gain"]) == 1.5
+    assert "2 run(s)" not in capsys.readouterr().out
+    assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2

@@ -90,8 +90,6 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     from mergeval.eval.harness import Harness
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint_state_dict
-    from mergeval.zoo.experts import expert_dir
-
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     timings: dict[str, float] = {}
@@ -107,25 +105,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     cache = cache_root(cfg.cache_dir)
     tasks = list(cfg.benchmark.tasks)
     task_dir = write_tasks(tasks, cfg.benchmark.n_items, cache)
-    fp_cache = cache / "fingerprints.json"
 
-    # Given models first (cheap to check), then the base, then experts built from it.
-    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
-             for name, e in cfg.modelset.experts.items() if e.source is not None}
-    base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
-    check_compatible(base_dir, given)  # before spending minutes on building experts
-    models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
-    expert_dirs: dict[str, Path] = {}
-    for name, expert in cfg.modelset.experts.items():
-        if name in given:
-            path, source = given[name], expert.source
-        else:
-            path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
-                              f"modelset.experts.{name}.domain")
-            source = f"finetune:{expert.domain}"
-        expert_dirs[name] = path
-        models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
-    check_compatible(base_dir, expert_dirs)
+    base_dir, expert_dirs, models = resolve_models(cfg, cache)
     lap("resolve_models")
 
     base_tensors = load_tensors(base_dir)
@@ -167,6 +148,34 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
         models[-1].path = str(target)
         lap("save_merged")
     return Outcome(models, tasks, scores, aggregates, digests, timings)
+
+
+def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
+    """The base's directory, each expert's directory (zoo experts built here) and their ModelInfo rows.
+
+    Given models are checked for shape compatibility before any expert is fine-tuned
+    (cheap checks before minutes of work).
+    """
+    from mergeval.zoo.experts import expert_dir
+
+    fp_cache = cache / "fingerprints.json"
+    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
+             for name, e in cfg.modelset.experts.items() if e.source is not None}
+    base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
+    check_compatible(base_dir, given)  # before spending minutes on building experts
+    models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
+    expert_dirs: dict[str, Path] = {}
+    for name, expert in cfg.modelset.experts.items():
+        if name in given:
+            path, source = given[name], expert.source
+        else:
+            path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
+                              f"modelset.experts.{name}.domain")
+            source = f"finetune:{expert.domain}"
+        expert_dirs[name] = path
+        models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
+    check_compatible(base_dir, expert_dirs)
+    return base_dir, expert_dirs, models
 
 
 def eval_settings(cfg: DictConfig) -> dict:

@@ -20,12 +20,14 @@ from omegaconf import DictConfig, OmegaConf
 from mergeval.errors import UserError
 from mergeval.eval.tasks import check_tasks, task_digest, write_tasks
 from mergeval.methods import get_method
+from mergeval.metrics.composed import check_metric_config
 from mergeval.metrics.aggregates import band, macro_gain, macro_og, mean_normalized_score, normalized_score
-from mergeval.models.checkpoint import check_compatible, load_tensors
+from mergeval.models.checkpoint import check_compatible, check_vocab_policy, load_tensors
 from mergeval.models.fingerprint import fingerprint
 from mergeval.models.sources import resolve_source
-from mergeval.paths import atomic_dir, atomic_write_text, cache_root
+from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, package_versions
+from mergeval.store import merge_key
 from mergeval.zoo.domains import DOMAINS
 
 MERGED = "merged"
@@ -39,6 +41,7 @@ class ModelInfo:
     path: str | None = None
     task: str | None = None  # the expert's own task
     evaluated: str | None = None  # "this run" or "reused from the results store"
+    merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
 
 
 @dataclass
@@ -49,6 +52,10 @@ class Outcome:
     aggregates: dict
     task_digests: dict[str, str]
     timings: dict[str, float] = field(default_factory=dict)
+    merge_info: dict = field(default_factory=dict)  # what the method decided (e.g. CMM's order)
+    run_id: str = ""  # the run's row in the results store (set by run())
+    versions: dict = field(default_factory=dict)
+    git: dict = field(default_factory=dict)
 
 
 def validate(cfg: DictConfig):
@@ -69,19 +76,43 @@ def validate(cfg: DictConfig):
         if expert.task is not None and expert.task not in cfg.benchmark.tasks:
             raise UserError(f"modelset.experts.{name}.task", f"'{expert.task}' is not in benchmark.tasks",
                             f"use one of {list(cfg.benchmark.tasks)} or null")
+    if method.name == "pipeline":  # stages refer to experts by their modelset names
+        method_cfg.expert_names = list(experts)
     method.validate(method_cfg, len(experts))
+    if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
+        check_tasks(list(cfg.benchmark.tasks), cfg.benchmark.n_items, method_cfg.validation_items)
     if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:
         raise UserError("benchmark.limit", f"must be positive, got {cfg.benchmark.limit}", "set it to null or >= 1")
     if cfg.metric.scale not in ("percent", "fraction"):
         raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
     if cfg.eval.batch_size < 1:
         raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
+    check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
+    check_vocab_policy(cfg.vocab_policy)
     return method, method_cfg
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
+    """One run, recorded in the results store: ``running`` from here, then ``failed`` on any error (a user's
+    mistake, a bug, Ctrl-C) or ``finished`` by ``write_result``. A killed process leaves it ``running``."""
+    store = open_store(cfg, cache_root(cfg.cache_dir))
+    run_id, versions, git = uuid.uuid4().hex, package_versions(), git_commit()
+    store.start_run(run_id, experiment=cfg.modelset.name, method=cfg.method.name,
+                    config=OmegaConf.to_container(cfg, resolve=True), versions=versions, git=git,
+                    job_dir=str(out_dir))
+    try:
+        outcome = _execute(cfg, out_dir, store)
+    except BaseException as err:
+        store.release_claims()
+        store.fail_run(run_id, f"{type(err).__name__}: {err}")
+        raise
+    outcome.run_id, outcome.versions, outcome.git = run_id, versions, git
+    return outcome
+
+
+def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -106,24 +137,42 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     tasks = list(cfg.benchmark.tasks)
     task_dir = write_tasks(tasks, cfg.benchmark.n_items, cache)
 
+    if cfg.vocab_policy == "truncate":  # the merge would not fit the base's architecture we evaluate it in
+        raise UserError("vocab_policy", "truncate changes the vocabulary size, so the merge cannot be evaluated "
+                        "in the base's architecture", "use vocab_policy=union, or python -m mergeval.merge to "
+                        "write the truncated merge")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     lap("resolve_models")
-
-    base_tensors = load_tensors(base_dir)
-    merged = merge_tensors(method, method_cfg, base_tensors, [load_tensors(p) for p in expert_dirs.values()],
-                           cfg.seed)
-    models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged)))
-    lap("merge")
+    method_cfg, merge_info = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
+    if "validation_scores" in merge_info:
+        lap("rank_experts")
 
     digests = {t: task_digest(task_dir, t) for t in tasks}
     settings = eval_settings(cfg)
-    store = open_store(cfg, cache)
+    inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
+    options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
+    key = merge_key(inputs, method_cfg, cfg.seed, options)
+    done = None if cfg.eval.force or cfg.save_merged else store.evaluated_merge(key, digests, settings)
+    if done:  # merged and scored before with these inputs, method config and seed: do neither again
+        merged = None
+        models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
+    else:
+        base_tensors = load_tensors(base_dir)
+        merged = merge_tensors(method, method_cfg, base_tensors, [load_tensors(p) for p in expert_dirs.values()],
+                               cfg.seed, vocab_policy=cfg.vocab_policy)
+        models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
+        store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
+    record_models(store, models)
+    lap("merge")
+
     harness = None
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tasks}
     for info in models:
-        got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings)
+        got = None if cfg.eval.force else store.claim_or_scores(  # parallel sweep jobs evaluate a model once
+            info.fingerprint, digests, settings,
+            lambda: print(f"mergeval: waiting for another job evaluating {info.role}", flush=True))
         info.evaluated = "reused from the results store" if got else "this run"
         if got is None:
             print(f"mergeval: evaluating {info.role} on {len(tasks)} tasks", flush=True)
@@ -138,16 +187,23 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
             scores[task][info.role] = got[task]
     lap("evaluate")
 
-    aggregates = aggregate(scores, tasks, models, cfg.metric.scale)
-    if cfg.save_merged:
+    aggregates = aggregate(scores, tasks, models, cfg.metric)
+    if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
+        from mergeval.metrics.composed import similarity
+
+        experts = {name: load_tensors(p) for name, p in expert_dirs.items()}
+        aggregates["similarity"] = similarity(load_tensors(base_dir), experts, merged)
+        lap("similarity")
+    if cfg.save_merged:  # the merge kept in memory, written with the streaming writer (model card included)
+        from mergeval.engine import save_merged
+        from mergeval.engine.card import merge_config
+
         target = out_dir / "merged_model"
-        model = load_model(base_dir, merged, torch.float32)
-        with atomic_dir(target) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        save_merged(merged, base_dir, target, method.name,
+                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]})
         models[-1].path = str(target)
         lap("save_merged")
-    return Outcome(models, tasks, scores, aggregates, digests, timings)
+    return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info)
 
 
 def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
@@ -162,7 +218,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
     given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
              for name, e in cfg.modelset.experts.items() if e.source is not None}
     base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
-    check_compatible(base_dir, given)  # before spending minutes on building experts
+    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
     models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
@@ -174,8 +230,44 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
         models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
-    check_compatible(base_dir, expert_dirs)
+    check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
     return base_dir, expert_dirs, models
+
+
+def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path,
+                   can_evaluate: bool):
+    """What a method needs from the models before merging: hierarchical's head counts (the base's config.json),
+    CMM's validation ranking (evaluations; refused when the caller cannot evaluate). Returns (cfg, merge_info)."""
+    if method.name == "hierarchical":
+        from mergeval.methods.hierarchical import fill_head_counts
+        from mergeval.models.checkpoint import read_config
+
+        method_cfg = fill_head_counts(method_cfg, read_config(base_dir))
+    merge_info = merge_details(method.name, method_cfg, models)
+    if "needs_ranking" in merge_info:
+        if not can_evaluate:
+            raise UserError("method.order", "ranking the experts needs an evaluation, which a merge-only run "
+                            "does not do", "give method.validation_scores, set method.order=given, or run "
+                            "python -m mergeval")
+        from mergeval.ranking import rank_experts
+
+        method_cfg, ranking = rank_experts(cfg, method_cfg, models, cache)
+        merge_info = {**merge_details(method.name, method_cfg, models), **ranking}
+    return method_cfg, merge_info
+
+
+def merge_details(method_name: str, method_cfg, models: list[ModelInfo]) -> dict:
+    """What a method decided beyond its config (CMM: the merge order and coefficients), for result.json."""
+    if method_name != "cmm":
+        return {}
+    from mergeval.methods.curriculum import merge_order, schedule
+
+    names = [m.role for m in models if m.role != "base"]
+    if method_cfg.order != "given" and method_cfg.validation_scores is None:
+        return {"needs_ranking": True}
+    order = merge_order(method_cfg.order, method_cfg.validation_scores, len(names))
+    coeffs = schedule(method_cfg.schedule, method_cfg.start, method_cfg.end, len(names))
+    return {"order": [names[i] for i in order], "coefficients": coeffs}
 
 
 def eval_settings(cfg: DictConfig) -> dict:
@@ -187,14 +279,36 @@ def eval_settings(cfg: DictConfig) -> dict:
 
 
 def open_store(cfg: DictConfig, cache: Path):
+    """The results store at ``store.path``, default ``<cache>/results.sqlite``."""
     from mergeval.store import Store
 
-    return Store(Path(cfg.store).expanduser() if cfg.store else cache / "results.sqlite")
+    return Store(Path(cfg.store.path).expanduser() if cfg.store.path else cache / "results.sqlite")
+
+
+def record_models(store, models: list[ModelInfo]) -> None:
+    """Each constituent's fingerprint, source and architecture (from its config.json) in the store's models table."""
+    from mergeval.store import architecture_of
+
+    for info in models:
+        try:  # the in-memory merge has the base's architecture
+            source_dir = Path(info.path or models[0].path)
+            arch = architecture_of(json.loads((source_dir / "config.json").read_text()))
+        except (OSError, TypeError, ValueError):  # no path or no readable config.json: the row keeps no architecture
+            arch = None
+        store.put_model(info.fingerprint, info.source, arch, info.path)
 
 
 def aggregate(scores: dict[str, dict[str, dict[str, float]]], tasks: list[str], models: list[ModelInfo],
-              scale: str) -> dict:
-    """Macro-Gain / Macro-OG over all tasks (constituents = the experts) and normalized scores per expert task."""
+              metric) -> dict:
+    """Macro-Gain / Macro-OG over all tasks (constituents = the experts), normalized scores per expert task,
+    and what the metric group adds (group means per role, forgetting; see metrics/composed.py)."""
+    from mergeval.metrics.composed import forgetting_of_merge, group_scores
+
+    if isinstance(metric, str):  # a bare scale: no groups, no forgetting
+        from mergeval.config import MetricConfig
+
+        metric = MetricConfig(scale=metric)
+    scale = metric.scale
     experts = [m for m in models if m.role not in ("base", MERGED)]
     merged = [scores[t][MERGED]["acc"] for t in tasks]
     constituents = [[scores[t][e.role]["acc"] for t in tasks] for e in experts]
@@ -211,14 +325,20 @@ def aggregate(scores: dict[str, dict[str, dict[str, float]]], tasks: list[str], 
         "normalized": normalized,
         "normalized_mean": mean,
         "normalized_band": band(mean),
+        "groups": group_scores(scores, [m.role for m in models], metric),
+        "forgetting": forgetting_of_merge(scores, metric, MERGED),
     }
 
 
 def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
-    """result.json in the job directory (atomic), then the run's row in the results store."""
-    run_id = uuid.uuid4().hex
+    """result.json in the job directory (atomic), then the run's row in the results store marked finished.
+
+    If either step fails the run is marked failed and no result.json is left behind.
+    """
+    store = open_store(cfg, cache_root(cfg.cache_dir))
     result = {
-        "run_id": run_id,
+        "run_id": outcome.run_id,
+        "status": "finished",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "seeds": {"run": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0},
@@ -227,12 +347,18 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "task_digests": outcome.task_digests,
         "scores": outcome.scores,
         "aggregates": outcome.aggregates,
+        "merge": outcome.merge_info,
         "timings_s": outcome.timings,
-        "versions": package_versions(),
-        "git": git_commit(),
+        "versions": outcome.versions,
+        "git": outcome.git,
     }
     path = out_dir / "result.json"
-    atomic_write_text(path, json.dumps(result, indent=2))
-    open_store(cfg, cache_root(cfg.cache_dir)).record_run(run_id, path, cfg.modelset.name, cfg.method.name,
-                                                         result["config"], outcome.aggregates)
+    try:
+        atomic_write_text(path, json.dumps(result, indent=2))
+        store.finish_run(outcome.run_id, result_path=str(path), aggregates=outcome.aggregates,
+                         timings=outcome.timings, models=result["models"], scores=outcome.scores)
+    except BaseException as err:
+        path.unlink(missing_ok=True)
+        store.fail_run(outcome.run_id, f"{type(err).__name__}: {err}", outcome.timings)
+        raise
     return path

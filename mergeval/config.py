@@ -54,9 +54,22 @@ class BenchmarkConfig:
 
 
 @dataclass
+class MetricGroup:
+    """Tasks averaged together; ``scale`` multiplies their scores first (e.g. 100 to put 0-1 on 0-100)."""
+
+    tasks: list[str] = field(default_factory=list)
+    scale: float = 1.0
+
+
+@dataclass
 class MetricConfig:
     name: str = "default"
     scale: str = "percent"  # Macro-Gain / Macro-OG reported in "percent" points or as a "fraction"
+    groups: dict[str, MetricGroup] = field(default_factory=dict)  # per-role weighted mean over task groups
+    weighting: str = "tasks"  # groups weighted by their task count ("tasks"), "equal", or "given" (weights)
+    weights: dict[str, float] | None = None
+    forgetting_tasks: list[str] = field(default_factory=list)  # general tasks: base - merged drop (MergeBench)
+    similarity: bool = False  # task-vector L2 / cosine / sign conflict / SAR between experts and the merge
 
 
 @dataclass
@@ -68,6 +81,27 @@ class EvalConfig:
 
 
 @dataclass
+class StoreConfig:
+    """The SQLite results store shared by all runs (evaluations, merges, runs)."""
+
+    path: str | None = None  # default: <cache_dir>/results.sqlite
+
+
+@dataclass
+class StagedConfig:
+    """A sweep evaluated in three stages (``python -m mergeval.staged``; see mergeval/staging)."""
+
+    grid: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # method -> field -> values (all products)
+    candidates: list[dict[str, Any]] = field(default_factory=list)  # explicit candidates: {name: <method>, field: v}
+    heldout_items: int = 64  # held-out texts per task for stage 1's perplexity
+    stage1_keep: int = 4  # candidates promoted by perplexity to stage 2
+    stage2_fraction: float = 0.15  # share of each task's items in stage 2
+    stage3_keep: int = 3  # candidates promoted by stage 2 to the full benchmark
+    degrade_threshold: float = 1.0  # early stop if every candidate's perplexity exceeds the base's by this fraction
+    full: bool = False  # also run the full benchmark on every candidate and compare the picks
+
+
+@dataclass
 class RunConfig:
     method: Any = MISSING
     modelset: ModelsetConfig = MISSING
@@ -76,9 +110,12 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     cache_dir: str | None = None  # default: the user cache dir (or $MERGEVAL_CACHE)
-    store: str | None = None  # the SQLite results store; default: <cache_dir>/results.sqlite
+    store: StoreConfig = field(default_factory=StoreConfig)
     offline: bool = True  # hub ids resolve from the local Hugging Face cache only
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
+    vocab_policy: str = "error"  # inputs with different vocabularies: error | truncate | union (mergeval.engine.vocab)
+    output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
+    staged: StagedConfig | None = None  # the sweep of python -m mergeval.staged (unused by python -m mergeval)
 
 
 def register_configs() -> None:

@@ -1,7 +1,8 @@
-"""``python -m mergeval.results``: list the runs in the results store, filter them, export CSV.
+"""``python -m mergeval.results``: list the runs in the results store, filter them, export CSV or Parquet.
 
-    python -m mergeval.results                          # every run, oldest first
-    python -m mergeval.results --method ties --csv ties.csv
+    python -m mergeval.results                                   # every run, oldest first
+    python -m mergeval.results --method ties --status finished --since 2026-11-01 --csv ties.csv
+    python -m mergeval.results --experiment quickstart --parquet runs.parquet
 """
 
 from __future__ import annotations
@@ -12,59 +13,146 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
+from mergeval.errors import UserError
 from mergeval.paths import cache_root
-from mergeval.store import Store
+from mergeval.store import STATUSES, Store
 
-COLUMNS = ["created", "run_id", "experiment", "method", "params", "macro_gain", "macro_og", "normalized_mean",
-           "result_path"]
-
-
-def _params(method_cfg: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in method_cfg.items() if k != "name" and v is not None)
+COLUMNS = ["created", "status", "run_id", "experiment", "method", "params", "macro_gain", "macro_og",
+           "normalized_mean", "duration_s", "commit", "result_path", "error"]
+_SHOWN = ["created", "status", "run_id", "experiment", "method", "params", "macro_gain", "macro_og",
+          "normalized_mean"]
 
 
-def rows(store: Store, experiment: str | None, method: str | None) -> list[dict]:
-    out = []
-    for run in store.runs(experiment, method):
-        agg = run["aggregates"]
-        out.append({
-            "created": datetime.fromtimestamp(run["created"], timezone.utc).isoformat(timespec="seconds"),
-            "run_id": run["run_id"], "experiment": run["experiment"], "method": run["method"],
-            "params": _params(run["config"]["method"]), "macro_gain": agg["macro_gain"], "macro_og": agg["macro_og"],
-            "normalized_mean": agg["normalized_mean"], "result_path": run["result_path"]})
-    return out
+def method_params(method_cfg: dict) -> str:
+    """A method's hyperparameters as ``key=value`` words (its name and unset or empty values left out)."""
+    return " ".join(f"{k}={v}" for k, v in method_cfg.items() if k != "name" and v not in (None, [], {}))
+
+
+def run_row(run: dict) -> dict:
+    """One flat row per run: the fixed COLUMNS, then ``merged:<task>`` accuracy columns of finished runs."""
+    agg = run["aggregates"] or {}
+    finished = run["finished"]
+    row = {
+        "created": datetime.fromtimestamp(run["created"], timezone.utc).isoformat(timespec="seconds"),
+        "status": run["status"], "run_id": run["run_id"], "experiment": run["experiment"], "method": run["method"],
+        "params": method_params(run["config"].get("method", {})), "macro_gain": agg.get("macro_gain"),
+        "macro_og": agg.get("macro_og"), "normalized_mean": agg.get("normalized_mean"),
+        "duration_s": None if finished is None else round(finished - run["created"], 3),
+        "commit": (run["git"] or {}).get("commit"), "result_path": run["result_path"], "error": run["error"],
+    }
+    for task, by_role in (run["scores"] or {}).items():
+        if "merged" in by_role:
+            row[f"merged:{task}"] = by_role["merged"]["acc"]
+    return row
+
+
+def table_columns(rows: list[dict]) -> list[str]:
+    """COLUMNS, then every ``merged:<task>`` column in the order tasks first appear."""
+    extra = []
+    for row in rows:
+        extra += [k for k in row if k not in COLUMNS and k not in extra]
+    return COLUMNS + extra
+
+
+def parse_since(text: str) -> float:
+    """An ISO date or date-time (UTC unless it names a zone) as epoch seconds."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as err:
+        raise UserError("--since", f"'{text}' is not an ISO date or date-time", "use e.g. 2026-11-30 or "
+                        "2026-11-30T08:00") from err
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def default_store_path() -> Path:
+    return cache_root(None) / "results.sqlite"
+
+
+def open_existing(path: str | None) -> Store:
+    """The store at ``path`` (default: the cache's), which must exist: listing never creates one."""
+    where = Path(path).expanduser() if path else default_store_path()
+    if not where.exists():
+        raise UserError("--store", f"no results store at {where}", "run python -m mergeval first or pass --store PATH")
+    return Store(where)
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=table_columns(rows))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_parquet(rows: list[dict], path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = table_columns(rows)
+    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows],
+                                        schema=_arrow_schema(columns)), path)
+
+
+def _arrow_schema(columns: list[str]):
+    """Fixed types, so an export of no rows or of all-null columns still has the right schema."""
+    import pyarrow as pa
+
+    numeric = {"macro_gain", "macro_og", "normalized_mean", "duration_s"}
+    return pa.schema([(c, pa.float64() if c in numeric or c.startswith("merged:") else pa.string())
+                      for c in columns])
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in _SHOWN:
+        table.add_column(col, justify="right" if col in ("macro_gain", "macro_og", "normalized_mean") else "left")
+    for r in rows:
+        cells = {**r, "run_id": r["run_id"][:8]}
+        for col, fmt in (("macro_gain", "{:+.2f}"), ("macro_og", "{:+.2f}"), ("normalized_mean", "{:.2f}")):
+            cells[col] = "-" if r[col] is None else fmt.format(r[col])
+        table.add_row(*[str(cells[c]) for c in _SHOWN])
+    Console(width=None if Console().is_terminal else 160).print(table)
+
+
+def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
+    """The run filters shared with ``python -m mergeval.report`` (which reports finished runs only)."""
+    parser.add_argument("--experiment", help="only runs of this modelset")
+    parser.add_argument("--method", help="only runs of this merge method")
+    if status:
+        parser.add_argument("--status", choices=STATUSES, help="only runs in this state")
+    parser.add_argument("--since", help="only runs started at or after this ISO date/time (UTC)")
+
+
+def filtered_runs(store: Store, args: argparse.Namespace) -> list[dict]:
+    since = None if args.since is None else parse_since(args.since)
+    return store.runs(args.experiment, args.method, args.status, since)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mergeval.results", description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="the SQLite results store (default: <cache>/results.sqlite)")
-    parser.add_argument("--experiment", help="only runs of this modelset")
-    parser.add_argument("--method", help="only runs of this merge method")
-    parser.add_argument("--csv", help="also write the rows to this CSV file")
+    add_filters(parser)
+    parser.add_argument("--csv", metavar="FILE", help="also write the rows to this CSV file")
+    parser.add_argument("--parquet", metavar="FILE", help="also write the rows to this Parquet file")
     args = parser.parse_args(argv)
-    path = Path(args.store).expanduser() if args.store else cache_root(None) / "results.sqlite"
-    if not path.exists():
-        print(f"mergeval: error: --store: no results store at {path}; run python -m mergeval first or pass "
-              "--store PATH", file=sys.stderr)
+    try:
+        store = open_existing(args.store)
+        found = [run_row(r) for r in filtered_runs(store, args)]
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
         return 2
-    found = rows(Store(path), args.experiment, args.method)
-    table = Table(title=f"{len(found)} run(s) in {path}", title_justify="left")
-    for col in COLUMNS[:-1]:
-        table.add_column(col, justify="right" if col in ("macro_gain", "macro_og", "normalized_mean") else "left")
-    for r in found:
-        norm = r["normalized_mean"]
-        table.add_row(r["created"], r["run_id"][:8], r["experiment"], r["method"], r["params"],
-                      f"{r['macro_gain']:+.2f}", f"{r['macro_og']:+.2f}", "-" if norm is None else f"{norm:.2f}")
-    Console(width=None if Console().is_terminal else 160).print(table)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(found)
-        print(f"wrote {len(found)} row(s) to {args.csv}")
+    print_table(found, f"{len(found)} run(s) in {store.path}")
+    for flag, path, write in (("--csv", args.csv, write_csv), ("--parquet", args.parquet, write_parquet)):
+        if path:
+            try:
+                write(found, path)
+            except OSError as err:
+                print(UserError(flag, f"cannot write {path} ({err.strerror or err})", "pass a writable path").line(),
+                      file=sys.stderr)
+                return 2
+            print(f"wrote {len(found)} row(s) to {path}")
     return 0
 
 

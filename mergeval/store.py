@@ -1,100 +1,450 @@
-"""The SQLite results store: evaluations reused across runs, and every finished run.
+"""The SQLite results store: runs, models, merges and evaluations, shared by every run and sweep.
 
-One database file (WAL mode, so several sweep workers can write at once). An
-evaluation is keyed by what determines its outcome: the model's content
-fingerprint, the task's digest (its YAML and data), and the settings (limit,
-few-shot, precision, batch size, lm-eval version). A constituent evaluated once
-is never evaluated again for the same key, in any run or sweep; a change to any
-key field is a miss. lm-eval's own request cache is not involved.
+One database file in WAL mode, so several sweep workers (the joblib launcher's
+processes, Slurm jobs on one node) read and write at once. Every write is one
+``BEGIN IMMEDIATE`` transaction: a process killed at any point leaves either
+the whole write or none of it, and concurrent writers wait for each other
+(busy timeout) instead of failing or losing rows.
+
+Tables (schema v2; v1 databases are migrated in place on open):
+
+- ``runs``: one row per run. ``start_run`` inserts it as ``running``;
+  ``finish_run`` completes it exactly once (``finished``, with result path,
+  aggregates, scores and timings); ``fail_run`` marks it ``failed``. A run
+  killed without a chance to say so stays ``running``: never half finished.
+- ``models``: content fingerprint -> source and architecture (from config.json).
+- ``evaluations``: (model fingerprint, task digest, settings hash) -> acc,
+  stderr, n, and the path of logged samples if any. The settings are
+  everything besides model and task data that can change a score (limit,
+  few-shot, precision, batch size, device, lm-eval version); a change to any
+  key field is a miss. lm-eval's own request cache is not involved.
+- ``merges``: ``merge_key`` (ordered input fingerprints, method config, seed)
+  -> the merged model's fingerprint, so a merge whose output was already
+  evaluated need not be redone.
+- ``claims``: which process is evaluating a model right now, so parallel
+  sweep jobs that share a constituent evaluate it once (``claim_or_scores``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+import socket
 import sqlite3
 import time
-from contextlib import closing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from pathlib import Path
 
-SCHEMA_VERSION = 1
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS evaluations (
-    model_fingerprint TEXT NOT NULL,
-    task_digest TEXT NOT NULL,
-    settings_hash TEXT NOT NULL,
-    task TEXT NOT NULL,
-    settings TEXT NOT NULL,
-    acc REAL NOT NULL,
-    stderr REAL NOT NULL,
-    n INTEGER NOT NULL,
-    created REAL NOT NULL,
-    PRIMARY KEY (model_fingerprint, task_digest, settings_hash)
-);
-CREATE TABLE IF NOT EXISTS runs (
+from mergeval.errors import UserError
+
+SCHEMA_VERSION = 2
+CLAIM_TTL_S = 6 * 3600  # a claim from another host older than this is presumed dead (its evaluation never came)
+BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
+STATUSES = ("running", "finished", "failed")
+
+_RUNS = """
+CREATE TABLE {name} (
     run_id TEXT PRIMARY KEY,
     created REAL NOT NULL,
-    result_path TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'failed')),
     experiment TEXT NOT NULL,
     method TEXT NOT NULL,
     config TEXT NOT NULL,
-    aggregates TEXT NOT NULL
-);
-"""
+    versions TEXT NOT NULL,
+    git TEXT NOT NULL,
+    job_dir TEXT,
+    timings TEXT,
+    aggregates TEXT,
+    models TEXT,
+    scores TEXT,
+    result_path TEXT,
+    finished REAL,
+    error TEXT,
+    CHECK (status = 'running' OR finished IS NOT NULL),
+    CHECK (status <> 'finished' OR (timings IS NOT NULL AND aggregates IS NOT NULL AND models IS NOT NULL
+                                    AND scores IS NOT NULL AND result_path IS NOT NULL))
+)"""
+_V2 = [
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE evaluations (
+        model_fingerprint TEXT NOT NULL,
+        task_digest TEXT NOT NULL,
+        settings_hash TEXT NOT NULL,
+        task TEXT NOT NULL,
+        settings TEXT NOT NULL,
+        acc REAL NOT NULL,
+        stderr REAL NOT NULL,
+        n INTEGER NOT NULL,
+        created REAL NOT NULL,
+        samples_path TEXT,
+        PRIMARY KEY (model_fingerprint, task_digest, settings_hash))""",
+    _RUNS.format(name="runs"),
+]
+_NEW_IN_V2 = [
+    "CREATE INDEX runs_by_created ON runs (created)",
+    """CREATE TABLE models (
+        fingerprint TEXT PRIMARY KEY,
+        source TEXT NOT NULL,
+        architecture TEXT,
+        path TEXT,
+        created REAL NOT NULL)""",
+    """CREATE TABLE claims (
+        model_fingerprint TEXT NOT NULL,
+        settings_hash TEXT NOT NULL,
+        tasks_key TEXT NOT NULL,
+        host TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        since REAL NOT NULL,
+        PRIMARY KEY (model_fingerprint, settings_hash, tasks_key))""",
+    """CREATE TABLE merges (
+        merge_key TEXT PRIMARY KEY,
+        inputs TEXT NOT NULL,
+        method TEXT NOT NULL,
+        seed INTEGER,
+        options TEXT NOT NULL,
+        output_fingerprint TEXT NOT NULL,
+        created REAL NOT NULL)""",
+]
+_JSON_COLUMNS = ("config", "versions", "git", "timings", "aggregates", "models", "scores")
 
 
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+class StoreError(RuntimeError):
+    """A write the store's state forbids: starting a run id twice, finishing a run that is not running."""
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _dump(value) -> str:
+    """JSON for a stored column: key order kept (tasks and config read as the run wrote them)."""
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def settings_hash(settings: Mapping) -> str:
+    """sha256 of the settings as canonical JSON (sorted keys), first 16 hex digits."""
+    return hashlib.sha256(_canonical(settings).encode()).hexdigest()[:16]
+
+
+def merge_key(input_fingerprints: Sequence[str], method_config, seed: int | None,
+              options: Mapping | None = None) -> str:
+    """Identity of a merge: sha256 of canonical JSON {inputs, method, seed, options}, first 32 hex digits.
+
+    The inputs stay in the order given (base first, then the experts in modelset
+    order): per-expert weights and slerp's target depend on it. The method
+    config includes its name; the seed is always part of the key, even for
+    deterministic methods (a needless miss is cheap, a wrong hit is not);
+    ``options`` holds run settings outside the method that change the output
+    (e.g. vocab_policy).
+    """
+    payload = {"inputs": list(input_fingerprints), "method": _as_mapping(method_config), "seed": seed,
+               "options": dict(options or {})}
+    return hashlib.sha256(_canonical(payload).encode()).hexdigest()[:32]
+
+
+def _as_mapping(config) -> dict:
+    """A method config as a plain dict: its typed dataclass (as the app holds it) or a mapping."""
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+
+
+ARCHITECTURE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                     "tie_word_embeddings", "torch_dtype")
+
+
+def architecture_of(hf_config: Mapping) -> dict:
+    """The fields of a Hugging Face config.json that describe the architecture (those present)."""
+    return {k: hf_config[k] for k in ARCHITECTURE_KEYS if k in hf_config}
 
 
 class Store:
+    """The results store at ``path`` (created, or migrated to the current schema, on open).
+
+    Every method opens its own short-lived connection, so a Store may be shared
+    across threads and survives ``fork``; each write is one transaction.
+    """
+
     def __init__(self, path: Path):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
-            db.executescript(_SCHEMA)
-            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._ensure_schema()
+        except sqlite3.DatabaseError as err:  # not a database, unreadable, read-only directory...
+            raise UserError("store.path", f"cannot use {self.path} as the results store ({err})",
+                            "point store.path at a new file or a mergeval results store") from err
+        except OSError as err:
+            raise UserError("store.path", f"cannot create {self.path} ({err})",
+                            "point store.path at a writable location") from err
+
+    # connections and transactions
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=60)
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)  # we issue BEGIN ourselves
+        db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA busy_timeout=60000")
         return db
 
-    def get_scores(self, fingerprint: str, digests: dict[str, str], settings: dict) -> dict[str, dict] | None:
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; IMMEDIATE takes the write lock up front, so two writers never deadlock."""
+        with closing(self._connect()) as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with closing(self._connect()) as db:
+            yield db
+
+    def _ensure_schema(self) -> None:
+        with self._read() as db:
+            if self._version(db) == SCHEMA_VERSION:
+                return
+        with self._write() as db:  # re-read under the lock: another process may have just migrated
+            version = self._version(db)
+            if version == 0:
+                for statement in _V2 + _NEW_IN_V2:
+                    db.execute(statement)
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif version == 1:
+                _migrate_v1_to_v2(db)
+            elif version > SCHEMA_VERSION:
+                raise UserError("store.path", f"{self.path} has schema v{version}, newer than this mergeval "
+                                f"(v{SCHEMA_VERSION})", "upgrade mergeval or use another store.path")
+
+    @staticmethod
+    def _version(db: sqlite3.Connection) -> int:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+            return 0
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def schema_version(self) -> int:
+        with self._read() as db:
+            return self._version(db)
+
+    # evaluations
+
+    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, dict] | None:
         """{task: {acc, stderr, n}} if every task is stored for this model and settings, else None."""
-        key = settings_hash(settings)
-        with closing(self._connect()) as db:
-            rows = {task: (acc, stderr, n) for task, acc, stderr, n in db.execute(
-                "SELECT task, acc, stderr, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
-                f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))}
-        if set(rows) != set(digests):
-            return None
-        return {task: {"acc": a, "stderr": s, "n": n} for task, (a, s, n) in rows.items()}
+        with self._read() as db:
+            return _scores(db, fingerprint, digests, settings_hash(settings))
 
-    def put_scores(self, fingerprint: str, digests: dict[str, str], settings: dict, scores: dict[str, dict]) -> None:
+    def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0) -> dict[str, dict] | None:
+        """The stored scores, or None after claiming the evaluation for this process.
+
+        Parallel sweep workers share constituents: the first to ask claims the
+        evaluation; the others wait (``on_wait`` is called once) until its scores
+        arrive, then reuse them. The claim ends with ``put_scores`` or
+        ``release_claims``; a claim whose process is gone (same host, pid not
+        running) or that is older than CLAIM_TTL_S (another host) is taken over.
+        """
+        key, tasks = settings_hash(settings), _tasks_key(digests)
+        waited = False
+        while True:
+            with self._write() as db:
+                got = _scores(db, fingerprint, digests, key)
+                if got is not None:
+                    return got
+                holder = db.execute("SELECT host, pid, since FROM claims WHERE model_fingerprint=? AND "
+                                    "settings_hash=? AND tasks_key=?", (fingerprint, key, tasks)).fetchone()
+                if holder is None or not _claim_alive(*holder):
+                    db.execute("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)",
+                               (fingerprint, key, tasks, socket.gethostname(), os.getpid(), time.time()))
+                    return None
+            if not waited and on_wait is not None:
+                on_wait()
+            waited = True
+            time.sleep(poll_s)
+
+    def release_claims(self) -> None:
+        """Drop every evaluation claim of this process (its run failed before scoring)."""
+        with self._write() as db:
+            db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), os.getpid()))
+
+    def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+                   scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
+        """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces."""
         key, now = settings_hash(settings), time.time()
-        with closing(self._connect()) as db, db:  # one transaction: all tasks or none
-            db.executemany("INSERT OR REPLACE INTO evaluations VALUES (?,?,?,?,?,?,?,?,?)", [
-                (fingerprint, digests[task], key, task, json.dumps(settings, sort_keys=True), s["acc"], s["stderr"],
-                 s["n"], now) for task, s in scores.items()])
+        with self._write() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, "
+                "acc, stderr, n, created, samples_path) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                [(fingerprint, digests[task], key, task, _canonical(settings), s["acc"], s["stderr"], s["n"], now,
+                  samples_path) for task, s in scores.items()])
+            db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND tasks_key=?",
+                       (fingerprint, key, _tasks_key(digests)))
 
-    def runs(self, experiment: str | None = None, method: str | None = None) -> list[dict]:
-        """Finished runs, oldest first, optionally filtered by modelset (experiment) and method name."""
-        query, args = "SELECT run_id, created, result_path, experiment, method, config, aggregates FROM runs", []
-        filters = [(col, val) for col, val in (("experiment", experiment), ("method", method)) if val is not None]
-        if filters:
-            query += " WHERE " + " AND ".join(f"{col}=?" for col, _ in filters)
-            args = [val for _, val in filters]
-        with closing(self._connect()) as db:
-            rows = db.execute(query + " ORDER BY created", args).fetchall()
-        return [dict(run_id=r[0], created=r[1], result_path=r[2], experiment=r[3], method=r[4],
-                     config=json.loads(r[5]), aggregates=json.loads(r[6])) for r in rows]
+    # models and merges
 
-    def record_run(self, run_id: str, result_path: Path, experiment: str, method: str, config: dict,
-                   aggregates: dict) -> None:
-        with closing(self._connect()) as db, db:
-            db.execute("INSERT OR IGNORE INTO runs VALUES (?,?,?,?,?,?,?)",
-                       (run_id, time.time(), str(result_path), experiment, method, json.dumps(config),
-                        json.dumps(aggregates)))
+    def put_model(self, fingerprint: str, source: str, architecture: Mapping | None = None,
+                  path: str | None = None) -> None:
+        """Record a model the first time its fingerprint is seen (a copy elsewhere keeps the first row)."""
+        with self._write() as db:
+            db.execute("INSERT INTO models VALUES (?,?,?,?,?) ON CONFLICT (fingerprint) DO NOTHING",
+                       (fingerprint, source, None if architecture is None else _canonical(architecture), path,
+                        time.time()))
+
+    def model(self, fingerprint: str) -> dict | None:
+        with self._read() as db:
+            row = db.execute("SELECT source, architecture, path FROM models WHERE fingerprint=?",
+                             (fingerprint,)).fetchone()
+        if row is None:
+            return None
+        return {"fingerprint": fingerprint, "source": row[0], "architecture": row[1] and json.loads(row[1]),
+                "path": row[2]}
+
+    def get_merge(self, key: str) -> str | None:
+        """The output fingerprint of the merge with this ``merge_key``, if it was ever done."""
+        with self._read() as db:
+            row = db.execute("SELECT output_fingerprint FROM merges WHERE merge_key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def evaluated_merge(self, key: str, digests: Mapping[str, str], settings: Mapping) -> str | None:
+        """The output fingerprint of merge ``key`` if it was done and its output scored on all these tasks and
+        settings (then neither the merge nor its evaluation needs redoing), else None."""
+        output = self.get_merge(key)
+        return output if output is not None and self.get_scores(output, digests, settings) is not None else None
+
+    def put_merge(self, key: str, inputs: Sequence[str], method_config, seed: int | None,
+                  output_fingerprint: str, options: Mapping | None = None) -> None:
+        """Record a merge's output; the first record of a key is kept (merges are deterministic)."""
+        with self._write() as db:
+            db.execute("INSERT INTO merges VALUES (?,?,?,?,?,?,?) ON CONFLICT (merge_key) DO NOTHING",
+                       (key, _canonical(list(inputs)), _canonical(_as_mapping(method_config)), seed,
+                        _canonical(dict(options or {})), output_fingerprint, time.time()))
+
+    # runs
+
+    def start_run(self, run_id: str, *, experiment: str, method: str, config: Mapping, versions: Mapping,
+                  git: Mapping, job_dir: str | None = None) -> None:
+        """Insert the run as ``running``. Raises StoreError if the run id is already in the store."""
+        try:
+            with self._write() as db:
+                db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, "
+                           "job_dir) VALUES (?,?,?,?,?,?,?,?,?)",
+                           (run_id, time.time(), "running", experiment, method, _dump(config),
+                            _dump(versions), _dump(git), job_dir))
+        except sqlite3.IntegrityError as err:
+            raise StoreError(f"run {run_id} is already in the store") from err
+
+    def finish_run(self, run_id: str, *, result_path: str, aggregates: Mapping, timings: Mapping,
+                   models: Sequence[Mapping], scores: Mapping) -> None:
+        """Mark a running run finished with its results, exactly once.
+
+        Raises StoreError (and changes nothing) if the run is unknown or not
+        ``running``: finishing twice, or finishing a failed run, is a bug.
+        """
+        with self._write() as db:
+            changed = db.execute(
+                "UPDATE runs SET status='finished', finished=?, result_path=?, aggregates=?, timings=?, models=?, "
+                "scores=? WHERE run_id=? AND status='running'",
+                (time.time(), str(result_path), _dump(aggregates), _dump(timings), _dump(list(models)),
+                 _dump(scores), run_id)).rowcount
+        if changed != 1:
+            state = self._status(run_id)
+            raise StoreError(f"run {run_id} cannot be finished: it is {state or 'not in the store'}")
+
+    def fail_run(self, run_id: str, error: str, timings: Mapping | None = None) -> bool:
+        """Mark a running run failed; False (and no change) if it is not running. Never raises on state,
+        so it is safe in an error handler."""
+        with self._write() as db:
+            return db.execute("UPDATE runs SET status='failed', finished=?, error=?, timings=? "
+                              "WHERE run_id=? AND status='running'",
+                              (time.time(), error, None if timings is None else _dump(timings),
+                               run_id)).rowcount == 1
+
+    def _status(self, run_id: str) -> str | None:
+        with self._read() as db:
+            row = db.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return row[0] if row else None
+
+    def runs(self, experiment: str | None = None, method: str | None = None, status: str | None = None,
+             since: float | None = None) -> list[dict]:
+        """Runs, oldest first, filtered by modelset (experiment), method, status and start time (epoch s)."""
+        filters = [(f"{col}=?", val) for col, val in (("experiment", experiment), ("method", method),
+                                                      ("status", status)) if val is not None]
+        if since is not None:
+            filters.append(("created>=?", since))
+        return self._select(filters)
+
+    def run(self, run_id: str) -> dict | None:
+        found = self._select([("run_id=?", run_id)])
+        return found[0] if found else None
+
+    def _select(self, filters: list[tuple[str, object]]) -> list[dict]:
+        where = " WHERE " + " AND ".join(f for f, _ in filters) if filters else ""
+        with self._read() as db:
+            cursor = db.execute(f"SELECT * FROM runs{where} ORDER BY created, run_id", [v for _, v in filters])
+            names = [d[0] for d in cursor.description]
+            rows = cursor.fetchall()
+        return [{k: (json.loads(v) if k in _JSON_COLUMNS and v is not None else v) for k, v in zip(names, row)}
+                for row in rows]
+
+def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
+    """v1 -> v2 inside the caller's transaction: runs gain status/provenance/results columns, evaluations gain
+    samples_path, models and merges are new. v1 recorded only finished runs; their versions, commit, timings,
+    models and scores are taken from their result.json where it still exists, else left empty."""
+    old = db.execute("SELECT run_id, created, result_path, experiment, method, config, aggregates FROM runs")
+    rows = []
+    for run_id, created, result_path, experiment, method, config, aggregates in old.fetchall():
+        result = _read_json(Path(result_path))
+        rows.append((run_id, created, "finished", experiment, method, config,
+                     _dump(result.get("versions", {})), _dump(result.get("git", {})),
+                     str(Path(result_path).parent), _dump(result.get("timings_s", {})), aggregates,
+                     _dump(result.get("models", [])), _dump(result.get("scores", {})), result_path,
+                     created, None))
+    db.execute(_RUNS.format(name="runs_v2"))
+    db.executemany(f"INSERT INTO runs_v2 VALUES ({','.join('?' * 16)})", rows)
+    db.execute("DROP TABLE runs")
+    db.execute("ALTER TABLE runs_v2 RENAME TO runs")
+    db.execute("ALTER TABLE evaluations ADD COLUMN samples_path TEXT")
+    for statement in _NEW_IN_V2:
+        db.execute(statement)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+def _scores(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str) -> dict | None:
+    rows = {task: (acc, stderr, n) for task, acc, stderr, n in db.execute(
+        "SELECT task, acc, stderr, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+        f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))}
+    if set(rows) != set(digests):
+        return None
+    return {task: {"acc": a, "stderr": s, "n": n} for task, (a, s, n) in rows.items()}
+
+
+def _tasks_key(digests: Mapping[str, str]) -> str:
+    return hashlib.sha256(_canonical(sorted(digests.values())).encode()).hexdigest()[:16]
+
+
+def _claim_alive(host: str, pid: int, since: float) -> bool:
+    """Whether a claim's process may still be evaluating: on this host, whether the pid runs (this very
+    process's stale claims never block it); elsewhere, whether the claim is younger than CLAIM_TTL_S."""
+    if host != socket.gethostname():
+        return time.time() - since < CLAIM_TTL_S
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # running, as another user
+        return True
+    return True
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# No wall-clock limits in tests: the machines are shared and noisy, so hypothesis' per-example deadline is off.
+settings.register_profile("mergeval", deadline=None)
+settings.load_profile("mergeval")
 
 
 @pytest.fixture(scope="session")

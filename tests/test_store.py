@@ -1,15 +1,44 @@
-"""The results store: evaluations reused across runs, misses on any key change."""
+"""The results store: cache keys, merge reuse, run states, concurrency, crash consistency, migration, export."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
 
-from mergeval.store import Store
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mergeval.errors import UserError
+from mergeval.store import SCHEMA_VERSION, Store, StoreError, merge_key
 from tests.test_cli import mergeval
 
 SCORES = {"a": {"acc": 0.5, "stderr": 0.1, "n": 10}, "b": {"acc": 0.25, "stderr": 0.05, "n": 20}}
 DIGESTS = {"a": "d1", "b": "d2"}
 SETTINGS = {"limit": None, "dtype": "bfloat16"}
+FINISH = {"result_path": "/job/result.json", "aggregates": {"macro_gain": 1.0}, "timings": {"merge": 0.1},
+          "models": [{"role": "base", "fingerprint": "fp"}], "scores": {"a": {"merged": SCORES["a"]}}}
+
+
+def start(store: Store, run_id: str, method: str = "ties", experiment: str = "tiny", **method_cfg) -> None:
+    store.start_run(run_id, experiment=experiment, method=method, config={"method": {"name": method, **method_cfg}},
+                    versions={"lm_eval": "0.4.13"}, git={"commit": "abc", "dirty": False})
+
+
+def integrity(path: Path) -> str:
+    with sqlite3.connect(path) as db:
+        return db.execute("PRAGMA integrity_check").fetchone()[0]
+
+
+# evaluation cache
 
 
 def test_hits_only_for_the_same_model_tasks_and_settings(tmp_path):
@@ -19,41 +48,399 @@ def test_hits_only_for_the_same_model_tasks_and_settings(tmp_path):
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES
     assert store.get_scores("other", DIGESTS, SETTINGS) is None
     assert store.get_scores("fp", {"a": "d1", "b": "changed"}, SETTINGS) is None
-    assert store.get_scores("fp", DIGESTS, dict(SETTINGS, limit=5)) is None
+    assert store.get_scores("fp", {**DIGESTS, "c": "d3"}, SETTINGS) is None  # one task never evaluated
     assert Store(tmp_path / "r.sqlite").get_scores("fp", DIGESTS, SETTINGS) == SCORES  # persisted
     mode = sqlite3.connect(tmp_path / "r.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
 
 
-def test_a_rerun_reuses_every_evaluation_and_force_redoes_them(tmp_path, cache):
+def composed(*overrides: str):
+    from hydra import compose, initialize_config_module
+
+    from mergeval.config import register_configs
+
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        return compose("config", overrides=["+experiment=tiny", *overrides])
+
+
+@pytest.mark.parametrize("override,key", [("benchmark.limit=5", "limit"), ("benchmark.num_fewshot=2", "num_fewshot"),
+                                          ("eval.dtype=bfloat16", "dtype")])
+def test_each_setting_of_the_run_is_a_cache_key(override, key, tmp_path):
+    from mergeval.app import eval_settings
+
+    store = Store(tmp_path / "r.sqlite")
+    settings = eval_settings(composed())
+    store.put_scores("fp", DIGESTS, settings, SCORES)
+    assert store.get_scores("fp", DIGESTS, eval_settings(composed())) == SCORES  # same config: hit
+    changed = eval_settings(composed(override))
+    assert changed[key] != settings[key]
+    assert store.get_scores("fp", DIGESTS, changed) is None
+
+
+def test_the_lm_eval_version_is_a_cache_key(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from mergeval.app import eval_settings
+
+    store = Store(tmp_path / "r.sqlite")
+    cfg = composed()
+    store.put_scores("fp", DIGESTS, eval_settings(cfg), SCORES)
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == "lm_eval" else real(name))
+    assert eval_settings(cfg)["lm_eval"] == "99.0"
+    assert store.get_scores("fp", DIGESTS, eval_settings(cfg)) is None
+
+
+def test_changed_task_data_is_a_cache_miss(tmp_path):
+    from mergeval.eval.tasks import task_digest, write_tasks
+
+    tasks = ["mergeval_chem_count", "mergeval_unit_convert"]
+    digests = {n: {t: task_digest(write_tasks(tasks, n, tmp_path), t) for t in tasks} for n in (16, 24)}
+    again = {t: task_digest(write_tasks(tasks, 16, tmp_path), t) for t in tasks}
+    assert again == digests[16]  # the same data written again has the same digest
+    store = Store(tmp_path / "r.sqlite")
+    scores = {t: SCORES["a"] for t in tasks}
+    store.put_scores("fp", digests[16], SETTINGS, scores)
+    assert store.get_scores("fp", again, SETTINGS) == scores
+    assert store.get_scores("fp", digests[24], SETTINGS) is None
+
+
+# merges
+
+
+@dataclass
+class TiesLike:
+    name: str = "ties"
+    density: float = 0.5
+    lambda_: float = 1.0
+
+
+@given(st.lists(st.text(min_size=1, max_size=6), min_size=2, max_size=4, unique=True),
+       st.floats(0.01, 1, allow_nan=False), st.integers(0, 5))
+def test_merge_key_changes_with_every_input(fps, density, seed):
+    key = merge_key(fps, TiesLike(density=density), seed)
+    assert key == merge_key(list(fps), {"lambda_": 1.0, "density": density, "name": "ties"}, seed)  # dataclass = dict
+    assert key != merge_key(fps[::-1], TiesLike(density=density), seed)  # expert order matters (weights, slerp)
+    assert key != merge_key([*fps[:-1], fps[-1] + "x"], TiesLike(density=density), seed)
+    assert key != merge_key(fps, TiesLike(density=density / 2), seed)
+    assert key != merge_key(fps, TiesLike(density=density, name="dare_ties"), seed)
+    assert key != merge_key(fps, TiesLike(density=density), seed + 1)
+    assert key != merge_key(fps, TiesLike(density=density), seed, {"vocab_policy": "union"})
+
+
+def test_a_merge_is_reused_only_when_its_output_is_scored_with_these_settings(tmp_path):
+    store = Store(tmp_path / "r.sqlite")
+    key = merge_key(["b", "e1", "e2"], TiesLike(), 0)
+    assert store.get_merge(key) is None and store.evaluated_merge(key, DIGESTS, SETTINGS) is None
+    store.put_merge(key, ["b", "e1", "e2"], TiesLike(), 0, "out")
+    assert store.get_merge(key) == "out"
+    assert store.evaluated_merge(key, DIGESTS, SETTINGS) is None  # merged but not scored yet
+    store.put_scores("out", DIGESTS, SETTINGS, SCORES)
+    assert store.evaluated_merge(key, DIGESTS, SETTINGS) == "out"
+    assert store.evaluated_merge(key, DIGESTS, dict(SETTINGS, limit=5)) is None
+    assert store.evaluated_merge(key, {**DIGESTS, "c": "d3"}, SETTINGS) is None
+    store.put_merge(key, ["b", "e1", "e2"], TiesLike(), 0, "other")  # the first record of a merge stays
+    assert store.get_merge(key) == "out"
+
+
+def test_models_keep_source_and_architecture(tmp_path):
+    store = Store(tmp_path / "r.sqlite")
+    store.put_model("fp", "zoo:tiny", {"hidden_size": 32}, "/models/tiny")
+    store.put_model("fp", "a copy", None, "/elsewhere")
+    assert store.model("fp") == {"fingerprint": "fp", "source": "zoo:tiny", "architecture": {"hidden_size": 32},
+                                 "path": "/models/tiny"}
+    assert store.model("unknown") is None
+
+
+CLAIMER = textwrap.dedent("""
+    import sys
+    from mergeval.store import Store
+    from tests.test_store import DIGESTS, SETTINGS
+
+    store = Store(sys.argv[1])
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) is None
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS) is None
+    print("claimed", flush=True)
+    sys.stdin.read()  # evaluating... until the test lets it go (it exits without releasing its claims)
+""")
+
+
+def test_parallel_jobs_evaluate_a_model_once(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    store = Store(tmp_path / "r.sqlite")
+    other = subprocess.Popen([sys.executable, "-c", CLAIMER, str(store.path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert other.stdout.readline() == "claimed\n"
+    waits = []
+
+    def other_job_delivers() -> None:  # called once, when this job starts waiting
+        waits.append("fp")
+        Store(store.path).put_scores("fp", DIGESTS, SETTINGS, SCORES)
+
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS, other_job_delivers, poll_s=0.01) == SCORES
+    assert waits == ["fp"]  # it waited for the other job instead of evaluating
+    other.stdin.close()
+    assert other.wait() == 0  # gone without releasing fp2
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) is None  # taken over
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) is None  # own: no wait
+    assert waits == ["fp"] and store.claim_or_scores("fp3", DIGESTS, SETTINGS) is None
+    store.put_scores("fp3", DIGESTS, SETTINGS, SCORES)  # scoring ends a claim
+    with sqlite3.connect(store.path) as db:
+        assert db.execute("SELECT model_fingerprint FROM claims").fetchall() == [("fp2",)]
+        store.release_claims()  # a failed run ends the rest
+        assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+
+
+# run states
+
+
+def test_a_run_is_finished_exactly_once(tmp_path):
+    store = Store(tmp_path / "r.sqlite")
+    start(store, "r1")
+    assert store.run("r1")["status"] == "running" and store.run("r1")["aggregates"] is None
+    with pytest.raises(StoreError, match="already"):
+        start(store, "r1")
+    store.finish_run("r1", **FINISH)
+    row = store.run("r1")
+    assert row["status"] == "finished" and row["aggregates"] == {"macro_gain": 1.0}
+    assert row["finished"] >= row["created"]
+    with pytest.raises(StoreError, match="it is finished"):
+        store.finish_run("r1", **dict(FINISH, aggregates={"macro_gain": -1.0}))
+    assert store.fail_run("r1", "late error") is False
+    assert store.run("r1") == row  # neither the second finish nor the late failure changed it
+    with pytest.raises(StoreError, match="not in the store"):
+        store.finish_run("nope", **FINISH)
+
+
+def test_a_failed_run_keeps_its_error_and_cannot_be_finished(tmp_path):
+    store = Store(tmp_path / "r.sqlite")
+    start(store, "r1")
+    assert store.fail_run("r1", "UserError: benchmark.limit: must be positive", {"resolve_models": 1.0})
+    row = store.run("r1")
+    assert row["status"] == "failed" and "benchmark.limit" in row["error"] and row["timings"] == {"resolve_models": 1.0}
+    with pytest.raises(StoreError, match="it is failed"):
+        store.finish_run("r1", **FINISH)
+
+
+def test_the_schema_refuses_a_half_finished_run(tmp_path):
+    store = Store(tmp_path / "r.sqlite")
+    start(store, "r1")
+    with sqlite3.connect(tmp_path / "r.sqlite") as db, pytest.raises(sqlite3.IntegrityError):
+        db.execute("UPDATE runs SET status='finished', finished=1 WHERE run_id='r1'")  # no results
+    assert store.run("r1")["status"] == "running"
+
+
+# concurrency and crashes
+
+
+def _write_runs(path: str, worker: int, n_runs: int, go) -> None:
+    """One sweep worker: per run, start, evaluations (its own and a key every worker rewrites), model, merge, finish."""
+    go.wait()
+    store = Store(Path(path))  # all workers open (and create) the store at once
+    for i in range(n_runs):
+        run_id, fp = f"w{worker}-{i}", f"fp-{worker}-{i}"
+        start(store, run_id, lambda_=i / n_runs)
+        store.put_scores(fp, DIGESTS, SETTINGS, SCORES)
+        store.put_scores("shared-base", DIGESTS, SETTINGS, SCORES)
+        store.put_model(fp, "merged", {"hidden_size": 32})
+        key = merge_key(["shared-base", fp], {"name": "ties", "i": i}, worker)
+        store.put_merge(key, ["shared-base", fp], {"name": "ties", "i": i}, worker, fp)
+        store.finish_run(run_id, **dict(FINISH, aggregates={"worker": worker, "i": i}))
+
+
+def test_four_parallel_writers_lose_no_row(tmp_path):
+    path, workers, n_runs = tmp_path / "r.sqlite", 4, 25
+    ctx = multiprocessing.get_context("spawn")  # a clean interpreter per worker, as joblib's loky launcher uses
+    go = ctx.Event()
+    procs = [ctx.Process(target=_write_runs, args=(str(path), w, n_runs, go)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    go.set()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0] * workers
+    assert integrity(path) == "ok"
+    store = Store(path)
+    runs = store.runs(status="finished")
+    assert len(runs) == workers * n_runs == len(store.runs())
+    assert {(r["aggregates"]["worker"], r["aggregates"]["i"]) for r in runs} == {
+        (w, i) for w in range(workers) for i in range(n_runs)}
+    with sqlite3.connect(path) as db:
+        count = {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("evaluations", "models", "merges")}
+    assert count == {"evaluations": (workers * n_runs + 1) * len(DIGESTS), "models": workers * n_runs,
+                     "merges": workers * n_runs}
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from mergeval.store import Store
+    from tests.test_store import DIGESTS, FINISH, SCORES, SETTINGS, start
+
+    store, first = Store(sys.argv[1]), int(sys.argv[2])
+    for i in range(first, first + 10**6):  # each step says when it is done: the killer aims at the next one
+        start(store, f"r{i}")
+        print(i, "started", flush=True)
+        store.put_scores(f"fp{i}", {**DIGESTS, "big": "d9"}, SETTINGS,
+                         {**SCORES, "big": dict(SCORES["a"], n=i)}, samples_path="x" * 20000)
+        print(i, "scored", flush=True)
+        store.finish_run(f"r{i}", **dict(FINISH, scores={"pad": "y" * 20000}))
+        print(i, "finished", flush=True)
+""")
+
+
+def test_a_writer_killed_mid_loop_leaves_a_consistent_store(tmp_path):
+    path = tmp_path / "r.sqlite"
+    root = Path(__file__).resolve().parents[1]
+    finished_before = 0
+    # killed while scoring, while finishing, while starting the next run
+    crashes = ((0, 5, "started"), (1000, 12, "scored"), (2000, 20, "finished"))
+    for n_crashes, (first, kill_after, step) in enumerate(crashes, 1):
+        child = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(first)], stdout=subprocess.PIPE,
+                                 text=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+        for line in child.stdout:
+            if line.split() == [str(first + kill_after), step]:
+                break
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        assert integrity(path) == "ok"
+        store = Store(path)
+        runs = store.runs()
+        finished = [r for r in runs if r["status"] == "finished"]
+        assert {r["status"] for r in runs} <= {"running", "finished"}
+        assert len([r for r in runs if r["status"] == "running"]) <= n_crashes  # only the interrupted ones
+        assert len(finished) >= finished_before + kill_after + (step == "finished")
+        for r in finished:  # a finished row is whole, and so are the evaluations it was finished after
+            assert all(r[k] is not None for k in ("aggregates", "timings", "models", "scores", "result_path"))
+            assert store.get_scores("fp" + r["run_id"][1:], {**DIGESTS, "big": "d9"}, SETTINGS) is not None
+        with sqlite3.connect(path) as db:  # an evaluation is all of a model's tasks or none of them
+            per_model = db.execute("SELECT COUNT(*) FROM evaluations GROUP BY model_fingerprint").fetchall()
+        assert {n for (n,) in per_model} == {3}
+        finished_before = len(finished)
+    start(store, "after")  # and the store still takes writes
+    store.finish_run("after", **FINISH)
+    assert store.run("after")["status"] == "finished"
+
+
+# schema
+
+
+V1_DDL = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE evaluations (model_fingerprint TEXT NOT NULL, task_digest TEXT NOT NULL, settings_hash TEXT NOT NULL,
+    task TEXT NOT NULL, settings TEXT NOT NULL, acc REAL NOT NULL, stderr REAL NOT NULL, n INTEGER NOT NULL,
+    created REAL NOT NULL, PRIMARY KEY (model_fingerprint, task_digest, settings_hash));
+CREATE TABLE runs (run_id TEXT PRIMARY KEY, created REAL NOT NULL, result_path TEXT NOT NULL,
+    experiment TEXT NOT NULL, method TEXT NOT NULL, config TEXT NOT NULL, aggregates TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+"""
+
+
+def test_a_v1_store_is_migrated_in_place(tmp_path):
+    from mergeval.store import settings_hash
+
+    path = tmp_path / "v1.sqlite"
+    result = {"versions": {"lm_eval": "0.4.13"}, "git": {"commit": "abc", "dirty": False}, "timings_s": {"merge": 2.0},
+              "models": [{"role": "base", "fingerprint": "fp"}], "scores": {"a": {"base": SCORES["a"]}}}
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "result.json").write_text(json.dumps(result))
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_DDL)
+        db.execute("INSERT INTO evaluations VALUES ('fp','d1',?,'a',?,0.5,0.1,10,1.0)",
+                   (settings_hash(SETTINGS), json.dumps(SETTINGS)))
+        db.execute("INSERT INTO evaluations VALUES ('fp','d2',?,'b',?,0.25,0.05,20,1.0)",
+                   (settings_hash(SETTINGS), json.dumps(SETTINGS)))
+        for run_id, result_path in (("kept", tmp_path / "job" / "result.json"), ("gone", tmp_path / "gone.json")):
+            db.execute("INSERT INTO runs VALUES (?,100.0,?,'quickstart','ties',?,?)",
+                       (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
+                        json.dumps({"macro_gain": 2.5})))
+    store = Store(path)
+    assert store.schema_version() == SCHEMA_VERSION == 2
+    assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
+    kept, gone = store.run("kept"), store.run("gone")
+    assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0
+    assert kept["aggregates"] == {"macro_gain": 2.5} and kept["config"] == {"method": {"name": "ties"}}
+    assert (kept["versions"], kept["git"], kept["timings"]) == (result["versions"], result["git"], result["timings_s"])
+    assert kept["scores"] == result["scores"] and kept["models"] == result["models"]
+    assert (gone["versions"], gone["scores"], gone["models"]) == ({}, {}, [])  # result.json no longer there
+    store.put_scores("fp2", DIGESTS, SETTINGS, SCORES, samples_path="/samples.jsonl")  # new columns and tables work
+    store.put_merge("k", ["fp"], {"name": "ties"}, 0, "fp2")
+    start(store, "new")
+    assert Store(path).run("new")["status"] == "running" and integrity(path) == "ok"  # reopening does not re-migrate
+
+
+def test_a_newer_or_foreign_file_is_a_user_error(tmp_path):
+    newer = tmp_path / "newer.sqlite"
+    Store(newer)
+    with sqlite3.connect(newer) as db:
+        db.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
+    with pytest.raises(UserError, match="schema v9, newer"):
+        Store(newer)
+    (tmp_path / "notes.txt").write_text("not a database " * 100)
+    with pytest.raises(UserError, match="store.path"):
+        Store(tmp_path / "notes.txt")
+
+
+# the app and the results command
+
+
+def test_a_rerun_reuses_the_merge_and_every_evaluation(tmp_path, cache):
     store = tmp_path / "store.sqlite"
-    first = mergeval("+experiment=tiny", f"store={store}", cwd=tmp_path)
+
+    def merged(out) -> dict:
+        path = out.stdout.split("result: ")[-1].strip()
+        return json.loads(Path(path).read_text())["models"][-1]
+
+    first = mergeval("+experiment=tiny", f"store.path={store}", cwd=tmp_path)
     assert first.returncode == 0 and first.stdout.count("mergeval: evaluating") == 4, first.stderr[-2000:]
-    again = mergeval("+experiment=tiny", f"store={store}", cwd=tmp_path)
+    assert merged(first)["merge"] == "this run"
+    again = mergeval("+experiment=tiny", f"store.path={store}", cwd=tmp_path)
     assert again.returncode == 0 and "mergeval: evaluating" not in again.stdout
-    limited = mergeval("+experiment=tiny", f"store={store}", "benchmark.limit=5", cwd=tmp_path)
-    assert limited.stdout.count("mergeval: evaluating") == 4
-    forced = mergeval("+experiment=tiny", f"store={store}", "eval.force=true", cwd=tmp_path)
+    assert merged(again)["merge"] == merged(again)["evaluated"] == "reused from the results store"
+    assert merged(again)["fingerprint"] == merged(first)["fingerprint"]
+    saved = mergeval("+experiment=tiny", f"store.path={store}", "save_merged=true", cwd=tmp_path)
+    assert merged(saved)["merge"] == "this run" and "mergeval: evaluating" not in saved.stdout  # a file needs a merge
+    forced = mergeval("+experiment=tiny", f"store.path={store}", "eval.force=true", cwd=tmp_path)
     assert forced.stdout.count("mergeval: evaluating") == 4
-    runs = sqlite3.connect(store).execute("SELECT COUNT(*) FROM runs").fetchone()[0]
-    assert runs == 4
+    bad = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.limit=0", cwd=tmp_path)
+    assert bad.returncode == 2
+    runs = Store(store).runs()
+    assert [r["status"] for r in runs] == ["finished"] * 4 + ["failed"]
+    assert "benchmark.limit" in runs[-1]["error"] and runs[-1]["result_path"] is None
+    assert runs[0]["result_path"].endswith("result.json") and runs[0]["git"] and runs[0]["versions"]["lm_eval"]
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM models").fetchone()[0] == 4
+        assert db.execute("SELECT COUNT(*) FROM merges").fetchone()[0] == 1
 
 
 def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     import csv
 
+    import pyarrow.parquet as pq
+
     from mergeval import results
 
     store = Store(tmp_path / "r.sqlite")
-    for i, method in enumerate(["ties", "linear"]):
-        store.record_run(f"run{i}", tmp_path / f"{i}/result.json", "tiny", method,
-                         {"method": {"name": method, "density": 0.5 if method == "ties" else None}},
-                         {"macro_gain": 1.5, "macro_og": -0.5, "normalized_mean": None})
-    store.record_run("run0", tmp_path / "dup.json", "tiny", "ties", {"method": {"name": "ties"}},
-                     {"macro_gain": 0, "macro_og": 0, "normalized_mean": 0})  # recorded exactly once
-    out = tmp_path / "ties.csv"
-    assert results.main(["--store", str(tmp_path / "r.sqlite"), "--method", "ties", "--csv", str(out)]) == 0
-    (row,) = list(csv.DictReader(out.open()))
+    for i, method in enumerate(["ties", "linear", "ties"]):
+        start(store, f"run{i}", method, **({"density": 0.5} if method == "ties" else {}))
+        if i < 2:
+            store.finish_run(f"run{i}", **dict(FINISH, aggregates={"macro_gain": 1.5 + i, "macro_og": -0.5,
+                                                                    "normalized_mean": None}))
+    args = ["--store", str(tmp_path / "r.sqlite")]
+    assert results.main([*args, "--method", "ties", "--status", "finished", "--csv", str(tmp_path / "t.csv"),
+                         "--parquet", str(tmp_path / "t.parquet")]) == 0
+    (row,) = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert row["run_id"] == "run0" and row["params"] == "density=0.5" and float(row["macro_gain"]) == 1.5
-    assert "2 run(s)" not in capsys.readouterr().out
+    assert row["commit"] == "abc" and row["merged:a"] == "0.5"
+    table = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    assert [(r["run_id"], r["macro_gain"], r["merged:a"]) for r in table] == [("run0", 1.5, 0.5)]
+    assert results.main([*args, "--status", "running", "--csv", str(tmp_path / "r.csv")]) == 0
+    assert [r["run_id"] for r in csv.DictReader((tmp_path / "r.csv").open())] == ["run2"]
+    assert results.main([*args, "--since", "2999-01-01", "--parquet", str(tmp_path / "none.parquet")]) == 0
+    assert pq.read_table(tmp_path / "none.parquet").num_rows == 0
+    capsys.readouterr()
+    assert results.main(args) == 0 and "3 run(s)" in capsys.readouterr().out
+    assert results.main([*args, "--since", "yesterday"]) == 2
+    assert capsys.readouterr().err.startswith("mergeval: error: --since:")
     assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2

@@ -43,12 +43,16 @@ class Harness:
             task.set_config(key="num_fewshot", value=num_fewshot)
             task.set_fewshot_seed(seed=FEWSHOT_SEED)
 
-    def score(self, model, tokenizer) -> dict[str, TaskScore]:
+    def score(self, model, tokenizer, samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
+        """Scores per task. ``samples`` (task -> item indices; needs ``limit=None``) scores only those
+        items. Afterwards ``self.requests`` holds the log-likelihood requests run per task (cost accounting)."""
         from lm_eval.evaluator import evaluate
         from lm_eval.models.huggingface import HFLM
 
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size)
-        out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, log_samples=False, verbosity="ERROR")
+        out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, samples=samples, log_samples=False,
+                       verbosity="ERROR")
+        self.requests = {task: len(self.loaded["tasks"][task].instances) for task in self.tasks}
         return {task: TaskScore(float(out["results"][task]["acc,none"]), float(out["results"][task]["acc_stderr,none"]),
                                 int(out["n-samples"][task]["effective"]))
                 for task in self.tasks}

@@ -5,6 +5,11 @@ prompt is rendered in Python (``zoo.finetune.prompt``) and stored per item, so
 training and evaluation cannot drift apart. Files live in
 ``<cache>/tasks/<hash>/``, where the hash covers the items: different data is
 a different directory, never an overwrite.
+
+Each generated task has a fixed pool of held-out items (never trained on).
+The test split is a prefix of the pool and the validation split (used to rank
+experts, e.g. by CMM) is taken from its end, so the two never share an item
+as long as ``n_items + n_validation <= pool size`` (checked).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ GENERATED: dict[str, Callable[[int], list[Item]]] = {
     "mergeval_unit_convert": lambda n: eval_items("unit_convert", n),
     "mergeval_general_facts": _general,
 }
+# Held-out items per task: the domains' evaluation pool, or every general question there is.
+POOL = {"mergeval_chem_count": EVAL_POOL, "mergeval_unit_convert": EVAL_POOL, "mergeval_general_facts": 351}
 
 _YAML = """task: {name}
 dataset_path: json
@@ -54,8 +61,8 @@ metadata:
 """
 
 
-def check_tasks(names: list[str], n_items: int) -> None:
-    """Fail on an unknown task name or an item count outside what the generators hold out."""
+def check_tasks(names: list[str], n_items: int, n_validation: int = 0) -> None:
+    """Fail on an unknown task name or item counts outside what the generators hold out."""
     if not names:
         raise UserError("benchmark.tasks", "no tasks", f"list some of: {', '.join(sorted(GENERATED))}")
     unknown = [n for n in names if n not in GENERATED]
@@ -65,12 +72,28 @@ def check_tasks(names: list[str], n_items: int) -> None:
     if not 1 <= n_items <= EVAL_POOL:
         raise UserError("benchmark.n_items", f"must be in [1, {EVAL_POOL}], got {n_items}",
                         "set e.g. benchmark.n_items=200")
+    for name in names:
+        if n_items + n_validation > POOL[name]:
+            field = "benchmark.n_items" if n_validation == 0 else "method.validation_items"
+            raise UserError(field, f"{name} holds {POOL[name]} items, fewer than {n_items} test + "
+                            f"{n_validation} validation", "lower benchmark.n_items or method.validation_items")
 
 
-def write_tasks(names: list[str], n_items: int, cache: Path) -> Path:
-    """Write every generated task in ``names``; returns the directory to give lm-eval as include_path."""
-    check_tasks(names, n_items)
-    rows = {name: [dict(item, prompt=prompt(item["question"])) for item in GENERATED[name](n_items)]
+def task_items(name: str, n_items: int, split: str = "test", n_validation: int = 0) -> list[Item]:
+    """The test split (first n_items of the pool) or the validation split (its last n_validation)."""
+    if split == "test":
+        return GENERATED[name](n_items)
+    return GENERATED[name](POOL[name])[POOL[name] - n_validation:]
+
+
+def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test", n_validation: int = 0) -> Path:
+    """Write every generated task in ``names``; returns the directory to give lm-eval as include_path.
+
+    ``split="validation"`` writes the same task names over the validation items instead.
+    """
+    check_tasks(names, n_items, n_validation)
+    rows = {name: [dict(item, prompt=prompt(item["question"]))
+                   for item in task_items(name, n_items, split, n_validation)]
             for name in names}
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / "tasks" / digest
@@ -86,6 +109,8 @@ def write_tasks(names: list[str], n_items: int, cache: Path) -> Path:
 def task_digest(task_dir: Path, name: str) -> str:
     """Hash of a task's YAML and data: identifies exactly what was evaluated."""
     h = hashlib.sha256()
-    for suffix in (".yaml", ".jsonl"):
-        h.update((task_dir / f"{name}{suffix}").read_bytes())
+    # The YAML names its data by absolute path; hash it without the directory so the same task
+    # written into another cache directory keeps its digest (and its stored evaluations).
+    h.update((task_dir / f"{name}.yaml").read_text().replace(str(task_dir), "<task_dir>").encode())
+    h.update((task_dir / f"{name}.jsonl").read_bytes())
     return h.hexdigest()[:16]

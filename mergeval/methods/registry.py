@@ -1,8 +1,34 @@
-"""Name -> merge method. Importing this module registers the built-in methods."""
+"""Name -> merge method. Importing this module registers the built-in methods.
+
+Two kinds of method:
+
+* **per tensor** (``@register(name, Config, validate)`` on ``merge``):
+  ``merge(base, experts, cfg, generator) -> tensor`` sees one tensor of the base
+  and the same tensor of each expert. The engine calls it once per tensor.
+* **layer at a time** (``@register_layer(name, Config, validate)`` on ``merge_layer``):
+  ``merge_layer(base, experts, cfg, generator) -> dict`` where ``base`` is
+  ``{tensor name: tensor}`` for every tensor of one decoder layer (the names
+  under ``model.layers.<i>.``, full names), ``experts`` is the same dict for
+  each expert, and the result must hold exactly the same names and shapes.
+  The engine groups the tensors by layer for such methods and loads one layer
+  of every input at a time. Tensors outside the layers (embeddings, the final
+  norm, lm_head) go through the method's per-tensor ``merge`` when one is given
+  (``register_layer(..., merge=fn)``); otherwise, the documented fallback,
+  ``merge_layer`` is called with a one-tensor group ``{name: tensor}``.
+
+Every method config also gets ``rules`` (per-tensor parameters; see
+``RULES_DOC`` below), added here when the method is registered, so method
+modules and ``conf/method/*.yaml`` never declare it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import math
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,23 +37,56 @@ import torch
 from mergeval.errors import UserError
 
 MergeFn = Callable[[torch.Tensor, list[torch.Tensor], Any, torch.Generator], torch.Tensor]
+LayerMergeFn = Callable[[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, torch.Generator],
+                        dict[str, torch.Tensor]]
+ValidateFn = Callable[[Any, int], None]
+
+RULES_DOC = """\
+method.rules: a list of {match: GLOB, <param>: VALUE, ...}. GLOB is an fnmatch
+pattern over the full tensor name ('*' also crosses dots), e.g. '*self_attn*',
+'*.mlp.*', 'model.layers.1?.*'; a missing match is '*'. VALUE is a number or a
+list of numbers interpolated linearly over depth t in [0, 1]: layer i of L has
+t = i / (L - 1) (t = 1 when L = 1); tensors outside the layers get t = 0 when
+their name holds 'embed', 'wte' or 'wpe' (before the first layer) and t = 1
+otherwise (final norm, lm_head: after the last layer), as mergekit does. When
+several rules set a parameter for a tensor, the last matching rule wins;
+unmatched tensors keep the method's top-level value. Settable: the method's
+numeric (float or int, not bool) parameters; int parameters are rounded."""
 
 
 @dataclass(frozen=True)
 class MergeMethod:
     name: str
-    config: type
-    merge: MergeFn
-    validate: Callable[[Any, int], None]
+    config: type  # the schema, with ``rules`` added by registration
+    merge: MergeFn | None  # per-tensor function; None for layer methods without one
+    validate: ValidateFn  # the method's own checks, then every rule's values
     doc: str
+    merge_layer: LayerMergeFn | None = None  # set for methods that need a whole layer at a time
 
 
 METHODS: dict[str, MergeMethod] = {}
+_DERIVED: dict[type, type] = {}  # method config -> its schema with rules (shared configs derive once)
 
 
-def register(name: str, config: type, validate: Callable[[Any, int], None]):
+def register(name: str, config: type, validate: ValidateFn):
+    """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``."""
     def wrap(fn: MergeFn) -> MergeFn:
-        METHODS[name] = MergeMethod(name, config, fn, validate, (fn.__doc__ or "").strip())
+        METHODS[name] = MergeMethod(name, with_rules(config), fn, _validating_rules(validate),
+                                    (fn.__doc__ or "").strip())
+        return fn
+
+    return wrap
+
+
+def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None):
+    """Register a layer-at-a-time method: ``@register_layer(name, Config, validate)`` on
+    ``merge_layer(base: dict[str, Tensor], experts: list[dict[str, Tensor]], cfg, gen) -> dict[str, Tensor]``.
+
+    ``merge`` optionally handles the tensors outside the decoder layers one at a time
+    (else ``merge_layer`` gets them as one-tensor groups)."""
+    def wrap(fn: LayerMergeFn) -> LayerMergeFn:
+        METHODS[name] = MergeMethod(name, with_rules(config), merge, _validating_rules(validate),
+                                    (fn.__doc__ or "").strip(), merge_layer=fn)
         return fn
 
     return wrap
@@ -40,5 +99,126 @@ def get_method(name: str) -> MergeMethod:
     return METHODS[name]
 
 
+# ---------------------------------------------------------------- rules: schema
+
+
+def rule_params(config: type) -> dict[str, type]:
+    """The parameters a rule may set: the config's float and int fields (``name`` and bools excluded)."""
+    hints = typing.get_type_hints(config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(config)
+            if f.name not in ("name", "rules") and hints[f.name] in (float, int)}
+
+
+def with_rules(config: type) -> type:
+    """``config`` plus ``rules: list[<Method>Rule]``, where a rule is ``match`` and one optional field per
+    rule parameter (typed Any: a number or a list of numbers), so a misspelt parameter fails at compose time.
+
+    The derived classes live in this module under unique names so configs pickle (joblib/submitit launchers).
+    """
+    if config in _DERIVED or "rules" in {f.name for f in dataclasses.fields(config)}:
+        return _DERIVED.get(config, config)
+    stem = config.__name__.removesuffix("Config")
+    rule = dataclasses.make_dataclass(
+        f"{stem}Rule", [("match", str, dataclasses.field(default="*"))]
+        + [(p, Any, dataclasses.field(default=None)) for p in rule_params(config)])
+    derived = dataclasses.make_dataclass(
+        f"{stem}ConfigWithRules", [("rules", list[rule], dataclasses.field(default_factory=list))], bases=(config,))
+    module = sys.modules[__name__]
+    for cls in (rule, derived):
+        if getattr(module, cls.__name__, cls) is not cls:
+            raise ValueError(f"two method configs derive the same class name {cls.__name__}")
+        cls.__module__ = __name__
+        setattr(module, cls.__name__, cls)
+    derived.__doc__ = (config.__doc__ or "") + "\n\n" + RULES_DOC
+    _DERIVED[config] = derived
+    return derived
+
+
+def rule_items(rule: Any) -> tuple[str, dict[str, Any]]:
+    """(match, {param: value}) of one rule, given as the derived dataclass or a plain mapping."""
+    if isinstance(rule, Mapping):
+        items = dict(rule)
+    elif dataclasses.is_dataclass(rule):
+        items = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
+    else:
+        raise UserError("method.rules", f"a rule must be a mapping, got {rule!r}",
+                        "write each rule as {match: GLOB, <param>: VALUE}")
+    match = items.pop("match", "*")
+    return match, {k: v for k, v in items.items() if v is not None}
+
+
+# ---------------------------------------------------------------- rules: validation
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def knots(value: Any) -> list[float]:
+    """The numbers a rule value holds (a scalar is one knot); linear interpolation never leaves their range."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_rule_shapes(cfg: Any) -> None:
+    """Every rule names a glob and at least one settable parameter with a number or a non-empty number list."""
+    allowed = rule_params(type(cfg))
+    for i, rule in enumerate(getattr(cfg, "rules", None) or []):
+        match, params = rule_items(rule)
+        where = f"method.rules[{i}]"
+        if not isinstance(match, str) or not match:
+            raise UserError(f"{where}.match", f"must be a non-empty glob, got {match!r}",
+                            f"set e.g. {where}.match='*mlp*'")
+        if not params:
+            raise UserError(where, "sets no parameter",
+                            f"add one of: {', '.join(allowed) or '(this method has no numeric parameters)'}")
+        for p, value in params.items():
+            if p not in allowed:
+                raise UserError(f"{where}.{p}", "is not a numeric parameter of this method",
+                                f"rules can set: {', '.join(allowed) or '(none)'}")
+            if isinstance(value, (list, tuple)) and not value:
+                raise UserError(f"{where}.{p}", "is an empty list", "give a number or a list of numbers")
+            if not all(_is_number(x) for x in knots(value)):
+                raise UserError(f"{where}.{p}", f"must be a finite number or a list of them, got {value!r}",
+                                f"set e.g. {where}.{p}=[0.3, 0.7]")
+
+
+def _validating_rules(validate: ValidateFn) -> ValidateFn:
+    """The method's own ``validate``, then each rule's values through it.
+
+    Every number of a rule is checked in place of the top-level value; since a
+    gradient interpolates linearly between its numbers, every resolved value
+    lies between checked ones (the engine re-checks each tensor's resolved
+    config before loading any tensor, which also catches combinations).
+    """
+    def check(cfg: Any, n_experts: int) -> None:
+        validate(cfg, n_experts)
+        rules = getattr(cfg, "rules", None) or []
+        if not rules:
+            return
+        check_rule_shapes(cfg)
+        for i, rule in enumerate(rules):
+            for p, value in rule_items(rule)[1].items():
+                for x in knots(value):
+                    trial = dataclasses.replace(cfg, rules=[], **{p: x})
+                    with blame_rule(i, p, f"in {value}" if isinstance(value, (list, tuple)) else ""):
+                        validate(trial, n_experts)
+
+    check.__doc__ = validate.__doc__
+    return check
+
+
+@contextmanager
+def blame_rule(index: int, param: str, where: str):
+    """A UserError raised inside is re-raised against ``method.rules[index].<param>`` (``where`` says which value)."""
+    try:
+        yield
+    except UserError as err:
+        field = f"method.rules[{index}].{param}"
+        problem = err.problem if err.field == f"method.{param}" else f"{err.field} {err.problem}"
+        fix = err.fix.replace(f"method.{param}=", f"{field}=")
+        raise UserError(field, f"{problem} ({where})" if where else problem, fix) from None
+
+
 # Registration happens on import of the method families.
-from mergeval.methods import geometric, sparsify, task_vector  # noqa: E402,F401
+from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401
+from mergeval.methods import pipeline  # noqa: E402,F401  (last: its stages name the others)

@@ -37,6 +37,7 @@ from mergeval.methods.task_vector import _check_lambda, _check_weights, _weights
 
 RESCALES_DARE = ("inverse_density", "l1")
 RESCALES_DELLA = ("inverse_prob", "l1")
+RANK_SCOPES = ("tensor", "row")
 SIGN_RULES = ("sum", "count")
 
 
@@ -91,6 +92,7 @@ class DellaLinearConfig:
     epsilon: float = 0.1  # keep probabilities span [density - epsilon, density + epsilon] by magnitude rank
     weights: list[float] | None = None
     rescale: str = "inverse_prob"  # "inverse_prob": kept / p_keep (paper); "l1": match the L1 norm (mergekit)
+    rank_scope: str = "tensor"  # magnitude ranks within the "tensor", or within each "row" (mergekit)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class DellaConfig:
     epsilon: float = 0.1
     weights: list[float] | None = None
     rescale: str = "inverse_prob"
+    rank_scope: str = "tensor"
     sign_rule: str = "sum"
     weights_before_election: bool = False
 
@@ -111,6 +114,7 @@ class SceConfig:
     lambda_: float = 1.0
     select_topk: float = 1.0  # fraction of entries kept, ranked by variance across experts (1 = all)
     normalize: bool = False  # true: divide by the surviving weights, as mergekit does
+    uniform_below: float = 0.0  # equal expert weights below this summed mean-square delta (mergekit: 1e-6)
 
 
 # ---------------------------------------------------------------- validation
@@ -151,6 +155,7 @@ def _validate_breadcrumbs(cfg: BreadcrumbsConfig | BreadcrumbsTiesConfig, n_expe
 def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> None:
     _check_common(cfg, n_experts)
     _check_choice(cfg.rescale, RESCALES_DELLA, "method.rescale")
+    _check_choice(cfg.rank_scope, RANK_SCOPES, "method.rank_scope")
     if not (math.isfinite(cfg.epsilon) and cfg.epsilon >= 0.0):
         raise UserError("method.epsilon", f"must be a finite number >= 0, got {cfg.epsilon}",
                         "set e.g. method.epsilon=0.1")
@@ -162,6 +167,9 @@ def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> Non
 
 def _validate_sce(cfg: SceConfig, n_experts: int) -> None:
     _check_lambda(cfg.lambda_)
+    if not (math.isfinite(cfg.uniform_below) and cfg.uniform_below >= 0.0):
+        raise UserError("method.uniform_below", f"must be a finite number >= 0, got {cfg.uniform_below}",
+                        "set method.uniform_below=0 (never) or 1e-6 (mergekit)")
     _check_density(cfg.select_topk, "method.select_topk")
     if cfg.select_topk < 1.0 and n_experts < 2:
         raise UserError("modelset.experts", f"sce with select_topk < 1 ranks entries by their variance across "
@@ -214,32 +222,36 @@ def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch
     return trim_to_density(delta, density)
 
 
-def della_keep_prob(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
-    """MAGPRUNE keep probabilities: linear in the magnitude rank within the whole tensor.
+def della_keep_prob(delta: torch.Tensor, density: float, epsilon: float, rank_scope: str = "tensor") -> torch.Tensor:
+    """MAGPRUNE keep probabilities: linear in the magnitude rank within a group of n entries.
 
     r = rank of |delta| among the n entries, 0 (smallest) .. n-1 (largest; ties by position)
     p = density - epsilon + 2 * epsilon * r / (n - 1)          (p = density when n = 1)
+    The group is the whole tensor (rank_scope="tensor"), or each row delta[i, ...] -- one output
+    unit's entries -- of a tensor with 2 or more dims (rank_scope="row"; 0/1-dim tensors form one
+    row). "row" is mergekit's ranking for the 1- and 2-dim tensors of a transformer.
     """
-    flat = delta.flatten()
-    n = flat.numel()
+    rows = delta.reshape(delta.shape[0], -1) if rank_scope == "row" and delta.dim() >= 2 else delta.reshape(1, -1)
+    n = rows.shape[1]
     if n == 1:
         return torch.full_like(delta, density)
-    order = torch.sort(flat.abs(), stable=True).indices
-    rank = torch.empty(n, dtype=torch.float32, device=delta.device)
-    rank[order] = torch.arange(n, dtype=torch.float32, device=delta.device) / (n - 1)
+    order = torch.sort(rows.abs(), dim=1, stable=True).indices
+    rank = torch.empty(rows.shape, dtype=torch.float32, device=delta.device)
+    positions = torch.arange(n, dtype=torch.float32, device=delta.device) / (n - 1)
+    rank.scatter_(1, order, positions.expand(rows.shape[0], n).contiguous())
     return ((density - epsilon) + 2.0 * epsilon * rank).view_as(delta)
 
 
 def della_magprune(delta: torch.Tensor, density: float, epsilon: float, rescale: str,
-                   gen: torch.Generator) -> torch.Tensor:
+                   gen: torch.Generator, rank_scope: str = "tensor") -> torch.Tensor:
     """DELLA's MAGPRUNE (Deep et al., 2024): magnitude-ranked random drop, then rescale.
 
-    p = della_keep_prob(delta)                  larger |delta| -> higher keep probability
+    p = della_keep_prob(delta, rank_scope)      larger |delta| -> higher keep probability
     m ~ Bernoulli(p) per entry (m = [u < p], u ~ U[0,1) from gen)
     s = m * delta / p                           rescale="inverse_prob" (the paper; E[s] = delta)
     s = m * delta * |delta|_1 / |m * delta|_1   rescale="l1" (mergekit)
     """
-    p = della_keep_prob(delta, density, epsilon)
+    p = della_keep_prob(delta, density, epsilon, rank_scope)
     kept = torch.where(_uniform(delta, gen) < p, delta, torch.zeros_like(delta))
     return kept / p if rescale == "inverse_prob" else _match_l1(delta, kept)
 
@@ -335,25 +347,27 @@ def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLine
                  gen: torch.Generator) -> torch.Tensor:
     """DELLA's MAGPRUNE + task arithmetic (Deep et al., 2024; mergekit's della_linear).
 
-    p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor
+    p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
     s_i    = Bernoulli(p) * d_i / p   (or L1-matched)
     merged = b + lambda * sum_i w_i * s_i
     """
     return _combine(base, experts, cfg,
-                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen), elect=False)
+                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen, cfg.rank_scope),
+                    elect=False)
 
 
 @register("della", DellaConfig, _validate_della)
 def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: torch.Generator) -> torch.Tensor:
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.
 
-    p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor
+    p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
     s_i    = Bernoulli(p) * d_i / p   (or L1-matched)
     merged = b + lambda * disjoint_mean(s_1..s_N)
     epsilon = 0 is dare_ties.
     """
     return _combine(base, experts, cfg,
-                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen), elect=True)
+                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen, cfg.rank_scope),
+                    elect=True)
 
 
 @register("sce", SceConfig, _validate_sce)
@@ -362,7 +376,10 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: to
 
     Select:    M = the k = max(1, ceil(select_topk * n)) entries with the largest variance of
                (d_1..d_N) across experts (population variance; ties by position); s_i = M * d_i
-    Calculate: w_i = sum(s_i^2) / sum_j sum(s_j^2)       (1/N each if all s_i are 0)
+    Calculate: w_i = mean(s_i^2) / sum_j mean(s_j^2)     (mean over the tensor's entries)
+               w_i = 1/N when sum_j mean(s_j^2) is 0 or below uniform_below (default 0; mergekit
+               uses 1e-6, which covers every tensor of a lightly fine-tuned model: deltas of rms
+               ~5e-4, as the quickstart experts', have mean squares ~2e-7)
     Erase:     gamma = sign(sum_i s_i); A_i = [sign(s_i) == gamma] and s_i != 0
     merged = b + lambda * sum_i w_i A_i s_i                           normalize=false (the formula above)
     merged = b + lambda * sum_i w_i A_i s_i / sum_i w_i A_i           normalize=true (mergekit)
@@ -380,9 +397,10 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: to
         keep = keep.view_as(b)
         deltas = deltas * keep
         ordered = ordered * keep
-    energy = [float(d.double().square().sum()) for d in deltas]
+    energy = [float(d.double().square().mean()) for d in deltas]
     total = sum(sorted(energy))
-    w = [x / total for x in energy] if total > 0 else [1.0 / len(energy)] * len(energy)
+    uniform = total == 0 or total < cfg.uniform_below
+    w = [1.0 / len(energy)] * len(energy) if uniform else [x / total for x in energy]
     wt = torch.tensor(w, dtype=torch.float32, device=b.device).view(-1, *([1] * b.dim()))
     gamma = torch.sign(ordered.sum(0))
     agree = (torch.sign(deltas) == gamma) & (deltas != 0)

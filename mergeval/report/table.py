@@ -26,7 +26,8 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     for task in outcome.tasks:
         row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
         value = norm.get(task)
-        table.add_row(task.removeprefix("mergeval_"), *row, "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}"))
+        shown = "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}")
+        table.add_row(task.removeprefix("mergeval_"), *row, shown)
     console.print(table)
     agg = outcome.aggregates
     unit = " pts" if agg["scale"] == "percent" else ""
@@ -34,8 +35,21 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     console.print(f"Macro-Gain {agg['macro_gain']:+.2f}{unit}   Macro-OG {agg['macro_og']:+.2f}{unit}   "
                   f"normalized (mean over expert tasks) "
                   f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})")
+    if agg.get("groups"):
+        console.print("group means  " + "   ".join(
+            f"{role} {value:.3f}" if value is not None else f"{role} -" for role, value in agg["groups"].items()))
+    if agg.get("forgetting"):
+        console.print(f"forgetting (base - merged on general tasks) {agg['forgetting']['mean']:+.3f}")
+    for pair, stats in (agg.get("similarity") or {}).items():
+        o = stats["overall"]
+        cos = "undefined" if o["cosine"] is None else f"{o['cosine']:.3f}"
+        sar = "-" if o.get("sar_a_in_b") is None else f"{o['sar_a_in_b']:.3f}"
+        console.print(f"task vectors {pair}: cosine {cos}   sign conflict {o['sign_conflict']:.3f}   SAR {sar}")
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
     reused = [m.role for m in outcome.models if m.evaluated != "this run"]
     if reused:
         console.print(f"[dim]scores reused from the results store: {', '.join(reused)} "
                       "(eval.force=true re-evaluates)[/dim]")
+    if any(m.role == MERGED and m.merge == "reused from the results store" for m in outcome.models):
+        console.print("[dim]merge not redone: the store holds its output for these inputs, method config and "
+                      "seed[/dim]")

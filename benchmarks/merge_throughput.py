@@ -1,0 +1,347 @@
+"""Merge throughput: the same TIES merge by mergeval's streaming engine and by ``mergekit-yaml``, side by side.
+
+    python benchmarks/merge_throughput.py                        # the quickstart base + its two experts
+    python benchmarks/merge_throughput.py --cache /tmp/fresh5-cache --repeats 5 --json result.json
+    python benchmarks/merge_throughput.py --smoke                # tiny synthetic models, a few seconds
+
+Both tools merge base + 2 experts with TIES (density 0.5 per expert, weight 1, lambda 1, disjoint
+mean: mergekit's ``ties`` with its defaults, mergeval's ``ties`` with weights_before_election=true),
+computing and writing in the base's dtype, tokenizer copied, model card written. Each run is a fresh
+child process (interpreter start and imports included, as a user pays them): mergeval calls
+``mergeval.engine.merge_to_disk``, mergekit runs its CLI ``mergekit-yaml CONFIG OUT --copy-tokenizer
+--device cpu --no-lazy-unpickle --quiet`` (the inputs are safetensors, so lazy unpickling would not
+apply anyway). The order alternates between repeats; the input files are read once before timing so
+both tools start from a warm page cache. Like ``python -m mergeval.merge`` with a warm cache, the
+inputs' fingerprints for mergeval's model card are computed once, before timing.
+
+Reported per tool: median wall time over the repeats, and the peak resident memory of the process
+tree doing the work, measured two ways: ``ru_maxrss`` from wait4 (kernel-exact maximum over the child
+and any descendant it waited for) and the maximum of the summed RSS of the child and all its
+descendants, polled every 20 ms with psutil (catches workers running at the same time). The table
+shows the larger of the two. Then the wall-time ratio mergekit / mergeval (the speed-up), whether
+the target (mergeval >= 1.5x faster with no higher peak memory) is met, and the largest absolute
+difference between the two merged checkpoints, tensor by tensor.
+
+``--startup`` also times each tool's start alone (``mergekit-yaml --help``; a Python that imports
+mergeval's engine and methods), the fixed cost included in every merge above, so the merge work
+proper can be told from interpreter start and imports.
+
+The input cache is only read. Outputs go to a temporary directory that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+TOOLS = ("mergeval", "mergekit")
+DENSITY, LAMBDA = 0.5, 1.0
+TARGET_SPEEDUP = 1.5
+POLL_S = 0.02
+MERGEKIT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def quickstart_models(cache: Path) -> tuple[Path, list[Path]]:
+    """The converted SmolLM2 base under models/ and the newest chem_count and unit_convert experts under experts/."""
+    def newest(pattern: str, where: Path) -> Path:
+        found = sorted(where.glob(pattern), key=lambda p: p.stat().st_mtime)
+        if not found:
+            sys.exit(f"merge_throughput: no {where / pattern}; run `MERGEVAL_CACHE={cache} python -m mergeval` "
+                     "once to build the quickstart models, or pass --base and --experts")
+        return found[-1]
+
+    return newest("smollm2-135m-*", cache / "models"), [newest(f"{d}-*", cache / "experts")
+                                                         for d in ("chem_count", "unit_convert")]
+
+
+def smoke_models(root: Path) -> tuple[Path, list[Path]]:
+    """The tiny zoo Llama (with its tokenizer) as base and two experts = base + random deltas."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from mergeval.zoo.tiny import zoo_dir
+
+    base = zoo_dir("tiny", root / "cache")
+    tensors = load_file(str(base / "model.safetensors"))
+    experts = []
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        out = root / f"expert{i}"
+        shutil.copytree(base, out)
+        save_file({k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        experts.append(out)
+    return base, experts
+
+
+def base_dtype(base: Path) -> str:
+    """mergekit's name for the dtype of the base's first floating tensor (mergeval writes the base's dtype)."""
+    with open(sorted(base.glob("*.safetensors"))[0], "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"} & set(MERGEKIT_DTYPES)
+    if len(dtypes) != 1:
+        sys.exit(f"merge_throughput: the base mixes floating dtypes {sorted(dtypes)}; give a single-dtype base")
+    return MERGEKIT_DTYPES[dtypes.pop()]
+
+
+def warm_page_cache(dirs: list[Path]) -> None:
+    for d in dirs:
+        for path in d.glob("*.safetensors"):
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+# ---------------------------------------------------------------- the two commands
+
+
+def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str) -> list[str]:
+    import yaml
+
+    config = {"merge_method": "ties", "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
+              "parameters": {"normalize": True, "lambda": LAMBDA},
+              "models": [{"model": str(e), "parameters": {"weight": 1.0, "density": DENSITY}} for e in experts]}
+    path = work / "mergekit.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    exe = Path(sys.executable).with_name("mergekit-yaml")
+    if not exe.exists():
+        sys.exit(f"merge_throughput: {exe} not found; install mergekit (pip install '.[test]')")
+    return [str(exe), str(path), str(out), "--copy-tokenizer", "--device", "cpu", "--no-lazy-unpickle", "--quiet"]
+
+
+def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
+    """The model card's input rows with their fingerprints, computed once (the CLI reads them from its cache)."""
+    from mergeval.models.fingerprint import fingerprint
+
+    return [{"role": role, "source": str(p), "path": str(p), "fingerprint": fingerprint(p)}
+            for role, p in [("base", base), *((f"expert {i}", e) for i, e in enumerate(experts))]]
+
+
+def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict]) -> list[str]:
+    spec = {"base": str(base), "experts": [str(e) for e in experts], "out": str(out), "inputs": inputs}
+    path = work / f"mergeval-{out.name}.json"
+    path.write_text(json.dumps(spec))
+    return [sys.executable, str(Path(__file__).resolve()), "--child-mergeval", str(path)]
+
+
+def startup_commands() -> dict[str, list[str]]:
+    """Each tool's start alone: its interpreter and imports, no merge."""
+    return {"mergeval": [sys.executable, "-c", "import mergeval.engine, mergeval.methods"],
+            "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
+
+
+def child_mergeval(spec_path: str) -> None:
+    """The mergeval side, run in its own process: one streaming merge to disk."""
+    from mergeval.engine import merge_to_disk
+    from mergeval.methods import get_method
+
+    spec = json.loads(Path(spec_path).read_text())
+    method = get_method("ties")
+    cfg = method.config(density=DENSITY, lambda_=LAMBDA, weights=[1.0] * len(spec["experts"]),
+                        weights_before_election=True)
+    merge_to_disk(method, cfg, Path(spec["base"]), [Path(e) for e in spec["experts"]], Path(spec["out"]), seed=0,
+                  card={"config": {"method": "ties", "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]})
+
+
+# ---------------------------------------------------------------- measuring one child
+
+
+def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
+    """Wall time, ru_maxrss (wait4) and the polled peak of the summed RSS of the process tree."""
+    import psutil
+
+    peak = [0]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    done = threading.Event()
+
+    def poll() -> None:
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not done.is_set():
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.NoSuchProcess:
+                        pass
+            except psutil.NoSuchProcess:
+                break
+            peak[0] = max(peak[0], total)
+            done.wait(POLL_S)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child and the descendants it waited for
+    wall = time.perf_counter() - start
+    done.set()
+    poller.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"merge_throughput: `{' '.join(cmd)}` failed (exit {proc.returncode}); its output:\n"
+                 + log.read_text()[-4000:])
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    maxrss = usage.ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
+    return {"wall_s": wall, "maxrss_mib": maxrss / 2**20, "polled_peak_mib": peak[0] / 2**20,
+            "peak_rss_mib": max(maxrss, peak[0]) / 2**20}
+
+
+# ---------------------------------------------------------------- comparing the outputs
+
+
+def max_abs_diff(a: Path, b: Path) -> dict:
+    """Largest |a - b| over the tensors both checkpoints hold (one tensor at a time), and the names only one has."""
+    from safetensors import safe_open
+
+    def index(d: Path) -> dict[str, Path]:
+        names = {}
+        for path in sorted(d.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                names.update({n: path for n in f.keys()})
+        return names
+
+    ia, ib = index(a), index(b)
+    worst, worst_name = 0.0, None
+    for name in sorted(set(ia) & set(ib)):
+        with safe_open(str(ia[name]), framework="pt") as fa, safe_open(str(ib[name]), framework="pt") as fb:
+            diff = (fa.get_tensor(name).double() - fb.get_tensor(name).double()).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+    return {"max_abs_diff": worst, "worst_tensor": worst_name, "compared": len(set(ia) & set(ib)),
+            "only_mergeval": sorted(set(ia) - set(ib)), "only_mergekit": sorted(set(ib) - set(ia))}
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="merge-throughput-", dir=args.workdir))
+    try:
+        if args.smoke:
+            base, experts = smoke_models(work / "models")
+        elif args.base:
+            base, experts = Path(args.base), [Path(e) for e in args.experts]
+        else:
+            cache = Path(args.cache or os.environ.get("MERGEVAL_CACHE") or _default_cache())
+            base, experts = quickstart_models(cache)
+        dtype = base_dtype(base)
+        env = dict(os.environ)
+        if args.threads:
+            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        inputs = card_inputs(base, experts)
+        warm_page_cache([base, *experts])
+        runs: list[dict] = []
+        outputs: dict[str, Path] = {}
+        for repeat in range(args.repeats):
+            for tool in (TOOLS if repeat % 2 == 0 else TOOLS[::-1]):
+                out = work / f"{tool}-{repeat}"
+                cmd = (mergeval_command(base, experts, out, work, inputs) if tool == "mergeval"
+                       else mergekit_command(base, experts, out, work, dtype))
+                result = measure(cmd, work / f"{tool}-{repeat}.log", env)
+                runs.append({"tool": tool, "repeat": repeat, **result})
+                print(f"  run {repeat + 1}/{args.repeats} {tool:8s} {result['wall_s']:7.2f} s  "
+                      f"peak RSS {result['peak_rss_mib']:7.0f} MiB", flush=True)
+                if tool in outputs:  # keep only each tool's latest output for the comparison
+                    shutil.rmtree(outputs[tool])
+                outputs[tool] = out
+        summary = {tool: {"median_wall_s": statistics.median(r["wall_s"] for r in runs if r["tool"] == tool),
+                          "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool)}
+                   for tool in TOOLS}
+        if args.startup:
+            for tool, cmd in startup_commands().items():
+                times = [measure(cmd, work / f"{tool}-startup-{i}.log", env) for i in range(args.repeats)]
+                summary[tool]["startup_median_wall_s"] = statistics.median(t["wall_s"] for t in times)
+                summary[tool]["startup_peak_rss_mib"] = max(t["peak_rss_mib"] for t in times)
+        speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
+        return {
+            "models": {"base": str(base), "experts": [str(e) for e in experts], "dtype": dtype, "smoke": args.smoke},
+            "merge": {"method": "ties", "density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
+            "repeats": args.repeats, "threads": args.threads or "default", "runs": runs, "summary": summary,
+            "speedup_mergekit_over_mergeval": speedup,
+            "target": {"speedup_at_least": TARGET_SPEEDUP, "met": bool(
+                speedup >= TARGET_SPEEDUP
+                and summary["mergeval"]["peak_rss_mib"] <= summary["mergekit"]["peak_rss_mib"])},
+            "agreement": max_abs_diff(outputs["mergeval"], outputs["mergekit"]),
+            "versions": {"mergeval": version("mergeval"), "mergekit": version("mergekit"), "torch": version("torch"),
+                         "python": platform.python_version()},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _default_cache() -> str:
+    from mergeval.paths import cache_root
+
+    return str(cache_root(None))
+
+
+def print_table(report: dict) -> None:
+    s = report["summary"]
+    print(f"\nTIES merge of {1 + len(report['models']['experts'])} models ({report['models']['dtype']}), "
+          f"median of {report['repeats']} runs each, order alternating")
+    print(f"{'tool':10s} {'median wall (s)':>16s} {'peak RSS (MiB)':>15s}")
+    for tool in TOOLS:
+        startup = (f"   (start alone: {s[tool]['startup_median_wall_s']:.2f} s, "
+                   f"{s[tool]['startup_peak_rss_mib']:.0f} MiB)" if "startup_median_wall_s" in s[tool] else "")
+        print(f"{tool:10s} {s[tool]['median_wall_s']:16.2f} {s[tool]['peak_rss_mib']:15.0f}{startup}")
+    agreement = report["agreement"]
+    print(f"speed-up (mergekit / mergeval wall time): {report['speedup_mergekit_over_mergeval']:.2f}x   "
+          f"target >= {TARGET_SPEEDUP}x with no higher peak memory: {'met' if report['target']['met'] else 'NOT met'}")
+    print(f"max |mergeval - mergekit| over {agreement['compared']} tensors: {agreement['max_abs_diff']:.3g}"
+          + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"] else ""))
+    for side in ("only_mergeval", "only_mergekit"):
+        if agreement[side]:
+            print(f"tensors {side.replace('_', ' in ')}: {agreement[side][:5]}")
+    if report["models"]["smoke"]:
+        print("(smoke run on tiny models: checks the script; the figures say nothing about throughput)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", help="mergeval cache with the quickstart models (default: $MERGEVAL_CACHE or "
+                        "the user cache dir); only read")
+    parser.add_argument("--base", help="base checkpoint directory (instead of the quickstart's)")
+    parser.add_argument("--experts", nargs="+", help="expert checkpoint directories (with --base)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per tool (default 3)")
+    parser.add_argument("--threads", type=int, help="OMP/MKL threads for both tools (default: their defaults)")
+    parser.add_argument("--workdir", help="where outputs are written (default: the system temp dir)")
+    parser.add_argument("--json", help="also write the report as JSON to this file")
+    parser.add_argument("--smoke", action="store_true", help="tiny synthetic models: checks the script in seconds")
+    parser.add_argument("--startup", action="store_true", help="also time each tool's start alone (imports only)")
+    parser.add_argument("--child-mergeval", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_mergeval:
+        child_mergeval(args.child_mergeval)
+        return
+    if bool(args.base) != bool(args.experts):
+        parser.error("--base and --experts go together")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    report = run(args)
+    print_table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"JSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""What an 8-configuration sweep costs with mergeval versus the usual mergekit + lm_eval scripts.
+
+The sweep: task_arithmetic and ties at four lambdas over the quickstart models
+(SmolLM2-135M-Instruct and its two fine-tuned experts) and tasks, run side by
+side on this machine:
+
+(a) mergeval: one ``python -m mergeval -m`` multirun; merges in memory; the
+    results store starts empty (cold), so the base and the experts are
+    evaluated once and reused by every later job. Then the same sweep again
+    (warm: everything is reused).
+(b) the usual way: for each configuration ``mergekit-yaml`` writes the merged
+    model to disk, then the ``lm_eval`` command line evaluates the merged model
+    and the three constituents on all tasks (each configuration's script
+    produces its own complete table). We also report, from the same measured
+    timings, the variant where the constituents are evaluated only for the
+    first configuration.
+
+Both sides evaluate the same task files (mergeval's generated tasks), in
+bfloat16 with batch size 32, on the CPU. The experts must already exist in the
+given mergeval cache (run the quickstart once); they are linked, not rebuilt.
+
+    python benchmarks/sweep_cost.py --cache ~/.cache/mergeval --n-items 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+TASKS = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts"]
+METHODS = ["task_arithmetic", "ties"]
+
+
+def timed(cmd: list[str], log: Path, **kw) -> float:
+    start = time.perf_counter()
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, **kw)
+    return time.perf_counter() - start
+
+
+def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
+    """The quickstart base and experts inside a mergeval cache (built there first if missing)."""
+    from mergeval.config import TrainConfig
+    from mergeval.models.fingerprint import fingerprint
+    from mergeval.models.smollm2 import smollm2_dir
+    from mergeval.zoo.experts import expert_dir
+
+    base = smollm2_dir(cache, "--cache")
+    base_fp = fingerprint(base, cache / "fingerprints.json")
+    return base, {d: expert_dir(base, base_fp, d, TrainConfig(), cache, "--cache") for d in ("chem_count", "unit_convert")}
+
+
+def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path]) -> str:
+    models = "\n".join(f"  - model: {p}\n    parameters: {{weight: 1.0{', density: 0.5' if method == 'ties' else ''}}}"
+                       for p in experts.values())
+    return (f"merge_method: {method}\nbase_model: {base}\nmodels:\n{models}\n"
+            f"parameters:\n  lambda: {lam}\n  normalize: false\ndtype: float32\n")
+
+
+def lm_eval_cmd(model: Path, task_dir: Path, out: Path) -> list[str]:
+    return ["lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=bfloat16",
+            "--tasks", ",".join(TASKS), "--include_path", str(task_dir), "--batch_size", "32",
+            "--device", "cpu", "--output_path", str(out)]
+
+
+def run_mergeval(cache: Path, store: Path, lambdas: list[float], n_items: int, work: Path, log: Path) -> float:
+    cmd = [sys.executable, "-m", "mergeval", "-m", f"method={','.join(METHODS)}",
+           f"method.lambda_={','.join(map(str, lambdas))}", f"cache_dir={cache}", f"store.path={store}",
+           f"benchmark.n_items={n_items}", f"hydra.sweep.dir={work}/multirun-{time.time_ns()}"]
+    return timed(cmd, log, cwd=work)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, required=True, help="a mergeval cache holding the quickstart experts")
+    ap.add_argument("--n-items", type=int, default=200, help="items per task (the quickstart uses 200)")
+    ap.add_argument("--lambdas", default="0.25,0.5,0.75,1.0")
+    ap.add_argument("--out", type=Path, default=Path("sweep_cost.json"))
+    args = ap.parse_args()
+    lambdas = [float(x) for x in args.lambdas.split(",")]
+    base, experts = find_models(args.cache.expanduser())
+    work = Path(tempfile.mkdtemp(prefix="sweep-cost-"))
+    log = work / "log.txt"
+    print(f"work dir and full log: {work}", flush=True)
+
+    # A fresh cache that links the existing models: cold evaluation, no re-training.
+    cache = work / "cache"
+    cache.mkdir()
+    for sub in ("models", "experts"):
+        (cache / sub).symlink_to(args.cache.expanduser().resolve() / sub)
+    store = work / "results.sqlite"
+    cold = run_mergeval(cache, store, lambdas, args.n_items, work, log)
+    print(f"mergeval cold sweep: {cold:.1f} s", flush=True)
+    warm = run_mergeval(cache, store, lambdas, args.n_items, work, log)
+    print(f"mergeval warm rerun: {warm:.1f} s", flush=True)
+
+    from mergeval.eval.tasks import write_tasks
+
+    task_dir = write_tasks(TASKS, args.n_items, work / "baseline-tasks")
+    constituents = {"base": base, **experts}
+    rows, first_constituents = [], 0.0
+    for i, (method, lam) in enumerate((m, lam) for m in METHODS for lam in lambdas):
+        cfg = work / f"{method}-{lam}.yaml"
+        cfg.write_text(mergekit_config(method, lam, base, experts))
+        out_dir = work / f"merged-{method}-{lam}"
+        t_merge = timed(["mergekit-yaml", str(cfg), str(out_dir), "--copy-tokenizer"], log)
+        t_eval_merged = timed(lm_eval_cmd(out_dir, task_dir, work / "lm_eval_out"), log)
+        t_constituents = sum(timed(lm_eval_cmd(p, task_dir, work / "lm_eval_out"), log)
+                             for p in constituents.values())
+        if i == 0:
+            first_constituents = t_constituents
+        shutil.rmtree(out_dir)
+        rows.append({"method": method, "lambda": lam, "mergekit_s": round(t_merge, 1),
+                     "lm_eval_merged_s": round(t_eval_merged, 1), "lm_eval_constituents_s": round(t_constituents, 1)})
+        print(f"baseline {method} lambda={lam}: merge {t_merge:.1f} s, eval merged {t_eval_merged:.1f} s, "
+              f"eval constituents {t_constituents:.1f} s", flush=True)
+    baseline = sum(r["mergekit_s"] + r["lm_eval_merged_s"] + r["lm_eval_constituents_s"] for r in rows)
+    baseline_once = sum(r["mergekit_s"] + r["lm_eval_merged_s"] for r in rows) + first_constituents
+    report = {
+        "configurations": len(rows), "n_items_per_task": args.n_items, "tasks": TASKS, "cpu_count": os.cpu_count(),
+        "mergeval_cold_s": round(cold, 1), "mergeval_warm_rerun_s": round(warm, 1),
+        "baseline_s": round(baseline, 1), "baseline_constituents_once_s": round(baseline_once, 1),
+        "speedup_cold": round(baseline / cold, 2), "speedup_cold_vs_constituents_once": round(baseline_once / cold, 2),
+        "baseline_rows": rows,
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "baseline_rows"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""In-memory merges: the same plan and executor as the streaming merge, without writing a checkpoint.
+
+``merge_tensors`` merges tensors already in memory into a dict (what a run
+evaluates); ``merge_into_model`` reads the checkpoints lazily and writes each
+merged tensor straight into a live model's parameters (a sweep needs no
+second copy of the weights); ``save_merged`` writes a merge kept in memory
+as a model directory with the streaming writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergeval.engine.card import model_card
+from mergeval.engine.execute import output_shapes, run_plan
+from mergeval.engine.plan import build_plan, check_plan
+from mergeval.engine.reader import CheckpointReader, MemorySource
+from mergeval.engine.vocab import vocab_rows
+from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files
+from mergeval.errors import UserError
+from mergeval.methods import MergeMethod
+from mergeval.models.checkpoint import check_compatible
+from mergeval.paths import atomic_dir
+
+
+def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
+                  experts: list[Mapping[str, torch.Tensor]], seed: int, progress: bool = True,
+                  vocab_policy: str = "error") -> dict[str, torch.Tensor]:
+    """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
+    or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules)."""
+    b = MemorySource(base, "modelset.base")
+    es = [MemorySource(e, f"modelset.experts[{i}]") for i, e in enumerate(experts)]
+    rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
+    plan = build_plan(method, cfg, b.dtypes)
+    check_plan(method, plan, len(es))
+    return dict(run_plan(plan, method, b, es, seed, rows, progress))
+
+
+def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,
+                     expert_dirs: list[Path], seed: int = 0, vocab_policy: str = "error",
+                     progress: bool = False) -> torch.nn.Module:
+    """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
+
+    Memory: the model plus one unit's inputs. The model keeps its dtype (merging
+    runs in float32 per unit; results are cast on copy). vocab_policy=truncate
+    changes shapes and needs a model of the truncated size: merge to disk instead.
+    """
+    method.validate(cfg, len(expert_dirs))
+    check_compatible(Path(base_dir), {str(i): Path(p) for i, p in enumerate(expert_dirs)}, vocab_policy)
+    base = CheckpointReader(base_dir, "modelset.base")
+    experts = [CheckpointReader(p, f"modelset.experts.{i}") for i, p in enumerate(expert_dirs)]
+    rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
+    plan = build_plan(method, cfg, base.dtypes)
+    check_plan(method, plan, len(experts))
+    state = model.state_dict()  # shares storage with the parameters (tied weights share one tensor)
+    for name, shape in output_shapes(plan, base.shapes, rows).items():
+        if name not in state:
+            raise ValueError(f"checkpoint tensor {name} is not in the model's state dict")
+        if tuple(state[name].shape) != shape:
+            raise UserError("vocab_policy", f"the merge gives {name} shape {list(shape)} but the live model has "
+                            f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate")
+    with torch.no_grad():
+        for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress):
+            state[name].copy_(tensor)
+    return model
+
+
+def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: str, card: dict,
+                shard_size: int = DEFAULT_SHARD_SIZE) -> Path:
+    """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
+
+    ``card``: ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}`` for README.md.
+    """
+    specs = {n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}
+    text = model_card(method, card.get("config", {}), card.get("inputs", []), "base")
+    with atomic_dir(Path(out_dir)) as tmp:
+        writer = ShardWriter(tmp, specs, shard_size)
+        try:
+            for name in specs:
+                writer.write(name, tensors[name])
+            writer.finish()
+        finally:
+            writer.close()
+        copy_model_files(tmp, Path(base_dir), Path(base_dir))
+        (tmp / "README.md").write_text(text)
+    return Path(out_dir)

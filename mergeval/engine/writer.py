@@ -1,0 +1,128 @@
+"""Write a merged model directory: sharded safetensors, index, config, tokenizer, model card.
+
+``ShardWriter`` knows every output tensor's name, shape and dtype before the
+first one is merged (they follow from the base and the plan), so it fixes the
+shard layout and each shard's safetensors header up front and then appends
+each tensor's bytes as it arrives: no shard is ever held in memory. The format
+(https://github.com/huggingface/safetensors): 8-byte little-endian header
+length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]},
+"__metadata__": {...}} padded with spaces to a multiple of 8, then the data.
+
+Shards are filled in order up to ``shard_size`` bytes (a larger tensor gets a
+shard of its own). One shard is ``model.safetensors``; several are
+``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``,
+as transformers writes them. Callers write into ``paths.atomic_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from mergeval.engine.reader import DTYPES, INDEX
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3  # 5 GB, transformers' and mergekit's default
+SAFETENSORS_DTYPE = {dtype: code for code, dtype in DTYPES.items()}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def assign_shards(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], shard_size: int) -> list[list[str]]:
+    """Consecutive groups of tensor names, each at most ``shard_size`` bytes (or a single larger tensor)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in specs.items():
+        b = nbytes(shape, dtype)
+        if shards[-1] and size + b > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += b
+    return shards
+
+
+def _header(names: list[str], specs) -> bytes:
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in names:
+        shape, dtype = specs[name]
+        end = offset + nbytes(shape, dtype)
+        entries[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class ShardWriter:
+    """Streams tensors, given in the order of ``specs`` (name -> (shape, dtype)), into sharded safetensors."""
+
+    def __init__(self, out_dir: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 shard_size: int = DEFAULT_SHARD_SIZE):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be positive, got {shard_size}")
+        self.out_dir, self.specs = Path(out_dir), dict(specs)
+        self.shards = assign_shards(self.specs, shard_size)
+        n = len(self.shards)
+        self.files = ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
+                                                          for k in range(1, n + 1)]
+        self._order = [(k, name) for k, names in enumerate(self.shards) for name in names]
+        self._next = 0
+        self._file = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        shard, expected = self._order[self._next]
+        shape, dtype = self.specs[expected]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"writer expected {expected} {list(shape)} {dtype}, got {name} "
+                             f"{list(tensor.shape)} {tensor.dtype}")
+        if self._file is None:
+            self._file = open(self.out_dir / self.files[shard], "wb")
+            self._file.write(_header(self.shards[shard], self.specs))
+        if tensor.numel():
+            self._file.write(memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+        self._next += 1
+        if self._next == len(self._order) or self._order[self._next][0] != shard:
+            self._file.close()
+            self._file = None
+
+    def finish(self) -> None:
+        if self._next != len(self._order):
+            raise ValueError(f"writer got {self._next} of {len(self._order)} tensors")
+        if len(self.files) > 1:
+            weight_map = {name: self.files[k] for k, name in self._order}
+            total = sum(nbytes(*spec) for spec in self.specs.values())
+            (self.out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                          "weight_map": weight_map}, indent=2) + "\n")
+
+    def close(self) -> None:
+        """Release the open shard (after an error; the caller's atomic_dir removes the files)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def copy_model_files(out_dir: Path, base_dir: Path, tokenizer_dir: Path, vocab_size: int | None = None) -> None:
+    """config.json and generation_config.json from the base (vocab_size replaced when given), tokenizer files
+    from ``tokenizer_dir``."""
+    config = json.loads((base_dir / "config.json").read_text())
+    if vocab_size is not None:
+        holder = config if "vocab_size" in config or "text_config" not in config else config["text_config"]
+        holder["vocab_size"] = vocab_size
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if (base_dir / "generation_config.json").exists():
+        shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy2(tokenizer_dir / name, out_dir / name)

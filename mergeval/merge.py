@@ -1,0 +1,92 @@
+"""``python -m mergeval.merge``: merge only, streamed to disk; no evaluation.
+
+Composes the same config tree as ``python -m mergeval`` (method, modelset,
+``seed``, ``vocab_policy``; benchmark and metric are composed but unused) and
+writes the merged model with the bounded-memory streaming engine to
+``output=DIR`` (default: ``<job dir>/merged_model``). DIR must not exist; it
+appears only when the merge is complete. Errors a user can cause end in one
+line on stderr and exit status 2, as with ``python -m mergeval``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from mergeval.config import register_configs
+from mergeval.errors import UserError
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        target = merge(cfg, job_dir)
+    except UserError as err:
+        discard_job_dir(job_dir)
+        print(err.line(), file=sys.stderr)
+        sys.exit(2)
+    print(f"merged model: {target}")
+
+
+def merge(cfg: DictConfig, job_dir: Path) -> Path:
+    """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir."""
+    from mergeval import app
+    from mergeval.engine import merge_to_disk
+    from mergeval.engine.card import merge_config
+    from mergeval.paths import cache_root
+
+    method, method_cfg = app.validate(cfg)
+    target = Path(cfg.output).expanduser().resolve() if cfg.output else job_dir / "merged_model"
+    if target.exists():  # before minutes of fine-tuning experts
+        raise UserError("output", f"'{target}' already exists", "choose a new directory or remove that one")
+    cache = cache_root(cfg.cache_dir)
+    base_dir, expert_dirs, models = app.resolve_models(cfg, cache)
+    method_cfg, _ = app.prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
+    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.fingerprint} for m in models]
+    return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
+                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True)
+
+
+def discard_job_dir(job_dir: Path) -> None:
+    """A run that failed on bad input leaves no job directory, if it holds only Hydra's own files
+    (never a directory with anything else in it, e.g. when hydra.run.dir points at the working directory)."""
+    import shutil
+
+    if job_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in job_dir.iterdir()):
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def run_cli(hydra_main) -> None:
+    """Run a Hydra main with mergeval's error contract: a UserError or a composition error is one line on
+    stderr and exit status 2; HYDRA_FULL_ERROR=1 shows the traceback instead."""
+    from mergeval.__main__ import explain
+
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
+    try:
+        hydra_main()
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        sys.exit(2)
+    except Exception as ex:
+        line = None if full_error else explain(ex)
+        if line is None:
+            raise
+        print(f"mergeval: error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
+def cli() -> None:
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,119 @@
+"""Curriculum Model Merging (CMM; the chemical-LLM paper, seeds/cmm-chem-openreview-excerpt.txt).
+
+CMM ranks the experts by a validation score and merges them one per step,
+from the weakest to the strongest, giving later (stronger) experts larger
+coefficients. Per tensor, with base ``b``, task vectors ``d_i = e_i - b``, the
+merge order ``pi`` (a permutation of the experts) and step coefficients
+``c_1..c_N`` from the schedule:
+
+- ``update="additive"`` (default; the rebuttal: "tau_new is the sum of all task
+  vectors", "lambda is an optional scaling term"):
+  ``theta_k = theta_{k-1} + c_k * d_{pi(k)}``, ``theta_0 = b``, and the result is
+  ``b + lambda * (theta_N - b) = b + lambda * sum_k c_k d_{pi(k)}``.
+- ``update="interpolate"`` (a reading of "progressively integrates ... in a
+  gradual and continuous manner" where each step moves the running model
+  toward the next expert): ``theta_k = (1 - c_k) theta_{k-1} + c_k e_{pi(k)}``;
+  the result is ``b + lambda * (theta_N - b)``. Earlier experts are diluted by
+  every later step, so the order matters beyond the coefficients.
+
+The paper does not print the update rule; both readings are options and the
+result.json records which one ran.
+
+Schedules over the N steps (k = 1..N, ``u = (k-1)/(N-1)``, u = 0 when N = 1):
+``constant``: c_k = start; ``linear``: c_k = start + (end - start) u (the paper's
+best: 0.3 -> 0.6); ``exponential``: c_k = start (end/start)^u (geometric).
+
+Order: ``ranked`` (ascending validation score: weakest first, the paper),
+``reverse`` (strongest first: the paper's reversed-order ablation), ``given``
+(the modelset's order; no validation needed). Ties in the score keep the
+modelset's order. ``validation_scores`` (one per expert, in modelset order)
+are filled by the run from mergeval's evaluator on the validation split, or
+may be given (e.g. a paper's own S_i) to skip that evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mergeval.errors import UserError
+from mergeval.methods.registry import register
+
+SCHEDULES = ("constant", "linear", "exponential")
+ORDERS = ("ranked", "reverse", "given")
+UPDATES = ("additive", "interpolate")
+
+
+@dataclass
+class CmmConfig:
+    name: str = "cmm"
+    order: str = "ranked"
+    schedule: str = "linear"
+    start: float = 0.3
+    end: float = 0.6
+    lambda_: float = 1.0
+    update: str = "additive"
+    rank_by: str = "mean"  # "mean": each expert's mean validation accuracy over all tasks; "own_task": its own task
+    validation_items: int = 100  # items per task in the validation split used for ranking
+    validation_scores: list[float] | None = None  # one per expert (modelset order); null: measured by the run
+
+
+def schedule(kind: str, start: float, end: float, n: int) -> list[float]:
+    """The step coefficients c_1..c_n (see the module docstring)."""
+    us = [k / (n - 1) if n > 1 else 0.0 for k in range(n)]
+    if kind == "constant":
+        return [start] * n
+    if kind == "linear":
+        return [start + (end - start) * u for u in us]
+    return [start * (end / start) ** u for u in us]
+
+
+def merge_order(order: str, scores: list[float] | None, n: int) -> list[int]:
+    """Expert indices in merge order: by ascending score (ranked), descending (reverse), or as given."""
+    if order == "given":
+        return list(range(n))
+    assert scores is not None, "validation_scores must be resolved before merging"
+    ranked = sorted(range(n), key=lambda i: (scores[i], i))
+    return ranked if order == "ranked" else sorted(range(n), key=lambda i: (-scores[i], i))
+
+
+def _validate(cfg: CmmConfig, n_experts: int) -> None:
+    if cfg.order not in ORDERS:
+        raise UserError("method.order", f"unknown order '{cfg.order}'", f"use one of: {', '.join(ORDERS)}")
+    if cfg.schedule not in SCHEDULES:
+        raise UserError("method.schedule", f"unknown schedule '{cfg.schedule}'", f"use one of: {', '.join(SCHEDULES)}")
+    if cfg.update not in UPDATES:
+        raise UserError("method.update", f"unknown update '{cfg.update}'", f"use one of: {', '.join(UPDATES)}")
+    if cfg.rank_by not in ("mean", "own_task"):
+        raise UserError("method.rank_by", f"unknown ranking '{cfg.rank_by}'", "use mean or own_task")
+    for field in ("start", "end", "lambda_"):
+        if not math.isfinite(getattr(cfg, field)):
+            raise UserError(f"method.{field}", f"must be a finite number, got {getattr(cfg, field)}", "set a number")
+    if cfg.schedule == "exponential" and (cfg.start <= 0 or cfg.end <= 0):
+        raise UserError("method.start", f"an exponential schedule needs start and end > 0, got {cfg.start}, {cfg.end}",
+                        "use positive coefficients or schedule=linear")
+    if cfg.update == "interpolate" and not all(0 <= c <= 1 for c in (cfg.start, cfg.end)):
+        raise UserError("method.start", "update=interpolate needs coefficients in [0, 1]",
+                        "set start and end within [0, 1] or use update=additive")
+    if cfg.validation_items < 1:
+        raise UserError("method.validation_items", f"must be positive, got {cfg.validation_items}",
+                        "set e.g. method.validation_items=100")
+    if cfg.validation_scores is not None and len(cfg.validation_scores) != n_experts:
+        raise UserError("method.validation_scores", f"{len(cfg.validation_scores)} scores for {n_experts} experts",
+                        f"give {n_experts} scores in the modelset's order, or null to measure them")
+
+
+@register("cmm", CmmConfig, _validate)
+def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: torch.Generator) -> torch.Tensor:
+    """Curriculum merge: theta_0 = b; theta_k = theta_{k-1} + c_k d_pi(k) (additive) or
+    (1 - c_k) theta_{k-1} + c_k e_pi(k) (interpolate); result = b + lambda (theta_N - b)."""
+    b = base.float()
+    order = merge_order(cfg.order, cfg.validation_scores, len(experts))
+    coeffs = schedule(cfg.schedule, cfg.start, cfg.end, len(experts))
+    theta = b.clone()
+    for c, i in zip(coeffs, order):
+        e = experts[i].float()
+        theta = theta + c * (e - b) if cfg.update == "additive" else (1 - c) * theta + c * e
+    return (b + cfg.lambda_ * (theta - b)).to(base.dtype)

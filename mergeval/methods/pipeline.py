@@ -1,0 +1,118 @@
+"""Multi-stage merges: a chain of merge methods in one config (the CPT-finance paper's staged merges).
+
+Each stage names a method with its parameters, the model it treats as its
+base, and its inputs. A name is ``base`` (the modelset's base), an expert of
+the modelset, or an earlier stage's output, so the output of one stage can be
+the base or an input of the next, e.g. first recover instruction following
+(base + finance expert), then merge that with another expert::
+
+    name: pipeline
+    stages:
+      - {name: recovered, base: base, inputs: [finance], method: {name: task_arithmetic, lambda_: 0.5}}
+      - {name: final, base: base, inputs: [recovered, math], method: {name: ties, density: 0.5}}
+
+Per tensor, stage s computes ``out_s = method_s(value(base_s), [value(x) for x in inputs_s])``
+and the last stage's output is the merge. Every stage is a per-tensor method,
+so a pipeline streams like any other merge. Stage s draws its random numbers
+from its own generator, seeded from the tensor's generator in stage order, so
+a pipeline is deterministic. Stages whose method needs a whole layer at a time
+or a validation evaluation (CMM without given scores) are rejected up front.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mergeval.errors import UserError
+from mergeval.methods.registry import METHODS, get_method, register
+
+
+@dataclass
+class StageConfig:
+    name: str = MISSING
+    method: dict[str, Any] = field(default_factory=dict)  # {name: <method>, <its parameters>}
+    base: str = "base"
+    inputs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "pipeline"
+    stages: list[StageConfig] = field(default_factory=list)
+    expert_names: list[str] | None = None  # the modelset's expert names, in order (filled by the run)
+
+
+@lru_cache(maxsize=256)
+def _typed(method_json: str, where: str):
+    """A stage's method dict -> (MergeMethod, its typed config); cached because it is needed per tensor."""
+    spec = json.loads(method_json)
+    name = spec.get("name")
+    if name not in METHODS or name == "pipeline":
+        choices = ", ".join(sorted(m for m in METHODS if m != "pipeline"))
+        raise UserError(f"{where}.name", f"unknown or unusable stage method '{name}'", f"choose one of: {choices}")
+    method = get_method(name)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(method.config), spec))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "") or ""
+        raise UserError(f"{where}.{key}".rstrip("."), str(err).splitlines()[0], "fix the stage's method parameters")
+    return method, cfg
+
+
+def stage_method(stage: StageConfig, index: int):
+    method_dict = OmegaConf.to_container(stage.method) if OmegaConf.is_config(stage.method) else dict(stage.method)
+    return _typed(json.dumps(method_dict, sort_keys=True), f"method.stages[{index}].method")
+
+
+def _validate(cfg: PipelineConfig, n_experts: int) -> None:
+    if not cfg.stages:
+        raise UserError("method.stages", "a pipeline needs at least one stage", "list stages under method.stages")
+    experts = cfg.expert_names if cfg.expert_names is not None else [f"expert{i}" for i in range(n_experts)]
+    known = {"base", *experts}
+    used: set[str] = set()
+    for i, stage in enumerate(cfg.stages):
+        where = f"method.stages[{i}]"
+        if stage.name in known:
+            raise UserError(f"{where}.name", f"'{stage.name}' is already a model or stage name", "rename the stage")
+        for ref in (stage.base, *stage.inputs):
+            if ref not in known:
+                raise UserError(where, f"unknown model or stage '{ref}'",
+                                f"use base, an expert ({', '.join(experts)}) or an earlier stage")
+        if not stage.inputs:
+            raise UserError(f"{where}.inputs", "no inputs", "list the experts or stages this stage merges")
+        method, method_cfg = stage_method(stage, i)
+        if getattr(method, "merge_layer", None) is not None:
+            raise UserError(f"{where}.method.name", f"{method.name} merges whole layers and cannot be a stage",
+                            "use a per-tensor method in pipeline stages")
+        if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
+            raise UserError(f"{where}.method.validation_scores", "CMM in a pipeline cannot rank by evaluation",
+                            "give validation_scores or set order=given")
+        method.validate(method_cfg, len(stage.inputs))
+        used.update((stage.base, *stage.inputs))
+        known.add(stage.name)
+    for stage in cfg.stages[:-1]:
+        if stage.name not in used:
+            raise UserError("method.stages", f"stage '{stage.name}' is never used by a later stage",
+                            "feed it to a later stage or remove it")
+
+
+@register("pipeline", PipelineConfig, _validate)
+def pipeline(base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig,
+             gen: torch.Generator) -> torch.Tensor:
+    """out_s = method_s(value(base_s), [value(x) for x in inputs_s]) for each stage s; returns the last out_s."""
+    names = cfg.expert_names if cfg.expert_names is not None else [f"expert{i}" for i in range(len(experts))]
+    values = {"base": base, **dict(zip(names, experts))}
+    out = base
+    for i, stage in enumerate(cfg.stages):
+        method, method_cfg = stage_method(stage, i)
+        stage_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        out = method.merge(values[stage.base], [values[x] for x in stage.inputs], method_cfg, stage_gen)
+        values[stage.name] = out
+    return out

@@ -1,0 +1,85 @@
+"""The report's PNG plots, drawn with matplotlib's object API on the Agg canvas (no display, no global state)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from mergeval.report.data import Pareto, Series, short
+
+DPI = 120
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, format="png", bbox_inches="tight")  # a Figure without a canvas renders with Agg
+    return path
+
+
+def plot_pareto(p: Pareto, path: Path) -> Path:
+    """Merged points, their Pareto front, the base and experts, and the diagonal between the two experts."""
+    fig = Figure(figsize=(6.4, 5.6))
+    ax = fig.add_subplot()
+    xs, ys = zip(*p.points)
+    ax.scatter(xs, ys, color="tab:blue", zorder=3, label="merged runs")
+    for (x, y), label in zip(p.points, p.labels):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = [p.points[i] for i in p.front]
+    ax.plot(*zip(*front), color="tab:blue", linewidth=1.5, marker="o", markersize=12, markerfacecolor="none",
+            label="Pareto front")
+    for role, (x, y) in p.references.items():
+        marker, color = ("s", "gray") if role == "base" else ("*", "tab:orange")
+        ax.scatter([x], [y], marker=marker, s=120 if marker == "*" else 60, color=color, zorder=4)
+        ax.annotate(role, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8, color=color)
+    if p.diagonal:
+        (x1, y1), (x2, y2) = (p.references[r] for r in p.diagonal)
+        ax.plot([x1, x2], [y1, y2], linestyle="--", color="tab:orange", label="diagonal between the experts")
+    area = f"{p.area:+.4f}" if p.area is not None else p.area_note.split(":")[0]
+    ax.set_title(f"{short(p.task_x)} vs {short(p.task_y)}: synergy area {area}", fontsize=10)
+    ax.set_xlabel(f"{short(p.task_x)} accuracy")
+    ax.set_ylabel(f"{short(p.task_y)} accuracy")
+    ax.grid(alpha=0.3)
+    ax.margins(x=0.12, y=0.08)  # room for the point labels
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
+    return _save(fig, path)
+
+
+def plot_score_vs_param(series: Series, param: str, tasks: list[str], base: dict[str, float], path: Path) -> Path:
+    """Merged accuracy +- stderr versus ``param``: one panel per task, one line per method, the base dotted."""
+    fig = Figure(figsize=(4.2 * len(tasks), 3.8))
+    axes = fig.subplots(1, len(tasks), squeeze=False)[0]
+    for ax, task in zip(axes, tasks):
+        for label, per_task in series.items():
+            xs, accs, errs = zip(*per_task[task]) if per_task[task] else ((), (), ())
+            ax.errorbar(xs, accs, yerr=errs, marker="o", capsize=3, label=label)
+        if task in base:
+            ax.axhline(base[task], color="gray", linestyle=":", label="base")
+        ax.set_title(short(task), fontsize=10)
+        ax.set_xlabel(param)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("merged accuracy ± stderr")
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    return _save(fig, path)
+
+
+def plot_normalized(tasks: list[str], table: dict[str, dict[str, float | None]], path: Path) -> Path:
+    """Grouped bars: per expert task, each method's normalized score (1 = the expert's gain kept, 0 = base)."""
+    fig = Figure(figsize=(max(4.5, 0.5 * len(tasks) * max(2, len(table))), 4.2))
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(table))
+    for k, (label, values) in enumerate(table.items()):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(tasks))]
+        heights = [math.nan if values[t] is None else values[t] for t in tasks]
+        ax.bar(xs, heights, width=width, label=label)
+        for x, h in zip(xs, heights):
+            if math.isnan(h):
+                ax.annotate("undefined", (x, 0), ha="center", va="bottom", rotation=90, fontsize=7)
+    ax.axhline(1.0, color="tab:green", linestyle="--", linewidth=1, label="expert (1)")
+    ax.axhline(0.0, color="gray", linewidth=1)
+    ax.set_xticks(range(len(tasks)), [short(t) for t in tasks])
+    ax.set_ylabel("normalized score (merged - base) / (expert - base)")
+    ax.set_title("normalized score per expert task (best run per method)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)

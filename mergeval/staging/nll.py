@@ -1,0 +1,76 @@
+"""Per-token negative log-likelihoods of a causal LM on held-out answers (teacher forced, no generation).
+
+A held-out item becomes one sequence, ``prompt(question) + " " + answer``,
+tokenized exactly as the fine-tuning code and lm-eval split a context from its
+continuation: the context's tokens, then the rest. Only the answer tokens are
+scored: the prompt is the same for every candidate and carries no answer,
+while the answer tokens are what a multiple-choice benchmark's log-likelihood
+compares, so their perplexity is the closest cheap proxy of its accuracy. One
+sequence is one forward pass (lm-eval spends one per choice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mergeval.zoo.domains import Item
+from mergeval.zoo.finetune import prompt
+
+
+@dataclass
+class Spent:
+    """What scoring cost: sequences through the model (forward passes), their tokens, and model calls (batches)."""
+
+    forward_passes: int = 0
+    tokens: int = 0
+    batches: int = 0
+
+
+def answer_sequences(tokenizer, items: list[Item]) -> list[tuple[list[int], int]]:
+    """Per item: the token ids of prompt + " " + correct answer, and the index of the first answer token."""
+    out = []
+    for item in items:
+        context = prompt(item["question"])
+        start = len(tokenizer(context)["input_ids"])
+        ids = tokenizer(context + " " + item["choices"][item["answer"]])["input_ids"]
+        if not 1 <= start < len(ids):
+            raise ValueError(f"cannot separate the answer tokens of {item['question']!r}")
+        out.append((ids, start))
+    return out
+
+
+@torch.inference_mode()
+def token_nlls(model, sequences: list[tuple[list[int], int]], batch_size: int, pad_id: int,
+               device: str = "cpu", spent: Spent | None = None) -> list[list[float]]:
+    """For each (ids, start): ``-ln p(ids[j] | ids[:j])`` for ``j = start .. len(ids)-1``, in input order.
+
+    Sequences are batched longest first (less padding), right-padded with an
+    attention mask, and scored with one forward pass each; ``spent`` (if given)
+    is incremented by what this call ran. Log-softmax runs in float32 on the
+    scored positions only, whatever the model's dtype.
+    """
+    spent = spent if spent is not None else Spent()
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
+    result: list[list[float]] = [[] for _ in sequences]
+    for lo in range(0, len(order), batch_size):
+        rows = order[lo:lo + batch_size]
+        width = max(len(sequences[i][0]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            seq = sequences[i][0]
+            ids[r, :len(seq)] = torch.tensor(seq)
+            mask[r, :len(seq)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        for r, i in enumerate(rows):
+            seq, start = sequences[i]
+            # position p predicts token p + 1: the answer tokens start..end-1 come from positions start-1..end-2
+            logp = torch.log_softmax(logits[r, start - 1:len(seq) - 1].float(), dim=-1)
+            targets = ids[r, start:len(seq)].to(logp.device)
+            result[i] = (-logp.gather(1, targets[:, None])[:, 0]).tolist()
+        spent.forward_passes += len(rows)
+        spent.tokens += int(mask.sum())
+        spent.batches += 1
+    return result

@@ -1,0 +1,162 @@
+"""``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...]``
+
+Checks a paper spec (``specs/<name>.yaml``, by name or by path):
+
+1. Published tables: every derived cell (an average over tasks, an overall
+   score over rescaled groups, a normalized score, Macro-Gain...) is recomputed
+   from the printed inputs. A number printed with d decimals is known to
+   +-0.5*10^-d; the derived value may lie anywhere the inputs' rounding lets it
+   (a group rescaled by s carries s times its inputs' error), and the printed
+   derived value agrees when its own rounding interval meets that range
+   (``mergeval/specs/numbers.py``). A cell that does not recompute fails,
+   unless the spec records it as the paper's own discrepancy (which number, by
+   how much, why) and the record matches what is measured.
+2. Claims: relations with tolerances between published cells, numbers and the
+   results of runs (``--run``: result.json files, or directories holding them,
+   e.g. a sweep's multirun directory). The claim language is documented in
+   ``mergeval/specs/claims.py``; in short::
+
+       - id: expert_beats_base
+         says: each expert beats the base on its own task
+         for_each: expert
+         left:  {score: {task: "{task}", role: "{expert}"}}
+         op: ">"
+         right: {score: {task: "{task}", role: base}}
+         stderr_margin: 3
+
+   Each claim, and each repetition of it, is "pass", "fail" or "not run" (the
+   runs given cannot evaluate it; the reason is printed).
+
+``--tag`` / ``--claim`` select the claims (published table checks always run).
+
+Exit status:
+  0  every derived cell agrees (or is a matching recorded discrepancy), and every
+     selected claim that was evaluated passes; without ``--run``, claims that need
+     runs are listed as "not run" and do not count, so ``verify SPEC`` checks what
+     the paper publishes; with ``--run``, every selected claim must be evaluated
+     and pass: a "not run" claim is not a pass (select what your runs cover with
+     ``--tag`` or ``--claim``);
+  1  otherwise;
+  2  a mistake to fix: a missing or invalid spec, an unreadable result.json, an
+     unknown tag or claim id (one line on stderr naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mergeval.errors import UserError
+from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, check_tables, evaluate_claim, load_runs,
+                            load_spec)
+from mergeval.specs.tables import CellCheck
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other user mistake
+        print(f"mergeval: error: {message}; see python -m mergeval.verify --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m mergeval.verify", description="Check a paper spec's published tables and claims.")
+    p.add_argument("spec", nargs="?", help="a spec name (see --list) or a path to a spec YAML")
+    p.add_argument("--run", action="append", default=None, metavar="RESULT",
+                   help="a result.json, or a directory searched for them (repeatable)")
+    p.add_argument("--tag", action="append", default=[], help="check only claims with this tag (repeatable)")
+    p.add_argument("--claim", action="append", default=[], metavar="ID", help="check only this claim (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the shipped specs and exit")
+    return p
+
+
+def select_claims(spec: Spec, tags: list[str], ids: list[str]):
+    """The claims chosen by --tag / --claim (all when neither is given); UserError for unknown ones."""
+    known_ids = {c.id for c in spec.claims}
+    known_tags = sorted({t for c in spec.claims for t in c.tags})
+    for cid in ids:
+        if cid not in known_ids:
+            raise UserError("--claim", f"spec {spec.name} has no claim '{cid}'", f"choose from {sorted(known_ids)}")
+    for tag in tags:
+        if tag not in known_tags:
+            raise UserError("--tag", f"no claim of spec {spec.name} has tag '{tag}'",
+                            f"tags in this spec: {known_tags}")
+    if not tags and not ids:
+        return list(spec.claims)
+    return [c for c in spec.claims if c.id in ids or set(c.tags) & set(tags)]
+
+
+def exit_status(checks: list[CellCheck], results: list[ClaimResult], runs_given: bool) -> int:
+    """0 or 1 as the module docstring defines it."""
+    bad_cells = any(not c.ok for c in checks)
+    failed = any(r.status == "fail" for r in results)
+    missing = runs_given and any(r.status == "not run" for r in results)
+    return 1 if bad_cells or failed or missing else 0
+
+
+def _fmt(m: Measured | None) -> str:
+    if m is None:
+        return "-"
+    if m.text is not None:
+        return m.text
+    return f"{m.value:.4g}" + (f"±{m.stderr:.2g}" if m.stderr else "")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None) -> str:
+    cite = ", ".join(str(spec.citation[k]) for k in ("authors", "venue") if spec.citation.get(k))
+    out = [f"{spec.name}: {spec.title}" + (f" ({cite})" if cite else "")]
+    out.append(f"\npublished tables: {len(checks)} derived cells")
+    if checks:
+        out.append(_table(["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows",
+                           "verdict"],
+                          [[" / ".join(c.at), c.kind, c.printed.text, f"{c.recomputed:.6g}",
+                            f"[{c.lo:.6g}, {c.hi:.6g}]", c.status + (f": {c.detail}" if c.detail else "")]
+                           for c in checks]))
+    runs_given = runs is not None
+    if runs:
+        out.append(f"\nruns: {len(runs)}")
+        out.append(_table(["run", "method", "modelset", "result"],
+                          [[str(r.index), r.label, str(r.config.get("modelset", {}).get("name", "?")), r.path]
+                           for r in runs]))
+    source = f"{len(runs)} run(s)" if runs_given else "no --run given"
+    out.append(f"\nclaims: {len(results)} checks ({source})")
+    if results:
+        out.append(_table(["claim", "verdict", "left", "op", "right", "detail"],
+                          [[r.id, r.status, _fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
+    agree = sum(c.ok for c in checks)
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "not run")}
+    note = "" if runs_given or not counts["not run"] else " (they need --run; not counted)"
+    code = exit_status(checks, results, runs_given)
+    out.append(f"\nverdict: {agree}/{len(checks)} derived cells agree; claims {counts['pass']} pass, "
+               f"{counts['fail']} fail, {counts['not run']} not run{note} -> exit {code}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.list:
+            print("\n".join(available()))
+            return 0
+        if args.spec is None:
+            raise UserError("spec", "no spec given", f"name one of: {', '.join(available())}")
+        spec = load_spec(args.spec)
+        claims = select_claims(spec, args.tag, args.claim)
+        runs = load_runs(args.run) if args.run is not None else None
+        checks = check_tables(spec.tables)
+        results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
+    except UserError as err:
+        print(err.line(), file=sys.stderr)
+        return 2
+    print(report(spec, checks, results, runs))
+    return exit_status(checks, results, runs is not None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""CMM, pipelines and hierarchical merging through the Hydra app on the tiny zoo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import mergeval
+
+
+def result_of(out, tmp_path: Path) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    [path] = list(tmp_path.rglob("result.json"))
+    return json.loads(path.read_text())
+
+
+def test_cmm_ranks_experts_on_the_validation_split_and_records_the_order(tmp_path, tiny_dir):
+    result = result_of(mergeval("+experiment=tiny", "method=cmm", "method.validation_items=20", cwd=tmp_path),
+                       tmp_path)
+    merge = result["merge"]
+    scores = merge["validation_scores"]
+    assert set(scores) == {"chem", "units"}
+    assert merge["order"] == sorted(scores, key=lambda name: (scores[name], name != "chem"))  # weakest first
+    assert merge["coefficients"] == pytest.approx([0.3, 0.6])
+    test_digests = set(result["task_digests"].values())
+    assert not test_digests & set(merge["validation_digests"].values())  # validation data is not test data
+    assert all(v["n"] == 20 for per in merge["validation_per_task"].values() for v in per.values())
+
+
+def test_cmm_order_changes_the_merged_model(tmp_path, tiny_dir):
+    fps = {}
+    for order in ("given", "reverse"):
+        run_dir = tmp_path / order
+        run_dir.mkdir()
+        result = result_of(mergeval("+experiment=tiny", "method=cmm", f"method.order={order}",
+                                    "method.validation_scores=[0.2,0.9]", cwd=run_dir), run_dir)
+        fps[order] = next(m["fingerprint"] for m in result["models"] if m["role"] == "merged")
+        assert result["merge"]["order"] == (["chem", "units"] if order == "given" else ["units", "chem"])
+    assert fps["given"] != fps["reverse"]
+
+
+def test_pipeline_runs_its_stages(tmp_path, tiny_dir):
+    result = result_of(mergeval("+experiment=tiny", "method=pipeline", cwd=tmp_path), tmp_path)
+    assert [s["name"] for s in result["config"]["method"]["stages"]] == ["chem_half", "final"]
+    assert {m["role"] for m in result["models"]} == {"base", "chem", "units", "merged"}
+
+
+def test_pipeline_with_an_unknown_input_is_one_line(tmp_path, tiny_dir):
+    out = mergeval("+experiment=tiny", "method=pipeline", "method.stages.0.inputs=[nobody]", cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "method.stages[0]" in lines[0] and "nobody" in lines[0], out.stderr
+
+
+def test_hierarchical_merges_layer_by_layer(tmp_path, tiny_dir):
+    result = result_of(mergeval("+experiment=tiny", "method=hierarchical", cwd=tmp_path), tmp_path)
+    merged = next(m for m in result["models"] if m["role"] == "merged")
+    experts = {m["fingerprint"] for m in result["models"] if m["role"] in ("chem", "units")}
+    assert merged["fingerprint"] not in experts
+
+
+def test_metric_group_full_adds_groups_forgetting_and_similarity(tmp_path, tiny_dir):
+    result = result_of(mergeval("+experiment=tiny", "metric=full", "eval.force=true", cwd=tmp_path), tmp_path)
+    agg = result["aggregates"]
+    assert set(agg["groups"]) == {"base", "chem", "units", "merged"}
+    general = result["scores"]["mergeval_general_facts"]
+    assert agg["forgetting"]["mean"] == general["base"]["acc"] - general["merged"]["acc"]
+    assert {"chem~units", "chem~merged", "units~merged"} == set(agg["similarity"])
+
+
+def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
+    out = mergeval("+experiment=tiny", "metric=full", "metric.forgetting_tasks=[mergeval_nope]", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "metric.forgetting_tasks" in out.stderr

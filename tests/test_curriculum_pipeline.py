@@ -1,0 +1,174 @@
+"""CMM (curriculum merging) and multi-stage pipelines: formulas, invariants, and config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeval.errors import UserError
+from mergeval.methods import get_method
+from mergeval.methods.curriculum import CmmConfig, merge_order, schedule
+from mergeval.methods.pipeline import PipelineConfig, StageConfig
+from mergeval.methods.task_vector import TaskArithmeticConfig, TiesConfig
+
+GEN = torch.Generator().manual_seed(0)
+cmm = get_method("cmm")
+pipeline = get_method("pipeline")
+ta = get_method("task_arithmetic")
+ties = get_method("ties")
+
+
+def tensors(seed: int, n: int, shape=(6, 5)):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    return base, [base + torch.randn(shape, generator=g) for _ in range(n)]
+
+
+coef = st.floats(0.05, 2.0)
+
+
+@given(st.sampled_from(["constant", "linear", "exponential"]), coef, coef, st.integers(1, 8))
+def test_schedule_endpoints_and_monotone(kind, start, end, n):
+    c = schedule(kind, start, end, n)
+    assert len(c) == n and math.isclose(c[0], start)
+    if kind != "constant" and n > 1:
+        assert math.isclose(c[-1], end, rel_tol=1e-9)
+        diffs = [b - a for a, b in zip(c, c[1:])]
+        assert all(d >= -1e-12 for d in diffs) or all(d <= 1e-12 for d in diffs)
+    if kind == "exponential" and n > 2:  # geometric: constant ratio between steps
+        assert math.isclose(c[1] / c[0], c[2] / c[1], rel_tol=1e-9)
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=7))
+def test_merge_order(scores):
+    n = len(scores)
+    ranked = merge_order("ranked", scores, n)
+    assert sorted(ranked) == list(range(n))
+    assert [scores[i] for i in ranked] == sorted(scores)  # weakest first
+    assert [scores[i] for i in merge_order("reverse", scores, n)] == sorted(scores, reverse=True)
+    assert merge_order("given", None, n) == list(range(n))
+
+
+def test_ties_in_scores_keep_modelset_order():
+    assert merge_order("ranked", [0.5, 0.2, 0.5], 3) == [1, 0, 2]
+    assert merge_order("reverse", [0.5, 0.2, 0.5], 3) == [0, 2, 1]
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.integers(1, 4), st.floats(0.1, 1.0), st.floats(-1, 2))
+def test_constant_additive_cmm_is_task_arithmetic(seed, n, c, lam):
+    base, experts = tensors(seed, n)
+    cfg = CmmConfig(order="given", schedule="constant", start=c, lambda_=lam)
+    expected = ta.merge(base, experts, TaskArithmeticConfig(lambda_=lam * c), GEN)
+    torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from(["additive", "interpolate"]))
+def test_lambda_zero_and_identical_models_return_base(seed, n, update):
+    base, experts = tensors(seed, n)
+    cfg = CmmConfig(order="given", update=update, lambda_=0.0)
+    torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), base)
+    cfg = CmmConfig(order="given", update=update)
+    torch.testing.assert_close(cmm.merge(base, [base.clone() for _ in experts], cfg, GEN), base)
+
+
+def test_one_expert_with_coefficient_one_returns_it():
+    base, [e] = tensors(1, 1)
+    for update in ("additive", "interpolate"):
+        cfg = CmmConfig(order="given", schedule="constant", start=1.0, update=update)
+        torch.testing.assert_close(cmm.merge(base, [e], cfg, GEN), e)
+
+
+def test_interpolate_ends_at_the_last_expert_when_its_coefficient_is_one():
+    base, experts = tensors(2, 3)
+    cfg = CmmConfig(order="given", schedule="linear", start=0.3, end=1.0, update="interpolate")
+    torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), experts[-1])
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.sampled_from(["additive", "interpolate"]))
+def test_cmm_depends_on_the_order(seed, update):
+    base, experts = tensors(seed, 3)
+    scores = [0.2, 0.5, 0.9]
+    up = cmm.merge(base, experts, CmmConfig(order="ranked", validation_scores=scores, update=update), GEN)
+    down = cmm.merge(base, experts, CmmConfig(order="reverse", validation_scores=scores, update=update), GEN)
+    assert not torch.allclose(up, down)
+    # ranked by these scores is the given order here
+    torch.testing.assert_close(up, cmm.merge(base, experts, CmmConfig(order="given", update=update), GEN))
+
+
+def test_additive_linear_formula_by_hand():
+    base, experts = tensors(3, 3)
+    cfg = CmmConfig(order="ranked", validation_scores=[0.9, 0.1, 0.5], start=0.3, end=0.6, lambda_=0.8)
+    d = [e - base for e in experts]
+    expected = base + 0.8 * (0.3 * d[1] + 0.45 * d[2] + 0.6 * d[0])  # weakest (1) first, strongest (0) last
+    torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,value,fix", [
+    ("order", "random", "order"), ("schedule", "cosine", "schedule"), ("update", "ema", "update"),
+    ("validation_scores", [0.1], "validation_scores"), ("validation_items", 0, "validation_items"),
+])
+def test_cmm_bad_config(field, value, fix):
+    with pytest.raises(UserError) as err:
+        cmm.validate(CmmConfig(**{field: value}), 2)
+    assert err.value.field == f"method.{fix}"
+
+
+def test_exponential_needs_positive_coefficients():
+    with pytest.raises(UserError):
+        cmm.validate(CmmConfig(schedule="exponential", start=0.0), 2)
+
+
+def stage(stage_name, base, inputs, **method):
+    return StageConfig(name=stage_name, base=base, inputs=inputs, method=method)
+
+
+def test_single_stage_pipeline_equals_its_method():
+    base, experts = tensors(4, 2)
+    cfg = PipelineConfig(stages=[stage("m", "base", ["a", "b"], name="ties", density=0.4)], expert_names=["a", "b"])
+    pipeline.validate(cfg, 2)
+    torch.testing.assert_close(pipeline.merge(base, experts, cfg, GEN),
+                               ties.merge(base, experts, TiesConfig(density=0.4), GEN))
+
+
+def test_two_stage_pipeline_composes():
+    base, (a, b) = tensors(5, 2)
+    cfg = PipelineConfig(stages=[stage("half", "base", ["a"], name="task_arithmetic", lambda_=0.5),
+                                 stage("final", "half", ["b"], name="linear")],
+                         expert_names=["a", "b"])
+    pipeline.validate(cfg, 2)
+    half = base + 0.5 * (a - base)
+    torch.testing.assert_close(pipeline.merge(base, [a, b], cfg, GEN), b)  # linear of one model = that model
+    cfg.stages[1] = stage("final", "half", ["b"], name="task_arithmetic", lambda_=0.3)
+    torch.testing.assert_close(pipeline.merge(base, [a, b], cfg, GEN), half + 0.3 * (b - half))
+
+
+def test_random_stages_are_deterministic():
+    base, experts = tensors(6, 2)
+    cfg = PipelineConfig(stages=[stage("d", "base", ["a", "b"], name="dare_ties", density=0.5)],
+                         expert_names=["a", "b"])
+    out = [pipeline.merge(base, experts, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("stages,field", [
+    ([], "method.stages"),
+    ([stage("x", "base", ["nope"], name="linear")], "method.stages[0]"),
+    ([stage("a", "base", ["b"], name="linear")], "method.stages[0].name"),
+    ([stage("x", "base", [], name="linear")], "method.stages[0].inputs"),
+    ([stage("x", "base", ["a"], name="nosuch")], "method.stages[0].method.name"),
+    ([stage("x", "base", ["a"], name="ties", density=2.0)], "method.density"),
+    ([stage("x", "base", ["a"], name="ties", densty=0.5)], "method.stages[0].method.densty"),
+    ([stage("x", "base", ["a"], name="cmm")], "method.stages[0].method.validation_scores"),
+    ([stage("x", "base", ["a"], name="linear"), stage("y", "base", ["b"], name="linear")], "method.stages"),
+])
+def test_pipeline_bad_config(stages, field):
+    with pytest.raises(UserError) as err:
+        pipeline.validate(PipelineConfig(stages=stages, expert_names=["a", "b"]), 2)
+    assert err.value.field == field

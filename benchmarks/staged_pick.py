@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in out.candidates:
         mark = " <- staged pick" if c.label == out.pick else ""
         mark += " <- full pick" if c.label == cmp["full_pick"] else ""
-        print(f"  {c.label:36s} PPL/base {c.degradation + 1:9.3g}   full acc {c.mean('full'):.3f}{mark}")
+        print(f"  {c.label:36s} PPL/experts {c.degradation + 1:9.3g}   full acc {c.mean('full'):.3f}{mark}")
     print(f"staged pick: {out.pick}   full pick: {cmp['full_pick']}   same pick: {'yes' if cmp['same_pick'] else 'NO'}"
           + ("" if cmp["regret"] is None else f"   regret {cmp['regret']:.3f} mean acc"))
     for stage in ("stage1", "stage2", "stage3", "staged", "full"):

@@ -97,7 +97,7 @@ class StagedConfig:
     stage1_keep: int = 4  # candidates promoted by perplexity to stage 2
     stage2_fraction: float = 0.15  # share of each task's items in stage 2
     stage3_keep: int = 3  # candidates promoted by stage 2 to the full benchmark
-    degrade_threshold: float = 1.0  # early stop if every candidate's perplexity exceeds the base's by this fraction
+    degrade_threshold: float = 1.0  # early stop if every candidate's held-out perplexity exceeds the experts' by this
     full: bool = False  # also run the full benchmark on every candidate and compare the picks
 
 

@@ -10,7 +10,6 @@ line on stderr and exit status 2, as with ``python -m mergeval``.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mergeval.config import register_configs
+from mergeval.cli import discard_job_dir, run_cli
 from mergeval.errors import UserError
 
 register_configs()
@@ -53,35 +53,6 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.fingerprint} for m in models]
     return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
                          card={"config": merge_config(cfg), "inputs": inputs}, progress=True)
-
-
-def discard_job_dir(job_dir: Path) -> None:
-    """A run that failed on bad input leaves no job directory, if it holds only Hydra's own files
-    (never a directory with anything else in it, e.g. when hydra.run.dir points at the working directory)."""
-    import shutil
-
-    if job_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in job_dir.iterdir()):
-        shutil.rmtree(job_dir, ignore_errors=True)
-
-
-def run_cli(hydra_main) -> None:
-    """Run a Hydra main with mergeval's error contract: a UserError or a composition error is one line on
-    stderr and exit status 2; HYDRA_FULL_ERROR=1 shows the traceback instead."""
-    from mergeval.__main__ import explain
-
-    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
-    try:
-        hydra_main()
-    except UserError as err:
-        print(err.line(), file=sys.stderr)
-        sys.exit(2)
-    except Exception as ex:
-        line = None if full_error else explain(ex)
-        if line is None:
-            raise
-        print(f"mergeval: error: {line}", file=sys.stderr)
-        sys.exit(2)
 
 
 def cli() -> None:

@@ -10,14 +10,13 @@ is a result, not an error (exit 0).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.__main__ import _discard_job_dir, explain
+from mergeval.cli import discard_job_dir, run_cli
 from mergeval.config import register_configs
 from mergeval.errors import UserError
 
@@ -35,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     try:
         outcome = run_staged(cfg)
     except UserError as err:
-        _discard_job_dir(out_dir)
+        discard_job_dir(out_dir)
         print(err.line(), file=sys.stderr)
         sys.exit(2)
     report.render(outcome, title=f"staged sweep · {cfg.modelset.name} · {cfg.benchmark.name}")
@@ -43,19 +42,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach explain() instead of Hydra's own report
-    try:
-        main()
-    except UserError as err:
-        print(err.line(), file=sys.stderr)
-        sys.exit(2)
-    except Exception as ex:
-        line = None if full_error else explain(ex)
-        if line is None:
-            raise
-        print(f"mergeval: error: {line}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)
 
 
 if __name__ == "__main__":

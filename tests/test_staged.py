@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mergeval.config import register_configs
@@ -170,13 +170,14 @@ def test_stage2_limit_is_the_smallest_count_covering_the_fraction(fraction, n):
 
 
 def test_cost_table_of_the_quickstart_sweep():
-    choices = {t: [4] * 200 for t in ("a", "b", "c")}
-    table = cost_table(8, {"a": 64, "b": 64, "c": 64}, choices, 200, 30, n_stage2=4, n_stage3=3)
-    assert table["stage1"] == Cost(9 * 192, 9 * 192)
+    choices = {t: [4] * 200 for t in ("a", "b", "general")}
+    # stage 1: 8 candidates on the two experts' tasks, and each expert on its own task (the reference)
+    table = cost_table(8, {"a": 64, "b": 64}, 128, choices, 200, 30, n_stage2=4, n_stage3=3)
+    assert table["stage1"] == Cost(8 * 128 + 128, 8 * 128 + 128)
     assert table["stage2"] == Cost(4 * 90, 4 * 360)
     assert table["stage3"] == Cost(3 * 510, 3 * 2040)
     assert table["full"] == Cost(8 * 600, 8 * 2400)
-    assert fractions(table)["forward_passes"] == pytest.approx((1728 + 1440 + 6120) / 19200)
+    assert fractions(table)["forward_passes"] == pytest.approx((1152 + 1440 + 6120) / 19200)
 
 
 @given(st.integers(1, 12), st.lists(st.lists(st.integers(2, 6), min_size=2, max_size=30), min_size=1, max_size=4),
@@ -188,12 +189,13 @@ def test_cost_table_sums(n_cand, per_task, data):
     k2 = data.draw(st.integers(0, n_cand))
     k3 = data.draw(st.integers(0, k2))
     texts = {t: data.draw(st.integers(1, 50)) for t in choices}
-    table = cost_table(n_cand, texts, choices, n_full, n2, k2, k3)
+    reference = data.draw(st.integers(0, 200))
+    table = cost_table(n_cand, texts, reference, choices, n_full, n2, k2, k3)
     assert table["staged"] == table["stage1"] + table["stage2"] + table["stage3"]
     one = benchmark_cost(choices, 0, n_full)
     assert table["full"] == one * n_cand
     assert benchmark_cost(choices, 0, n2) + benchmark_cost(choices, n2, n_full) == one  # stage 2 + 3 = one full
-    assert table["stage1"].forward_passes == (n_cand + 1) * sum(texts.values())
+    assert table["stage1"].forward_passes == n_cand * sum(texts.values()) + reference
 
 
 @given(st.lists(st.booleans(), min_size=2, max_size=300), st.data())
@@ -255,7 +257,7 @@ def test_bad_candidates_and_stage_sizes_are_one_user_error(overrides, field):
 
 # One expert that clearly learned its task (80 steps: unit_convert 0.71 vs the base's 0.21 on 24 items), and
 # three candidates whose order is known by construction: task arithmetic with lambda 0 is the base, lambda 1 is
-# the expert itself, lambda 8 overshoots the task vector eight times and wrecks the model.
+# the expert itself (up to float rounding), lambda 8 overshoots the task vector eight times and wrecks the model.
 KNOWN = ["~modelset.experts.chem", "benchmark.tasks=[mergeval_unit_convert,mergeval_general_facts]",
          "modelset.train.steps=80", "modelset.train.batch_size=16", "~staged.grid.ties"]
 
@@ -274,9 +276,14 @@ def test_staged_picks_the_known_best_and_agrees_with_full_evaluation(known):
     labels = [c.label for c in out.candidates]
     assert labels == ["task_arithmetic(lambda_=0.0)", "task_arithmetic(lambda_=1.0)", "task_arithmetic(lambda_=8.0)"]
     base, expert, wrecked = out.candidates
-    assert base.log_ratio == 0.0 and not base.degraded  # lambda 0 is the base, bit for bit
-    assert wrecked.degraded and wrecked.label not in out.stage2
-    assert out.stage2 == [expert.label, base.label] and out.stage3 == [expert.label]
+    assert base.fingerprint == out.constituents[0].fingerprint  # lambda 0 is the base, bit for bit
+    assert list(out.reference) == ["mergeval_unit_convert"]  # stage 1 scores the experts' own tasks only
+    assert out.reference["mergeval_unit_convert"]["model"] == "units"
+    assert expert.log_ratio == pytest.approx(0.0, abs=1e-3)  # the expert is its own reference
+    assert base.log_ratio > expert.log_ratio
+    # degraded: more than twice the expert's perplexity on its task; the unmerged base is too (it lacks the skill)
+    assert wrecked.degraded and base.degraded and not expert.degraded
+    assert out.stage2 == [expert.label] and out.stage3 == [expert.label]
     assert out.pick == expert.label and out.early_stop is None
     assert out.comparison == {"full_pick": expert.label, "staged_pick": expert.label, "same_pick": True,
                               "regret": 0.0}
@@ -295,7 +302,7 @@ def test_cost_accounting_matches_what_ran(known):
     # eval.force: every evaluation ran, so lm-eval's own request counts must equal the counts from the data
     for stage in ("stage1", "stage2", "stage3", "full"):
         assert out.ran[stage] == out.cost[stage].forward_passes, stage
-    assert out.cost["stage2"].examples == 2 * len(out.tasks) * out.stage2_items
+    assert out.cost["stage2"].examples == 1 * len(out.tasks) * out.stage2_items
     assert out.cost["stage3"].examples == 1 * len(out.tasks) * (out.n_full - out.stage2_items)
     assert out.cost["staged"].forward_passes < out.cost["full"].forward_passes
 
@@ -340,3 +347,8 @@ def test_a_bad_candidate_is_one_line_and_exit_2(override, line, cache, tmp_path)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(line) and "Traceback" not in out.stderr, out.stderr
     assert not list(tmp_path.rglob("staged.json")) and not list(tmp_path.rglob(".hydra"))
+
+
+def test_a_config_without_a_staged_section_says_which_experiment_to_use():
+    with pytest.raises(UserError, match="^staged: no staged section.*quickstart_staged"):
+        make_plan(None, 2)

@@ -41,18 +41,19 @@ def benchmark_cost(choices: Mapping[str, Sequence[int]], start: int, stop: int) 
                 sum(sum(c[start:stop]) for c in choices.values()))
 
 
-def cost_table(n_candidates: int, texts_per_task: Mapping[str, int], choices: Mapping[str, Sequence[int]],
-               n_full: int, n_stage2_items: int, n_stage2: int, n_stage3: int) -> dict[str, Cost]:
+def cost_table(n_candidates: int, texts_per_task: Mapping[str, int], reference_texts: int,
+               choices: Mapping[str, Sequence[int]], n_full: int, n_stage2_items: int, n_stage2: int,
+               n_stage3: int) -> dict[str, Cost]:
     """Per stage and in total, for a sweep of ``n_candidates``, next to full evaluation of every candidate.
 
-    stage1 = (candidates + the base, the reference) x held-out texts;
+    stage1 = candidates x held-out texts + ``reference_texts`` (each expert on its own task's texts);
     stage2 = ``n_stage2`` candidates x items [0, n_stage2_items);
     stage3 = ``n_stage3`` candidates x items [n_stage2_items, n_full) (the first
     items were scored in stage 2 and are combined, not rerun);
     full = every candidate x items [0, n_full). The constituents' own full
     evaluation is the same for both procedures and is left out of both.
     """
-    stage1 = perplexity_cost(texts_per_task) * (n_candidates + 1)
+    stage1 = perplexity_cost(texts_per_task) * n_candidates + Cost(reference_texts, reference_texts)
     stage2 = benchmark_cost(choices, 0, n_stage2_items) * n_stage2
     stage3 = benchmark_cost(choices, n_stage2_items, n_full) * n_stage3
     return {"stage1": stage1, "stage2": stage2, "stage3": stage3, "staged": stage1 + stage2 + stage3,

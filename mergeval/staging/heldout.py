@@ -12,7 +12,7 @@ Why these are disjoint:
   every question of the configured training set (``modelset.train``, exactly
   as ``zoo.experts`` draws it) removed, and duplicates dropped.
 - ``mergeval_general_facts`` tests ``general_items(0, n_items)``; the held-out
-  text is the rest of that finite pool (351 questions): every question of the
+  text is the rest of that finite pool (351 questions at DATA_VERSION 1): every question of the
   test items is removed. No expert trains on general questions.
 
 An expert given by ``source`` was trained on data mergeval cannot see, so for

@@ -1,15 +1,17 @@
-"""Run a staged sweep: perplexity on every candidate, a fraction of the benchmark on the best, all of it on the finalists.
+"""Run a staged sweep: perplexity on every candidate, part of the benchmark on the best, all of it on the finalists.
 
 Flow (every user-fixable check runs before any model is loaded):
 
 1. validate the run config and build every candidate's method config;
    draw the held-out text; resolve the base and the experts;
-2. stage 1: the base and each candidate (merged in memory) score the
-   held-out answers; candidates are ranked by mean log-perplexity ratio to the
-   base; if every candidate degrades past ``degrade_threshold``, stop;
+2. stage 1: each candidate (merged in memory) scores the held-out answers of
+   the experts' own tasks; candidates are ranked by their mean log-perplexity
+   ratio to the experts (each on its own task); if every candidate degrades
+   past ``degrade_threshold``, stop before any benchmark;
 3. the constituents' full benchmark scores (from the results store when known);
 4. stage 2: items ``[0, L)`` of every task on the best ``stage1_keep``, with
-   ``L = ceil(stage2_fraction · N)``; ranked by mean accuracy;
+   ``L = ceil(stage2_fraction · N)``; ranked by mean accuracy over all tasks
+   (equal accuracies keep their stage-1 order: a few items often tie);
 5. stage 3: items ``[L, N)`` on the best ``stage3_keep``, combined with their
    stage-2 items into full-benchmark scores; the best is the pick;
 6. with ``staged.full=true``: the full benchmark on every candidate, and
@@ -33,6 +35,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.app import MERGED, ModelInfo, aggregate, eval_settings, open_store, resolve_models, validate
+from mergeval.errors import UserError
 from mergeval.eval.tasks import task_digest, write_tasks
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.paths import cache_root
@@ -73,8 +76,8 @@ class StagedOutcome:
     task_digests: dict[str, str]
     constituents: list[ModelInfo]
     constituent_scores: dict[str, dict[str, dict]]  # task -> role -> {acc, stderr, n}
-    heldout: dict[str, dict]  # task -> {texts, answer_tokens}
-    base_perplexity: dict[str, float]
+    heldout: dict[str, dict]  # stage-1 task -> {texts, answer_tokens}
+    reference: dict[str, dict]  # stage-1 task -> {model: the expert whose task it is, perplexity}
     candidates: list[CandidateResult]
     n_full: int  # items per task in the full benchmark
     stage2_items: int  # L
@@ -145,20 +148,96 @@ def _finite_or_inf(x: float) -> float:
     return x if math.isfinite(x) else math.inf
 
 
+def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
+    """The tasks stage 1 scores: each expert's own task (benchmark order), with the experts it belongs to.
+
+    Only the experts' tasks: the guide ranks by perplexity on each task's held-out
+    domain text. General-knowledge text is left to the benchmark stages: the
+    quickstart measured its answer perplexity swinging a hundredfold between
+    merges of equal general accuracy (answer format, not knowledge), which
+    drowned the domain signal when it was part of the ranking key.
+    """
+    owners: dict[str, list[str]] = {}
+    for task in cfg.benchmark.tasks:
+        roles = [name for name, e in cfg.modelset.experts.items() if e.task == task]
+        if roles:
+            owners[task] = roles
+    if not owners:
+        raise UserError("modelset.experts", "staged evaluation ranks by perplexity on the experts' own tasks, and "
+                        "no expert names one", "set modelset.experts.<name>.task")
+    return owners
+
+
 def prepare(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the run config (its ``method`` is unused) and the sweep's plan."""
     validate(cfg)
-    return make_plan(cfg.staged, len(cfg.modelset.experts))
+    plan = make_plan(cfg.staged, len(cfg.modelset.experts))
+    stage1_tasks(cfg)
+    return plan
+
+
+class Models:
+    """The sweep's models: the constituents' tensors, and each candidate merged on demand into one live model.
+
+    One candidate is in memory at a time. The live model is built once and then
+    reloaded in place (0.1 s instead of a 5 s ``from_pretrained`` for SmolLM2):
+    every merge carries the same tensor names, so each load overwrites exactly
+    what the previous one wrote, and the copy into the eval dtype rounds as a
+    fresh load does.
+    """
+
+    def __init__(self, cfg: DictConfig, base_dir: Path, expert_dirs: dict[str, Path], dtype):
+        from mergeval.models.checkpoint import load_tensors
+
+        self.cfg, self.base_dir, self.expert_dirs, self.dtype = cfg, base_dir, expert_dirs, dtype
+        self.base_tensors = load_tensors(base_dir)
+        self.expert_tensors = [load_tensors(p) for p in expert_dirs.values()]
+        self._live = None
+
+    def merged(self, cand: Candidate) -> dict:
+        from mergeval.engine import merge_tensors
+
+        return merge_tensors(cand.method, cand.config, self.base_tensors, self.expert_tensors, self.cfg.seed,
+                             progress=False, vocab_policy=self.cfg.vocab_policy)
+
+    def live(self, tensors: dict):
+        from mergeval.models.checkpoint import load_model
+
+        if self._live is None:
+            self._live = load_model(self.base_dir, tensors, self.dtype).to(self.cfg.eval.device)
+        else:
+            self._live.load_state_dict(tensors, strict=False)
+        return self._live
+
+    def candidate(self, cand: Candidate):
+        return self.live(self.merged(cand))
+
+    def saved(self, path: Path):
+        from mergeval.models.checkpoint import load_model
+
+        return load_model(path, None, self.dtype).to(self.cfg.eval.device)
+
+
+@dataclass
+class HeldOut:
+    """Stage 1's scorer: the tokenized held-out answers per task, and the forward passes spent on them."""
+
+    sequences: dict[str, list[tuple[list[int], int]]]
+    batch_size: int
+    pad_id: int
+    device: str
+    spent: Spent = field(default_factory=Spent)
+
+    def perplexities(self, model, only: list[str] | None = None) -> dict[str, float]:
+        return {t: _finite_or_inf(perplexity(token_nlls(model, seqs, self.batch_size, self.pad_id, self.device,
+                                                        self.spent)))
+                for t, seqs in self.sequences.items() if only is None or t in only}
 
 
 def run_staged(cfg: DictConfig) -> StagedOutcome:
     import torch
     import transformers
     from transformers import AutoTokenizer
-
-    from mergeval.engine import merge_tensors
-    from mergeval.models.checkpoint import load_model, load_tensors
-    from mergeval.models.fingerprint import fingerprint_state_dict
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -176,96 +255,96 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     tasks = list(cfg.benchmark.tasks)
     n_items = cfg.benchmark.n_items
     n_full = min(n_items, cfg.benchmark.limit) if cfg.benchmark.limit is not None else n_items
-    n_stage2 = stage2_limit(plan.stage2_fraction, n_full)
+    owners = stage1_tasks(cfg)
     trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
-    heldout = heldout_items(tasks, plan.heldout_items, n_items, trained, cfg.modelset.train)
+    heldout = heldout_items(list(owners), plan.heldout_items, n_items, trained, cfg.modelset.train)
     task_dir = write_tasks(tasks, n_items, cache)
-    base_dir, expert_dirs, models = resolve_models(cfg, cache)
+    base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
 
-    dtype, device = getattr(torch, cfg.eval.dtype), cfg.eval.device
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    sequences = {t: answer_sequences(tokenizer, items) for t, items in heldout.items()}
-    base_tensors = load_tensors(base_dir)
-    expert_tensors = [load_tensors(p) for p in expert_dirs.values()]
-
-    def merged(cand: Candidate) -> dict:
-        return merge_tensors(cand.method, cand.config, base_tensors, expert_tensors, cfg.seed, progress=False,
-                             vocab_policy=cfg.vocab_policy)
-
-    def as_model(tensors: dict | None):
-        return load_model(base_dir, tensors, dtype).to(device)
-
-    spent = Spent()
-
-    def perplexities(model) -> dict[str, float]:
-        return {t: _finite_or_inf(perplexity(token_nlls(model, seqs, cfg.eval.batch_size, pad_id, device, spent)))
-                for t, seqs in sequences.items()}
-
+    scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
+                     pad_id, cfg.eval.device)
+    models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
     digests = {t: task_digest(task_dir, t) for t in tasks}
     outcome = StagedOutcome(
-        tasks, digests, models, {t: {} for t in tasks},
-        {t: {"texts": len(s), "answer_tokens": sum(len(ids) - start for ids, start in s)} for t, s in sequences.items()},
-        {}, [], n_full, n_stage2, timings=timings)
+        tasks, digests, constituents, {t: {} for t in tasks},
+        {t: {"texts": len(s), "answer_tokens": sum(len(ids) - start for ids, start in s)}
+         for t, s in scorer.sequences.items()},
+        {}, [], n_full, stage2_limit(plan.stage2_fraction, n_full), timings=timings)
 
-    # Stage 1: perplexity of the held-out answers, every candidate and the base (the reference).
-    print(f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates and the base on "
-          f"{sum(len(s) for s in sequences.values())} held-out texts", flush=True)
-    outcome.base_perplexity = perplexities(as_model(None))
+    _stage1(outcome, plan, owners, models, scorer)
+    lap("stage1")
+    if outcome.early_stop is None or plan.full:
+        bench = Bench(cfg, task_dir, tasks, digests, open_store(cfg, cache), tokenizer)
+        _constituents(bench, outcome, models)
+        lap("constituents")
+    if outcome.early_stop is None:
+        _stage2_and_3(bench, outcome, plan, models.candidate)
+        lap("stages_2_3")
+    if plan.full:
+        _full(bench, outcome, plan, models.candidate)
+        lap("full")
+    texts = {t: len(s) for t, s in scorer.sequences.items()}
+    outcome.cost = cost_table(len(outcome.candidates), texts, sum(texts[t] * len(r) for t, r in owners.items()),
+                              _choices(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
+                              len(outcome.stage3))
+    return outcome
+
+
+def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], models: Models,
+            scorer: HeldOut) -> None:
+    """Perplexity of every candidate on the experts' held-out answers; the early stop, or stage 2's candidates.
+
+    The reference for each task is its expert (the best, if several share it):
+    the source models the guide's early stop compares with. It does not change
+    the ranking (see :func:`mergeval.metrics.perplexity.mean_log_ratio`).
+    """
+    from mergeval.models.fingerprint import fingerprint_state_dict
+
+    print(f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates on "
+          f"{sum(len(s) for s in scorer.sequences.values())} held-out texts of {', '.join(owners)}", flush=True)
+    for role, path in models.expert_dirs.items():
+        own = [t for t, roles in owners.items() if role in roles]
+        if own:
+            for task, ppl in scorer.perplexities(models.saved(path), own).items():
+                if task not in outcome.reference or ppl < outcome.reference[task]["perplexity"]:
+                    outcome.reference[task] = {"model": role, "perplexity": ppl}
+    reference = {t: r["perplexity"] for t, r in outcome.reference.items()}
     for cand in plan.candidates:
-        tensors = merged(cand)
+        tensors = models.merged(cand)
         res = CandidateResult(cand.label, cand.method.name, cand.params,
                               OmegaConf.to_container(OmegaConf.structured(cand.config)),
                               fingerprint_state_dict(tensors))
-        res.perplexity = perplexities(as_model(tensors))
+        res.perplexity = scorer.perplexities(models.live(tensors))
         del tensors
-        res.log_ratio = _finite_or_inf(mean_log_ratio(res.perplexity, outcome.base_perplexity))
-        res.degradation = _finite_or_inf(degradation(res.perplexity, outcome.base_perplexity))
+        res.log_ratio = _finite_or_inf(mean_log_ratio(res.perplexity, reference))
+        res.degradation = _finite_or_inf(degradation(res.perplexity, reference))
         res.degraded = not res.degradation <= plan.degrade_threshold
         outcome.candidates.append(res)
-        print(f"  {cand.label}: perplexity x{res.degradation + 1:.3g} of the base (geometric mean over tasks)",
+        print(f"  {cand.label}: perplexity x{res.degradation + 1:.3g} of the experts' (geometric mean over tasks)",
               flush=True)
-    outcome.ran["stage1"] = spent.forward_passes
-    lap("stage1")
-
+    outcome.ran["stage1"] = scorer.spent.forward_passes
     labels = [c.label for c in outcome.candidates]
     degraded = frozenset(c.label for c in outcome.candidates if c.degraded)
     if len(degraded) == len(labels):
         outcome.early_stop = (f"every candidate's held-out perplexity is more than {plan.degrade_threshold:.0%} "
-                              "above the base's (geometric mean over tasks); stopped before any benchmark: "
-                              "reconsider the experts or the methods before spending more")
+                              "above the experts' on their own tasks (geometric mean over tasks); stopped before "
+                              "any benchmark: reconsider whether these experts merge well, or the methods")
     else:
         outcome.stage2 = promote({c.label: c.log_ratio for c in outcome.candidates}, labels, plan.stage1_keep,
                                  higher_is_better=False, excluded=degraded)
-    if outcome.early_stop is None or plan.full:
-        bench = Bench(cfg, task_dir, tasks, digests, open_store(cfg, cache), tokenizer)
-        _constituents(bench, outcome, dtype, device)
-        lap("constituents")
-    if outcome.early_stop is None:
-        _stage2_and_3(bench, outcome, plan, lambda c: as_model(merged(c)))
-        lap("stages_2_3")
-    if plan.full:
-        _full(bench, outcome, plan, lambda c: as_model(merged(c)))
-        lap("full")
-    choices = _choices(task_dir, tasks, n_full)
-    outcome.cost = cost_table(len(labels), {t: len(s) for t, s in sequences.items()}, choices, n_full, n_stage2,
-                              len(outcome.stage2), len(outcome.stage3))
-    return outcome
 
 
-def _constituents(bench: Bench, outcome: StagedOutcome, dtype, device) -> None:
+def _constituents(bench: Bench, outcome: StagedOutcome, models: Models) -> None:
     """The base's and experts' full benchmark scores (once per fingerprint and settings, via the store)."""
-    from mergeval.models.checkpoint import load_model
-
     for info in outcome.constituents:
-        path = Path(info.path)
+        def load(path=Path(info.path), role=info.role):
+            print(f"mergeval: evaluating {role} on {len(outcome.tasks)} tasks", flush=True)
+            return models.saved(path)
 
-        def make():
-            print(f"mergeval: evaluating {info.role} on {len(outcome.tasks)} tasks", flush=True)
-            return load_model(path, None, dtype).to(device)
-
-        got, info.evaluated, _ = bench.scores(info.fingerprint, make)
+        got, info.evaluated, _ = bench.scores(info.fingerprint, load)
         for task in outcome.tasks:
             outcome.constituent_scores[task][info.role] = got[task]
 
@@ -277,7 +356,7 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     outcome.ran["stage2"] = 0
     for label in outcome.stage2:
         res = outcome.result(label)
-        res.stage2, res.evaluated["stage2"], ran = bench.scores(res.fingerprint, lambda: model_of(by_label[label]),
+        res.stage2, res.evaluated["stage2"], ran = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c),
                                                                 (0, n2))
         outcome.ran["stage2"] += ran
     keys = {label: outcome.result(label).mean("stage2") for label in outcome.stage2}
@@ -287,7 +366,7 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     for label in outcome.stage3:
         res = outcome.result(label)
         if n2 < n:
-            rest, res.evaluated["stage3"], ran = bench.scores(res.fingerprint, lambda: model_of(by_label[label]),
+            rest, res.evaluated["stage3"], ran = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c),
                                                               (n2, n))
             outcome.ran["stage3"] += ran
             res.stage3 = {t: combine(res.stage2[t], rest[t]) for t in outcome.tasks}
@@ -305,7 +384,7 @@ def full_evaluation(bench: Bench, candidates: list[Candidate], fingerprints: dic
     out = {}
     for cand in candidates:
         print(f"mergeval: full benchmark on {cand.label}", flush=True)
-        out[cand.label] = bench.scores(fingerprints[cand.label], lambda: model_of(cand))
+        out[cand.label] = bench.scores(fingerprints[cand.label], lambda c=cand: model_of(c))
     return out
 
 

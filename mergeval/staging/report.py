@@ -47,7 +47,7 @@ def to_json(cfg: DictConfig, outcome: StagedOutcome) -> dict:
         "heldout": outcome.heldout,
         "constituents": [vars(m) for m in outcome.constituents],
         "constituent_scores": outcome.constituent_scores,
-        "base_perplexity": outcome.base_perplexity,
+        "reference_perplexity": outcome.reference,
         "candidates": candidates,
         "stage2": outcome.stage2,
         "stage3": outcome.stage3,
@@ -76,7 +76,7 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
     console = console or Console(width=None if Console().is_terminal else 160)
     table = Table(title=title, title_justify="left")
     n2, n = outcome.stage2_items, outcome.n_full
-    for name in ("candidate", "PPL / base", f"stage 2 acc ({n2} items)", f"stage 3 acc ({n} items)"):
+    for name in ("candidate", "PPL / experts", f"stage 2 acc ({n2} items)", f"stage 3 acc ({n} items)"):
         table.add_column(name, justify="left" if name == "candidate" else "right", no_wrap=True)
     has_full = any(c.full is not None for c in outcome.candidates)
     if has_full:
@@ -92,17 +92,17 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
                _acc(c.mean("stage3"))] + ([_acc(c.mean("full"))] if has_full else []) + [gain]
         table.add_row(*[f"[bold]{v}[/bold]" if c.label == outcome.pick else v for v in row])
     console.print(table)
-    console.print("[dim]PPL / base: held-out answer perplexity over the base's, geometric mean over tasks; "
-                  "acc: mean over tasks[/dim]")
+    console.print("[dim]PPL / experts: held-out answer perplexity over each expert's on its own task, geometric "
+                  "mean over the experts' tasks; acc: mean over all tasks[/dim]")
 
     full = outcome.cost["full"]
     costs = Table(title="evaluation cost (candidates; the constituents' own evaluation is the same either way)",
                   title_justify="left")
     for name in ("stage", "models", "examples", "forward passes", "of full"):
         costs.add_column(name, justify="left" if name == "stage" else "right", no_wrap=True)
-    counts = {"stage1": len(outcome.candidates) + 1, "stage2": len(outcome.stage2), "stage3": len(outcome.stage3),
+    counts = {"stage1": len(outcome.candidates), "stage2": len(outcome.stage2), "stage3": len(outcome.stage3),
               "staged": None, "full": len(outcome.candidates)}
-    names = {"stage1": "1 perplexity (+ base)", "stage2": f"2 items [0, {n2})", "stage3": f"3 items [{n2}, {n})",
+    names = {"stage1": "1 perplexity (+ experts)", "stage2": f"2 items [0, {n2})", "stage3": f"3 items [{n2}, {n})",
              "staged": "staged total", "full": "full, every candidate"}
     for key, label in names.items():
         cost = outcome.cost[key]

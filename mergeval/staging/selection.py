@@ -1,7 +1,7 @@
 """Ranking and selection between stages (pure).
 
 Stage 1 ranks by :func:`mergeval.metrics.perplexity.mean_log_ratio` against the
-base (lower first). A candidate whose :func:`~mergeval.metrics.perplexity.degradation`
+experts, each on its own task (lower first). A candidate whose :func:`~mergeval.metrics.perplexity.degradation`
 exceeds the threshold is not promoted, whatever its rank; if every candidate
 does, the sweep stops there. Stages 2 and 3 rank by mean accuracy over all
 benchmark tasks (higher first): the merged model's term of Macro-Gain and

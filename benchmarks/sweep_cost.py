@@ -64,8 +64,10 @@ def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
 def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path]) -> str:
     models = "\n".join(f"  - model: {p}\n    parameters: {{weight: 1.0{', density: 0.5' if method == 'ties' else ''}}}"
                        for p in experts.values())
+    # TIES with normalize: true is the disjoint mean mergeval's ties computes; task arithmetic sums
+    normalize = "true" if method == "ties" else "false"
     return (f"merge_method: {method}\nbase_model: {base}\nmodels:\n{models}\n"
-            f"parameters:\n  lambda: {lam}\n  normalize: false\ndtype: float32\n")
+            f"parameters:\n  lambda: {lam}\n  normalize: {normalize}\ndtype: float32\n")
 
 
 def lm_eval_cmd(model: Path, task_dir: Path, out: Path) -> list[str]:

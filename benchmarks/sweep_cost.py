@@ -40,6 +40,9 @@ TASKS = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts
 METHODS = ["task_arithmetic", "ties"]
 
 
+BIN = Path(sys.executable).parent  # mergekit-yaml and lm_eval live beside this interpreter (a venv's bin/)
+
+
 def timed(cmd: list[str], log: Path, **kw) -> float:
     start = time.perf_counter()
     with log.open("a") as out:
@@ -71,7 +74,7 @@ def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path
 
 
 def lm_eval_cmd(model: Path, task_dir: Path, out: Path) -> list[str]:
-    return ["lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=bfloat16",
+    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},dtype=bfloat16",
             "--tasks", ",".join(TASKS), "--include_path", str(task_dir), "--batch_size", "32",
             "--device", "cpu", "--output_path", str(out)]
 
@@ -116,7 +119,7 @@ def main() -> None:
         cfg = work / f"{method}-{lam}.yaml"
         cfg.write_text(mergekit_config(method, lam, base, experts))
         out_dir = work / f"merged-{method}-{lam}"
-        t_merge = timed(["mergekit-yaml", str(cfg), str(out_dir), "--copy-tokenizer"], log)
+        t_merge = timed([str(BIN / "mergekit-yaml"), str(cfg), str(out_dir), "--copy-tokenizer"], log)
         t_eval_merged = timed(lm_eval_cmd(out_dir, task_dir, work / "lm_eval_out"), log)
         t_constituents = sum(timed(lm_eval_cmd(p, task_dir, work / "lm_eval_out"), log)
                              for p in constituents.values())

@@ -27,7 +27,8 @@ from mergeval.models.fingerprint import fingerprint
 from mergeval.models.sources import resolve_source
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, package_versions
-from mergeval.store import merge_key
+from mergeval.eval import samples
+from mergeval.store import merge_key, settings_hash
 from mergeval.zoo.domains import DOMAINS
 
 MERGED = "merged"
@@ -181,13 +182,20 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             path = base_dir if info.role == MERGED else Path(info.path)
             model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
             got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
-            store.put_scores(info.fingerprint, digests, settings, got)
+            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings), digests),
+                                 harness.samples)
+            store.put_scores(info.fingerprint, digests, settings, got, samples_path=str(kept))
             del model
         for task in tasks:
             scores[task][info.role] = got[task]
     lap("evaluate")
 
     aggregates = aggregate(scores, tasks, models, cfg.metric)
+    if cfg.metric.calibration:  # from the per-choice log-likelihoods kept with each evaluation
+        from mergeval.metrics.composed import calibration
+
+        aggregates["calibration"] = calibration(
+            {m.role: samples.read(store.samples_path(m.fingerprint, digests, settings)) for m in models})
     if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
         from mergeval.metrics.composed import similarity
 

@@ -25,8 +25,12 @@ def explain(ex: BaseException) -> str | None:
     while cur is not None:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
+    # An error inside an overridden value (e.g. a rule in method.rules) names its key relative to that value.
+    target = next((m.group(1) for e in chain if (m := re.search(r"Could not override '([^']+)'", str(e)))), None)
     for err in chain:
         key = getattr(err, "full_key", None)
+        if key and target and not str(key).startswith(target):
+            key = f"{target}[...].{key}"
         if isinstance(err, OmegaConfBaseException) and key:
             msg = str(err).splitlines()[0]
             if "not in" in msg or "is not in struct" in msg:

@@ -70,6 +70,7 @@ class MetricConfig:
     weights: dict[str, float] | None = None
     forgetting_tasks: list[str] = field(default_factory=list)  # general tasks: base - merged drop (MergeBench)
     similarity: bool = False  # task-vector L2 / cosine / sign conflict / SAR between experts and the merge
+    calibration: bool = False  # expected calibration error per model and task (from kept log-likelihoods)
 
 
 @dataclass

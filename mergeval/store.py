@@ -271,6 +271,15 @@ class Store:
         with self._write() as db:
             db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), os.getpid()))
 
+    def samples_path(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> str | None:
+        """Where the per-item samples of this evaluation were written (None if any task has none)."""
+        with self._read() as db:
+            paths = {p for (p,) in db.execute(
+                "SELECT samples_path FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+                f"AND task_digest IN ({','.join('?' * len(digests))})",
+                (fingerprint, settings_hash(settings), *digests.values()))}
+        return paths.pop() if len(paths) == 1 else None
+
     def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
         """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces."""

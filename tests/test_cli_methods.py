@@ -68,6 +68,9 @@ def test_metric_group_full_adds_groups_forgetting_and_similarity(tmp_path, tiny_
     general = result["scores"]["mergeval_general_facts"]
     assert agg["forgetting"]["mean"] == general["base"]["acc"] - general["merged"]["acc"]
     assert {"chem~units", "chem~merged", "units~merged"} == set(agg["similarity"])
+    for role in ("base", "chem", "units", "merged"):  # ECE from the per-choice log-likelihoods kept per evaluation
+        assert set(agg["calibration"][role]) == set(result["tasks"])
+        assert all(0 <= v <= 1 for v in agg["calibration"][role].values())
 
 
 def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):

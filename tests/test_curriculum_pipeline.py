@@ -167,6 +167,7 @@ def test_random_stages_are_deterministic():
     ([stage("x", "base", ["a"], name="ties", densty=0.5)], "method.stages[0].method.densty"),
     ([stage("x", "base", ["a"], name="cmm")], "method.stages[0].method.validation_scores"),
     ([stage("x", "base", ["a"], name="linear"), stage("y", "base", ["b"], name="linear")], "method.stages"),
+    ([stage("x", "base", ["a"], name="ties", rules=[{"match": "*", "density": 0.3}])], "method.stages[0].method.rules"),
 ])
 def test_pipeline_bad_config(stages, field):
     with pytest.raises(UserError) as err:

@@ -63,3 +63,23 @@ def test_bad_metric_configs(metric, field):
     with pytest.raises(UserError) as err:
         check_metric_config(metric, ["t"])
     assert err.value.field == field
+
+
+def test_calibration_per_role_and_task():
+    from mergeval.metrics.composed import calibration
+
+    confident_right = [{"lls": [0.0, -30.0], "gold": 0}] * 5  # p = 1 on the right answer: ECE 0
+    confident_wrong = [{"lls": [0.0, -30.0], "gold": 1}] * 5  # p = 1 on the wrong answer: ECE 1
+    out = calibration({"a": {"t": confident_right}, "b": {"t": confident_wrong}, "old": None})
+    assert out["a"]["t"] == pytest.approx(0.0, abs=1e-9)
+    assert out["b"]["t"] == pytest.approx(1.0, abs=1e-9)
+    assert out["old"] is None
+
+
+def test_samples_round_trip(tmp_path):
+    from mergeval.eval import samples
+
+    rows = {"t1": [{"doc_id": 0, "lls": [-1.0, -2.0], "gold": 1}], "t2": [{"doc_id": 3, "lls": [-0.5], "gold": 0}]}
+    path = samples.write(samples.path_for(tmp_path, "f" * 64, "s", {"t1": "d1", "t2": "d2"}), rows)
+    assert samples.read(path) == rows
+    assert samples.read(tmp_path / "missing.jsonl") is None and samples.read(None) is None

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergeval.eval.samples import collect
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -45,7 +47,8 @@ class Harness:
 
     def score(self, model, tokenizer, samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
         """Scores per task. ``samples`` (task -> item indices; needs ``limit=None``) scores only those
-        items. Afterwards ``self.requests`` holds the log-likelihood requests run per task (cost accounting)."""
+        items. Afterwards ``self.requests`` holds the log-likelihood requests run per task (cost accounting)
+        and ``self.samples`` each item's per-choice log-likelihoods and gold index (eval/samples.py)."""
         from lm_eval.evaluator import evaluate
         from lm_eval.models.huggingface import HFLM
 
@@ -53,6 +56,7 @@ class Harness:
         out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, samples=samples, log_samples=False,
                        verbosity="ERROR")
         self.requests = {task: len(self.loaded["tasks"][task].instances) for task in self.tasks}
+        self.samples = collect(self.loaded["tasks"], self.tasks)  # per-choice log-likelihoods, for calibration
         return {task: TaskScore(float(out["results"][task]["acc,none"]), float(out["results"][task]["acc_stderr,none"]),
                                 int(out["n-samples"][task]["effective"]))
                 for task in self.tasks}

@@ -88,6 +88,9 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
         if not stage.inputs:
             raise UserError(f"{where}.inputs", "no inputs", "list the experts or stages this stage merges")
         method, method_cfg = stage_method(stage, i)
+        if getattr(method_cfg, "rules", None):  # the engine resolves rules for the top-level method only
+            raise UserError(f"{where}.method.rules", "per-tensor rules are not applied inside pipeline stages",
+                            "remove them from the stage (stage parameters are the same for every tensor)")
         if getattr(method, "merge_layer", None) is not None:
             raise UserError(f"{where}.method.name", f"{method.name} merges whole layers and cannot be a stage",
                             "use a per-tensor method in pipeline stages")

@@ -12,6 +12,10 @@ below the base on general tasks (``forgetting``; positive = forgotten).
 ``metric.similarity``: parameter-space similarity of task vectors
 (``task_vector_stats``): every pair of experts, and each expert against the
 merge (whose ``sar_a_in_b`` is the CMM rebuttal's SAR of that expert).
+
+``metric.calibration``: expected calibration error per model and task from
+the per-choice log-likelihoods kept with each evaluation
+(``ece_from_loglikelihoods``: softmax over the choices, 10 bins).
 """
 
 from __future__ import annotations
@@ -74,4 +78,19 @@ def similarity(base: Mapping, experts: Mapping[str, Mapping], merged: Mapping | 
     for a, b, ta, tb in pairs:
         stats = task_vector_stats(base, ta, tb)
         out[f"{a}~{b}"] = {"overall": stats["overall"], "by_layer": stats["by_layer"]}
+    return out
+
+
+def calibration(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None]) -> dict:
+    """role -> task -> ECE (None for a model whose evaluation kept no samples, e.g. one stored by an older
+    mergeval; eval.force=true re-evaluates it)."""
+    from mergeval.metrics.calibration import ece_from_loglikelihoods
+
+    out: dict = {}
+    for role, per_task in samples_by_role.items():
+        if per_task is None:
+            out[role] = None
+            continue
+        out[role] = {task: ece_from_loglikelihoods([r["lls"] for r in rows], [r["gold"] for r in rows])
+                     for task, rows in per_task.items()}
     return out

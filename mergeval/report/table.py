@@ -45,6 +45,10 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
         cos = "undefined" if o["cosine"] is None else f"{o['cosine']:.3f}"
         sar = "-" if o.get("sar_a_in_b") is None else f"{o['sar_a_in_b']:.3f}"
         console.print(f"task vectors {pair}: cosine {cos}   sign conflict {o['sign_conflict']:.3f}   SAR {sar}")
+    for role, per_task in (agg.get("calibration") or {}).items():
+        cells = "   ".join(f"{t.removeprefix('mergeval_')} {v:.3f}" for t, v in per_task.items()) if per_task else \
+            "no kept samples (eval.force=true re-evaluates)"
+        console.print(f"calibration error (ECE) {role}: {cells}")
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
     reused = [m.role for m in outcome.models if m.evaluated != "this run"]
     if reused:

@@ -495,7 +495,7 @@ def test_merge_cli_end_to_end_on_the_tiny_zoo(tmp_path, cache):
 @pytest.mark.parametrize("overrides,field", [
     (["method=ties", "method.density=1.5"], "method.density"),
     (["method=ties", "method.rules=[{match: '*mlp*', density: [0.5, 2.0]}]"], "method.rules[0].density"),
-    (["method=ties", "method.rules=[{match: '*', densty: 0.5}]"], "densty: no such field"),
+    (["method=ties", "method.rules=[{match: '*', densty: 0.5}]"], "method.rules[...].densty: no such field"),
     (["vocab_policy=merge"], "vocab_policy"),
 ])
 def test_merge_cli_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):

@@ -254,14 +254,19 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
     merge_info = merge_details(method.name, method_cfg, models)
     if "needs_ranking" in merge_info:
         if not can_evaluate:
-            raise UserError("method.order", "ranking the experts needs an evaluation, which a merge-only run "
-                            "does not do", "give method.validation_scores, set method.order=given, or run "
-                            "python -m mergeval")
+            refuse_ranking(method, method_cfg)
         from mergeval.ranking import rank_experts
 
         method_cfg, ranking = rank_experts(cfg, method_cfg, models, cache)
         merge_info = {**merge_details(method.name, method_cfg, models), **ranking}
     return method_cfg, merge_info
+
+
+def refuse_ranking(method, method_cfg) -> None:
+    """For callers that cannot evaluate (merge-only): a method that must rank experts first is an error."""
+    if "needs_ranking" in merge_details(method.name, method_cfg, []):
+        raise UserError("method.order", "ranking the experts needs an evaluation, which a merge-only run does not "
+                        "do", "give method.validation_scores, set method.order=given, or run python -m mergeval")
 
 
 def merge_details(method_name: str, method_cfg, models: list[ModelInfo]) -> dict:

@@ -57,6 +57,11 @@ def discard_job_dir(job_dir: Path) -> None:
 
     if job_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in job_dir.iterdir()):
         shutil.rmtree(job_dir, ignore_errors=True)
+        for parent in (job_dir.parent, job_dir.parent.parent):  # outputs/<date>/ and outputs/, if now empty
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (other runs) or not ours to remove
+                break
 
 
 def run_cli(hydra_main) -> None:

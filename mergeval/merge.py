@@ -44,6 +44,7 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     from mergeval.paths import cache_root
 
     method, method_cfg = app.validate(cfg)
+    app.refuse_ranking(method, method_cfg)  # before minutes of building experts
     target = Path(cfg.output).expanduser().resolve() if cfg.output else job_dir / "merged_model"
     if target.exists():  # before minutes of fine-tuning experts
         raise UserError("output", f"'{target}' already exists", "choose a new directory or remove that one")

@@ -59,6 +59,27 @@ class Outcome:
     git: dict = field(default_factory=dict)
 
 
+class Laps:
+    """Wall time of each step of a run in seconds (result.json's ``timings_s``): ``lap(name)`` closes a step."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = round(now - self._clock, 3)
+        self._clock = now
+
+
+def quiet_transformers() -> None:
+    """No per-model progress bars or warnings from transformers inside a run's output."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def validate(cfg: DictConfig):
     """All config checks that need no model: returns the method and its typed config."""
     method = get_method(cfg.method.name)
@@ -115,23 +136,15 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
 
 def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
     from mergeval.engine import merge_tensors
     from mergeval.eval.harness import Harness
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint_state_dict
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = round(now - clock, 3)
-        clock = now
+    quiet_transformers()
+    lap = Laps()
+    timings = lap.timings
 
     method, method_cfg = validate(cfg)
     cache = cache_root(cfg.cache_dir)

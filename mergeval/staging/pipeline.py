@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergeval.app import MERGED, ModelInfo, aggregate, eval_settings, open_store, resolve_models, validate
+from mergeval.app import (MERGED, Laps, ModelInfo, aggregate, eval_settings, open_store, quiet_transformers,
+                          resolve_models, validate)
 from mergeval.errors import UserError
 from mergeval.eval.tasks import task_digest, write_tasks
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
@@ -236,19 +236,11 @@ class HeldOut:
 
 def run_staged(cfg: DictConfig) -> StagedOutcome:
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name] = round(now - clock, 3)
-        clock = now
+    quiet_transformers()
+    lap = Laps()
+    timings = lap.timings
 
     plan = prepare(cfg)
     cache = cache_root(cfg.cache_dir)

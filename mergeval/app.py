@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.errors import UserError
+from mergeval.eval.harness import BACKENDS
 from mergeval.eval.tasks import check_tasks, task_digest, write_tasks
 from mergeval.methods import get_method
 from mergeval.metrics.composed import check_metric_config
@@ -110,6 +111,8 @@ def validate(cfg: DictConfig):
     if cfg.eval.batch_size < 1:
         raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
     check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
+    if cfg.eval.backend not in BACKENDS:
+        raise UserError("eval.backend", f"unknown backend '{cfg.eval.backend}'", f"use one of {', '.join(BACKENDS)}")
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
     check_vocab_policy(cfg.vocab_policy)
@@ -190,8 +193,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         info.evaluated = "reused from the results store" if got else "this run"
         if got is None:
             print(f"mergeval: evaluating {info.role} on {len(tasks)} tasks", flush=True)
-            harness = harness or Harness(task_dir, tasks, cfg.eval.batch_size, cfg.benchmark.limit,
-                                         cfg.benchmark.num_fewshot)
+            harness = harness or Harness.for_run(cfg, task_dir, tasks, cfg.benchmark.limit)
             path = base_dir if info.role == MERGED else Path(info.path)
             model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
             got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
@@ -209,6 +211,12 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
 
         aggregates["calibration"] = calibration(
             {m.role: samples.read(store.samples_path(m.fingerprint, digests, settings)) for m in models})
+    if cfg.metric.consistency:  # the same items asked in two formats, from the same kept log-likelihoods
+        from mergeval.metrics.composed import consistency
+
+        aggregates["consistency"] = consistency(
+            {m.role: samples.read(store.samples_path(m.fingerprint, digests, settings)) for m in models},
+            [list(pair) for pair in cfg.metric.consistency])
     if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
         from mergeval.metrics.composed import similarity
 
@@ -300,8 +308,11 @@ def eval_settings(cfg: DictConfig) -> dict:
     """Everything besides model and task data that can change a score (part of the store's key)."""
     from importlib.metadata import version
 
-    return {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
-            "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
+    settings = {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
+                "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
+    if cfg.eval.backend != "hflm":  # evaluations stored before backends existed were HFLM's: keep their key
+        settings["backend"] = cfg.eval.backend
+    return settings
 
 
 def open_store(cfg: DictConfig, cache: Path):

@@ -71,12 +71,18 @@ class MetricConfig:
     forgetting_tasks: list[str] = field(default_factory=list)  # general tasks: base - merged drop (MergeBench)
     similarity: bool = False  # task-vector L2 / cosine / sign conflict / SAR between experts and the merge
     calibration: bool = False  # expected calibration error per model and task (from kept log-likelihoods)
+    # [task_a, task_b] pairs asking the same items in two formats (X and its lettered X_mc): per model,
+    # agreement of the argmax answers, accuracy in each format, share right in both (from kept log-likelihoods)
+    consistency: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
 class EvalConfig:
     batch_size: int = 32
     dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
+    # "shared_prefix": each question's context computed once for all choices (eval/scorer.py);
+    # "hflm": lm-eval's HFLM as is (one sequence per choice). Same scores up to float rounding.
+    backend: str = "shared_prefix"
     device: str = "cpu"
     force: bool = False  # re-evaluate even when the results store already holds this evaluation
 

@@ -51,7 +51,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
         got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings)
         if got is None:
             print(f"mergeval: ranking: evaluating {info.role} on the validation split", flush=True)
-            harness = harness or Harness(task_dir, tasks, cfg.eval.batch_size, None, cfg.benchmark.num_fewshot)
+            harness = harness or Harness.for_run(cfg, task_dir, tasks, None)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(info.path)
             model = load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
             got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}

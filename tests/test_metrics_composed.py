@@ -58,6 +58,7 @@ def test_similarity_of_identical_task_vectors():
     (MetricConfig(weighting="median"), "metric.weighting"),
     (MetricConfig(groups={"g": MetricGroup(["t"])}, weighting="given"), "metric.weights"),
     (MetricConfig(forgetting_tasks=["nope"]), "metric.forgetting_tasks"),
+    (MetricConfig(consistency=[["t", "t"]]), "metric.consistency"),
 ])
 def test_bad_metric_configs(metric, field):
     with pytest.raises(UserError) as err:

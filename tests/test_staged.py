@@ -155,6 +155,14 @@ def test_general_heldout_is_disjoint_from_the_test_items_and_shrinks_with_the_po
         general_heldout(10, 351)
 
 
+def test_lettered_tasks_get_the_held_out_text_of_their_cloze_task():
+    train = SimpleNamespace(steps=6, batch_size=8, seed=3)
+    tasks = ["mergeval_chem_count", "mergeval_chem_count_mc", "mergeval_general_facts", "mergeval_general_facts_mc"]
+    held = heldout_items(tasks, 16, 200, {"chem_count"}, train)
+    assert held["mergeval_chem_count_mc"] == held["mergeval_chem_count"]
+    assert held["mergeval_general_facts_mc"] == held["mergeval_general_facts"]
+
+
 # ---- cost accounting and selection -------------------------------------------------------------------------
 
 def test_stage2_limit_rounds_up_without_float_noise():

@@ -1,7 +1,9 @@
 """lm-eval-harness on models held in memory.
 
 ``HFLM(pretrained=<model object>)`` wraps a live model, so a merge is scored
-without being written to disk. The tasks are loaded once per run and reused
+without being written to disk. By default the model is wrapped in
+``SharedPrefixLM`` (eval/scorer.py), an HFLM that runs each question's context
+once for all its choices; ``eval.backend=hflm`` uses lm-eval's HFLM as is. The tasks are loaded once per run and reused
 for every model. lm-eval's own request cache is never used: it is keyed
 without the model and would hand one checkpoint's answers to another.
 """
@@ -29,17 +31,26 @@ class TaskScore:
     n: int
 
 
+BACKENDS = ("shared_prefix", "hflm")  # eval.backend: mergeval/eval/scorer.py, or lm-eval's own HFLM
+
+
 class Harness:
     """The run's lm-eval tasks; ``score`` evaluates one model on all of them."""
 
-    def __init__(self, task_dir: Path, tasks: list[str], batch_size: int, limit: int | None, num_fewshot: int):
+    @classmethod
+    def for_run(cls, cfg, task_dir: Path, tasks: list[str], limit: int | None) -> Harness:
+        """The harness a run's config asks for (eval.batch_size, eval.backend, benchmark.num_fewshot)."""
+        return cls(task_dir, tasks, cfg.eval.batch_size, limit, cfg.benchmark.num_fewshot, cfg.eval.backend)
+
+    def __init__(self, task_dir: Path, tasks: list[str], batch_size: int, limit: int | None, num_fewshot: int,
+                 backend: str = "shared_prefix"):
         import datasets
         from lm_eval.tasks import TaskManager
 
         datasets.disable_progress_bars()
         for name in ("lm-eval", "lm_eval"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        self.tasks, self.batch_size, self.limit = tasks, batch_size, limit
+        self.tasks, self.batch_size, self.limit, self.backend = tasks, batch_size, limit, backend
         self.loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load(tasks)
         for task in self.loaded["tasks"].values():
             task.set_config(key="num_fewshot", value=num_fewshot)
@@ -52,7 +63,10 @@ class Harness:
         from lm_eval.evaluator import evaluate
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size)
+        from mergeval.eval.scorer import SharedPrefixLM
+
+        lm = (SharedPrefixLM if self.backend == "shared_prefix" else HFLM)(
+            pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size)
         out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, samples=samples, log_samples=False,
                        verbosity="ERROR")
         self.requests = {task: len(self.loaded["tasks"][task].instances) for task in self.tasks}

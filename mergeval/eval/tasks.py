@@ -1,10 +1,19 @@
 """The tasks mergeval generates, written as lm-eval YAML + JSONL with absolute paths.
 
 Each task is a multiple-choice set scored by log-likelihood (``acc``). The
-prompt is rendered in Python (``zoo.finetune.prompt``) and stored per item, so
-training and evaluation cannot drift apart. Files live in
-``<cache>/tasks/<hash>/``, where the hash covers the items: different data is
-a different directory, never an overwrite.
+prompt is rendered in Python and stored per item, so training and evaluation
+cannot drift apart. Files live in ``<cache>/tasks/<hash>/``, where the hash
+covers the items: different data is a different directory, never an overwrite.
+
+Every generated task comes in two formats over the same items (same order,
+same gold index), so a model's answers can be compared across formats
+(``metric.consistency``):
+
+- cloze, ``X``: the training prompt (``zoo.finetune.prompt``); the choices
+  are the answer texts themselves (continuation ``" 12 atoms"``);
+- lettered, ``X_mc``: the question, then the choices as ``A. ...``,
+  ``B. ...``, then ``Answer:`` (``lettered_prompt``); the choices are the
+  letters (continuation ``" A"``).
 
 Each generated task has a fixed pool of held-out items (never trained on).
 The test split is a prefix of the pool and the validation split (used to rank
@@ -34,13 +43,52 @@ def _general(n: int) -> list[Item]:
     return general_items(0, n)
 
 
-GENERATED: dict[str, Callable[[int], list[Item]]] = {
+_CLOZE: dict[str, Callable[[int], list[Item]]] = {
     "mergeval_chem_count": lambda n: eval_items("chem_count", n),
     "mergeval_unit_convert": lambda n: eval_items("unit_convert", n),
     "mergeval_general_facts": _general,
 }
+LETTERED = "_mc"  # suffix of the lettered multiple-choice format of a cloze task
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+GENERATED: dict[str, Callable[[int], list[Item]]] = {**_CLOZE, **{n + LETTERED: gen for n, gen in _CLOZE.items()}}
+
+
+def items_of(name: str) -> str:
+    """The cloze task whose items ``name`` asks: itself, or the task a lettered ``X_mc`` reformats."""
+    cloze = name.removesuffix(LETTERED)
+    return cloze if name.endswith(LETTERED) and cloze in _CLOZE else name
+
+
+def same_items(a: str, b: str) -> bool:
+    """Whether two generated tasks ask the same items (the same task in two formats, or one task twice)."""
+    return a in GENERATED and b in GENERATED and items_of(a) == items_of(b)
+
+
 # Held-out items per task: the domains' evaluation pool, or every general question there is.
-POOL = {"mergeval_chem_count": EVAL_POOL, "mergeval_unit_convert": EVAL_POOL, "mergeval_general_facts": 351}
+_CLOZE_POOL = {"mergeval_chem_count": EVAL_POOL, "mergeval_unit_convert": EVAL_POOL, "mergeval_general_facts": 351}
+POOL = {name: _CLOZE_POOL[items_of(name)] for name in GENERATED}
+
+
+def lettered_prompt(item: Item) -> str:
+    """The lettered multiple-choice prompt: the question, one ``X. choice`` line per choice, ``Answer:``.
+
+    The scored continuation is then ``" A"``, ``" B"`` ... (lm-eval puts a space between prompt and choice).
+    """
+    if len(item["choices"]) > len(LETTERS):
+        raise ValueError(f"{len(item['choices'])} choices, more than the {len(LETTERS)} letters")
+    options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, item["choices"]))
+    return f"Question: {item['question']}\n{options}Answer:"
+
+
+def _row(name: str, item: Item) -> dict:
+    """One JSONL row of task ``name``: the item, its rendered prompt and (lettered format) its letters."""
+    if items_of(name) != name:
+        return dict(item, prompt=lettered_prompt(item), letters=list(LETTERS[:len(item["choices"])]))
+    # The cloze row is exactly what it was before the lettered format existed: its bytes make the task
+    # digest, the key of every stored evaluation.
+    return dict(item, prompt=prompt(item["question"]))
+
 
 _YAML = """task: {name}
 dataset_path: json
@@ -50,7 +98,7 @@ dataset_kwargs:
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
+doc_to_choice: "{{{{{choices}}}}}"
 doc_to_target: answer
 metric_list:
   - metric: acc
@@ -92,9 +140,7 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
     ``split="validation"`` writes the same task names over the validation items instead.
     """
     check_tasks(names, n_items, n_validation)
-    rows = {name: [dict(item, prompt=prompt(item["question"]))
-                   for item in task_items(name, n_items, split, n_validation)]
-            for name in names}
+    rows = {name: [_row(name, item) for item in task_items(name, n_items, split, n_validation)] for name in names}
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / "tasks" / digest
     if not target.exists():
@@ -102,7 +148,9 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
             for name, items in rows.items():
                 (tmp / f"{name}.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
                 data = target / f"{name}.jsonl"  # absolute path of the final location
-                (tmp / f"{name}.yaml").write_text(_YAML.format(name=name, data=json.dumps(str(data))))
+                choices = "choices" if items_of(name) == name else "letters"  # what the model is asked to say
+                yaml = _YAML.format(name=name, data=json.dumps(str(data)), choices=choices)
+                (tmp / f"{name}.yaml").write_text(yaml)
     return target
 
 

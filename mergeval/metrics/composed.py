@@ -16,11 +16,18 @@ merge (whose ``sar_a_in_b`` is the CMM rebuttal's SAR of that expert).
 ``metric.calibration``: expected calibration error per model and task from
 the per-choice log-likelihoods kept with each evaluation
 (``ece_from_loglikelihoods``: softmax over the choices, 10 bins).
+
+``metric.consistency``: for each ``[task_a, task_b]`` pair asking the same
+items in two formats (a generated task ``X`` as cloze and as lettered
+multiple choice ``X_mc``), per model: how often its answers agree
+(``calibration.consistency`` over the argmax choices, matched by doc_id), its
+accuracy in each format and the share of items it gets right in both
+(``format_agreement``), from the same kept log-likelihoods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import combinations
 
 from mergeval.errors import UserError
@@ -28,7 +35,8 @@ from mergeval.metrics.groups import forgetting, group_mean
 
 
 def check_metric_config(metric, tasks: list[str]) -> None:
-    """One-line errors for groups / forgetting tasks that name no benchmark task, or a bad weighting."""
+    """One-line errors for groups / forgetting tasks / consistency pairs that name no benchmark task, a bad
+    weighting, or a consistency pair that is not one task's items in two formats."""
     for name, group in (metric.groups or {}).items():
         if not group.tasks:
             raise UserError(f"metric.groups.{name}.tasks", "empty group", "list some of benchmark.tasks")
@@ -44,6 +52,26 @@ def check_metric_config(metric, tasks: list[str]) -> None:
     unknown = [t for t in metric.forgetting_tasks if t not in tasks]
     if unknown:
         raise UserError("metric.forgetting_tasks", f"{unknown} not in benchmark.tasks", f"use tasks from {tasks}")
+    check_consistency_pairs([list(pair) for pair in metric.consistency], tasks)
+
+
+def check_consistency_pairs(pairs: list[list[str]], tasks: list[str]) -> None:
+    """Each metric.consistency pair: two distinct benchmark tasks that ask the same items (X and X_mc)."""
+    # The task generators own which tasks share items; this is config validation, not a metric.
+    from mergeval.eval.tasks import GENERATED, LETTERED, items_of, same_items
+
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] == pair[1]:
+            raise UserError("metric.consistency", f"{pair} is not a pair of two distinct tasks",
+                            "give [task, task_mc] pairs, e.g. [[mergeval_chem_count, mergeval_chem_count_mc]]")
+        missing = [t for t in pair if t not in tasks]
+        if missing:
+            raise UserError("metric.consistency", f"{missing} of pair {pair} not in benchmark.tasks",
+                            f"add them to benchmark.tasks or pair tasks from {tasks}")
+        if not same_items(*pair):
+            cloze = items_of(pair[0])
+            hint = f"pair {cloze} with {cloze + LETTERED}" if cloze in GENERATED else "pair a task X with X_mc"
+            raise UserError("metric.consistency", f"{pair[0]} and {pair[1]} do not ask the same items", hint)
 
 
 def group_scores(scores: Mapping[str, Mapping[str, Mapping[str, float]]], roles: list[str], metric) -> dict:
@@ -93,4 +121,66 @@ def calibration(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None]) 
             continue
         out[role] = {task: ece_from_loglikelihoods([r["lls"] for r in rows], [r["gold"] for r in rows])
                      for task, rows in per_task.items()}
+    return out
+
+
+def format_agreement(rows_a: Sequence[Mapping], rows_b: Sequence[Mapping]) -> dict:
+    """A model's answers to the same items asked in two formats, from per-choice log-likelihoods.
+
+    Rows are ``{doc_id, lls, gold}`` (one per item, any order); items are matched by doc_id, and
+    choice j of one format is choice j of the other (the lettered format lists the cloze choices in
+    order), so answers compare as choice indices:
+
+        pred_f(i)    = argmax_j lls_f(i)_j                 (first on ties, like lm-eval's acc)
+        agreement    = consistency(pred_a, pred_b) = (1/n) sum_i [pred_a(i) == pred_b(i)]
+        acc_f        = (1/n) sum_i [pred_f(i) == gold_i]
+        both_correct = (1/n) sum_i [pred_a(i) == gold_i and pred_b(i) == gold_i]
+
+    Returns ``{"agreement", "n", "acc_a", "acc_b", "both_correct"}``. Raises ValueError when the two
+    formats do not hold the same items (doc_ids, gold answers or choice counts differ) or a doc_id repeats.
+    """
+    from mergeval.metrics.calibration import consistency
+
+    a, b = _by_doc(rows_a), _by_doc(rows_b)
+    if set(a) != set(b):
+        raise ValueError(f"the formats hold different items: doc_ids {sorted(set(a) ^ set(b))[:5]} are in one only")
+    docs = sorted(a)
+    for d in docs:
+        if a[d]["gold"] != b[d]["gold"] or len(a[d]["lls"]) != len(b[d]["lls"]):
+            raise ValueError(f"doc_id {d} differs between the formats: gold {a[d]['gold']} / {b[d]['gold']}, "
+                             f"{len(a[d]['lls'])} / {len(b[d]['lls'])} choices")
+    pred_a, pred_b = [_argmax(a[d]["lls"]) for d in docs], [_argmax(b[d]["lls"]) for d in docs]
+    gold = [a[d]["gold"] for d in docs]
+    n = len(docs)
+    return {"agreement": consistency(pred_a, pred_b), "n": n,
+            "acc_a": sum(p == g for p, g in zip(pred_a, gold)) / n,
+            "acc_b": sum(p == g for p, g in zip(pred_b, gold)) / n,
+            "both_correct": sum(p == q == g for p, q, g in zip(pred_a, pred_b, gold)) / n}
+
+
+def _by_doc(rows: Sequence[Mapping]) -> dict:
+    out = {row["doc_id"]: row for row in rows}
+    if len(out) != len(rows):
+        raise ValueError("a doc_id appears twice in one format's rows")
+    return out
+
+
+def _argmax(lls: Sequence[float]) -> int:
+    return max(range(len(lls)), key=lambda j: (lls[j], -j))  # the first of equal maxima, as numpy.argmax
+
+
+def consistency(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None], pairs: list[list[str]]) -> dict:
+    """role -> "task_a~task_b" -> {agreement, n, acc: {task_a, task_b}, both_correct} (``format_agreement``);
+    None for a model whose evaluation kept no samples (eval.force=true re-evaluates it)."""
+    out: dict = {}
+    for role, per_task in samples_by_role.items():
+        if per_task is None:
+            out[role] = None
+            continue
+        out[role] = {}
+        for task_a, task_b in pairs:
+            stats = format_agreement(per_task[task_a], per_task[task_b])
+            out[role][f"{task_a}~{task_b}"] = {"agreement": stats["agreement"], "n": stats["n"],
+                                               "acc": {task_a: stats["acc_a"], task_b: stats["acc_b"]},
+                                               "both_correct": stats["both_correct"]}
     return out

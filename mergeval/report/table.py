@@ -49,6 +49,8 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
         cells = "   ".join(f"{t.removeprefix('mergeval_')} {v:.3f}" for t, v in per_task.items()) if per_task else \
             "no kept samples (eval.force=true re-evaluates)"
         console.print(f"calibration error (ECE) {role}: {cells}")
+    if agg.get("consistency"):
+        console.print(_consistency_table(agg["consistency"]))
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
     reused = [m.role for m in outcome.models if m.evaluated != "this run"]
     if reused:
@@ -57,3 +59,21 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     if any(m.role == MERGED and m.merge == "reused from the results store" for m in outcome.models):
         console.print("[dim]merge not redone: the store holds its output for these inputs, method config and "
                       "seed[/dim]")
+
+
+def _consistency_table(per_role: dict) -> Table:
+    """One row per model and format pair: how often its answers agree, its accuracy in each format, right in both."""
+    table = Table(title="answer consistency: the same items asked in two formats", title_justify="left")
+    for name in ("model", "first format", "second format", "agreement", "acc first", "acc second", "right in both",
+                 "n"):
+        table.add_column(name, justify="left" if "format" in name or name == "model" else "right", no_wrap=True)
+    for role, pairs in per_role.items():
+        if pairs is None:  # an evaluation stored before mergeval kept per-choice log-likelihoods
+            table.add_row(role, "no kept samples (eval.force=true re-evaluates)", *[""] * 6, end_section=True)
+            continue
+        for i, s in enumerate(pairs.values()):
+            (first, acc_first), (second, acc_second) = s["acc"].items()
+            table.add_row(role if i == 0 else "", first.removeprefix("mergeval_"), second.removeprefix("mergeval_"),
+                          f"{s['agreement']:.3f}", f"{acc_first:.3f}", f"{acc_second:.3f}", f"{s['both_correct']:.3f}",
+                          str(s["n"]), end_section=i == len(pairs) - 1)
+    return table

@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 
 from mergeval.errors import UserError
-from mergeval.eval.tasks import GENERATED, PREFIX
+from mergeval.eval.tasks import GENERATED, PREFIX, items_of
 from mergeval.zoo.domains import DOMAINS, Item, eval_items, split_items
 from mergeval.zoo.experts import EVAL_POOL
 
@@ -33,8 +33,8 @@ MAX_DRAWS_PER_ITEM = 50  # a domain whose question space is nearly used up fails
 
 
 def task_domain(task: str) -> str | None:
-    """The generated training domain a task measures, or None (general knowledge)."""
-    name = task.removeprefix(PREFIX)
+    """The generated training domain a task measures (in either format), or None (general knowledge)."""
+    name = items_of(task).removeprefix(PREFIX)
     return name if name in DOMAINS else None
 
 
@@ -82,7 +82,7 @@ def heldout_items(tasks: list[str], n: int, n_items: int, trained_domains: set[s
         if domain is not None:
             draws = train.steps * train.batch_size if domain in trained_domains else 0
             out[task] = domain_heldout(domain, n, draws, train.seed)
-        elif task == GENERAL_TASK:
+        elif items_of(task) == GENERAL_TASK:
             out[task] = general_heldout(n, n_items)
         else:
             raise UserError("benchmark.tasks", f"no held-out text is defined for task '{task}'",

@@ -107,8 +107,7 @@ class Bench:
         from mergeval.eval.harness import Harness
 
         if limit not in self.harnesses:
-            self.harnesses[limit] = Harness(self.task_dir, self.tasks, self.cfg.eval.batch_size, limit,
-                                            self.cfg.benchmark.num_fewshot)
+            self.harnesses[limit] = Harness.for_run(self.cfg, self.task_dir, self.tasks, limit)
         return self.harnesses[limit]
 
     def scores(self, fingerprint: str, make_model, items: tuple[int, int] | None = None) -> tuple[dict, str, int]:

@@ -1,0 +1,132 @@
+"""Multiple-choice log-likelihoods with each question's context computed once.
+
+lm-eval's ``HFLM`` scores a question with k choices as k sequences
+``context + choice``, so the (usually much longer) context goes through the
+model k times, and it computes vocabulary logits at every position. ``SharedPrefixLM``
+is an ``HFLM`` whose log-likelihood requests are packed one question per row::
+
+    [left pad][context][choice 1 minus last token][choice 2 minus last token]...[right pad]
+
+with a 4-D attention mask: context tokens attend causally to the context; the
+tokens of choice j attend to the whole context and causally to choice j's own
+earlier tokens, never to another choice; position ids restart after the
+context for every choice. Each choice thus sees exactly the sequence HFLM gives
+it, and ``log P(choice_j | context) = sum_t log softmax(logits at the position
+before token t)[token t]``, the first token predicted from the context's last
+position. Rows are left-padded so every context ends in the same column and
+vocabulary logits are computed only from that column on (``logits_to_keep``).
+
+Everything else is lm-eval's: tokenization (``_encode_pair``, so the token ids
+are HFLM's), task loading, few-shot contexts, metrics and aggregation. The
+forward passes differ only in the shape of the matrix products, so scores agree
+with ``HFLM`` up to floating-point rounding (tests/test_scorer.py: float32,
+|difference| < 1e-4 per choice; ``eval.backend=hflm`` runs lm-eval's own
+``HFLM``). A request that would not fit ``max_length`` goes to HFLM's own path,
+which left-truncates it the way lm-eval does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from lm_eval.models.huggingface import HFLM
+
+Request = tuple[tuple[str, str], list[int], list[int]]  # ((context, continuation), context ids, continuation ids)
+
+
+class SharedPrefixLM(HFLM):
+    """HFLM whose ``_loglikelihood_tokens`` computes each distinct context once (module docstring).
+
+    ``batch_size`` is the number of questions (rows) per forward pass, each with all its choices.
+    ``self.forward_tokens`` counts the token positions fed to the model (cost accounting).
+    """
+
+    forward_tokens = 0
+
+    @property
+    def _keeps_logits(self) -> bool:
+        """Whether the model's forward takes ``logits_to_keep`` (recent transformers causal LMs do)."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
+                              override_bs: int | None = None) -> list[tuple[float, bool]]:
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)  # context ids -> request indices
+        too_long = []
+        for i, (_, ctx, cont) in enumerate(requests):
+            groups[tuple(ctx)].append(i)
+        fitting = {}
+        for ctx, idx in groups.items():
+            if len(ctx) + sum(len(requests[i][2]) - 1 for i in idx) > self.max_length:
+                too_long.extend(idx)
+            else:
+                fitting[ctx] = idx
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        # Longest rows first (like HFLM): padding within a batch stays small and memory errors come early.
+        order = sorted(fitting.items(), key=lambda kv: -(len(kv[0]) + sum(len(requests[i][2]) for i in kv[1])))
+        size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 32)
+        for start in range(0, len(order), size):
+            chunk = order[start:start + size]
+            for i, answer in zip((i for _, idx in chunk for i in idx), self._score_rows(chunk, requests)):
+                results[i] = answer
+        if too_long:
+            for i, answer in zip(too_long, super()._loglikelihood_tokens([requests[i] for i in too_long],
+                                                                          disable_tqdm, override_bs)):
+                results[i] = answer
+        for (request_str, _, _), answer in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request_str, answer)
+        return results
+
+    def _score_rows(self, chunk: list[tuple[tuple[int, ...], list[int]]], requests: list[Request]):
+        """(log-likelihood, is_greedy) for every request of the chunk's rows, in row then request order."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ctx_end = max(len(ctx) for ctx, _ in chunk)  # every context ends in column ctx_end - 1
+        rows = []
+        for ctx, idx in chunk:
+            tokens = list(ctx)
+            positions = list(range(len(ctx)))
+            segment = [0] * len(ctx)  # 0 = context, j = choice j, -1 = padding
+            for j, i in enumerate(idx, start=1):
+                body = requests[i][2][:-1]  # the last token is predicted, never fed
+                tokens += body
+                positions += range(len(ctx), len(ctx) + len(body))
+                segment += [j] * len(body)
+            lead = ctx_end - len(ctx)
+            rows.append(([pad] * lead + tokens, [0] * lead + positions, [-1] * lead + segment, lead))
+        width = max(len(r[0]) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        seg = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, (tok, p, s, _) in enumerate(rows):
+            ids[r, :len(tok)], pos[r, :len(p)], seg[r, :len(s)] = torch.tensor(tok), torch.tensor(p), torch.tensor(s)
+        mask = _choice_mask(seg)
+        self.forward_tokens += int((seg >= 0).sum())
+        dtype = next(self.model.parameters()).dtype
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        keep = width - ctx_end + 1  # vocabulary logits only from the context's end on, where choices are predicted
+        with torch.no_grad():
+            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                             attention_mask=additive[:, None].to(self.device),
+                             **({"logits_to_keep": keep} if self._keeps_logits else {}))
+        logits = out.logits[:, -keep:]
+        logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype or torch.float32).cpu()  # [rows, width - ctx_end + 1, V]
+        for r, (_, idx) in enumerate(chunk):
+            offset = 1  # kept column of this choice's first fed token (kept column 0 = the context's end)
+            for i in idx:
+                cont = torch.tensor(requests[i][2])
+                # token 0 is predicted from the context's end, token t > 0 from this choice's token t - 1
+                cols = torch.tensor([0, *range(offset, offset + len(cont) - 1)])
+                picked = logprobs[r, cols]
+                yield (float(picked.gather(1, cont[:, None]).sum()), bool((picked.argmax(-1) == cont).all()))
+                offset += len(cont) - 1
+
+def _choice_mask(seg: torch.Tensor) -> torch.Tensor:
+    """[rows, T, T] booleans: query q may attend key k (module docstring). Padding attends only to itself,
+    so no softmax row is empty."""
+    t = seg.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    q, k = seg[:, :, None], seg[:, None, :]
+    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
+    return allowed | torch.eye(t, dtype=torch.bool)

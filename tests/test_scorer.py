@@ -104,3 +104,27 @@ def test_harness_backends_agree(tiny_dir, tmp_path):
         lls[backend] = [ll for t in tasks for row in harness.samples[t] for ll in row["lls"]]
     assert scores["hflm"] == scores["shared_prefix"]
     assert lls["shared_prefix"] == pytest.approx(lls["hflm"], abs=1e-4)
+
+
+def test_batches_never_mix_tasks(lms, monkeypatch):
+    """In bfloat16 a row's rounding depends on its batch (shape, padding), so a task's scores must not
+    depend on the other tasks of the run: each task's requests are batched on their own."""
+    _, shared = lms
+    calls = []
+    original = SharedPrefixLM._loglikelihood_tokens
+
+    def spy(self, reqs, *args, **kwargs):
+        calls.append({ctx for (ctx, _), _, _ in reqs})
+        return original(self, reqs, *args, **kwargs)
+
+    monkeypatch.setattr(SharedPrefixLM, "_loglikelihood_tokens", spy)
+
+    def reqs(task, pairs):
+        return [Instance("loglikelihood", {}, (ctx, cont), j, (task, d, 1))
+                for d, (ctx, conts) in enumerate(pairs) for j, cont in enumerate(conts)]
+
+    alone = reqs("a", PAIRS[:2])
+    mixed = reqs("b", PAIRS[2:4]) + alone
+    assert shared.loglikelihood(mixed, disable_tqdm=True)[-len(alone):] == shared.loglikelihood(alone, disable_tqdm=True)
+    task_a, task_b = {ctx for ctx, _ in PAIRS[:2]}, {ctx for ctx, _ in PAIRS[2:4]}
+    assert calls[:2] == [task_b, task_a] or calls[:2] == [task_a, task_b]

@@ -23,6 +23,11 @@ with ``HFLM`` up to floating-point rounding (tests/test_scorer.py: float32,
 |difference| < 1e-4 per choice; ``eval.backend=hflm`` runs lm-eval's own
 ``HFLM``). A request that would not fit ``max_length`` goes to HFLM's own path,
 which left-truncates it the way lm-eval does.
+
+Batches never mix tasks (HFLM's do): in bfloat16 a row's rounding depends on the
+shape and padding of its batch, so mixing would make a task's score depend on
+which other tasks share the run. Per task, the same items, model and batch size
+give bit-identical log-likelihoods on the same machine.
 """
 
 from __future__ import annotations
@@ -45,6 +50,18 @@ class SharedPrefixLM(HFLM):
     """
 
     forward_tokens = 0
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Each task's requests batched on their own, so a task's scores do not depend on which other
+        tasks share the run: in bfloat16 the rounding of a row depends on its batch's shape and padding."""
+        by_task: dict[str | None, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_task[req.task_name].append(i)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for idx in by_task.values():
+            for i, answer in zip(idx, super().loglikelihood([requests[i] for i in idx], disable_tqdm)):
+                results[i] = answer
+        return results
 
     @property
     def _keeps_logits(self) -> bool:

@@ -42,7 +42,7 @@ class ModelInfo:
     fingerprint: str
     path: str | None = None
     task: str | None = None  # the expert's own task
-    evaluated: str | None = None  # "this run" or "reused from the results store"
+    evaluated: str | None = None  # "this run", "reused from the results store" or "partly reused ..." (some tasks)
     merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
 
 
@@ -182,24 +182,31 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     record_models(store, models)
     lap("merge")
 
-    harness = None
+    harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of tasks to evaluate (usually all of them)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict[str, float]]] = {t: {} for t in tasks}
     for info in models:
-        got = None if cfg.eval.force else store.claim_or_scores(  # parallel sweep jobs evaluate a model once
+        # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
+        # sweep jobs wait for the one evaluating a shared constituent.
+        got = {} if cfg.eval.force else store.claim_or_scores(
             info.fingerprint, digests, settings,
             lambda: print(f"mergeval: waiting for another job evaluating {info.role}", flush=True))
-        info.evaluated = "reused from the results store" if got else "this run"
-        if got is None:
-            print(f"mergeval: evaluating {info.role} on {len(tasks)} tasks", flush=True)
-            harness = harness or Harness.for_run(cfg, task_dir, tasks, cfg.benchmark.limit)
+        missing = [t for t in tasks if t not in got]
+        info.evaluated = ("reused from the results store" if not missing else "this run" if not got
+                          else "partly reused from the results store")
+        if missing:
+            print(f"mergeval: evaluating {info.role} on {len(missing)} tasks", flush=True)
+            harness = harnesses.get(tuple(missing)) or harnesses.setdefault(
+                tuple(missing), Harness.for_run(cfg, task_dir, missing, cfg.benchmark.limit))
             path = base_dir if info.role == MERGED else Path(info.path)
             model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
-            got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
-            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings), digests),
+            fresh = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
+            evaluated = {t: digests[t] for t in missing}
+            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings), evaluated),
                                  harness.samples)
-            store.put_scores(info.fingerprint, digests, settings, got, samples_path=str(kept))
+            store.put_scores(info.fingerprint, evaluated, settings, fresh, samples_path=str(kept))
+            got = {**got, **fresh}
             del model
         for task in tasks:
             scores[task][info.role] = got[task]
@@ -210,12 +217,12 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         from mergeval.metrics.composed import calibration
 
         aggregates["calibration"] = calibration(
-            {m.role: samples.read(store.samples_path(m.fingerprint, digests, settings)) for m in models})
+            {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models})
     if cfg.metric.consistency:  # the same items asked in two formats, from the same kept log-likelihoods
         from mergeval.metrics.composed import consistency
 
         aggregates["consistency"] = consistency(
-            {m.role: samples.read(store.samples_path(m.fingerprint, digests, settings)) for m in models},
+            {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models},
             [list(pair) for pair in cfg.metric.consistency])
     if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
         from mergeval.metrics.composed import similarity

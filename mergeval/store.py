@@ -239,28 +239,31 @@ class Store:
             return _scores(db, fingerprint, digests, settings_hash(settings))
 
     def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
-                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0) -> dict[str, dict] | None:
-        """The stored scores, or None after claiming the evaluation for this process.
+                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0) -> dict[str, dict]:
+        """{task: scores} of the tasks already stored for this model and settings; when that is not every
+        task of ``digests``, this process has claimed the evaluation of the missing ones.
 
-        Parallel sweep workers share constituents: the first to ask claims the
-        evaluation; the others wait (``on_wait`` is called once) until its scores
-        arrive, then reuse them. The claim ends with ``put_scores`` or
-        ``release_claims``; a claim whose process is gone (same host, pid not
-        running) or that is older than CLAIM_TTL_S (another host) is taken over.
+        A task is evaluated once per model, task digest and settings, whatever other tasks a run has.
+        Parallel sweep workers share constituents: the first to ask claims the missing tasks; the others
+        wait (``on_wait`` is called once) until their scores arrive, then reuse them. The claim ends with
+        ``put_scores`` of those tasks or ``release_claims``; a claim whose process is gone (same host, pid
+        not running) or that is older than CLAIM_TTL_S (another host) is taken over.
         """
-        key, tasks = settings_hash(settings), _tasks_key(digests)
+        key = settings_hash(settings)
         waited = False
         while True:
             with self._write() as db:
-                got = _scores(db, fingerprint, digests, key)
-                if got is not None:
+                got = _stored(db, fingerprint, digests, key)
+                missing = {task: digest for task, digest in digests.items() if task not in got}
+                if not missing:
                     return got
+                tasks = _tasks_key(missing)
                 holder = db.execute("SELECT host, pid, since FROM claims WHERE model_fingerprint=? AND "
                                     "settings_hash=? AND tasks_key=?", (fingerprint, key, tasks)).fetchone()
                 if holder is None or not _claim_alive(*holder):
                     db.execute("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)",
                                (fingerprint, key, tasks, socket.gethostname(), os.getpid(), time.time()))
-                    return None
+                    return got
             if not waited and on_wait is not None:
                 on_wait()
             waited = True
@@ -271,14 +274,15 @@ class Store:
         with self._write() as db:
             db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), os.getpid()))
 
-    def samples_path(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> str | None:
-        """Where the per-item samples of this evaluation were written (None if any task has none)."""
+    def samples_paths(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, str | None]:
+        """task -> the file its per-item samples were written to (None: stored without samples). Tasks
+        evaluated in different runs have different files."""
         with self._read() as db:
-            paths = {p for (p,) in db.execute(
-                "SELECT samples_path FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+            rows = db.execute(
+                "SELECT task, samples_path FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
                 f"AND task_digest IN ({','.join('?' * len(digests))})",
-                (fingerprint, settings_hash(settings), *digests.values()))}
-        return paths.pop() if len(paths) == 1 else None
+                (fingerprint, settings_hash(settings), *digests.values())).fetchall()
+        return {task: path for task, path in rows}
 
     def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
@@ -422,13 +426,16 @@ def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 
+def _stored(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str) -> dict[str, dict]:
+    """{task: scores} of the tasks of ``digests`` stored for this model and settings (any subset)."""
+    rows = db.execute("SELECT task, acc, stderr, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+                      f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))
+    return {task: {"acc": a, "stderr": s, "n": n} for task, a, s, n in rows if task in digests}
+
+
 def _scores(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str) -> dict | None:
-    rows = {task: (acc, stderr, n) for task, acc, stderr, n in db.execute(
-        "SELECT task, acc, stderr, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
-        f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))}
-    if set(rows) != set(digests):
-        return None
-    return {task: {"acc": a, "stderr": s, "n": n} for task, (a, s, n) in rows.items()}
+    got = _stored(db, fingerprint, digests, key)
+    return got if set(got) == set(digests) else None
 
 
 def _tasks_key(digests: Mapping[str, str]) -> str:

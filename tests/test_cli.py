@@ -120,3 +120,20 @@ def test_save_merged_writes_a_loadable_model(tmp_path, cache):
     from mergeval.models.fingerprint import fingerprint
 
     assert fingerprint(Path(merged["path"])) == merged["fingerprint"]
+
+
+def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
+    """Evaluations are kept per task: a second run with one more task scores only the new task, and the
+    calibration read from the kept samples spans both runs' files."""
+    store = f"store.path={tmp_path / 'r.sqlite'}"
+    two = "benchmark.tasks=[mergeval_chem_count,mergeval_unit_convert]"
+    first = mergeval("+experiment=tiny", two, store, "hydra.run.dir=first", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = mergeval("+experiment=tiny", store, "metric.calibration=true", "hydra.run.dir=second", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("on 1 tasks") == 4 and "on 3 tasks" not in second.stdout
+    a, b = read_result(tmp_path / "first"), read_result(tmp_path / "second")
+    assert {m["evaluated"] for m in b["models"]} == {"partly reused from the results store"}
+    for task in a["tasks"]:
+        assert b["scores"][task] == a["scores"][task]
+    assert all(set(per_task) == set(b["tasks"]) for per_task in b["aggregates"]["calibration"].values())

@@ -225,3 +225,14 @@ def test_a_run_reports_consistency_for_every_model_from_the_kept_log_likelihoods
     for role in got:
         assert any(line.startswith(f"│ {role} ") and "chem_count_mc" in line for line in out.stdout.splitlines())
 
+
+
+def test_samples_of_tasks_evaluated_in_different_runs_are_read_together(tmp_path):
+    from mergeval.eval import samples
+
+    one = samples.write(tmp_path / "one.jsonl", {"a": [{"doc_id": 0, "lls": [0.0, -1.0], "gold": 0}]})
+    two = samples.write(tmp_path / "two.jsonl", {"b": [{"doc_id": 0, "lls": [-2.0, -1.0], "gold": 1}]})
+    got = samples.read_tasks({"a": str(one), "b": str(two)})
+    assert got == {"a": [{"doc_id": 0, "lls": [0.0, -1.0], "gold": 0}], "b": [{"doc_id": 0, "lls": [-2.0, -1.0], "gold": 1}]}
+    assert samples.read_tasks({"a": str(one), "b": None}) is None  # a task stored without samples
+    assert samples.read_tasks({"a": str(two)}) is None  # the file does not hold that task

@@ -159,8 +159,8 @@ CLAIMER = textwrap.dedent("""
     from tests.test_store import DIGESTS, SETTINGS
 
     store = Store(sys.argv[1])
-    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) is None
-    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS) is None
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == {}
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS) == {}
     print("claimed", flush=True)
     sys.stdin.read()  # evaluating... until the test lets it go (it exits without releasing its claims)
 """)
@@ -182,9 +182,9 @@ def test_parallel_jobs_evaluate_a_model_once(tmp_path):
     assert waits == ["fp"]  # it waited for the other job instead of evaluating
     other.stdin.close()
     assert other.wait() == 0  # gone without releasing fp2
-    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) is None  # taken over
-    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) is None  # own: no wait
-    assert waits == ["fp"] and store.claim_or_scores("fp3", DIGESTS, SETTINGS) is None
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) == {}  # taken over
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS, lambda: waits.append("fp2")) == {}  # own: no wait
+    assert waits == ["fp"] and store.claim_or_scores("fp3", DIGESTS, SETTINGS) == {}
     store.put_scores("fp3", DIGESTS, SETTINGS, SCORES)  # scoring ends a claim
     with sqlite3.connect(store.path) as db:
         assert db.execute("SELECT model_fingerprint FROM claims").fetchall() == [("fp2",)]
@@ -444,3 +444,21 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     assert results.main([*args, "--since", "yesterday"]) == 2
     assert capsys.readouterr().err.startswith("mergeval: error: --since:")
     assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2
+
+
+def test_a_task_is_evaluated_once_whatever_the_other_tasks_of_the_run(tmp_path):
+    """A run with tasks {a, b} after one with {a}: a is reused, only b is claimed (then stored)."""
+    store = Store(tmp_path / "r.sqlite")
+    store.put_scores("fp", {"a": "d1"}, SETTINGS, {"a": SCORES["a"]}, samples_path="/s/run1.jsonl")
+    assert store.get_scores("fp", DIGESTS, SETTINGS) is None  # not every task: no full hit
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == {"a": SCORES["a"]}  # and b is now claimed
+    with sqlite3.connect(store.path) as db:
+        (claimed,) = db.execute("SELECT tasks_key FROM claims").fetchone()
+    from mergeval.store import _tasks_key
+
+    assert claimed == _tasks_key({"b": "d2"})
+    store.put_scores("fp", {"b": "d2"}, SETTINGS, {"b": SCORES["b"]}, samples_path="/s/run2.jsonl")
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == SCORES
+    assert store.samples_paths("fp", DIGESTS, SETTINGS) == {"a": "/s/run1.jsonl", "b": "/s/run2.jsonl"}
+    with sqlite3.connect(store.path) as db:
+        assert db.execute("SELECT COUNT(*) FROM claims").fetchone() == (0,)

@@ -49,6 +49,19 @@ def read(path: str | Path | None) -> dict[str, list[dict]] | None:
     return dict(out)
 
 
+def read_tasks(paths: dict[str, str | None]) -> dict[str, list[dict]] | None:
+    """task -> its samples, each task read from its own evaluation's file (``Store.samples_paths``);
+    None when any task has none (stored without samples, or the file is gone)."""
+    out, files = {}, {}
+    for task, path in paths.items():
+        if path not in files:
+            files[path] = read(path)
+        if files[path] is None or task not in files[path]:
+            return None
+        out[task] = files[path][task]
+    return out
+
+
 def path_for(cache: Path, fingerprint: str, settings_key: str, digests: dict[str, str]) -> Path:
     tasks_key = "-".join(sorted(digests.values()))[:64]
     return cache / "samples" / fingerprint[:32] / f"{settings_key}-{tasks_key}.jsonl"

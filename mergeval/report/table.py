@@ -52,7 +52,8 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     if agg.get("consistency"):
         console.print(_consistency_table(agg["consistency"]))
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
-    reused = [m.role for m in outcome.models if m.evaluated != "this run"]
+    reused = [m.role + (" (some tasks)" if (m.evaluated or "").startswith("partly") else "")
+              for m in outcome.models if m.evaluated != "this run"]
     if reused:
         console.print(f"[dim]scores reused from the results store: {', '.join(reused)} "
                       "(eval.force=true re-evaluates)[/dim]")

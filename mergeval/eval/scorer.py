@@ -27,7 +27,7 @@ which left-truncates it the way lm-eval does.
 Batches never mix tasks (HFLM's do): in bfloat16 a row's rounding depends on the
 shape and padding of its batch, so mixing would make a task's score depend on
 which other tasks share the run. Per task, the same items, model and batch size
-give bit-identical log-likelihoods on the same machine.
+give the same log-likelihoods whatever else the run scores.
 """
 
 from __future__ import annotations

@@ -197,8 +197,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                           else "partly reused from the results store")
         if missing:
             print(f"mergeval: evaluating {info.role} on {len(missing)} tasks", flush=True)
-            harness = harnesses.get(tuple(missing)) or harnesses.setdefault(
-                tuple(missing), Harness.for_run(cfg, task_dir, missing, cfg.benchmark.limit))
+            if tuple(missing) not in harnesses:
+                harnesses[tuple(missing)] = Harness.for_run(cfg, task_dir, missing, cfg.benchmark.limit)
+            harness = harnesses[tuple(missing)]
             path = base_dir if info.role == MERGED else Path(info.path)
             model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
             fresh = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
@@ -213,17 +214,14 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     lap("evaluate")
 
     aggregates = aggregate(scores, tasks, models, cfg.metric)
-    if cfg.metric.calibration:  # from the per-choice log-likelihoods kept with each evaluation
-        from mergeval.metrics.composed import calibration
+    if cfg.metric.calibration or cfg.metric.consistency:  # both from the per-choice log-likelihoods kept
+        from mergeval.metrics.composed import calibration, consistency
 
-        aggregates["calibration"] = calibration(
-            {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models})
-    if cfg.metric.consistency:  # the same items asked in two formats, from the same kept log-likelihoods
-        from mergeval.metrics.composed import consistency
-
-        aggregates["consistency"] = consistency(
-            {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models},
-            [list(pair) for pair in cfg.metric.consistency])
+        kept = {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models}
+        if cfg.metric.calibration:
+            aggregates["calibration"] = calibration(kept)
+        if cfg.metric.consistency:  # the same items asked in two formats
+            aggregates["consistency"] = consistency(kept, [list(pair) for pair in cfg.metric.consistency])
     if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
         from mergeval.metrics.composed import similarity
 

@@ -13,7 +13,8 @@ from mergeval.app import ModelInfo, Outcome
 from mergeval.config import MetricConfig
 from mergeval.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks, lettered_prompt, task_digest, write_tasks
-from mergeval.metrics.composed import check_metric_config, consistency, format_agreement
+from mergeval.metrics.calibration import format_agreement
+from mergeval.metrics.composed import check_metric_config, consistency
 from mergeval.report.table import render
 from tests.test_cli_methods import result_of
 from tests.test_cli import mergeval

@@ -3,8 +3,8 @@
 ``HFLM(pretrained=<model object>)`` wraps a live model, so a merge is scored
 without being written to disk. By default the model is wrapped in
 ``SharedPrefixLM`` (eval/scorer.py), an HFLM that runs each question's context
-once for all its choices; ``eval.backend=hflm`` uses lm-eval's HFLM as is. The tasks are loaded once per run and reused
-for every model. lm-eval's own request cache is never used: it is keyed
+once for all its choices; ``eval.backend=hflm`` uses lm-eval's HFLM as is. The
+tasks are loaded once per run and reused for every model. lm-eval's own request cache is never used: it is keyed
 without the model and would hand one checkpoint's answers to another.
 """
 

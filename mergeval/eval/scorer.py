@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +64,9 @@ class SharedPrefixLM(HFLM):
                 results[i] = answer
         return results
 
-    @property
+    @cached_property
     def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes ``logits_to_keep`` (recent transformers causal LMs do)."""
+        """Whether the model's forward takes ``logits_to_keep`` (recent transformers causal LMs do); asked once."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,

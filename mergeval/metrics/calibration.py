@@ -8,13 +8,14 @@ may answer the same question differently when it is asked in another format.
 - ``ece_from_loglikelihoods``: ECE of multiple-choice answers, from the
   per-choice log-likelihoods lm-eval logs.
 - ``consistency``: agreement between a model's answers to the same questions
-  asked in two formats.
+  asked in two formats; ``format_agreement`` computes it (with each format's
+  accuracy) from two formats' per-choice log-likelihoods.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -107,3 +108,43 @@ def consistency(answers_a: Sequence, answers_b: Sequence) -> float:
     if len(answers_a) == 0:
         raise ValueError("no answers: need at least one question")
     return sum(a == b for a, b in zip(answers_a, answers_b)) / len(answers_a)
+
+
+def format_agreement(rows_a: Sequence[Mapping], rows_b: Sequence[Mapping]) -> dict:
+    """A model's answers to the same items asked in two formats, from per-choice log-likelihoods.
+
+    Rows are ``{doc_id, lls, gold}`` (one per item, any order); items are matched by doc_id, and
+    choice j of one format is choice j of the other (the lettered format lists the cloze choices in
+    order), so answers compare as choice indices:
+
+        pred_f(i)    = argmax_j lls_f(i)_j                 (first on ties, like lm-eval's acc)
+        agreement    = consistency(pred_a, pred_b) = (1/n) sum_i [pred_a(i) == pred_b(i)]
+        acc_f        = (1/n) sum_i [pred_f(i) == gold_i]
+        both_correct = (1/n) sum_i [pred_a(i) == gold_i and pred_b(i) == gold_i]
+
+    Returns ``{"agreement", "n", "acc_a", "acc_b", "both_correct"}``. Raises ValueError when the two
+    formats do not hold the same items (doc_ids, gold answers or choice counts differ) or a doc_id repeats.
+    """
+    a, b = _by_doc(rows_a), _by_doc(rows_b)
+    if set(a) != set(b):
+        raise ValueError(f"the formats hold different items: doc_ids {sorted(set(a) ^ set(b))[:5]} are in one only")
+    docs = sorted(a)
+    for d in docs:
+        if a[d]["gold"] != b[d]["gold"] or len(a[d]["lls"]) != len(b[d]["lls"]):
+            raise ValueError(f"doc_id {d} differs between the formats: gold {a[d]['gold']} / {b[d]['gold']}, "
+                             f"{len(a[d]['lls'])} / {len(b[d]['lls'])} choices")
+    pred_a = [int(np.argmax(a[d]["lls"])) for d in docs]  # numpy: the first of equal maxima, like lm-eval's acc
+    pred_b = [int(np.argmax(b[d]["lls"])) for d in docs]
+    gold = [a[d]["gold"] for d in docs]
+    n = len(docs)
+    return {"agreement": consistency(pred_a, pred_b), "n": n,
+            "acc_a": sum(p == g for p, g in zip(pred_a, gold)) / n,
+            "acc_b": sum(p == g for p, g in zip(pred_b, gold)) / n,
+            "both_correct": sum(p == q == g for p, q, g in zip(pred_a, pred_b, gold)) / n}
+
+
+def _by_doc(rows: Sequence[Mapping]) -> dict:
+    out = {row["doc_id"]: row for row in rows}
+    if len(out) != len(rows):
+        raise ValueError("a doc_id appears twice in one format's rows")
+    return out

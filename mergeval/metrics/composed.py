@@ -22,12 +22,12 @@ items in two formats (a generated task ``X`` as cloze and as lettered
 multiple choice ``X_mc``), per model: how often its answers agree
 (``calibration.consistency`` over the argmax choices, matched by doc_id), its
 accuracy in each format and the share of items it gets right in both
-(``format_agreement``), from the same kept log-likelihoods.
+(``calibration.format_agreement``), from the same kept log-likelihoods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from itertools import combinations
 
 from mergeval.errors import UserError
@@ -124,54 +124,11 @@ def calibration(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None]) 
     return out
 
 
-def format_agreement(rows_a: Sequence[Mapping], rows_b: Sequence[Mapping]) -> dict:
-    """A model's answers to the same items asked in two formats, from per-choice log-likelihoods.
-
-    Rows are ``{doc_id, lls, gold}`` (one per item, any order); items are matched by doc_id, and
-    choice j of one format is choice j of the other (the lettered format lists the cloze choices in
-    order), so answers compare as choice indices:
-
-        pred_f(i)    = argmax_j lls_f(i)_j                 (first on ties, like lm-eval's acc)
-        agreement    = consistency(pred_a, pred_b) = (1/n) sum_i [pred_a(i) == pred_b(i)]
-        acc_f        = (1/n) sum_i [pred_f(i) == gold_i]
-        both_correct = (1/n) sum_i [pred_a(i) == gold_i and pred_b(i) == gold_i]
-
-    Returns ``{"agreement", "n", "acc_a", "acc_b", "both_correct"}``. Raises ValueError when the two
-    formats do not hold the same items (doc_ids, gold answers or choice counts differ) or a doc_id repeats.
-    """
-    from mergeval.metrics.calibration import consistency
-
-    a, b = _by_doc(rows_a), _by_doc(rows_b)
-    if set(a) != set(b):
-        raise ValueError(f"the formats hold different items: doc_ids {sorted(set(a) ^ set(b))[:5]} are in one only")
-    docs = sorted(a)
-    for d in docs:
-        if a[d]["gold"] != b[d]["gold"] or len(a[d]["lls"]) != len(b[d]["lls"]):
-            raise ValueError(f"doc_id {d} differs between the formats: gold {a[d]['gold']} / {b[d]['gold']}, "
-                             f"{len(a[d]['lls'])} / {len(b[d]['lls'])} choices")
-    pred_a, pred_b = [_argmax(a[d]["lls"]) for d in docs], [_argmax(b[d]["lls"]) for d in docs]
-    gold = [a[d]["gold"] for d in docs]
-    n = len(docs)
-    return {"agreement": consistency(pred_a, pred_b), "n": n,
-            "acc_a": sum(p == g for p, g in zip(pred_a, gold)) / n,
-            "acc_b": sum(p == g for p, g in zip(pred_b, gold)) / n,
-            "both_correct": sum(p == q == g for p, q, g in zip(pred_a, pred_b, gold)) / n}
-
-
-def _by_doc(rows: Sequence[Mapping]) -> dict:
-    out = {row["doc_id"]: row for row in rows}
-    if len(out) != len(rows):
-        raise ValueError("a doc_id appears twice in one format's rows")
-    return out
-
-
-def _argmax(lls: Sequence[float]) -> int:
-    return max(range(len(lls)), key=lambda j: (lls[j], -j))  # the first of equal maxima, as numpy.argmax
-
-
 def consistency(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None], pairs: list[list[str]]) -> dict:
     """role -> "task_a~task_b" -> {agreement, n, acc: {task_a, task_b}, both_correct} (``format_agreement``);
     None for a model whose evaluation kept no samples (eval.force=true re-evaluates it)."""
+    from mergeval.metrics.calibration import format_agreement
+
     out: dict = {}
     for role, per_task in samples_by_role.items():
         if per_task is None:

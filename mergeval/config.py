@@ -46,11 +46,20 @@ class ModelsetConfig:
 
 @dataclass
 class BenchmarkConfig:
+    """The tasks a run evaluates (mergeval/eval/suite.py): generated, lm-eval registry, or from include_path."""
+
     name: str = MISSING
+    # lm-eval task, group or tag names (hellaswag, gsm8k, mmlu), tasks of include_path, or mergeval_* generated
     tasks: list[str] = field(default_factory=list)
+    include_path: list[str] = field(default_factory=list)  # directories of task YAMLs; shipped:<dir> ships with us
+    # task -> "metric,filter" reported (default: eval/metric_choice.py), e.g. {gsm8k: "exact_match,strict-match"}
+    metrics: dict[str, str] = field(default_factory=dict)
+    num_fewshot: int | None = None  # all tasks, as lm_eval --num_fewshot; null: each task's own default
+    fewshot: dict[str, int] = field(default_factory=dict)  # per task (or group): always applied
+    # task -> {split: file}: a registry task's own definition over local JSON-lines files (shipped:<file> too)
+    data: dict[str, dict[str, str]] = field(default_factory=dict)
     n_items: int = 200  # items per generated task
     limit: int | None = None  # evaluate only the first N items of each task (reduced runs)
-    num_fewshot: int = 0
 
 
 @dataclass
@@ -82,9 +91,17 @@ class EvalConfig:
     dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
     # "shared_prefix": each question's context computed once for all choices (eval/scorer.py);
     # "hflm": lm-eval's HFLM as is (one sequence per choice). Same scores up to float rounding.
+    # "vllm": lm-eval's vLLM backend (GPU; the model written once to a temporary directory).
     backend: str = "shared_prefix"
     device: str = "cpu"
     force: bool = False  # re-evaluate even when the results store already holds this evaluation
+    # prompting, as lm_eval's flags of the same names (all part of the store key)
+    apply_chat_template: bool = False
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool = False
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)  # generation tasks: e.g. {max_gen_toks: 256}
+    # tasks that execute the code a model writes (humaneval_plus, mbpp_plus) run only when this is true
+    allow_code_execution: bool = False
 
 
 @dataclass

@@ -38,19 +38,21 @@ def main(cfg: DictConfig) -> None:
 
 def merge(cfg: DictConfig, job_dir: Path) -> Path:
     """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir."""
-    from mergeval import app
+    from mergeval.checks import validate
+    from mergeval.models.resolve import resolve_models
+    from mergeval.ranking import prepare_method, refuse_ranking
     from mergeval.engine import merge_to_disk
     from mergeval.engine.card import merge_config
     from mergeval.paths import cache_root
 
-    method, method_cfg = app.validate(cfg)
-    app.refuse_ranking(method, method_cfg)  # before minutes of building experts
+    method, method_cfg = validate(cfg)
+    refuse_ranking(method, method_cfg)  # before minutes of building experts
     target = Path(cfg.output).expanduser().resolve() if cfg.output else job_dir / "merged_model"
     if target.exists():  # before minutes of fine-tuning experts
         raise UserError("output", f"'{target}' already exists", "choose a new directory or remove that one")
     cache = cache_root(cfg.cache_dir)
-    base_dir, expert_dirs, models = app.resolve_models(cfg, cache)
-    method_cfg, _ = app.prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
+    base_dir, expert_dirs, models = resolve_models(cfg, cache)
+    method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
     inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.fingerprint} for m in models]
     return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
                          card={"config": merge_config(cfg), "inputs": inputs}, progress=True)

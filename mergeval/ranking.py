@@ -1,4 +1,5 @@
-"""Validation scores that rank experts before a merge (CMM's curriculum).
+"""What a method needs from the models before it merges: head counts, and validation scores that rank experts
+(CMM's curriculum).
 
 Each expert is evaluated with mergeval's own evaluator on the validation split
 of the benchmark's tasks (held-out items disjoint from the test items, see
@@ -16,6 +17,46 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mergeval.errors import UserError
+from mergeval.outcome import ModelInfo
+
+
+def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path,
+                   can_evaluate: bool):
+    """What a method needs from the models before merging: hierarchical's head counts (the base's config.json),
+    CMM's validation ranking (evaluations; refused when the caller cannot evaluate). Returns (cfg, merge_info)."""
+    if method.name == "hierarchical":
+        from mergeval.methods.hierarchical import fill_head_counts
+        from mergeval.models.checkpoint import read_config
+
+        method_cfg = fill_head_counts(method_cfg, read_config(base_dir))
+    merge_info = merge_details(method.name, method_cfg, models)
+    if "needs_ranking" in merge_info:
+        if not can_evaluate:
+            refuse_ranking(method, method_cfg)
+        method_cfg, ranking = rank_experts(cfg, method_cfg, models, cache)
+        merge_info = {**merge_details(method.name, method_cfg, models), **ranking}
+    return method_cfg, merge_info
+
+
+def refuse_ranking(method, method_cfg) -> None:
+    """For callers that cannot evaluate (merge-only): a method that must rank experts first is an error."""
+    if "needs_ranking" in merge_details(method.name, method_cfg, []):
+        raise UserError("method.order", "ranking the experts needs an evaluation, which a merge-only run does not "
+                        "do", "give method.validation_scores, set method.order=given, or run python -m mergeval")
+
+
+def merge_details(method_name: str, method_cfg, models: list[ModelInfo]) -> dict:
+    """What a method decided beyond its config (CMM: the merge order and coefficients), for result.json."""
+    if method_name != "cmm":
+        return {}
+    from mergeval.methods.curriculum import merge_order, schedule
+
+    names = [m.role for m in models if m.role != "base"]
+    if method_cfg.order != "given" and method_cfg.validation_scores is None:
+        return {"needs_ranking": True}
+    order = merge_order(method_cfg.order, method_cfg.validation_scores, len(names))
+    coeffs = schedule(method_cfg.schedule, method_cfg.start, method_cfg.end, len(names))
+    return {"order": [names[i] for i in order], "coefficients": coeffs}
 
 
 def expert_score(accuracies: dict[str, float], rank_by: str, own_task: str | None, where: str) -> float:
@@ -32,15 +73,16 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from mergeval.app import eval_settings, open_store
     from mergeval.eval.harness import Harness
-    from mergeval.eval.tasks import task_digest, write_tasks
+    from mergeval.eval.settings import eval_settings
+    from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
+    from mergeval.store import open_store
 
-    tasks = list(cfg.benchmark.tasks)
-    task_dir = write_tasks(tasks, cfg.benchmark.n_items, cache, split="validation",
-                           n_validation=method_cfg.validation_items)
-    digests = {t: task_digest(task_dir, t) for t in tasks}
+    suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=method_cfg.validation_items)
+    tasks = suite.counted()
+    digests = {t: suite.digests[t] for t in tasks}
+    metrics = {t: suite.rows[t].metric for t in tasks}
     settings = {**eval_settings(cfg), "limit": None}  # validation always uses its whole split
     store = open_store(cfg, cache)
     harness, tokenizer = None, None
@@ -48,17 +90,19 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     for info in models:
         if info.role == "base":
             continue
-        got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings)
+        got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings, metrics)
         if got is None:
             print(f"mergeval: ranking: evaluating {info.role} on the validation split", flush=True)
-            harness = harness or Harness.for_run(cfg, task_dir, tasks, None)
+            harness = harness or Harness.for_run(cfg, suite, suite.entries, None)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(info.path)
             model = load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
-            got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n} for t, s in harness.score(model, tokenizer).items()}
-            store.put_scores(info.fingerprint, digests, settings, got)
+            fresh = harness.score(model, tokenizer)
+            got = {t: fresh[t].as_dict() for t in tasks}
+            store.put_scores(info.fingerprint, digests, settings, {t: {**got[t], "metrics": fresh[t].metrics}
+                                                                   for t in tasks})
             del model
         per_task[info.role] = got
-        scores.append(expert_score({t: got[t]["acc"] for t in tasks}, method_cfg.rank_by, info.task,
+        scores.append(expert_score({t: got[t]["value"] for t in tasks}, method_cfg.rank_by, info.task,
                                    f"modelset.experts.{info.role}.task"))
     details = {"validation_items": method_cfg.validation_items, "validation_digests": digests,
                "validation_scores": dict(zip([m.role for m in models if m.role != "base"], scores)),

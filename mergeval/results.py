@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.outcome import score_value
 from mergeval.paths import cache_root
 from mergeval.store import STATUSES, Store
 
@@ -42,7 +43,7 @@ def run_row(run: dict) -> dict:
     }
     for task, by_role in (run["scores"] or {}).items():
         if "merged" in by_role:
-            row[f"merged:{task}"] = by_role["merged"]["acc"]
+            row[f"merged:{task}"] = score_value(by_role["merged"])
     return row
 
 

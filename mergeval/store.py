@@ -6,15 +6,18 @@ processes, Slurm jobs on one node) read and write at once. Every write is one
 the whole write or none of it, and concurrent writers wait for each other
 (busy timeout) instead of failing or losing rows.
 
-Tables (schema v2; v1 databases are migrated in place on open):
+Tables (schema v3; v1 and v2 databases are migrated in place on open):
 
 - ``runs``: one row per run. ``start_run`` inserts it as ``running``;
   ``finish_run`` completes it exactly once (``finished``, with result path,
   aggregates, scores and timings); ``fail_run`` marks it ``failed``. A run
   killed without a chance to say so stays ``running``: never half finished.
 - ``models``: content fingerprint -> source and architecture (from config.json).
-- ``evaluations``: (model fingerprint, task digest, settings hash) -> acc,
-  stderr, n, and the path of logged samples if any. The settings are
+- ``evaluations``: (model fingerprint, task digest, settings hash) -> every
+  metric the task reported (``{"acc_norm,none": [value, stderr], ...}``; a
+  run reads the one it reports, so changing ``benchmark.metrics`` needs no
+  re-evaluation and a stored number is never read under another metric's
+  name), n, and the path of logged samples if any. The settings are
   everything besides model and task data that can change a score (limit,
   few-shot, precision, batch size, device, lm-eval version); a change to any
   key field is a miss. lm-eval's own request cache is not involved.
@@ -40,7 +43,8 @@ from pathlib import Path
 
 from mergeval.errors import UserError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
 CLAIM_TTL_S = 6 * 3600  # a claim from another host older than this is presumed dead (its evaluation never came)
 BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
 STATUSES = ("running", "finished", "failed")
@@ -67,20 +71,21 @@ CREATE TABLE {name} (
     CHECK (status <> 'finished' OR (timings IS NOT NULL AND aggregates IS NOT NULL AND models IS NOT NULL
                                     AND scores IS NOT NULL AND result_path IS NOT NULL))
 )"""
-_V2 = [
+_EVALUATIONS = """
+CREATE TABLE {name} (
+    model_fingerprint TEXT NOT NULL,
+    task_digest TEXT NOT NULL,
+    settings_hash TEXT NOT NULL,
+    task TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    metrics TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    created REAL NOT NULL,
+    samples_path TEXT,
+    PRIMARY KEY (model_fingerprint, task_digest, settings_hash))"""
+_V3 = [
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE evaluations (
-        model_fingerprint TEXT NOT NULL,
-        task_digest TEXT NOT NULL,
-        settings_hash TEXT NOT NULL,
-        task TEXT NOT NULL,
-        settings TEXT NOT NULL,
-        acc REAL NOT NULL,
-        stderr REAL NOT NULL,
-        n INTEGER NOT NULL,
-        created REAL NOT NULL,
-        samples_path TEXT,
-        PRIMARY KEY (model_fingerprint, task_digest, settings_hash))""",
+    _EVALUATIONS.format(name="evaluations"),
     _RUNS.format(name="runs"),
 ]
 _NEW_IN_V2 = [
@@ -211,11 +216,13 @@ class Store:
         with self._write() as db:  # re-read under the lock: another process may have just migrated
             version = self._version(db)
             if version == 0:
-                for statement in _V2 + _NEW_IN_V2:
+                for statement in _V3 + _NEW_IN_V2:
                     db.execute(statement)
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif version == 1:
-                _migrate_v1_to_v2(db)
+            elif version in (1, 2):
+                if version == 1:
+                    _migrate_v1_to_v2(db)
+                _migrate_v2_to_v3(db)
             elif version > SCHEMA_VERSION:
                 raise UserError("store.path", f"{self.path} has schema v{version}, newer than this mergeval "
                                 f"(v{SCHEMA_VERSION})", "upgrade mergeval or use another store.path")
@@ -233,13 +240,16 @@ class Store:
 
     # evaluations
 
-    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, dict] | None:
-        """{task: {acc, stderr, n}} if every task is stored for this model and settings, else None."""
+    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+                   metrics: Mapping[str, str] | None = None) -> dict[str, dict] | None:
+        """{task: {metric, value, stderr, n}} if every task is stored for this model and settings, else None.
+        ``metrics`` (task -> ``"metric,filter"``) picks what each task reports; default ``acc,none``."""
         with self._read() as db:
-            return _scores(db, fingerprint, digests, settings_hash(settings))
+            return _scores(db, fingerprint, digests, settings_hash(settings), metrics)
 
     def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
-                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0) -> dict[str, dict]:
+                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0,
+                        metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
         """{task: scores} of the tasks already stored for this model and settings; when that is not every
         task of ``digests``, this process has claimed the evaluation of the missing ones.
 
@@ -253,7 +263,7 @@ class Store:
         waited = False
         while True:
             with self._write() as db:
-                got = _stored(db, fingerprint, digests, key)
+                got = _stored(db, fingerprint, digests, key, metrics)
                 missing = {task: digest for task, digest in digests.items() if task not in got}
                 if not missing:
                     return got
@@ -286,16 +296,20 @@ class Store:
 
     def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
-        """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces."""
+        """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces.
+        Each score is ``{metric, value, stderr, n}``, with ``metrics`` (every key -> [value, stderr]) when the
+        task reported more than the one shown."""
         key, now = settings_hash(settings), time.time()
         with self._write() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, "
-                "acc, stderr, n, created, samples_path) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                [(fingerprint, digests[task], key, task, _canonical(settings), s["acc"], s["stderr"], s["n"], now,
-                  samples_path) for task, s in scores.items()])
-            db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND tasks_key=?",
-                       (fingerprint, key, _tasks_key(digests)))
+                "metrics, n, created, samples_path) VALUES (?,?,?,?,?,?,?,?,?)",
+                [(fingerprint, digests[task], key, task, _canonical(settings), _canonical(_all_metrics(s)), s["n"],
+                  now, samples_path) for task, s in scores.items()])
+            # this process's claims on the model end here (it may have evaluated more tasks than it claimed: a
+            # group is evaluated whole when one of its members is missing)
+            db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND (tasks_key=? OR "
+                       "(host=? AND pid=?))", (fingerprint, key, _tasks_key(digests), socket.gethostname(), os.getpid()))
 
     # models and merges
 
@@ -322,11 +336,13 @@ class Store:
             row = db.execute("SELECT output_fingerprint FROM merges WHERE merge_key=?", (key,)).fetchone()
         return row[0] if row else None
 
-    def evaluated_merge(self, key: str, digests: Mapping[str, str], settings: Mapping) -> str | None:
+    def evaluated_merge(self, key: str, digests: Mapping[str, str], settings: Mapping,
+                        metrics: Mapping[str, str] | None = None) -> str | None:
         """The output fingerprint of merge ``key`` if it was done and its output scored on all these tasks and
         settings (then neither the merge nor its evaluation needs redoing), else None."""
         output = self.get_merge(key)
-        return output if output is not None and self.get_scores(output, digests, settings) is not None else None
+        done = output is not None and self.get_scores(output, digests, settings, metrics) is not None
+        return output if done else None
 
     def put_merge(self, key: str, inputs: Sequence[str], method_config, seed: int | None,
                   output_fingerprint: str, options: Mapping | None = None) -> None:
@@ -426,15 +442,41 @@ def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 
-def _stored(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str) -> dict[str, dict]:
-    """{task: scores} of the tasks of ``digests`` stored for this model and settings (any subset)."""
-    rows = db.execute("SELECT task, acc, stderr, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+def _migrate_v2_to_v3(db: sqlite3.Connection) -> None:
+    """v2 -> v3 inside the caller's transaction: an evaluation keeps every metric by name. v2 stored the
+    accuracy of generated tasks only, so each row becomes ``{"acc,none": [acc, stderr]}``."""
+    rows = db.execute("SELECT model_fingerprint, task_digest, settings_hash, task, settings, acc, stderr, n, "
+                      "created, samples_path FROM evaluations").fetchall()
+    db.execute(_EVALUATIONS.format(name="evaluations_v3"))
+    db.executemany("INSERT INTO evaluations_v3 VALUES (?,?,?,?,?,?,?,?,?)",
+                   [(*r[:5], _canonical({DEFAULT_METRIC: [r[5], r[6]]}), *r[7:]) for r in rows])
+    db.execute("DROP TABLE evaluations")
+    db.execute("ALTER TABLE evaluations_v3 RENAME TO evaluations")
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+def _all_metrics(score: Mapping) -> dict:
+    return dict(score.get("metrics") or {score["metric"]: [score["value"], score["stderr"]]})
+
+
+def _stored(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str,
+            metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
+    """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model and settings (any
+    subset); a task stored without the metric asked for counts as not stored."""
+    rows = db.execute("SELECT task, metrics, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
                       f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))
-    return {task: {"acc": a, "stderr": s, "n": n} for task, a, s, n in rows if task in digests}
+    out = {}
+    for task, stored, n in rows:
+        metric = (metrics or {}).get(task, DEFAULT_METRIC)
+        values = json.loads(stored)
+        if task in digests and metric in values:
+            out[task] = {"metric": metric, "value": values[metric][0], "stderr": values[metric][1], "n": n}
+    return out
 
 
-def _scores(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str) -> dict | None:
-    got = _stored(db, fingerprint, digests, key)
+def _scores(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str,
+            metrics: Mapping[str, str] | None = None) -> dict | None:
+    got = _stored(db, fingerprint, digests, key, metrics)
     return got if set(got) == set(digests) else None
 
 
@@ -464,3 +506,20 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def open_store(cfg, cache: Path) -> Store:
+    """The results store at ``store.path``, default ``<cache>/results.sqlite``."""
+    return Store(Path(cfg.store.path).expanduser() if cfg.store.path else cache / "results.sqlite")
+
+
+def record_models(store: Store, models) -> None:
+    """Each constituent's fingerprint, source and architecture (from its config.json) in the models table;
+    ``models`` are ModelInfo rows, the first one the base."""
+    for info in models:
+        try:  # the in-memory merge has the base's architecture
+            source_dir = Path(info.path or models[0].path)
+            arch = architecture_of(json.loads((source_dir / "config.json").read_text()))
+        except (OSError, TypeError, ValueError):  # no path or no readable config.json: the row keeps no architecture
+            arch = None
+        store.put_model(info.fingerprint, info.source, arch, info.path)

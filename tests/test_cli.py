@@ -95,7 +95,7 @@ def test_tiny_run_end_to_end(tmp_path, cache):
     for task in result["tasks"]:
         for role in roles:
             s = result["scores"][task][role]
-            assert 0 <= s["acc"] <= 1 and s["stderr"] >= 0 and s["n"] == 24
+            assert s["metric"] == "acc,none" and 0 <= s["value"] <= 1 and s["stderr"] >= 0 and s["n"] == 24
     agg = result["aggregates"]
     assert agg["macro_og"] <= agg["macro_gain"] and agg["scale"] == "percent"
     assert set(agg["normalized"]) == {"mergeval_chem_count", "mergeval_unit_convert"}
@@ -131,7 +131,7 @@ def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
     assert first.returncode == 0, first.stderr[-3000:]
     second = mergeval("+experiment=tiny", store, "metric.calibration=true", "hydra.run.dir=second", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.count("on 1 tasks") == 4 and "on 3 tasks" not in second.stdout
+    assert second.stdout.count("on 1 of 3 tasks") == 4 and "on 3 of 3 tasks" not in second.stdout
     a, b = read_result(tmp_path / "first"), read_result(tmp_path / "second")
     assert {m["evaluated"] for m in b["models"]} == {"partly reused from the results store"}
     for task in a["tasks"]:

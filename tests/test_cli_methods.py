@@ -66,7 +66,7 @@ def test_metric_group_full_adds_groups_forgetting_and_similarity(tmp_path, tiny_
     agg = result["aggregates"]
     assert set(agg["groups"]) == {"base", "chem", "units", "merged"}
     general = result["scores"]["mergeval_general_facts"]
-    assert agg["forgetting"]["mean"] == general["base"]["acc"] - general["merged"]["acc"]
+    assert agg["forgetting"]["mean"] == general["base"]["value"] - general["merged"]["value"]
     assert {"chem~units", "chem~merged", "units~merged"} == set(agg["similarity"])
     for role in ("base", "chem", "units", "merged"):  # ECE from the per-choice log-likelihoods kept per evaluation
         assert set(agg["calibration"][role]) == set(result["tasks"])

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from mergeval.app import ModelInfo, Outcome
+from mergeval.outcome import ModelInfo, Outcome
 from mergeval.config import MetricConfig
 from mergeval.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks, lettered_prompt, task_digest, write_tasks
@@ -194,7 +194,7 @@ def test_the_terminal_report_shows_each_models_consistency():
     per_pair = {"mergeval_chem_count~mergeval_chem_count_mc": {
         "agreement": 0.625, "n": 8, "acc": {"mergeval_chem_count": 0.75, "mergeval_chem_count_mc": 0.5},
         "both_correct": 0.375}}
-    scores = {"mergeval_chem_count": {r: {"acc": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "merged")}}
+    scores = {"mergeval_chem_count": {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "merged")}}
     outcome = Outcome([ModelInfo("base", "zoo", "f0"), ModelInfo("merged", "ta", "f1")], list(scores), scores,
                       {"normalized": {}, "normalized_mean": None, "normalized_band": "undefined", "scale": "percent",
                        "macro_gain": 0.0, "macro_og": 0.0, "consistency": {"base": per_pair, "merged": None}}, {})
@@ -221,7 +221,7 @@ def test_a_run_reports_consistency_for_every_model_from_the_kept_log_likelihoods
         for stats in pairs.values():
             assert 0 <= stats["agreement"] <= 1 and stats["n"] == n_items
             for task, acc in stats["acc"].items():  # the argmax of the kept log-likelihoods is lm-eval's acc
-                assert acc == pytest.approx(result["scores"][task][role]["acc"])
+                assert acc == pytest.approx(result["scores"][task][role]["value"])
     assert "answer consistency" in out.stdout
     for role in got:
         assert any(line.startswith(f"│ {role} ") and "chem_count_mc" in line for line in out.stdout.splitlines())

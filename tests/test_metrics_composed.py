@@ -15,7 +15,7 @@ acc = st.floats(0, 1)
 
 
 def table(values: dict[str, dict[str, float]]) -> dict:
-    return {t: {role: {"acc": a, "stderr": 0.0, "n": 10} for role, a in roles.items()} for t, roles in values.items()}
+    return {t: {role: {"metric": "acc,none", "value": a, "stderr": 0.0, "n": 10} for role, a in roles.items()} for t, roles in values.items()}
 
 
 @given(st.lists(acc, min_size=3, max_size=3))

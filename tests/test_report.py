@@ -26,7 +26,8 @@ def stderr(acc: float, n: int = 200) -> float:
 
 def result(run_id: str, method: str, merged: tuple[float, float, float], minute: int = 0, **params) -> dict:
     """A result.json as a real quickstart run writes it, with the merged scores and method config given."""
-    from mergeval.app import ModelInfo, aggregate
+    from mergeval.outcome import ModelInfo
+    from mergeval.summary import aggregate
 
     models = [{"role": "base", "source": "smollm2", "fingerprint": "b" * 32, "path": "/m/base", "task": None},
               {"role": "chem", "source": "finetune:chem_count", "fingerprint": "c" * 32, "path": "/m/chem",
@@ -35,7 +36,7 @@ def result(run_id: str, method: str, merged: tuple[float, float, float], minute:
                "task": UNITS},
               {"role": "merged", "source": method, "fingerprint": run_id.ljust(32, "0"), "path": None, "task": None}]
     accs = {**CONSTITUENTS, "merged": merged}
-    scores = {t: {role: {"acc": accs[role][i], "stderr": stderr(accs[role][i]), "n": 200} for role in accs}
+    scores = {t: {role: {"metric": "acc,none", "value": accs[role][i], "stderr": stderr(accs[role][i]), "n": 200} for role in accs}
               for i, t in enumerate(TASKS)}
     return {
         "run_id": run_id, "created": f"2026-11-30T08:{minute:02d}:00+00:00",
@@ -91,7 +92,7 @@ def test_pareto_tasks_by_flag_or_a_reason_when_undefined():
 def test_experts_that_do_not_trade_off_leave_the_area_undefined():
     runs = copy.deepcopy(sweep())
     for r in runs:  # the units expert no longer beats the chem expert on units
-        r["scores"][UNITS]["units"]["acc"] = 0.05
+        r["scores"][UNITS]["units"]["value"] = 0.05
     p = data.pareto(runs, CHEM, UNITS, ["x"] * len(runs))
     assert p.area is None and "do not trade off" in p.area_note
 

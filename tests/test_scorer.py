@@ -91,15 +91,19 @@ def test_harness_backends_agree(tiny_dir, tmp_path):
     """The whole lm-eval path on a generated task: the same accuracy with either backend."""
     from transformers import AutoTokenizer
 
+    from omegaconf import OmegaConf
+
+    from mergeval.config import BenchmarkConfig, EvalConfig
     from mergeval.eval.harness import Harness
-    from mergeval.eval.tasks import write_tasks
+    from mergeval.eval.suite import build_suite
 
     tasks = ["mergeval_chem_count", "mergeval_general_facts"]
-    task_dir = write_tasks(tasks, 24, tmp_path)
+    suite = build_suite(OmegaConf.structured(BenchmarkConfig(name="t", tasks=tasks, n_items=24, num_fewshot=0)),
+                        OmegaConf.structured(EvalConfig()), tmp_path)
     model, tok = load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
     scores, lls = {}, {}
     for backend in ("hflm", "shared_prefix"):
-        harness = Harness(task_dir, tasks, 8, None, 0, backend)
+        harness = Harness(suite, tasks, 8, None, backend)
         scores[backend] = harness.score(model, tok)
         lls[backend] = [ll for t in tasks for row in harness.samples[t] for ll in row["lls"]]
     assert scores["hflm"] == scores["shared_prefix"]

@@ -211,11 +211,11 @@ def test_combining_two_item_ranges_equals_scoring_them_together(correct, data):
     k = data.draw(st.integers(1, len(correct) - 1))
 
     def score(xs):
-        return {"acc": sum(xs) / len(xs), "n": len(xs)}
+        return {"metric": "acc,none", "value": sum(xs) / len(xs), "n": len(xs)}
 
     both = combine(score(correct[:k]), score(correct[k:]))
     p = sum(correct) / len(correct)
-    assert both["n"] == len(correct) and both["acc"] == p
+    assert both["n"] == len(correct) and both["value"] == p
     assert both["stderr"] == pytest.approx(math.sqrt(p * (1 - p) / (len(correct) - 1)))
 
 
@@ -223,7 +223,7 @@ def test_promotion_is_stable_and_skips_the_excluded():
     keys = {"a": 1.0, "b": 0.5, "c": 1.0, "d": 0.1}
     assert best_first(keys, list(keys), higher_is_better=True) == ["a", "c", "b", "d"]
     assert promote(keys, list(keys), 2, higher_is_better=False, excluded=frozenset({"d"})) == ["b", "a"]
-    assert mean_accuracy({"x": {"acc": 0.5}, "y": {"acc": 1.0}}) == 0.75
+    assert mean_accuracy({"x": {"value": 0.5}, "y": {"value": 1.0}}) == 0.75
 
 
 # ---- the plan: candidates validated before any work --------------------------------------------------------
@@ -301,7 +301,7 @@ def test_stage3_scores_equal_a_direct_full_run(known):
     _, out = known
     finalist = out.result(out.pick)
     for task in out.tasks:
-        assert finalist.stage3[task]["acc"] == pytest.approx(finalist.full[task]["acc"], abs=1e-12)
+        assert finalist.stage3[task]["value"] == pytest.approx(finalist.full[task]["value"], abs=1e-12)
         assert finalist.stage3[task]["n"] == finalist.full[task]["n"] == out.n_full
 
 

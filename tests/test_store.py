@@ -21,7 +21,8 @@ from mergeval.errors import UserError
 from mergeval.store import SCHEMA_VERSION, Store, StoreError, merge_key
 from tests.test_cli import mergeval
 
-SCORES = {"a": {"acc": 0.5, "stderr": 0.1, "n": 10}, "b": {"acc": 0.25, "stderr": 0.05, "n": 20}}
+SCORES = {"a": {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 10},
+          "b": {"metric": "acc,none", "value": 0.25, "stderr": 0.05, "n": 20}}
 DIGESTS = {"a": "d1", "b": "d2"}
 SETTINGS = {"limit": None, "dtype": "bfloat16"}
 FINISH = {"result_path": "/job/result.json", "aggregates": {"macro_gain": 1.0}, "timings": {"merge": 0.1},
@@ -67,7 +68,7 @@ def composed(*overrides: str):
 @pytest.mark.parametrize("override,key", [("benchmark.limit=5", "limit"), ("benchmark.num_fewshot=2", "num_fewshot"),
                                           ("eval.dtype=bfloat16", "dtype")])
 def test_each_setting_of_the_run_is_a_cache_key(override, key, tmp_path):
-    from mergeval.app import eval_settings
+    from mergeval.eval.settings import eval_settings
 
     store = Store(tmp_path / "r.sqlite")
     settings = eval_settings(composed())
@@ -81,7 +82,7 @@ def test_each_setting_of_the_run_is_a_cache_key(override, key, tmp_path):
 def test_the_lm_eval_version_is_a_cache_key(tmp_path, monkeypatch):
     import importlib.metadata
 
-    from mergeval.app import eval_settings
+    from mergeval.eval.settings import eval_settings
 
     store = Store(tmp_path / "r.sqlite")
     cfg = composed()
@@ -356,7 +357,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
                        (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
                         json.dumps({"macro_gain": 2.5})))
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 2
+    assert store.schema_version() == SCHEMA_VERSION == 3
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
     kept, gone = store.run("kept"), store.run("gone")
     assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0
@@ -368,6 +369,43 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
     store.put_merge("k", ["fp"], {"name": "ties"}, 0, "fp2")
     start(store, "new")
     assert Store(path).run("new")["status"] == "running" and integrity(path) == "ok"  # reopening does not re-migrate
+
+
+def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
+    """v2 stored one accuracy per evaluation (generated tasks only): after migration it reads as ``acc,none``,
+    and a run asking for another metric of that task does not mistake it for one."""
+    from mergeval.store import _NEW_IN_V2, _RUNS, settings_hash
+
+    path = tmp_path / "v2.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        db.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+        db.execute("CREATE TABLE evaluations (model_fingerprint TEXT NOT NULL, task_digest TEXT NOT NULL, "
+                   "settings_hash TEXT NOT NULL, task TEXT NOT NULL, settings TEXT NOT NULL, acc REAL NOT NULL, "
+                   "stderr REAL NOT NULL, n INTEGER NOT NULL, created REAL NOT NULL, samples_path TEXT, "
+                   "PRIMARY KEY (model_fingerprint, task_digest, settings_hash))")
+        db.execute(_RUNS.format(name="runs"))
+        for statement in _NEW_IN_V2:
+            db.execute(statement)
+        for task, digest in DIGESTS.items():
+            s = SCORES[task]
+            db.execute("INSERT INTO evaluations VALUES ('fp',?,?,?,?,?,?,?,1.0,'/s.jsonl')",
+                       (digest, settings_hash(SETTINGS), task, json.dumps(SETTINGS), s["value"], s["stderr"], s["n"]))
+    store = Store(path)
+    assert store.schema_version() == 3 and integrity(path) == "ok"
+    assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES
+    assert store.samples_paths("fp", DIGESTS, SETTINGS) == {"a": "/s.jsonl", "b": "/s.jsonl"}
+    assert store.get_scores("fp", DIGESTS, SETTINGS, metrics={"a": "acc_norm,none", "b": "acc,none"}) is None
+
+
+def test_every_metric_is_kept_and_read_by_name(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    full = {"a": {**SCORES["a"], "metrics": {"acc,none": [0.5, 0.1], "acc_norm,none": [0.7, 0.09]}}}
+    store.put_scores("fp", {"a": "d1"}, SETTINGS, full)
+    norm = store.get_scores("fp", {"a": "d1"}, SETTINGS, metrics={"a": "acc_norm,none"})
+    assert norm == {"a": {"metric": "acc_norm,none", "value": 0.7, "stderr": 0.09, "n": 10}}
+    assert store.get_scores("fp", {"a": "d1"}, SETTINGS)["a"]["value"] == 0.5
+    assert store.get_scores("fp", {"a": "d1"}, SETTINGS, metrics={"a": "exact_match,none"}) is None
 
 
 def test_a_newer_or_foreign_file_is_a_user_error(tmp_path):

@@ -1,76 +1,155 @@
-"""lm-eval-harness on models held in memory.
+"""lm-eval-harness on models held in memory: every output type, the metric each row reports.
 
 ``HFLM(pretrained=<model object>)`` wraps a live model, so a merge is scored
 without being written to disk. By default the model is wrapped in
 ``SharedPrefixLM`` (eval/scorer.py), an HFLM that runs each question's context
-once for all its choices; ``eval.backend=hflm`` uses lm-eval's HFLM as is. The
-tasks are loaded once per run and reused for every model. lm-eval's own request cache is never used: it is keyed
-without the model and would hand one checkpoint's answers to another.
+once for all its choices; its generation (``generate_until``) and rolling
+log-likelihoods are HFLM's own code, batched as HFLM batches them.
+``eval.backend=hflm`` uses lm-eval's HFLM as is; ``eval.backend=vllm`` writes
+the model once to a temporary directory and serves it through lm-eval's vLLM
+backend (GPU machines with vllm installed). lm-eval's own request cache is
+never used: it is keyed without the model and would hand one checkpoint's
+answers to another.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
+from mergeval.errors import UserError
 from mergeval.eval.samples import collect
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampling seed, fixed so runs are comparable
+BACKENDS = ("shared_prefix", "hflm", "vllm")
 
 
 @dataclass(frozen=True)
 class TaskScore:
-    acc: float
-    stderr: float
+    """One row's result: the reported metric, and every metric the row has (``key -> [value, stderr]``)."""
+
+    metric: str
+    value: float
+    stderr: float | None  # None where lm-eval gives none (perplexities, a single item)
     n: int
+    metrics: dict[str, list]
+
+    def as_dict(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "stderr": self.stderr, "n": self.n}
 
 
-BACKENDS = ("shared_prefix", "hflm")  # eval.backend: mergeval/eval/scorer.py, or lm-eval's own HFLM
+def check_backend(backend: str, device: str) -> None:
+    """One line, before any work, for a backend or device this machine cannot serve."""
+    if backend not in BACKENDS:
+        raise UserError("eval.backend", f"unknown backend '{backend}'", f"use one of {', '.join(BACKENDS)}")
+    if device.startswith("cuda") or backend == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            field = "eval.device" if device.startswith("cuda") else "eval.backend"
+            raise UserError(field, f"{'vllm needs' if backend == 'vllm' else device + ' needs'} a CUDA GPU, and torch "
+                            "sees none here", "run on a GPU machine, or set eval.device=cpu eval.backend=shared_prefix")
+    if backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise UserError("eval.backend", "vllm is not installed", "pip install vllm, or use "
+                            "eval.backend=shared_prefix") from None
 
 
 class Harness:
-    """The run's lm-eval tasks; ``score`` evaluates one model on all of them."""
+    """The rows of some benchmark entries; ``score`` evaluates one model on all of them."""
 
     @classmethod
-    def for_run(cls, cfg, task_dir: Path, tasks: list[str], limit: int | None) -> Harness:
-        """The harness a run's config asks for (eval.batch_size, eval.backend, benchmark.num_fewshot)."""
-        return cls(task_dir, tasks, cfg.eval.batch_size, limit, cfg.benchmark.num_fewshot, cfg.eval.backend)
+    def for_run(cls, cfg, suite, entries: list[str], limit: int | None) -> Harness:
+        """The harness a run's config asks for (eval.batch_size, eval.backend, prompting settings)."""
+        return cls(suite, entries, cfg.eval.batch_size, limit, cfg.eval.backend, prompting(cfg.eval))
 
-    def __init__(self, task_dir: Path, tasks: list[str], batch_size: int, limit: int | None, num_fewshot: int,
-                 backend: str = "shared_prefix"):
-        import datasets
-        from lm_eval.tasks import TaskManager
-
-        datasets.disable_progress_bars()
-        for name in ("lm-eval", "lm_eval"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-        self.tasks, self.batch_size, self.limit, self.backend = tasks, batch_size, limit, backend
-        self.loaded = TaskManager(include_path=str(task_dir), include_defaults=False).load(tasks)
-        for task in self.loaded["tasks"].values():
-            task.set_config(key="num_fewshot", value=num_fewshot)
-            task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    def __init__(self, suite, entries: list[str], batch_size: int, limit: int | None, backend: str = "shared_prefix",
+                 prompting: dict | None = None):
+        self.suite, self.entries, self.rows = suite, entries, suite.rows_of(entries)
+        self.task_dict = suite.subset(entries)
+        self.batch_size, self.limit, self.backend = batch_size, limit, backend
+        self.prompting = prompting or {}
 
     def score(self, model, tokenizer, samples: dict[str, list[int]] | None = None) -> dict[str, TaskScore]:
-        """Scores per task. ``samples`` (task -> item indices; needs ``limit=None``) scores only those
-        items. Afterwards ``self.requests`` holds the log-likelihood requests run per task (cost accounting)
-        and ``self.samples`` each item's per-choice log-likelihoods and gold index (eval/samples.py)."""
+        """Scores per row. ``samples`` (task -> item indices; needs ``limit=None``) scores only those items.
+        Afterwards ``self.requests`` holds the requests run per task (cost accounting) and ``self.samples``
+        each multiple-choice item's per-choice log-likelihoods and gold index (eval/samples.py)."""
         from lm_eval.evaluator import evaluate
-        from lm_eval.models.huggingface import HFLM
 
-        from mergeval.eval.scorer import SharedPrefixLM
+        lm, cleanup = _language_model(self.backend, model, tokenizer, self.batch_size)
+        try:
+            out = evaluate(lm=lm, task_dict=self.task_dict, limit=self.limit, samples=samples, log_samples=False,
+                           verbosity="ERROR", **self.prompting)
+        finally:
+            cleanup()
+        tasks = self.task_dict["tasks"]
+        self.requests = {name: len(task.instances) for name, task in tasks.items()}
+        self.samples = collect(tasks, [n for n, t in tasks.items() if t.get_config("output_type") == "multiple_choice"])
+        return {name: _row_score(out, name, self.suite.rows[name].metric, self.task_dict) for name in self.rows}
 
-        lm = (SharedPrefixLM if self.backend == "shared_prefix" else HFLM)(
-            pretrained=model, tokenizer=tokenizer, batch_size=self.batch_size)
-        out = evaluate(lm=lm, task_dict=self.loaded, limit=self.limit, samples=samples, log_samples=False,
-                       verbosity="ERROR")
-        self.requests = {task: len(self.loaded["tasks"][task].instances) for task in self.tasks}
-        self.samples = collect(self.loaded["tasks"], self.tasks)  # per-choice log-likelihoods, for calibration
-        return {task: TaskScore(float(out["results"][task]["acc,none"]), float(out["results"][task]["acc_stderr,none"]),
-                                int(out["n-samples"][task]["effective"]))
-                for task in self.tasks}
+
+def prompting(eval_cfg) -> dict:
+    """The settings lm-eval's evaluate() takes (chat template, system instruction, multi-turn few-shot, code runs)."""
+    if eval_cfg.allow_code_execution:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the code_eval metric's own opt-in
+    return {"apply_chat_template": bool(eval_cfg.apply_chat_template),
+            "system_instruction": eval_cfg.system_instruction,
+            "fewshot_as_multiturn": bool(eval_cfg.fewshot_as_multiturn),
+            "confirm_run_unsafe_code": bool(eval_cfg.allow_code_execution)}
+
+
+def _row_score(out: dict, name: str, metric: str, task_dict: dict) -> TaskScore:
+    res = out["results"][name]
+    metrics = {}
+    for key, value in res.items():
+        if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+            continue
+        m, f = key.split(",", 1)
+        stderr = res.get(f"{m}_stderr,{f}")
+        metrics[key] = [float(value), float(stderr) if isinstance(stderr, (int, float)) and not
+                        math.isnan(stderr) else None]
+    if metric not in metrics:
+        raise RuntimeError(f"lm-eval reported no {metric} for {name} (got {sorted(metrics)})")
+    if name in task_dict["tasks"]:
+        n = int(out["n-samples"][name]["effective"])
+    else:
+        n = sum(int(out["n-samples"][t.task_name]["effective"]) for t in task_dict["groups"][name].get_all_tasks())
+    value, stderr = metrics[metric]
+    return TaskScore(metric, value, stderr, n, metrics)
+
+
+def _language_model(backend: str, model, tokenizer, batch_size: int):
+    """(lm-eval LM, cleanup) for the backend: the live model wrapped, or (vllm) a temporary copy on disk."""
+    from lm_eval.models.huggingface import HFLM
+
+    if backend == "vllm":
+        return _vllm(model, tokenizer)
+    from mergeval.eval.scorer import SharedPrefixLM
+
+    lm = (SharedPrefixLM if backend == "shared_prefix" else HFLM)(pretrained=model, tokenizer=tokenizer,
+                                                                   batch_size=batch_size)
+    return lm, lambda: None
+
+
+def _vllm(model, tokenizer):
+    """lm-eval's vLLM backend over the model written once to a temporary directory (removed afterwards)."""
+    import shutil
+    import tempfile
+
+    from lm_eval.models.vllm_causallms import VLLM
+
+    tmp = tempfile.mkdtemp(prefix="mergeval-vllm-")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        lm = VLLM(pretrained=tmp, dtype=dtype, batch_size="auto", seed=0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return lm, lambda: shutil.rmtree(tmp, ignore_errors=True)

@@ -27,9 +27,18 @@ def collect(loaded_tasks: dict, tasks: list[str]) -> dict[str, list[dict]]:
         for inst in obj.instances:
             by_doc[inst.doc_id][inst.idx] = float(inst.filtered_resps["none"][0])
             docs[inst.doc_id] = inst.doc
-        out[task] = [{"doc_id": d, "lls": [lls[i] for i in sorted(lls)], "gold": int(obj.doc_to_target(docs[d]))}
+        out[task] = [{"doc_id": d, "lls": [lls[i] for i in sorted(lls)], "gold": gold_index(obj, docs[d])}
                      for d, lls in sorted(by_doc.items())]
     return out
+
+
+def gold_index(task, doc) -> int:
+    """The index of the right choice, as lm-eval reads ``doc_to_target``: an index, a digit string, or the
+    text of one of the choices (e.g. the letter "C" of a lettered task)."""
+    target = task.doc_to_target(doc)
+    if isinstance(target, str) and not target.strip().isdigit():
+        return list(task.doc_to_choice(doc)).index(target)
+    return int(target)
 
 
 def write(path: Path, samples: dict[str, list[dict]]) -> Path:

@@ -83,7 +83,7 @@ def group_scores(scores: Mapping[str, Mapping[str, Mapping[str, float]]], roles:
     weights = dict(metric.weights) if metric.weights else None
     out = {}
     for role in roles:
-        accs = {t: scores[t][role]["acc"] for tasks in groups.values() for t in tasks}
+        accs = {t: scores[t][role]["value"] for tasks in groups.values() for t in tasks}
         out[role] = group_mean(accs, groups, scale, metric.weighting, weights)
     return out
 
@@ -92,7 +92,7 @@ def forgetting_of_merge(scores: Mapping[str, Mapping[str, Mapping[str, float]]],
     if not metric.forgetting_tasks:
         return None
     tasks = list(metric.forgetting_tasks)
-    return forgetting({t: scores[t]["base"]["acc"] for t in tasks}, {t: scores[t][merged]["acc"] for t in tasks})
+    return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"] for t in tasks})
 
 
 def similarity(base: Mapping, experts: Mapping[str, Mapping], merged: Mapping | None) -> dict:

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.outcome import score_value
 from mergeval.report import data, markdown
 from mergeval.results import add_filters, default_store_path, open_existing, parse_since
 
@@ -52,7 +53,7 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
                      "hyperparameter varies; pass --param NAME")
     else:
         series = data.param_series(results, swept, all_tasks)
-        base = {t: cons["base"]["scores"][t]["acc"] for t in all_tasks}
+        base = {t: score_value(cons["base"]["scores"][t]) for t in all_tasks}
         files.append(plots.plot_score_vs_param(series, swept, all_tasks, base, out_dir / "score_vs_param.png"))
         images["score_vs_param"] = "score_vs_param.png"
 

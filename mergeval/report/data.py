@@ -14,8 +14,9 @@ from datetime import datetime, timezone
 
 from mergeval.errors import UserError
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
+from mergeval.outcome import MERGED, score_text, score_value
 
-MERGED, BASE = "merged", "base"
+BASE = "base"
 PREFERRED_PARAMS = ("lambda_", "density")  # the hyperparameters a sweep most often varies
 
 
@@ -98,7 +99,7 @@ def constituents(results: list[dict]) -> dict[str, dict]:
 
 
 def _comparable(cons: dict[str, dict]) -> dict:
-    return {role: (c["fingerprint"], sorted((t, s["acc"]) for t, s in c["scores"].items())) for role, c in cons.items()}
+    return {role: (c["fingerprint"], sorted((t, score_value(s)) for t, s in c["scores"].items())) for role, c in cons.items()}
 
 
 def common_tasks(results: list[dict]) -> list[str]:
@@ -155,8 +156,8 @@ def pareto(results: list[dict], task_x: str, task_y: str, labels: list[str]) -> 
     """Each run's merged (task_x, task_y) accuracy, the Pareto front of those points, and the synergy
     area between the front and the diagonal from the task_x expert to the task_y expert (tradeoff.py)."""
     cons = constituents(results)
-    points = [(r["scores"][task_x][MERGED]["acc"], r["scores"][task_y][MERGED]["acc"]) for r in results]
-    refs = {role: (c["scores"][task_x]["acc"], c["scores"][task_y]["acc"]) for role, c in cons.items()}
+    points = [(score_value(r["scores"][task_x][MERGED]), score_value(r["scores"][task_y][MERGED])) for r in results]
+    refs = {role: (score_value(c["scores"][task_x]), score_value(c["scores"][task_y])) for role, c in cons.items()}
     owner = {c["task"]: role for role, c in cons.items() if c["task"]}
     diagonal, area, note = None, None, ""
     if task_x in owner and task_y in owner:
@@ -218,7 +219,7 @@ def param_series(results: list[dict], param: str, tasks: list[str]) -> Series:
         line = lines.setdefault(run_label(r, varying, leave_out=param), {t: {} for t in tasks})
         for t in tasks:
             s = r["scores"][t][MERGED]
-            line[t][float(value)] = (s["acc"], s["stderr"])
+            line[t][float(value)] = (score_value(s), s["stderr"])
     return {label: {t: [(x, *by_x[x]) for x in sorted(by_x)] for t, by_x in per.items()}
             for label, per in lines.items()}
 
@@ -265,7 +266,7 @@ def constituent_rows(cons: dict[str, dict], tasks: list[str]) -> list[dict]:
 
 
 def _score_text(score: dict) -> str:
-    return f"{score['acc']:.3f} ± {score['stderr']:.3f}"
+    return score_text(score)
 
 
 def _aggregate_text(value: float, scale: str | None) -> str:

@@ -1,15 +1,15 @@
-"""The terminal table of a run: accuracy +- stderr per task and model, then the aggregates."""
+"""The terminal table of a run: each task's metric (value +- stderr) per model, then the aggregates."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
-from mergeval.app import MERGED, Outcome
+from mergeval.outcome import MERGED, Outcome, score_metric, score_text
 
 
-def _cell(score: dict[str, float], bold: bool = False) -> str:
-    text = f"{score['acc']:.3f} ± {score['stderr']:.3f}"
+def _cell(score: dict, bold: bool = False) -> str:
+    text = score_text(score)
     return f"[bold]{text}[/bold]" if bold else text
 
 
@@ -18,16 +18,22 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     roles = [m.role for m in outcome.models]
     own = {m.task: m.role for m in outcome.models if m.task}
     table = Table(title=title, title_justify="left")
-    table.add_column("task (acc ± stderr)", no_wrap=True)
+    table.add_column("task", no_wrap=True)
+    table.add_column("metric", no_wrap=True)
     for role in roles:
         table.add_column(role, justify="right", no_wrap=True)
     table.add_column("normalized", justify="right", no_wrap=True)
     norm = outcome.aggregates["normalized"]
+    excluded = outcome.aggregates.get("excluded") or {}
     for task in outcome.tasks:
         row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
         value = norm.get(task)
         shown = "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}")
-        table.add_row(task.removeprefix("mergeval_"), *row, shown)
+        info = outcome.rows.get(task, {})
+        label = task.removeprefix("mergeval_") if info.get("entry", task) == task else f"  {task}"
+        metric = score_metric(outcome.scores[task][roles[0]])
+        marks = ("" if info.get("higher_is_better", True) else " ↓") + ("" if task not in excluded else " *")
+        table.add_row(label, metric + marks, *row, shown)
     console.print(table)
     agg = outcome.aggregates
     unit = " pts" if agg["scale"] == "percent" else ""
@@ -52,6 +58,10 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     if agg.get("consistency"):
         console.print(_consistency_table(agg["consistency"]))
     console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
+    for task, why in excluded.items():
+        console.print(f"[dim]* {task}: {why}[/dim]")
+    if any(info.get("entry", t) != t for t, info in outcome.rows.items()):
+        console.print("[dim]indented: members of a group, shown; the aggregates count the group once[/dim]")
     reused = [m.role + (" (some tasks)" if (m.evaluated or "").startswith("partly") else "")
               for m in outcome.models if m.evaluated != "this run"]
     if reused:

@@ -28,6 +28,8 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from mergeval.outcome import score_value
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,7 @@ class Run:
             s = self.scores[task][role]
         except KeyError:
             raise NotRun(f"{self.label} has no score for role '{role}' on task '{task}'") from None
-        return Measured(float(s["acc"]), float(s.get("stderr") or 0.0))
+        return Measured(float(score_value(s)), float(s.get("stderr") or 0.0))
 
 
 def load_runs(paths: list[str]) -> list[Run]:

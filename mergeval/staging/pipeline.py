@@ -33,17 +33,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergeval.app import (MERGED, Laps, ModelInfo, aggregate, eval_settings, open_store, quiet_transformers,
-                          resolve_models, validate)
+from mergeval.checks import validate
 from mergeval.errors import UserError
-from mergeval.eval.tasks import task_digest, write_tasks
+from mergeval.eval.settings import eval_settings
+from mergeval.eval.tasks import GENERATED, write_tasks
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
+from mergeval.models.resolve import resolve_models
+from mergeval.outcome import MERGED, ModelInfo
 from mergeval.paths import cache_root
+from mergeval.runtime import Laps, apply_offline, quiet_transformers
 from mergeval.staging.cost import Cost, cost_table
 from mergeval.staging.heldout import heldout_items
 from mergeval.staging.nll import Spent, answer_sequences, token_nlls
 from mergeval.staging.plan import Candidate, Plan, make_plan, stage2_limit
 from mergeval.staging.selection import best_first, combine, mean_accuracy, promote
+from mergeval.store import open_store
+from mergeval.summary import aggregate
 
 THIS_RUN, REUSED = "this run", "reused from the results store"
 
@@ -97,8 +102,8 @@ class StagedOutcome:
 class Bench:
     """The benchmark side of a sweep: one harness per item selection, results-store reuse, requests run."""
 
-    def __init__(self, cfg: DictConfig, task_dir: Path, tasks: list[str], digests: dict[str, str], store, tokenizer):
-        self.cfg, self.task_dir, self.tasks, self.digests = cfg, task_dir, tasks, digests
+    def __init__(self, cfg: DictConfig, suite, tasks: list[str], digests: dict[str, str], store, tokenizer):
+        self.cfg, self.suite, self.tasks, self.digests = cfg, suite, tasks, digests
         self.store, self.tokenizer = store, tokenizer
         self.settings = eval_settings(cfg)
         self.harnesses: dict[int | None, object] = {}
@@ -107,7 +112,7 @@ class Bench:
         from mergeval.eval.harness import Harness
 
         if limit not in self.harnesses:
-            self.harnesses[limit] = Harness.for_run(self.cfg, self.task_dir, self.tasks, limit)
+            self.harnesses[limit] = Harness.for_run(self.cfg, self.suite, self.suite.entries, limit)
         return self.harnesses[limit]
 
     def scores(self, fingerprint: str, make_model, items: tuple[int, int] | None = None) -> tuple[dict, str, int]:
@@ -127,8 +132,7 @@ class Bench:
             return got, REUSED, 0
         harness = self._harness(limit)
         model = make_model()
-        got = {t: {"acc": s.acc, "stderr": s.stderr, "n": s.n}
-               for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
+        got = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
         self.store.put_scores(fingerprint, self.digests, settings, got)
         return got, THIS_RUN, sum(harness.requests.values())
 
@@ -170,6 +174,10 @@ def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
 def prepare(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the run config (its ``method`` is unused) and the sweep's plan."""
     validate(cfg)
+    other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
+    if other:
+        raise UserError("benchmark.tasks", f"staged evaluation splits mergeval's generated tasks into stages; "
+                        f"{other[0]} is not one", "run registry tasks with python -m mergeval")
     plan = make_plan(cfg.staged, len(cfg.modelset.experts))
     stage1_tasks(cfg)
     return plan
@@ -238,6 +246,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     from transformers import AutoTokenizer
 
     quiet_transformers()
+    apply_offline(cfg.offline)
     lap = Laps()
     timings = lap.timings
 
@@ -250,6 +259,9 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
     heldout = heldout_items(list(owners), plan.heldout_items, n_items, trained, cfg.modelset.train)
     task_dir = write_tasks(tasks, n_items, cache)
+    from mergeval.eval.suite import build_suite
+
+    suite = build_suite(cfg.benchmark, cfg.eval, cache)  # the same generated tasks, loaded for lm-eval
     base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
 
@@ -258,7 +270,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
                      pad_id, cfg.eval.device)
     models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
-    digests = {t: task_digest(task_dir, t) for t in tasks}
+    digests = suite.digests
     outcome = StagedOutcome(
         tasks, digests, constituents, {t: {} for t in tasks},
         {t: {"texts": len(s), "answer_tokens": sum(len(ids) - start for ids, start in s)}
@@ -268,7 +280,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     _stage1(outcome, plan, owners, models, scorer)
     lap("stage1")
     if outcome.early_stop is None or plan.full:
-        bench = Bench(cfg, task_dir, tasks, digests, open_store(cfg, cache), tokenizer)
+        bench = Bench(cfg, suite, tasks, digests, open_store(cfg, cache), tokenizer)
         _constituents(bench, outcome, models)
         lap("constituents")
     if outcome.early_stop is None:

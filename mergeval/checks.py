@@ -1,0 +1,73 @@
+"""Every check of a run's config that needs no model and no data: one line each (field and fix), up front."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from mergeval.errors import UserError
+from mergeval.eval.harness import check_backend
+from mergeval.eval.tasks import GENERATED, PREFIX, check_tasks
+from mergeval.methods import get_method
+from mergeval.metrics.composed import check_metric_config
+from mergeval.models.checkpoint import check_vocab_policy
+from mergeval.zoo.domains import DOMAINS
+
+
+def validate(cfg: DictConfig):
+    """All config checks that need no model: returns the method and its typed config."""
+    method = get_method(cfg.method.name)
+    method_cfg = OmegaConf.to_object(cfg.method)
+    generated = [t for t in cfg.benchmark.tasks if t in GENERATED]
+    unknown = [t for t in cfg.benchmark.tasks if t.startswith(PREFIX) and t not in GENERATED]
+    if unknown:  # registry names are checked when the benchmark is loaded; ours need no index
+        raise UserError("benchmark.tasks", f"unknown generated task '{unknown[0]}'",
+                        f"choose from: {', '.join(sorted(GENERATED))}")
+    if generated:
+        check_tasks(generated, cfg.benchmark.n_items)
+    experts = cfg.modelset.experts
+    if not experts:
+        raise UserError("modelset.experts", "no experts to merge", "list at least one expert in the modelset")
+    for name, expert in experts.items():
+        if (expert.source is None) == (expert.domain is None):
+            raise UserError(f"modelset.experts.{name}", "needs exactly one of source or domain",
+                            "set source (a model) or domain (fine-tune the base on generated data)")
+        if expert.domain is not None and expert.domain not in DOMAINS:
+            raise UserError(f"modelset.experts.{name}.domain", f"unknown training domain '{expert.domain}'",
+                            f"choose one of: {', '.join(sorted(DOMAINS))}")
+        if expert.task is not None and expert.task not in cfg.benchmark.tasks:
+            raise UserError(f"modelset.experts.{name}.task", f"'{expert.task}' is not in benchmark.tasks",
+                            f"use one of {list(cfg.benchmark.tasks)} or null")
+    if method.name == "pipeline":  # stages refer to experts by their modelset names
+        method_cfg.expert_names = list(experts)
+    method.validate(method_cfg, len(experts))
+    if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
+        if not generated:
+            raise UserError("method.order", "ranking experts needs a validation split, which only mergeval's "
+                            "generated tasks have", "give method.validation_scores or set method.order=given")
+        check_tasks(generated, cfg.benchmark.n_items, method_cfg.validation_items)
+    if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:
+        raise UserError("benchmark.limit", f"must be positive, got {cfg.benchmark.limit}", "set it to null or >= 1")
+    if cfg.metric.scale not in ("percent", "fraction"):
+        raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
+    if cfg.eval.batch_size < 1:
+        raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
+    check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
+    check_backend(cfg.eval.backend, cfg.eval.device)
+    if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
+    check_vocab_policy(cfg.vocab_policy)
+    return method, method_cfg
+
+
+def check_rows(cfg: DictConfig, rows: dict) -> None:
+    """Checks that need the loaded benchmark (``Suite.rows``): every task an aggregate names must report a
+    higher-is-better metric (Macro-Gain, normalized scores, group means and forgetting assume one)."""
+    uses = [(f"modelset.experts.{n}.task", e.task) for n, e in cfg.modelset.experts.items() if e.task is not None]
+    uses += [(f"metric.groups.{g}.tasks", t) for g, group in (cfg.metric.groups or {}).items() for t in group.tasks]
+    uses += [("metric.forgetting_tasks", t) for t in cfg.metric.forgetting_tasks]
+    for field, task in uses:
+        row = rows[task]
+        if not row.higher_is_better:
+            raise UserError(field, f"'{task}' reports {row.metric}, where lower is better, which the aggregates "
+                            "cannot use", f"leave {task} out there, or pick a higher-is-better metric with "
+                            f"benchmark.metrics.{task}")

@@ -1,0 +1,20 @@
+"""Everything besides model and task data that can change a score: part of the results store's key."""
+
+from __future__ import annotations
+
+
+def eval_settings(cfg) -> dict:
+    """The settings of an evaluation. Keys added after the first release appear only when set away from their
+    defaults, so evaluations stored before they existed keep their key (and stay reusable)."""
+    from importlib.metadata import version
+
+    settings = {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
+                "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
+    if cfg.eval.backend != "hflm":  # evaluations stored before backends existed were HFLM's: keep their key
+        settings["backend"] = cfg.eval.backend
+    optional = {"fewshot": dict(cfg.benchmark.fewshot or {}), "apply_chat_template": bool(cfg.eval.apply_chat_template),
+                "system_instruction": cfg.eval.system_instruction,
+                "fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),
+                "gen_kwargs": dict(cfg.eval.gen_kwargs or {}), "allow_code_execution": cfg.eval.allow_code_execution}
+    settings.update({k: v for k, v in optional.items() if v})
+    return settings

@@ -1,0 +1,40 @@
+"""A modelset resolved to checkpoint directories and fingerprints (zoo experts built on first use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from mergeval.models.checkpoint import check_compatible
+from mergeval.models.fingerprint import fingerprint
+from mergeval.models.sources import resolve_source
+from mergeval.outcome import ModelInfo
+
+
+def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
+    """The base's directory, each expert's directory (zoo experts built here) and their ModelInfo rows.
+
+    Given models are checked for shape compatibility before any expert is fine-tuned
+    (cheap checks before minutes of work).
+    """
+    from mergeval.zoo.experts import expert_dir
+
+    fp_cache = cache / "fingerprints.json"
+    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
+             for name, e in cfg.modelset.experts.items() if e.source is not None}
+    base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
+    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
+    models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
+    expert_dirs: dict[str, Path] = {}
+    for name, expert in cfg.modelset.experts.items():
+        if name in given:
+            path, source = given[name], expert.source
+        else:
+            path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
+                              f"modelset.experts.{name}.domain")
+            source = f"finetune:{expert.domain}"
+        expert_dirs[name] = path
+        models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
+    check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
+    return base_dir, expert_dirs, models

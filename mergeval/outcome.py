@@ -1,0 +1,59 @@
+"""What a run produced, as plain data: read by the orchestrators, reports and specs (never by lower layers).
+
+A score is ``{"metric": "acc_norm,none", "value": 0.61, "stderr": 0.02, "n": 200}``:
+the value of the metric lm-eval reports under that ``metric,filter`` name.
+result.json files written before mergeval reported other metrics hold
+``{"acc", "stderr", "n"}``; ``score_value`` reads both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MERGED = "merged"
+OLD_METRIC = "acc,none"  # the only metric of result.json files from before per-task metrics
+
+
+@dataclass
+class ModelInfo:
+    role: str  # "base", an expert's name, or "merged"
+    source: str
+    fingerprint: str
+    path: str | None = None
+    task: str | None = None  # the expert's own task
+    evaluated: str | None = None  # "this run", "reused from the results store" or "partly reused ..." (some tasks)
+    merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
+
+
+@dataclass
+class Outcome:
+    models: list[ModelInfo]
+    tasks: list[str]  # every row shown: the benchmark's entries and their groups' members
+    scores: dict[str, dict[str, dict]]  # task -> model role -> {metric, value, stderr, n}
+    aggregates: dict
+    task_digests: dict[str, str]
+    timings: dict[str, float] = field(default_factory=dict)
+    merge_info: dict = field(default_factory=dict)  # what the method decided (e.g. CMM's order)
+    run_id: str = ""  # the run's row in the results store (set by run())
+    versions: dict = field(default_factory=dict)
+    git: dict = field(default_factory=dict)
+    # task -> {metric, higher_is_better, output_type, entry, counted}: what each row reports and whether the
+    # aggregates count it
+    rows: dict[str, dict] = field(default_factory=dict)
+
+
+def score_value(score: dict) -> float:
+    """The reported value of a score, from this mergeval's result.json or an older one (``acc``)."""
+    return score["value"] if "value" in score else score["acc"]
+
+
+def score_metric(score: dict) -> str:
+    return score.get("metric", OLD_METRIC)
+
+
+def score_text(score: dict) -> str:
+    """``0.612 ± 0.021``; values of 100 and more (perplexities) with 1 decimal; no stderr, no ``±``."""
+    value, stderr = score_value(score), score.get("stderr")
+    digits = 3 if abs(value) < 100 else 1
+    text = f"{value:.{digits}f}"
+    return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"

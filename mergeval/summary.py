@@ -1,0 +1,62 @@
+"""A run's aggregates from its score table: the metrics wired to the run's models and tasks.
+
+Only rows whose metric is higher-is-better and whose values lie in [0, 1] for
+every model enter Macro-Gain, Macro-OG and normalized scores (their formulas
+assume both); a lower-is-better metric such as perplexity is shown in the
+table and listed under ``excluded`` with the reason.
+"""
+
+from __future__ import annotations
+
+from mergeval.metrics.aggregates import band, macro_gain, macro_og, mean_normalized_score, normalized_score
+from mergeval.metrics.composed import forgetting_of_merge, group_scores
+from mergeval.outcome import MERGED, ModelInfo
+
+OUT_OF_RANGE = "values outside [0, 1]: shown, kept out of the aggregates"
+LOWER_IS_BETTER = "lower is better: shown, kept out of the aggregates"
+
+
+def aggregable(scores: dict, rows: dict[str, dict], tasks: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(tasks the aggregates count, task -> why each other one is left out). ``rows``: task -> {higher_is_better,
+    counted}; a task missing from ``rows`` counts (generated tasks of older callers)."""
+    counted, excluded = [], {}
+    for task in tasks:
+        row = rows.get(task, {"higher_is_better": True, "counted": True})
+        if not row.get("counted", True) and row.get("higher_is_better", True):
+            continue  # a group's member: shown, counted through its group
+        if not row.get("higher_is_better", True):
+            excluded[task] = LOWER_IS_BETTER
+        elif any(not 0.0 <= s["value"] <= 1.0 for s in scores[task].values()):
+            excluded[task] = OUT_OF_RANGE
+        else:
+            counted.append(task)
+    return counted, excluded
+
+
+def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list[ModelInfo], metric) -> dict:
+    """Macro-Gain / Macro-OG over ``tasks`` (constituents = the experts), normalized scores per expert task,
+    and what the metric group adds (group means per role, forgetting; see metrics/composed.py)."""
+    if isinstance(metric, str):  # a bare scale: no groups, no forgetting
+        from mergeval.config import MetricConfig
+
+        metric = MetricConfig(scale=metric)
+    scale = metric.scale
+    experts = [m for m in models if m.role not in ("base", MERGED)]
+    merged = [scores[t][MERGED]["value"] for t in tasks]
+    constituents = [[scores[t][e.role]["value"] for t in tasks] for e in experts]
+    normalized = {}
+    for e in experts:
+        if e.task is not None and e.task in tasks:
+            s = scores[e.task]
+            normalized[e.task] = normalized_score(s[MERGED]["value"], s["base"]["value"], s[e.role]["value"])
+    mean = mean_normalized_score(normalized.values())
+    return {
+        "scale": scale,
+        "macro_gain": macro_gain(merged, constituents, scale=scale),
+        "macro_og": macro_og(merged, constituents, scale=scale),
+        "normalized": normalized,
+        "normalized_mean": mean,
+        "normalized_band": band(mean),
+        "groups": group_scores(scores, [m.role for m in models], metric),
+        "forgetting": forgetting_of_merge(scores, metric, MERGED),
+    }

@@ -1,0 +1,195 @@
+"""Registry tasks of every output type: mergeval's scores equal the ``lm_eval`` command line's on the same model.
+
+The tasks are lm-eval's own (hellaswag, mmlu_high_school_chemistry, medqa_4options: multiple_choice; gsm8k:
+generate_until with its regex filters; wikitext: loglikelihood_rolling) over the small data sets mergeval ships
+in their schemas. The command line gets them the way a user would: an ``--include_path`` YAML per task that
+``include:``s the registry YAML and points it at the files (written here, independently of mergeval's own).
+Float32 on the tiny zoo model: the same answers, log-likelihoods within 1e-4, the same generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mergeval.config import BenchmarkConfig, EvalConfig
+from mergeval.eval.suite import SHIPPED
+
+DATA = {
+    "hellaswag": {"validation": "hellaswag/validation.jsonl", "train": "hellaswag/train.jsonl"},
+    "mmlu_high_school_chemistry": {"test": "mmlu_high_school_chemistry/test.jsonl",
+                                   "dev": "mmlu_high_school_chemistry/dev.jsonl"},
+    "medqa_4options": {"test": "medqa_4options/test.jsonl", "validation": "medqa_4options/validation.jsonl",
+                       "train": "medqa_4options/train.jsonl"},
+    "gsm8k": {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"},
+    "wikitext": {"test": "wikitext/test.jsonl", "validation": "wikitext/validation.jsonl",
+                 "train": "wikitext/validation.jsonl"},
+}
+TASKS = list(DATA)
+MAX_GEN = 16
+
+
+def _files(task: str) -> dict[str, str]:
+    return {split: str(SHIPPED / "data" / rel) for split, rel in DATA[task].items()}
+
+
+def bench(tasks: list[str] = TASKS, **over) -> BenchmarkConfig:
+    """The shipped data of ``tasks`` as their benchmark.data overrides."""
+    cfg = OmegaConf.structured(BenchmarkConfig(name="t", tasks=list(tasks), n_items=24,
+                                               data={t: {s: f"shipped:data/{r}" for s, r in DATA[t].items()}
+                                                     for t in tasks}))
+    return OmegaConf.merge(cfg, over)
+
+
+def eval_cfg(**over):
+    return OmegaConf.merge(OmegaConf.structured(EvalConfig(dtype="float32", gen_kwargs={"max_gen_toks": MAX_GEN})), over)
+
+
+@pytest.fixture(scope="module")
+def cli(tiny_dir, tmp_path_factory) -> dict:
+    """The lm_eval command line on the tiny model: results and per-sample outputs per task."""
+    from lm_eval.tasks import TaskManager
+
+    registry = TaskManager()
+    inc = tmp_path_factory.mktemp("include")
+    for task in TASKS:
+        cfg = {"include": str(registry.task_index[task].yaml_path), "task": task, "tag": None, "dataset_path": "json",
+               "dataset_name": None, "dataset_kwargs": {"data_files": _files(task)}}
+        (inc / f"{task}.yaml").write_text(json.dumps(cfg))
+    out = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+           f"pretrained={tiny_dir},dtype=float32", "--tasks", ",".join(TASKS), "--include_path", str(inc),
+           "--batch_size", "1", "--device", "cpu", "--output_path", str(out), "--log_samples",
+           "--gen_kwargs", f"max_gen_toks={MAX_GEN}"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    samples = {}
+    for task in TASKS:
+        path = next(out.rglob(f"samples_{task}_*.jsonl"))
+        samples[task] = {row["doc_id"]: row for row in map(json.loads, path.read_text().splitlines())}
+    return {"results": results["results"], "samples": samples}
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_dir, cache) -> dict:
+    """mergeval's harness (shared-prefix scorer, batches of 8) on the same model and files."""
+    from transformers import AutoTokenizer
+
+    from mergeval.eval.harness import Harness
+    from mergeval.eval.suite import build_suite
+    from mergeval.models.checkpoint import load_model
+
+    suite = build_suite(bench(), eval_cfg(), cache)
+    harness = Harness(suite, suite.entries, batch_size=8, limit=None)
+    model = load_model(tiny_dir, None, torch.float32)
+    scores = harness.score(model, AutoTokenizer.from_pretrained(tiny_dir))
+    instances = {t: task.instances for t, task in harness.task_dict["tasks"].items()}
+    return {"suite": suite, "scores": scores, "instances": instances}
+
+
+def test_every_output_type_is_loaded(ours):
+    types = {r.output_type for r in ours["suite"].rows.values()}
+    assert types == {"multiple_choice", "generate_until", "loglikelihood_rolling"}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_metric_equals_the_command_line(cli, ours, task):
+    mine = ours["scores"][task].metrics
+    theirs = {k: v for k, v in cli["results"][task].items() if "," in k and "_stderr" not in k}
+    assert set(mine) == set(theirs)
+    for key, value in theirs.items():
+        assert mine[key][0] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("task", ["hellaswag", "mmlu_high_school_chemistry", "medqa_4options"])
+def test_multiple_choice_loglikelihoods_equal_the_command_line(cli, ours, task):
+    """Same prompts (the task's own process_docs and templates), log-likelihoods within 1e-4, same argmax."""
+    by_doc: dict[int, dict[int, float]] = {}
+    for inst in ours["instances"][task]:
+        by_doc.setdefault(inst.doc_id, {})[inst.idx] = inst.resps[0][0]
+        assert list(inst.args) == list(cli["samples"][task][inst.doc_id]["arguments"][f"gen_args_{inst.idx}"].values())
+    worst = 0.0
+    for doc_id, lls in by_doc.items():
+        theirs = [float(r[0][0]) for r in cli["samples"][task][doc_id]["resps"]]
+        mine = [lls[i] for i in sorted(lls)]
+        worst = max(worst, max(abs(a - b) for a, b in zip(mine, theirs)))
+        assert mine.index(max(mine)) == theirs.index(max(theirs))
+    assert worst < 1e-4, f"largest log-likelihood difference {worst:.2e}"
+
+
+def test_generation_in_batches_gives_the_command_lines_greedy_text(cli, ours):
+    """gsm8k: our batches of 8 against the command line's batches of 1, the same generated text per item."""
+    for inst in ours["instances"]["gsm8k"]:
+        assert inst.resps[0] == cli["samples"]["gsm8k"][inst.doc_id]["resps"][0][0]
+
+
+def test_rolling_loglikelihood_equals_the_command_line(cli, ours):
+    for inst in ours["instances"]["wikitext"]:
+        theirs = float(cli["samples"]["wikitext"][inst.doc_id]["resps"][0][0])
+        assert inst.resps[0] == pytest.approx(theirs, abs=1e-3)
+
+
+def test_the_shipped_chembench_suite_runs_offline_on_its_schema(tiny_dir, cache):
+    """chembench_nc (mergeval/eval/shipped/suites) over authored items in ChemBench4K's record schema: the gold
+    letter maps to its choice and acc is the share of items whose best letter is the gold one."""
+    from transformers import AutoTokenizer
+
+    from mergeval.eval.harness import Harness
+    from mergeval.eval.suite import build_suite
+    from mergeval.models.checkpoint import load_model
+
+    files = {"test": "shipped:data/chembench_nc/test.jsonl", "dev": "shipped:data/chembench_nc/dev.jsonl"}
+    cfg = OmegaConf.structured(BenchmarkConfig(name="c", tasks=["chembench_nc"],
+                                               include_path=["shipped:suites/chembench"], data={"chembench_nc": files}))
+    suite = build_suite(cfg, eval_cfg(), cache)
+    assert suite.task("chembench_nc").get_config("num_fewshot") == 5
+    harness = Harness(suite, suite.entries, batch_size=8, limit=None)
+    score = harness.score(load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir))
+    rows = harness.samples["chembench_nc"]
+    golds = [json.loads(line)["answer"] for line in (SHIPPED / "data/chembench_nc/test.jsonl").read_text().splitlines()]
+    assert [r["gold"] for r in rows] == ["ABCD".index(g) for g in golds]
+    right = sum(r["lls"].index(max(r["lls"])) == r["gold"] for r in rows)
+    assert score["chembench_nc"].value == pytest.approx(right / len(rows))
+
+
+def test_smollm2_batched_generation_gives_the_command_lines_greedy_text(cache, tmp_path):
+    """The same check on a real model (SmolLM2-135M-Instruct, float32), whose answers differ item to item:
+    gsm8k's 5-shot prompts, 4 items, our batch of 4 against the command line's batches of 1."""
+    from transformers import AutoTokenizer
+    from lm_eval.tasks import TaskManager
+
+    from mergeval.eval.harness import Harness
+    from mergeval.eval.suite import build_suite
+    from mergeval.models.checkpoint import load_model
+    from mergeval.models.smollm2 import smollm2_dir
+
+    model_dir, limit = smollm2_dir(cache, "test"), 4
+    cfg = {"include": str(TaskManager().task_index["gsm8k"].yaml_path), "task": "gsm8k", "tag": None,
+           "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": _files("gsm8k")}}
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "gsm8k.yaml").write_text(json.dumps(cfg))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                           f"pretrained={model_dir},dtype=float32", "--tasks", "gsm8k", "--include_path",
+                           str(tmp_path / "inc"), "--batch_size", "1", "--device", "cpu", "--limit", str(limit),
+                           "--output_path", str(tmp_path / "out"), "--log_samples", "--gen_kwargs",
+                           "max_gen_toks=32"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = {row["doc_id"]: row["resps"][0][0] for row in
+              map(json.loads, next((tmp_path / "out").rglob("samples_gsm8k_*.jsonl")).read_text().splitlines())}
+
+    suite = build_suite(bench(["gsm8k"]), eval_cfg(gen_kwargs={"max_gen_toks": 32}), cache)
+    harness = Harness(suite, suite.entries, batch_size=4, limit=limit)
+    harness.score(load_model(model_dir, None, torch.float32), AutoTokenizer.from_pretrained(model_dir))
+    ours = {inst.doc_id: inst.resps[0] for inst in harness.task_dict["tasks"]["gsm8k"].instances}
+    assert len(ours) == limit and len(set(ours.values())) > 1  # a real model: the answers differ
+    assert ours == theirs

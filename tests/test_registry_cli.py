@@ -88,7 +88,8 @@ def test_a_registry_run_reports_each_tasks_own_metric(tmp_path, cache):
 @pytest.mark.parametrize("override,field", [
     ("benchmark.tasks=[mergeval_chem_count,mergeval_unit_convert,hellaswagg]", "benchmark.tasks: unknown task 'hellaswagg'"),
     ("+benchmark.metrics.hellaswag=bleu", "benchmark.metrics.hellaswag: 'bleu' is not reported"),
-    ("benchmark.data.hellaswag.validation=shipped:data/gsm8k/test.jsonl", "benchmark.data.hellaswag"),
+    ("benchmark.data.hellaswag.validation=shipped:data/gsm8k/test.jsonl",
+     "benchmark.data.hellaswag: the files of its splits have different columns"),
     ("metric.forgetting_tasks=[wikitext]", "metric.forgetting_tasks: 'wikitext' reports word_perplexity,none"),
     ("eval.device=cuda", "eval.device: cuda needs a CUDA GPU"),
     ("eval.backend=vllm", "eval.backend"),

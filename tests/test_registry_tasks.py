@@ -123,6 +123,7 @@ def test_multiple_choice_loglikelihoods_equal_the_command_line(cli, ours, task):
         mine = [lls[i] for i in sorted(lls)]
         worst = max(worst, max(abs(a - b) for a, b in zip(mine, theirs)))
         assert mine.index(max(mine)) == theirs.index(max(theirs))
+    print(f"\n{task}: largest log-likelihood difference from the command line {worst:.2e}")
     assert worst < 1e-4, f"largest log-likelihood difference {worst:.2e}"
 
 
@@ -193,3 +194,28 @@ def test_smollm2_batched_generation_gives_the_command_lines_greedy_text(cache, t
     ours = {inst.doc_id: inst.resps[0] for inst in harness.task_dict["tasks"]["gsm8k"].instances}
     assert len(ours) == limit and len(set(ours.values())) > 1  # a real model: the answers differ
     assert ours == theirs
+
+
+def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir, cache, tmp_path):
+    """A group of two registry tasks (a YAML of the user's, in benchmark.include_path) whose members read the
+    shipped files: one counted row for the group, its size-weighted mean of the members' acc, members shown."""
+    from transformers import AutoTokenizer
+
+    from mergeval.eval.harness import Harness
+    from mergeval.eval.suite import build_suite
+    from mergeval.models.checkpoint import load_model
+
+    (tmp_path / "my_group.yaml").write_text(json.dumps({
+        "group": "my_group", "task": ["hellaswag", "mmlu_high_school_chemistry"],
+        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]}))
+    cfg = bench(["hellaswag", "mmlu_high_school_chemistry"])
+    cfg.tasks, cfg.include_path = ["my_group"], [str(tmp_path)]
+    suite = build_suite(cfg, eval_cfg(), cache)
+    assert [(r.name, r.kind, r.counted) for r in suite.rows.values()] == [
+        ("my_group", "group", True), ("hellaswag", "task", False), ("mmlu_high_school_chemistry", "task", False)]
+    assert suite.rows["my_group"].metric == "acc,none"
+    scores = Harness(suite, suite.entries, batch_size=8, limit=None).score(
+        load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir))
+    members = [scores["hellaswag"], scores["mmlu_high_school_chemistry"]]
+    want = sum(m.metrics["acc,none"][0] * m.n for m in members) / sum(m.n for m in members)
+    assert scores["my_group"].value == pytest.approx(want) and scores["my_group"].n == 16 + 12

@@ -128,19 +128,23 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
                         "give method.validation_scores or set method.order=given")
     paths += [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
     _quiet_lm_eval()
-    manager = _manager(paths, others)
+    manager = _manager(paths, others + list(bench.data or {}))
     unknown = [t for t in others if t not in manager.all_tasks]
     if unknown:
         near = difflib.get_close_matches(unknown[0], manager.all_tasks + list(GENERATED), n=3)
         raise UserError("benchmark.tasks", f"unknown task '{unknown[0]}' (not generated, not in lm-eval's registry "
                         "or benchmark.include_path)", f"did you mean one of {near}?" if near else
                         "see `lm_eval ls tasks`, or add a directory of task YAMLs to benchmark.include_path")
-    _check_data_keys(bench, entries)
-    overrides = _override_manager(bench, manager, cache) if bench.data else None
+    _check_data_keys(bench, manager)
+    if bench.data:  # the overriding YAMLs shadow the registry's by name, so groups use them too
+        manager = _manager(paths + [_write_overrides(bench, manager, cache)], others + list(bench.data))
     loaded = {"tasks": {}, "groups": {}, "group_map": {}, "members": {}}
     for entry in entries:
-        source = overrides if overrides is not None and entry in bench.data else manager
-        _load_entry(source, entry, bench, loaded, bool(eval_cfg.allow_code_execution))
+        _load_entry(manager, entry, bench, loaded, bool(eval_cfg.allow_code_execution))
+    stray = [t for t in bench.data or {} if t not in loaded["tasks"]]
+    if stray:
+        raise UserError(f"benchmark.data.{stray[0]}", f"'{stray[0]}' is neither in benchmark.tasks nor a member of a "
+                        "group there", "add it or drop its data")
     _configure(loaded, bench, eval_cfg)
     rows = []
     for entry in entries:
@@ -159,23 +163,25 @@ def _quiet_lm_eval() -> None:
 
 def _manager(paths: list[Path], others: list[str]):
     """lm-eval's task index: only mergeval's and the user's directories when they hold every name (fast),
-    else lm-eval's registry too (indexing ~14k YAMLs takes seconds)."""
+    else lm-eval's registry too (indexing ~14k YAMLs takes seconds). Later directories shadow earlier names."""
     from lm_eval.tasks import TaskManager
 
     local = TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=False)
-    if all(t in local.all_tasks for t in others):
+    if all(t in local.all_subtasks for t in others):  # a group's members may live in the registry
         return local
     return TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=True)
 
 
-def _check_data_keys(bench, entries: list[str]) -> None:
+def _check_data_keys(bench, manager) -> None:
+    entries = list(bench.tasks)
     for task, splits in (bench.data or {}).items():
-        if task not in entries:
-            raise UserError(f"benchmark.data.{task}", f"'{task}' is not in benchmark.tasks", "add it or drop its data")
         if task in GENERATED:
             raise UserError(f"benchmark.data.{task}", "a generated task has its own data", "drop this override")
         if not splits:
             raise UserError(f"benchmark.data.{task}", "no files", "map split names to files, e.g. {test: file.jsonl}")
+        if task not in manager.all_tasks:
+            raise UserError(f"benchmark.data.{task}", f"unknown task '{task}'", "name a task of benchmark.tasks "
+                            "(or a member of a group there)")
     for field in ("metrics", "fewshot"):
         for task in getattr(bench, field) or {}:
             if task not in entries:
@@ -183,10 +189,8 @@ def _check_data_keys(bench, entries: list[str]) -> None:
                                 f"use one of {entries}")
 
 
-def _override_manager(bench, manager, cache: Path):
-    """An index holding one YAML per overridden task: its own YAML included, only the data source replaced."""
-    from lm_eval.tasks import TaskManager
-
+def _write_overrides(bench, manager, cache: Path) -> Path:
+    """A directory of one YAML per overridden task: its own YAML included, only the data source replaced."""
     files = {}
     for task, splits in bench.data.items():
         entry = manager.task_index[task]
@@ -206,7 +210,7 @@ def _override_manager(bench, manager, cache: Path):
         with atomic_dir(target) as tmp:
             for task, cfg in files.items():  # JSON is YAML: no quoting surprises in paths
                 (tmp / f"{task}.yaml").write_text(json.dumps(cfg, indent=1) + "\n")
-    return TaskManager(include_path=str(target), include_defaults=False)
+    return target
 
 
 def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> None:
@@ -235,7 +239,17 @@ def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> N
 
 def _data_error(entry: str, bench, err: Exception) -> UserError:
     reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".strip().rstrip(":")[:300]
+    chain = []
+    while err is not None and len(chain) < 10:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
     if entry in (bench.data or {}):
+        if isinstance(chain[0], KeyError):  # the task's process_docs / templates read a column the files lack
+            return UserError(f"benchmark.data.{entry}", f"the files have no column {chain[0]}, which the task "
+                             "reads", "give rows in the task's own schema (see its YAML and process_docs)")
+        if any(type(e).__name__ == "CastError" for e in chain):
+            return UserError(f"benchmark.data.{entry}", "the files of its splits have different columns",
+                             "give every split rows of the same schema")
         return UserError(f"benchmark.data.{entry}", f"cannot load the given files ({reason})",
                          "give the split names the task evaluates (see its YAML) mapped to JSON-lines files")
     return UserError("benchmark.tasks", f"cannot load the data of '{entry}' ({reason})",
@@ -253,10 +267,10 @@ def _check_schema(entry: str, name: str, task, bench) -> None:
         if task.get_config("output_type") == "multiple_choice":
             task.doc_to_choice(doc)
     except StopIteration:
-        raise UserError(f"benchmark.data.{entry}" if entry in (bench.data or {}) else "benchmark.tasks",
+        raise UserError(f"benchmark.data.{name}" if name in (bench.data or {}) else "benchmark.tasks",
                         f"'{name}' has no documents to evaluate", "give a split with at least one row") from None
     except Exception as err:
-        where = f"benchmark.data.{entry}" if entry in (bench.data or {}) else "benchmark.tasks"
+        where = f"benchmark.data.{name}" if name in (bench.data or {}) else "benchmark.tasks"
         raise UserError(where, f"the data of '{name}' does not fit the task's schema ({type(err).__name__}: "
                         f"{str(err)[:200]})", "give the columns the task reads (see its YAML and process_docs)") \
             from None

@@ -54,7 +54,8 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
     else:
         series = data.param_series(results, swept, all_tasks)
         base = {t: score_value(cons["base"]["scores"][t]) for t in all_tasks}
-        files.append(plots.plot_score_vs_param(series, swept, all_tasks, base, out_dir / "score_vs_param.png"))
+        files.append(plots.plot_score_vs_param(series, swept, all_tasks, base, out_dir / "score_vs_param.png",
+                                               data.metric_names(results, all_tasks)))
         images["score_vs_param"] = "score_vs_param.png"
 
     norm_tasks, norm = data.normalized_by_method(results)
@@ -81,7 +82,7 @@ def print_summary(summary: dict) -> None:
 
     console = Console(width=None if Console().is_terminal else 160)
     rows = summary["runs"]
-    table = Table(title=f"{len(rows)} run(s): merged model, accuracy ± stderr", title_justify="left")
+    table = Table(title=f"{len(rows)} run(s): merged model, each task's metric ± stderr", title_justify="left")
     for col in rows[0]:
         table.add_column(col, justify="left" if col in ("run", "label") else "right", no_wrap=col != "label")
     for r in rows:

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 from mergeval.errors import UserError
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
-from mergeval.outcome import MERGED, score_text, score_value
+from mergeval.outcome import MERGED, score_metric, score_text, score_value
 
 BASE = "base"
 PREFERRED_PARAMS = ("lambda_", "density")  # the hyperparameters a sweep most often varies
@@ -150,6 +150,12 @@ class Pareto:
     area: float | None
     area_note: str = ""  # why the area is undefined
     run_ids: list[str] = field(default_factory=list)
+    metrics: tuple[str, str] = ("acc,none", "acc,none")  # what task_x and task_y report
+
+
+def metric_names(results: list[dict], tasks: list[str]) -> dict[str, str]:
+    """task -> the metric its scores report (``acc,none`` for result.json files from before per-task metrics)."""
+    return {t: score_metric(results[0]["scores"][t][MERGED]) for t in tasks}
 
 
 def pareto(results: list[dict], task_x: str, task_y: str, labels: list[str]) -> Pareto:
@@ -170,7 +176,7 @@ def pareto(results: list[dict], task_x: str, task_y: str, labels: list[str]) -> 
     else:
         note = "undefined: no expert owns " + " and ".join(short(t) for t in (task_x, task_y) if t not in owner)
     return Pareto(task_x, task_y, labels, points, pareto_front(points), refs, diagonal, area, note,
-                  [r["run_id"] for r in results])
+                  [r["run_id"] for r in results], tuple(metric_names(results, [task_x, task_y]).values()))
 
 
 def _numeric(value) -> bool:
@@ -246,7 +252,7 @@ def normalized_by_method(results: list[dict]) -> tuple[list[str], dict[str, dict
 
 
 def run_rows(results: list[dict], tasks: list[str]) -> list[dict]:
-    """One row per run for the tables: label, merged acc +- stderr per task, aggregates."""
+    """One row per run for the tables: label, merged score +- stderr per task, aggregates."""
     varying = varying_params(results)
     rows = []
     for r in results:

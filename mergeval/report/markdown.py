@@ -34,7 +34,7 @@ def pareto_text(p: Pareto) -> str:
 def render(*, title: str, source: str, runs: list[dict], constituents: list[dict], pareto: Pareto | None,
            notes: list[str], param: str | None, normalized: list[dict], images: dict[str, str]) -> str:
     """The whole report; ``images`` maps a plot's name (pareto, score_vs_param, normalized) to its file name."""
-    out = [f"# {title}", "", source, "", "## Runs (merged model: accuracy ± stderr)", "", md_table(runs), "",
+    out = [f"# {title}", "", source, "", "## Runs (merged model: each task's metric, value ± stderr)", "", md_table(runs), "",
            "## Base and experts", "", md_table(constituents), ""]
     if pareto is not None:
         out += [f"## Trade-off: {short(pareto.task_x)} vs {short(pareto.task_y)}", "", pareto_text(pareto), ""]

@@ -37,16 +37,18 @@ def plot_pareto(p: Pareto, path: Path) -> Path:
         ax.plot([x1, x2], [y1, y2], linestyle="--", color="tab:orange", label="diagonal between the experts")
     area = f"{p.area:+.4f}" if p.area is not None else p.area_note.split(":")[0]
     ax.set_title(f"{short(p.task_x)} vs {short(p.task_y)}: synergy area {area}", fontsize=10)
-    ax.set_xlabel(f"{short(p.task_x)} accuracy")
-    ax.set_ylabel(f"{short(p.task_y)} accuracy")
+    ax.set_xlabel(f"{short(p.task_x)} ({p.metrics[0]})")
+    ax.set_ylabel(f"{short(p.task_y)} ({p.metrics[1]})")
     ax.grid(alpha=0.3)
     ax.margins(x=0.12, y=0.08)  # room for the point labels
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     return _save(fig, path)
 
 
-def plot_score_vs_param(series: Series, param: str, tasks: list[str], base: dict[str, float], path: Path) -> Path:
-    """Merged accuracy +- stderr versus ``param``: one panel per task, one line per method, the base dotted."""
+def plot_score_vs_param(series: Series, param: str, tasks: list[str], base: dict[str, float], path: Path,
+                        metrics: dict[str, str] | None = None) -> Path:
+    """Each task's merged score +- stderr versus ``param``: one panel per task (titled with its metric), one line
+    per method, the base dotted."""
     fig = Figure(figsize=(4.2 * len(tasks), 3.8))
     axes = fig.subplots(1, len(tasks), squeeze=False)[0]
     for ax, task in zip(axes, tasks):
@@ -55,10 +57,10 @@ def plot_score_vs_param(series: Series, param: str, tasks: list[str], base: dict
             ax.errorbar(xs, accs, yerr=errs, marker="o", capsize=3, label=label)
         if task in base:
             ax.axhline(base[task], color="gray", linestyle=":", label="base")
-        ax.set_title(short(task), fontsize=10)
+        ax.set_title(f"{short(task)} ({(metrics or {}).get(task, 'acc,none')})", fontsize=10)
         ax.set_xlabel(param)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("merged accuracy ± stderr")
+    axes[0].set_ylabel("merged score ± stderr")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     return _save(fig, path)
 

@@ -39,7 +39,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    run_cli(main)
+    run_cli(main, 'mergeval',
+            "Merge the modelset's experts in memory, evaluate base, experts and merge on the benchmark, print\n  the table and aggregates, write result.json and record the run.")
 
 
 if __name__ == "__main__":

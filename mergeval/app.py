@@ -10,6 +10,7 @@ sequences the steps; each step lives in the module of its layer.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,7 +27,7 @@ from mergeval.outcome import MERGED, ModelInfo, Outcome
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, package_versions
 from mergeval.ranking import prepare_method
-from mergeval.runtime import Laps, apply_offline, quiet_transformers
+from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
@@ -59,7 +60,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint_state_dict
-    quiet_transformers()
+    quiet_transformers(cfg.verbose)
     lap = Laps()
     timings = lap.timings
 
@@ -101,7 +102,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict]] = {t: {} for t in tasks}
-    for info in models:
+    for number, info in enumerate(models, start=1):
         # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
         # sweep jobs wait for the one evaluating a shared constituent.
         got = {} if cfg.eval.force else store.claim_or_scores(
@@ -111,13 +112,18 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         info.evaluated = ("reused from the results store" if not entries else "this run" if not got
                           else "partly reused from the results store")
         if entries:
-            print(f"mergeval: evaluating {info.role} on {len(entries)} of {len(suite.entries)} tasks", flush=True)
+            step = f"mergeval: [{number}/{len(models)}] {info.role}"
+            print(f"{step}: evaluating on {len(entries)} of {len(suite.entries)} tasks", flush=True)
+            began = time.perf_counter()
             if tuple(entries) not in harnesses:
                 harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
             harness = harnesses[tuple(entries)]
             path = base_dir if info.role == MERGED else Path(info.path)
             model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
-            result = harness.score(model, tokenizer)
+            with library_bars(cfg.verbose):
+                result = harness.score(model, tokenizer)
+            print(f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s",
+                  flush=True)
             evaluated = {t: digests[t] for t in result}
             kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings), evaluated),
                                  harness.samples)

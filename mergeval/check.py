@@ -121,11 +121,13 @@ def _print_cost(cfg: DictConfig, console, n_models: int) -> None:
     """Requests and forward passes of one model's evaluation (the data is local: the tasks are loaded)."""
     from mergeval.eval.suite import build_suite
     from mergeval.paths import cache_root
+    from mergeval.runtime import library_bars
 
     suite = build_suite(cfg.benchmark, cfg.eval, cache_root(cfg.cache_dir))
     requests = passes = 0
     for task in suite.loaded["tasks"].values():
-        task.build_all_requests(limit=cfg.benchmark.limit, rank=0, world_size=1)
+        with library_bars(cfg.verbose):
+            task.build_all_requests(limit=cfg.benchmark.limit, rank=0, world_size=1)
         n = len(task.instances)
         docs = len({inst.doc_id for inst in task.instances})
         shared = cfg.eval.backend == "shared_prefix" and task.get_config("output_type") == "multiple_choice"
@@ -154,7 +156,8 @@ def _size_of(path: Path) -> int:
 
 
 def cli() -> None:
-    run_cli(main)
+    run_cli(main, 'mergeval.check',
+            "List the models and data sets the run needs, where each is, their sizes, the requests one model's\n  evaluation takes; exit 0 and `ready`, or exit 2 with one line per missing piece and how to fetch it.")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,15 @@ def discard_job_dir(job_dir: Path) -> None:
                 break
 
 
-def run_cli(hydra_main) -> None:
+def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
     """Run a Hydra main with mergeval's error contract: a UserError or a composition error is one line on
-    stderr and exit status 2; HYDRA_FULL_ERROR=1 shows the traceback instead."""
+    stderr and exit status 2; HYDRA_FULL_ERROR=1 shows the traceback instead. ``--help``/``-h`` print
+    mergeval's help for ``entry`` (mergeval/help.py); Hydra's stays at --hydra-help."""
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        from mergeval.help import help_text
+
+        print(help_text(entry, summary))
+        sys.exit(0)
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     try:

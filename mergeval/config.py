@@ -140,6 +140,7 @@ class RunConfig:
     vocab_policy: str = "error"  # inputs with different vocabularies: error | truncate | union (mergeval.engine.vocab)
     output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
     staged: StagedConfig | None = None  # the sweep of python -m mergeval.staged (unused by python -m mergeval)
+    verbose: bool = False  # also show lm-eval's and transformers' own progress bars and warnings
 
 
 def register_configs() -> None:

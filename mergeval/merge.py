@@ -33,6 +33,8 @@ def main(cfg: DictConfig) -> None:
         discard_job_dir(job_dir)
         print(err.line(), file=sys.stderr)
         sys.exit(2)
+    if cfg.output:  # the merge went elsewhere: the job directory would hold only Hydra's files
+        discard_job_dir(job_dir)
     print(f"merged model: {target}")
 
 
@@ -59,7 +61,8 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
 
 
 def cli() -> None:
-    run_cli(main)
+    run_cli(main, 'mergeval.merge',
+            'Merge only, streamed to disk with bounded memory: output=DIR (default <job dir>/merged_model).')
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
+    from mergeval.runtime import library_bars
     from mergeval.store import open_store
 
     suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=method_cfg.validation_items)
@@ -96,7 +97,8 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
             harness = harness or Harness.for_run(cfg, suite, suite.entries, None)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(info.path)
             model = load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
-            fresh = harness.score(model, tokenizer)
+            with library_bars(cfg.verbose):
+                fresh = harness.score(model, tokenizer)
             got = {t: fresh[t].as_dict() for t in tasks}
             store.put_scores(info.fingerprint, digests, settings, {t: {**got[t], "metrics": fresh[t].metrics}
                                                                    for t in tasks})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 
 class Laps:
@@ -19,12 +20,39 @@ class Laps:
         self._clock = now
 
 
-def quiet_transformers() -> None:
-    """No per-model progress bars or warnings from transformers inside a run's output."""
+def quiet_transformers(verbose: bool = False) -> None:
+    """No per-model progress bars or warnings from transformers inside a run's output (``verbose=true`` keeps them)."""
     import transformers
 
+    if verbose:
+        transformers.utils.logging.enable_progress_bar()
+        transformers.utils.logging.set_verbosity_warning()
+        return
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+@contextmanager
+def library_bars(show: bool):
+    """Inside the block, progress bars that libraries draw with tqdm (lm-eval's request building, tokenizing,
+    generation) are off unless ``show``: mergeval prints one progress line per model instead. lm-eval passes
+    ``disable=False`` explicitly, which beats tqdm's TQDM_DISABLE, so the block makes every new bar disabled."""
+    if show:
+        yield
+        return
+    from tqdm import tqdm
+
+    original = tqdm.__init__
+
+    def disabled(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        tqdm.__init__ = original
 
 
 def apply_offline(offline: bool) -> None:

@@ -42,7 +42,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    run_cli(main)
+    run_cli(main, 'mergeval.staged',
+            'Evaluate a sweep in three stages (perplexity, part of the benchmark, all of it); see staged.* fields.')
 
 
 if __name__ == "__main__":

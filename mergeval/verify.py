@@ -31,11 +31,11 @@ Checks a paper spec (``specs/<name>.yaml``, by name or by path):
 
 Exit status:
   0  every derived cell agrees (or is a matching recorded discrepancy), and every
-     selected claim that was evaluated passes; without ``--run``, claims that need
-     runs are listed as "not run" and do not count, so ``verify SPEC`` checks what
-     the paper publishes; with ``--run``, every selected claim must be evaluated
-     and pass: a "not run" claim is not a pass (select what your runs cover with
-     ``--tag`` or ``--claim``);
+     selected claim that was evaluated passes; claims the runs given cannot
+     evaluate are listed as "not run", with what would run them, and do not count
+     (without ``--run`` that is every claim about runs, so ``verify SPEC`` checks
+     what the paper publishes); with ``--strict`` a "not run" claim is not a pass
+     (CI uses it with ``--tag`` / ``--claim`` to select what its runs cover);
   1  otherwise;
   2  a mistake to fix: a missing or invalid spec, an unreadable result.json, an
      unknown tag or claim id (one line on stderr naming it).
@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", action="append", default=[], help="check only claims with this tag (repeatable)")
     p.add_argument("--claim", action="append", default=[], metavar="ID", help="check only this claim (repeatable)")
     p.add_argument("--list", action="store_true", help="list the shipped specs and exit")
+    p.add_argument("--strict", action="store_true", help="a claim the runs cannot evaluate (not run) fails")
     return p
 
 
@@ -85,11 +86,11 @@ def select_claims(spec: Spec, tags: list[str], ids: list[str]):
     return [c for c in spec.claims if c.id in ids or set(c.tags) & set(tags)]
 
 
-def exit_status(checks: list[CellCheck], results: list[ClaimResult], runs_given: bool) -> int:
+def exit_status(checks: list[CellCheck], results: list[ClaimResult], strict: bool) -> int:
     """0 or 1 as the module docstring defines it."""
     bad_cells = any(not c.ok for c in checks)
     failed = any(r.status == "fail" for r in results)
-    missing = runs_given and any(r.status == "not run" for r in results)
+    missing = strict and any(r.status == "not run" for r in results)
     return 1 if bad_cells or failed or missing else 0
 
 
@@ -108,7 +109,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None) -> str:
+def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None,
+           strict: bool = False) -> str:
     cite = ", ".join(str(spec.citation[k]) for k in ("authors", "venue") if spec.citation.get(k))
     out = [f"{spec.name}: {spec.title}" + (f" ({cite})" if cite else "")]
     out.append(f"\npublished tables: {len(checks)} derived cells")
@@ -131,8 +133,14 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
                           [[r.id, r.status, _fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
     agree = sum(c.ok for c in checks)
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "not run")}
-    note = "" if runs_given or not counts["not run"] else " (they need --run; not counted)"
-    code = exit_status(checks, results, runs_given)
+    if not counts["not run"]:
+        note = ""
+    elif not runs_given:
+        note = " (they need runs: --run result.json or a sweep directory)"
+    else:
+        note = (" (the runs given cannot evaluate them: add runs that match, see each detail; "
+                + ("--strict counts them as failures)" if strict else "not counted; --strict fails on them)"))
+    code = exit_status(checks, results, strict)
     out.append(f"\nverdict: {agree}/{len(checks)} derived cells agree; claims {counts['pass']} pass, "
                f"{counts['fail']} fail, {counts['not run']} not run{note} -> exit {code}")
     return "\n".join(out)
@@ -154,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
-    print(report(spec, checks, results, runs))
-    return exit_status(checks, results, runs is not None)
+    print(report(spec, checks, results, runs, args.strict))
+    return exit_status(checks, results, args.strict)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
     assert first.returncode == 0, first.stderr[-3000:]
     second = mergeval("+experiment=tiny", store, "metric.calibration=true", "hydra.run.dir=second", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.count("on 1 of 3 tasks") == 4 and "on 3 of 3 tasks" not in second.stdout
+    assert second.stdout.count("evaluating on 1 of 3 tasks") == 4 and "on 3 of 3 tasks" not in second.stdout
     a, b = read_result(tmp_path / "first"), read_result(tmp_path / "second")
     assert {m["evaluated"] for m in b["models"]} == {"partly reused from the results store"}
     for task in a["tasks"]:

@@ -34,10 +34,14 @@ def test_cmm_order_changes_the_merged_model(tmp_path, tiny_dir):
     for order in ("given", "reverse"):
         run_dir = tmp_path / order
         run_dir.mkdir()
-        result = result_of(mergeval("+experiment=tiny", "method=cmm", f"method.order={order}",
-                                    "method.validation_scores=[0.2,0.9]", cwd=run_dir), run_dir)
+        out = mergeval("+experiment=tiny", "method=cmm", f"method.order={order}",
+                       "method.validation_scores=[0.2,0.9]", cwd=run_dir)
+        result = result_of(out, run_dir)
         fps[order] = next(m["fingerprint"] for m in result["models"] if m["role"] == "merged")
         assert result["merge"]["order"] == (["chem", "units"] if order == "given" else ["units", "chem"])
+        # the curriculum it chose is printed beside the table, not only stored
+        first, second = result["merge"]["order"]
+        assert f"curriculum: {first} (0.30) -> {second} (0.60)" in out.stdout, out.stdout[-1500:]
     assert fps["given"] != fps["reverse"]
 
 

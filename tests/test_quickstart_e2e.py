@@ -30,6 +30,7 @@ def test_quickstart_reduced(tmp_path, cache):
     assert result["scores"]["mergeval_general_facts"]["base"]["value"] >= 0.5
     assert "Macro-Gain" in out.stdout
     # the quickstart spec's claims that hold at these reduced settings (specs/quickstart.yaml, tag ci)
-    check = subprocess.run([sys.executable, "-m", "mergeval.verify", "quickstart", "--run", str(path), "--tag", "ci"],
+    check = subprocess.run([sys.executable, "-m", "mergeval.verify", "quickstart", "--run", str(path), "--tag", "ci",
+                            "--strict"],
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-1000:]

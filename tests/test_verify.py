@@ -400,7 +400,9 @@ def test_cli_exit_codes_with_runs(tmp_path, capsys):
     assert run_cli(capsys, spec_file(tmp_path, passing + failing), "--run", str(run))[0] == 1
     spec = spec_file(tmp_path, passing + missing)
     assert run_cli(capsys, spec)[0] == 0  # no --run: run claims are listed, not counted
-    assert run_cli(capsys, spec, "--run", str(run))[0] == 1  # with --run a claim not run is not a pass
+    code, out, _ = run_cli(capsys, spec, "--run", str(run))  # a claim the runs cannot evaluate does not count
+    assert code == 0 and "not counted; --strict fails on them" in out
+    assert run_cli(capsys, spec, "--run", str(run), "--strict")[0] == 1  # unless asked: then it is not a pass
     code, out, _ = run_cli(capsys, spec, "--run", str(tmp_path), "--tag", "t")  # a directory of runs, one tag
     assert code == 0 and "gone" not in out
     assert run_cli(capsys, spec, "--run", str(run), "--claim", "ok")[0] == 0

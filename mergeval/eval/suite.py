@@ -36,7 +36,7 @@ from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.eval.metric_choice import default_metric, metric_keys, normalize_key
-from mergeval.eval.tasks import GENERATED, task_digest, write_tasks
+from mergeval.eval.tasks import GENERATED, datasets_cache, task_digest, write_tasks
 from mergeval.paths import atomic_dir
 
 SHIPPED = Path(__file__).parent / "shipped"
@@ -203,7 +203,8 @@ def _write_overrides(bench, manager, cache: Path) -> Path:
         # replace the tag's member list in this index. Absolute paths: datasets resolves relative ones against
         # the working directory, not the YAML.
         files[task] = {"include": str(entry.yaml_path), "task": task, "tag": None, "dataset_path": "json",
-                       "dataset_name": None, "dataset_kwargs": {"data_files": data}}
+                       "dataset_name": None,
+                       "dataset_kwargs": {"data_files": data, "cache_dir": str(datasets_cache(cache))}}
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / "tasks" / "data_overrides" / digest
     if not target.exists():
@@ -358,6 +359,8 @@ def _config_digest(task) -> str:
     """Hash of what a registry or directory task evaluates: its full config (functions by their source), and the
     bytes of any local data files (by content, so moving them keeps the digest)."""
     config = task.dump_config()
+    if "cache_dir" in (config.get("dataset_kwargs") or {}):  # where datasets caches: not what is evaluated
+        config = {**config, "dataset_kwargs": {k: v for k, v in config["dataset_kwargs"].items() if k != "cache_dir"}}
     files = ((config.get("dataset_kwargs") or {}).get("data_files") or {})
     hashed = {split: _file_hash(Path(p)) for split, p in files.items()} if isinstance(files, dict) else files
     if files:

@@ -93,6 +93,7 @@ def _row(name: str, item: Item) -> dict:
 _YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
+  cache_dir: {hf_cache}
   data_files:
     test: {data}
 test_split: test
@@ -107,6 +108,12 @@ metric_list:
 metadata:
   version: 1
 """
+
+
+def datasets_cache(cache: Path) -> Path:
+    """Where the datasets library keeps what it builds from mergeval's local files: under the run's cache
+    directory, never ~/.cache/huggingface (hub data sets keep the user's Hugging Face cache)."""
+    return cache / "hf_datasets"
 
 
 def check_tasks(names: list[str], n_items: int, n_validation: int = 0) -> None:
@@ -141,7 +148,9 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
     """
     check_tasks(names, n_items, n_validation)
     rows = {name: [_row(name, item) for item in task_items(name, n_items, split, n_validation)] for name in names}
-    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    # The directory is named by the items and the YAML layout (2: datasets' cache_dir under the run's cache),
+    # so a directory written by an older layout is not reused; task_digest, the store's key, is unchanged.
+    digest = hashlib.sha256(json.dumps({"rows": rows, "layout": 2}, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / "tasks" / digest
     if not target.exists():
         with atomic_dir(target) as tmp:
@@ -149,7 +158,8 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
                 (tmp / f"{name}.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
                 data = target / f"{name}.jsonl"  # absolute path of the final location
                 choices = "choices" if items_of(name) == name else "letters"  # what the model is asked to say
-                yaml = _YAML.format(name=name, data=json.dumps(str(data)), choices=choices)
+                yaml = _YAML.format(name=name, data=json.dumps(str(data)), choices=choices,
+                                    hf_cache=json.dumps(str(datasets_cache(cache))))
                 (tmp / f"{name}.yaml").write_text(yaml)
     return target
 
@@ -159,6 +169,10 @@ def task_digest(task_dir: Path, name: str) -> str:
     h = hashlib.sha256()
     # The YAML names its data by absolute path; hash it without the directory so the same task
     # written into another cache directory keeps its digest (and its stored evaluations).
-    h.update((task_dir / f"{name}.yaml").read_text().replace(str(task_dir), "<task_dir>").encode())
+    # Where the datasets library caches is no part of what is evaluated: that line is left out (digests of
+    # tasks written before it existed stay the same).
+    yaml = "".join(line for line in (task_dir / f"{name}.yaml").read_text().splitlines(keepends=True)
+                   if not line.startswith("  cache_dir: "))
+    h.update(yaml.replace(str(task_dir), "<task_dir>").encode())
     h.update((task_dir / f"{name}.jsonl").read_bytes())
     return h.hexdigest()[:16]

@@ -118,9 +118,12 @@ def band(normalized: float | None) -> str:
     """
     if normalized is None:
         return "undefined"
-    if normalized >= 0.8:
+    # A mean such as (0.4 + 0.6) / 2 lands a rounding error below 0.5: compare at the precision the value
+    # is shown and reasoned about, so a printed 0.50 is never "failing".
+    x = round(normalized, 9)
+    if x >= 0.8:
         return "good"
-    if normalized >= 0.5:
+    if x >= 0.5:
         return "moderate"
     return "failing"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from mergeval.outcome import MERGED, Outcome, score_metric, score_text
+from mergeval.outcome import MERGED, Outcome, score_metric, score_text, score_value
 
 
 def _cell(score: dict, bold: bool = False) -> str:
@@ -28,7 +28,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     for task in outcome.tasks:
         row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
         value = norm.get(task)
-        shown = "-" if task not in norm else ("undefined" if value is None else f"{value:.2f}")
+        shown = "-" if task not in norm else ("undefined" if value is None else _fixed(value))
         info = outcome.rows.get(task, {})
         label = task.removeprefix("mergeval_") if info.get("entry", task) == task else f"  {task}"
         metric = score_metric(outcome.scores[task][roles[0]])
@@ -40,7 +40,11 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     mean = agg["normalized_mean"]
     console.print(f"Macro-Gain {agg['macro_gain']:+.2f}{unit}   Macro-OG {agg['macro_og']:+.2f}{unit}   "
                   f"normalized (mean over expert tasks) "
-                  f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})")
+                  f"{'undefined' if mean is None else _fixed(mean)} ({agg['normalized_band']})")
+    for line in _unlearned(outcome):
+        console.print(f"[yellow]{line}[/yellow]")
+    if outcome.merge_info.get("order"):
+        console.print(curriculum_line(outcome.merge_info))
     if agg.get("groups"):
         console.print("group means  " + "   ".join(
             f"{role} {value:.3f}" if value is not None else f"{role} -" for role, value in agg["groups"].items()))
@@ -70,6 +74,33 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     if any(m.role == MERGED and m.merge == "reused from the results store" for m in outcome.models):
         console.print("[dim]merge not redone: the store holds its output for these inputs, method config and "
                       "seed[/dim]")
+
+
+def _fixed(value: float, digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals, never ``-0.00``."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def _unlearned(outcome: Outcome) -> list[str]:
+    """A warning per expert that does not beat the base on its own task: its normalized score divides by a
+    gain that is not there, so the number says nothing about the merge."""
+    out = []
+    for m in outcome.models:
+        if m.task and m.task in outcome.aggregates["normalized"]:
+            own, base = score_value(outcome.scores[m.task][m.role]), score_value(outcome.scores[m.task]["base"])
+            if own <= base:
+                out.append(f"{m.role} does not beat the base on its own task {m.task} ({own:.3f} vs {base:.3f}): "
+                           "its normalized score is meaningless; train the expert longer or check its task")
+    return out
+
+
+def curriculum_line(info: dict) -> str:
+    """What CMM decided: the merge order with each step's coefficient, and the validation scores that ranked."""
+    steps = " -> ".join(f"{name} ({c:.2f})" for name, c in zip(info["order"], info.get("coefficients", [])))
+    scores = info.get("validation_scores")
+    ranked = "" if not scores else "   validation scores: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+    return f"curriculum: {steps}{ranked}"
 
 
 def _consistency_table(per_role: dict) -> Table:

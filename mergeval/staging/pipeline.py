@@ -41,7 +41,7 @@ from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo
 from mergeval.paths import cache_root
-from mergeval.runtime import Laps, apply_offline, quiet_transformers
+from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers
 from mergeval.staging.cost import Cost, cost_table
 from mergeval.staging.heldout import heldout_items
 from mergeval.staging.nll import Spent, answer_sequences, token_nlls
@@ -132,7 +132,8 @@ class Bench:
             return got, REUSED, 0
         harness = self._harness(limit)
         model = make_model()
-        got = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
+        with library_bars(self.cfg.verbose):
+            got = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
         self.store.put_scores(fingerprint, self.digests, settings, got)
         return got, THIS_RUN, sum(harness.requests.values())
 
@@ -245,7 +246,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     import torch
     from transformers import AutoTokenizer
 
-    quiet_transformers()
+    quiet_transformers(cfg.verbose)
     apply_offline(cfg.offline)
     lap = Laps()
     timings = lap.timings

@@ -51,6 +51,12 @@ def score_metric(score: dict) -> str:
     return score.get("metric", OLD_METRIC)
 
 
+def fixed(value: float, digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals, never ``-0.00``."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
 def score_text(score: dict) -> str:
     """``0.612 ± 0.021``; values of 100 and more (perplexities) with 1 decimal; no stderr, no ``±``."""
     value, stderr = score_value(score), score.get("stderr")

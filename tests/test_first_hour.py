@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mergeval.metrics.aggregates import band
-from mergeval.report.table import _fixed
+from mergeval.outcome import fixed
 
 
 def run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -87,7 +87,7 @@ def test_a_score_shown_as_the_band_edge_gets_that_band(value, want):
 
 
 def test_no_negative_zero_is_printed():
-    assert _fixed(-0.001) == "0.00" and _fixed(-0.006) == "-0.01" and _fixed(0.0) == "0.00"
+    assert fixed(-0.001) == "0.00" and fixed(-0.006) == "-0.01" and fixed(0.0) == "0.00"
 
 
 def test_scores_of_older_result_files_are_read_as_acc():

@@ -205,3 +205,36 @@ def test_report_input_mistakes_are_one_line_errors(tmp_path, capsys):
         assert report_main([*args, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mergeval: error: ") and field in err and err.count("\n") == 1, err
+
+
+def test_the_pareto_plot_of_many_runs_numbers_them_and_keys_every_label(tmp_path):
+    """16 runs, two of them at the same point: each point carries only its run number(s), the key lists every
+    label once with the front marked, and the axes name each task's metric."""
+    from mergeval.report.plots import plot_pareto
+
+    runs = [result(f"r{i:02d}", "task_arithmetic", (0.6 + 0.02 * i, 0.9 - 0.03 * i, 0.8), i, lambda_=0.1 * i)
+            for i in range(15)] + [result("dup", "ties", (0.6, 0.9, 0.8), 15, lambda_=9.0)]
+    labels = [data.run_label(r, data.varying_params(runs)) for r in runs]
+    trade = data.pareto(runs, CHEM, UNITS, labels)
+    captured = {}
+
+    def keep(fig, path):
+        captured["fig"] = fig
+        return path
+
+    import mergeval.report.plots as plots
+
+    original, plots._save = plots._save, keep
+    try:
+        plot_pareto(trade, tmp_path / "p.png")
+    finally:
+        plots._save = original
+    fig = captured["fig"]
+    ax = fig.axes[0]
+    numbers = [t.get_text() for t in ax.texts if t.get_text() not in ("base", "chem", "units")]
+    assert all(n.replace(",", "").isdigit() for n in numbers)
+    assert "1,16" in numbers and len(numbers) == 15  # the duplicate point shares one label
+    key = "\n".join(t.get_text() for t in fig.texts)
+    assert all(label in key for label in labels)
+    assert sum(line.startswith("*") for line in key.splitlines()) == len(trade.front)
+    assert ax.get_xlabel().endswith("(acc,none)") and ax.get_ylabel().endswith("(acc,none)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from mergeval.outcome import MERGED, Outcome, score_metric, score_text, score_value
+from mergeval.outcome import MERGED, Outcome, fixed, score_metric, score_text, score_value
 
 
 def _cell(score: dict, bold: bool = False) -> str:
@@ -28,7 +28,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     for task in outcome.tasks:
         row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
         value = norm.get(task)
-        shown = "-" if task not in norm else ("undefined" if value is None else _fixed(value))
+        shown = "-" if task not in norm else ("undefined" if value is None else fixed(value))
         info = outcome.rows.get(task, {})
         label = task.removeprefix("mergeval_") if info.get("entry", task) == task else f"  {task}"
         metric = score_metric(outcome.scores[task][roles[0]])
@@ -40,7 +40,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     mean = agg["normalized_mean"]
     console.print(f"Macro-Gain {agg['macro_gain']:+.2f}{unit}   Macro-OG {agg['macro_og']:+.2f}{unit}   "
                   f"normalized (mean over expert tasks) "
-                  f"{'undefined' if mean is None else _fixed(mean)} ({agg['normalized_band']})")
+                  f"{'undefined' if mean is None else fixed(mean)} ({agg['normalized_band']})")
     for line in _unlearned(outcome):
         console.print(f"[yellow]{line}[/yellow]")
     if outcome.merge_info.get("order"):
@@ -74,12 +74,6 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     if any(m.role == MERGED and m.merge == "reused from the results store" for m in outcome.models):
         console.print("[dim]merge not redone: the store holds its output for these inputs, method config and "
                       "seed[/dim]")
-
-
-def _fixed(value: float, digits: int = 2) -> str:
-    """``value`` with ``digits`` decimals, never ``-0.00``."""
-    text = f"{value:.{digits}f}"
-    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def _unlearned(outcome: Outcome) -> list[str]:

@@ -52,11 +52,25 @@ def validate(cfg: DictConfig):
     if cfg.eval.batch_size < 1:
         raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
     check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
+    check_constituents(cfg.metric.constituents, list(experts))
     check_backend(cfg.eval.backend, cfg.eval.device)
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
     check_vocab_policy(cfg.vocab_policy)
     return method, method_cfg
+
+
+def check_constituents(choice, experts: list[str]) -> None:
+    """metric.constituents: experts | base_and_experts | a non-empty list of base and expert roles."""
+    if choice in ("experts", "base_and_experts"):
+        return
+    if isinstance(choice, str) or not choice:
+        raise UserError("metric.constituents", f"unknown choice {choice!r}",
+                        f"use experts, base_and_experts, or a list of roles from {['base', *experts]}")
+    unknown = [r for r in choice if r not in ["base", *experts]]
+    if unknown:
+        raise UserError("metric.constituents", f"{unknown} are not roles of the modelset",
+                        f"choose from {['base', *experts]}")
 
 
 def check_rows(cfg: DictConfig, rows: dict) -> None:

@@ -78,6 +78,9 @@ class MetricConfig:
     weighting: str = "tasks"  # groups weighted by their task count ("tasks"), "equal", or "given" (weights)
     weights: dict[str, float] | None = None
     forgetting_tasks: list[str] = field(default_factory=list)  # general tasks: base - merged drop (MergeBench)
+    # what Macro-Gain / Macro-OG compare the merge against: "experts" (the modelset's experts), "base_and_experts"
+    # (the CPT paper's first stage, an expert merged with its own base), or a list of roles, e.g. [base, finance]
+    constituents: Any = "experts"
     similarity: bool = False  # task-vector L2 / cosine / sign conflict / SAR between experts and the merge
     calibration: bool = False  # expected calibration error per model and task (from kept log-likelihoods)
     # [task_a, task_b] pairs asking the same items in two formats (X and its lettered X_mc): per model,

@@ -33,17 +33,30 @@ def aggregable(scores: dict, rows: dict[str, dict], tasks: list[str]) -> tuple[l
     return counted, excluded
 
 
+def constituent_roles(choice, roles: list[str]) -> list[str]:
+    """The roles Macro-Gain / Macro-OG compare the merge against (``metric.constituents``): ``experts`` (every
+    role but base and merged), ``base_and_experts``, or an explicit list of roles."""
+    experts = [r for r in roles if r not in ("base", MERGED)]
+    if choice == "experts":
+        return experts
+    if choice == "base_and_experts":
+        return ["base", *experts]
+    return list(choice)
+
+
 def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list[ModelInfo], metric) -> dict:
-    """Macro-Gain / Macro-OG over ``tasks`` (constituents = the experts), normalized scores per expert task,
-    and what the metric group adds (group means per role, forgetting; see metrics/composed.py)."""
+    """Macro-Gain / Macro-OG over ``tasks`` against the constituents ``metric.constituents`` names (default: the
+    experts), normalized scores per expert task, and what the metric group adds (group means per role,
+    forgetting; see metrics/composed.py)."""
     if isinstance(metric, str):  # a bare scale: no groups, no forgetting
         from mergeval.config import MetricConfig
 
         metric = MetricConfig(scale=metric)
     scale = metric.scale
     experts = [m for m in models if m.role not in ("base", MERGED)]
+    roles = constituent_roles(getattr(metric, "constituents", "experts"), [m.role for m in models])
     merged = [scores[t][MERGED]["value"] for t in tasks]
-    constituents = [[scores[t][e.role]["value"] for t in tasks] for e in experts]
+    constituents = [[scores[t][role]["value"] for t in tasks] for role in roles]
     normalized = {}
     for e in experts:
         if e.task is not None and e.task in tasks:
@@ -52,6 +65,7 @@ def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list
     mean = mean_normalized_score(normalized.values())
     return {
         "scale": scale,
+        "constituents": roles,
         "macro_gain": macro_gain(merged, constituents, scale=scale),
         "macro_og": macro_og(merged, constituents, scale=scale),
         "normalized": normalized,

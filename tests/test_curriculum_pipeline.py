@@ -62,13 +62,13 @@ def test_ties_in_scores_keep_modelset_order():
 @given(st.integers(0, 10_000), st.integers(1, 4), st.floats(0.1, 1.0), st.floats(-1, 2))
 def test_constant_additive_cmm_is_task_arithmetic(seed, n, c, lam):
     base, experts = tensors(seed, n)
-    cfg = CmmConfig(order="given", schedule="constant", start=c, lambda_=lam)
+    cfg = CmmConfig(order="given", schedule="constant", start=c, lambda_=lam, update="additive")
     expected = ta.merge(base, experts, TaskArithmeticConfig(lambda_=lam * c), GEN)
     torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=30)
-@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from(["additive", "interpolate"]))
+@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from(["additive", "interpolate", "ties_step"]))
 def test_lambda_zero_and_identical_models_return_base(seed, n, update):
     base, experts = tensors(seed, n)
     cfg = CmmConfig(order="given", update=update, lambda_=0.0)
@@ -104,7 +104,8 @@ def test_cmm_depends_on_the_order(seed, update):
 
 def test_additive_linear_formula_by_hand():
     base, experts = tensors(3, 3)
-    cfg = CmmConfig(order="ranked", validation_scores=[0.9, 0.1, 0.5], start=0.3, end=0.6, lambda_=0.8)
+    cfg = CmmConfig(order="ranked", validation_scores=[0.9, 0.1, 0.5], start=0.3, end=0.6, lambda_=0.8,
+                    update="additive")
     d = [e - base for e in experts]
     expected = base + 0.8 * (0.3 * d[1] + 0.45 * d[2] + 0.6 * d[0])  # weakest (1) first, strongest (0) last
     torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
@@ -173,3 +174,60 @@ def test_pipeline_bad_config(stages, field):
     with pytest.raises(UserError) as err:
         pipeline.validate(PipelineConfig(stages=stages, expert_names=["a", "b"]), 2)
     assert err.value.field == field
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.integers(2, 5), st.floats(0.1, 1.5))
+def test_additive_is_task_arithmetic_with_each_experts_step_coefficient(seed, n, lam):
+    """update=additive is exactly task arithmetic with weights c_rank(i): nothing a same-weight baseline lacks."""
+    base, experts = tensors(seed, n)
+    scores = [float(x) for x in torch.rand(n, generator=torch.Generator().manual_seed(seed))]
+    cfg = CmmConfig(order="ranked", validation_scores=scores, lambda_=lam, update="additive")
+    coeffs = schedule("linear", 0.3, 0.6, n)
+    weights = [0.0] * n
+    for c, i in zip(coeffs, merge_order("ranked", scores, n)):
+        weights[i] = c
+    expected = ta.merge(base, experts, TaskArithmeticConfig(lambda_=lam, weights=weights), GEN)
+    torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.integers(2, 5))
+def test_the_default_reading_is_not_same_weight_task_arithmetic(seed, n):
+    """The discussion's fairness answer: TA ran with CMM's weights and lost, so CMM's rule cannot be TA."""
+    base, experts = tensors(seed, n)
+    cfg = CmmConfig(order="given")
+    assert cfg.update == "interpolate"
+    weights = schedule("linear", 0.3, 0.6, n)
+    same_weights = ta.merge(base, experts, TaskArithmeticConfig(weights=weights), GEN)
+    assert not torch.allclose(cmm.merge(base, experts, cfg, GEN), same_weights, atol=1e-3)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 10_000), st.integers(3, 5))
+def test_only_sequential_readings_depend_on_the_order_once_each_expert_has_its_weight(seed, n):
+    """With one coefficient for every step, each expert's weight is fixed whatever the order: additive gives the
+    same model for any order, the sequential readings do not (the paper's reversed order loses 15 points).
+    (ties_step needs three experts: with two and equal weights its disjoint mean is symmetric.)"""
+    base, experts = tensors(seed, n)
+    scores = list(range(n))
+    for update, sensitive in (("additive", False), ("interpolate", True), ("ties_step", True)):
+        up, down = (cmm.merge(base, experts, CmmConfig(order=order, validation_scores=scores, schedule="constant",
+                                                       start=0.5, update=update), GEN) for order in ("ranked", "reverse"))
+        assert torch.allclose(up, down, atol=1e-5) is not sensitive, update
+
+
+def test_an_earlier_experts_alignment_falls_as_later_experts_merge():
+    """The discussion's SAR table: an expert merged early aligns less with the merge after each later step."""
+    from mergeval.metrics.similarity import subspace_alignment_ratio
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(24, 24, generator=g)
+    # low-rank task vectors, as fine-tunes have: each lives in its own 3-dimensional column space
+    experts = [base + torch.randn(24, 3, generator=g) @ torch.randn(3, 24, generator=g) for _ in range(4)]
+    sar = []
+    for k in range(1, 5):
+        merged = cmm.merge(base, experts[:k], CmmConfig(order="given"), GEN)
+        sar.append(subspace_alignment_ratio(experts[0] - base, merged - base))
+    assert sar[0] == pytest.approx(1.0, abs=1e-4)
+    assert all(later <= earlier + 1e-6 for earlier, later in zip(sar, sar[1:])) and sar[-1] < sar[0], sar

@@ -84,3 +84,27 @@ def test_samples_round_trip(tmp_path):
     path = samples.write(samples.path_for(tmp_path, "f" * 64, "s", {"t1": "d1", "t2": "d2"}), rows)
     assert samples.read(path) == rows
     assert samples.read(tmp_path / "missing.jsonl") is None and samples.read(None) is None
+
+
+def test_constituents_decide_what_macro_gain_compares_against():
+    """The CPT paper's first stage merges an expert with its own base: its constituents are base and expert."""
+    from mergeval.checks import check_constituents
+    from mergeval.errors import UserError
+    from mergeval.outcome import ModelInfo
+    from mergeval.summary import aggregate
+
+    models = [ModelInfo("base", "b", "fb"), ModelInfo("fin", "f", "ff", task="t1"), ModelInfo("merged", "m", "fm")]
+    scores = table({"t1": {"base": 0.2, "fin": 0.8, "merged": 0.7}, "t2": {"base": 0.6, "fin": 0.2, "merged": 0.5}})
+    tasks = ["t1", "t2"]
+    # merged avg 0.6; expert avg 0.5; base avg 0.4
+    experts_only = aggregate(scores, tasks, models, MetricConfig())
+    assert experts_only["constituents"] == ["fin"]
+    assert experts_only["macro_gain"] == pytest.approx(10.0) and experts_only["macro_og"] == pytest.approx(10.0)
+    both = aggregate(scores, tasks, models, MetricConfig(constituents="base_and_experts"))
+    assert both["constituents"] == ["base", "fin"]
+    assert both["macro_gain"] == pytest.approx(15.0) and both["macro_og"] == pytest.approx(10.0)
+    listed = aggregate(scores, tasks, models, MetricConfig(constituents=["base"]))
+    assert listed["macro_gain"] == pytest.approx(20.0)
+    for bad in ("everyone", ["nobody"], []):
+        with pytest.raises(UserError, match="metric.constituents"):
+            check_constituents(bad, ["fin"])

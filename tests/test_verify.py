@@ -453,3 +453,22 @@ def test_python_m_verify_missing_spec_one_line_no_traceback(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: spec: no spec file or spec named 'no_such_spec'; give a path to a spec YAML or one of: "
         + ", ".join(SHIPPED)]
+
+
+def test_no_spec_calls_a_registered_method_missing():
+    """One truth: a spec method mapped to mergeval names a registered method, and one marked missing (null) is
+    not one mergeval has under that name."""
+    from mergeval.methods import METHODS
+    from mergeval.specs import available, load_spec
+
+    for name in available():
+        for setup in load_spec(name).setups.values():
+            methods = setup.get("methods") or {}
+            for label, entry in methods.items():
+                if not isinstance(entry, dict) or "mergeval" not in entry:
+                    continue
+                key = label.lower().replace("-", "_").replace(" ", "_")
+                if entry["mergeval"] is None:
+                    assert key not in METHODS, f"{name}: {label} is marked missing but mergeval has {key}"
+                else:
+                    assert entry["mergeval"] in METHODS, f"{name}: {label} -> {entry['mergeval']} is not registered"

@@ -81,3 +81,22 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
     out = mergeval("+experiment=tiny", "metric=full", "metric.forgetting_tasks=[mergeval_nope]", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "metric.forgetting_tasks" in out.stderr
+
+
+@pytest.mark.parametrize("preset,name,values", [
+    ("medical_dare_ties", "dare_ties", {"density": 0.6}),
+    ("medical_della", "della", {"density": 0.6, "epsilon": 0.05}),
+    ("medical_breadcrumbs", "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
+    ("mergebench_soup", "task_arithmetic", {"lambda_": 0.2}),
+    ("mergebench_task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
+    ("mergebench_ties", "ties", {"density": 0.3, "lambda_": 0.4}),
+])
+def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
+    from hydra import compose, initialize_config_module
+
+    from mergeval.config import register_configs
+
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"method={preset}"])
+    assert cfg.method.name == name and {k: cfg.method[k] for k in values} == values

@@ -80,7 +80,7 @@ def test_merge_to_a_given_output_leaves_no_job_directory(tmp_path, cache):
 
 
 @pytest.mark.parametrize("value,want", [((0.3 - 0.2) / (0.4 - 0.2), "moderate"),  # 0.4999999999999999
-                                        ((0.4 + 0.6) / 2, "moderate"), ((0.7 + 0.9) / 2, "good"), (0.495, "failing")])
+                                        ((0.4 + 0.6) / 2, "moderate"), ((0.8 + 0.9) / 2, "good"), ((0.7 + 0.9) / 2, "moderate"), (0.495, "failing")])
 def test_a_score_shown_as_the_band_edge_gets_that_band(value, want):
     assert f"{value:.2f}" != "0.50" or want == "moderate"
     assert band(value) == want

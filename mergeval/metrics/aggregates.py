@@ -111,8 +111,8 @@ def mean_normalized_score(values: Iterable[float | None]) -> float | None:
 def band(normalized: float | None) -> str:
     """Verdict for a normalized score, with thresholds from a merging evaluation guide.
 
-        "good"      if x >= 0.8
-        "moderate"  if 0.5 <= x < 0.8
+        "good"      if x > 0.8            (the guide: "scores above 0.8 are considered good")
+        "moderate"  if 0.5 <= x <= 0.8    ("between 0.5 and 0.8 indicate moderate degradation")
         "failing"   if x < 0.5
         "undefined" if x is None
     """
@@ -121,7 +121,7 @@ def band(normalized: float | None) -> str:
     # A mean such as (0.4 + 0.6) / 2 lands a rounding error below 0.5: compare at the precision the value
     # is shown and reasoned about, so a printed 0.50 is never "failing".
     x = round(normalized, 9)
-    if x >= 0.8:
+    if x > 0.8:
         return "good"
     if x >= 0.5:
         return "moderate"

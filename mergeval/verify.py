@@ -109,10 +109,29 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _setup_lines(spec: Spec) -> list[str]:
+    """Each setup's experiment and the methods the paper compares, as mergeval runs them (or why it cannot)."""
+    lines = []
+    for name, setup in spec.setups.items():
+        methods = setup.get("methods") if isinstance(setup, dict) else None
+        if not isinstance(methods, dict):
+            continue
+        shown = []
+        for label, entry in methods.items():
+            if not isinstance(entry, dict) or "mergeval" not in entry:
+                continue
+            target = entry.get("preset") or entry["mergeval"]
+            shown.append(f"{label} -> {target}" if target else f"{label} -> (not in mergeval)")
+        if shown:
+            lines.append(f"setup {name} (+experiment={setup.get('experiment')}): " + "; ".join(shown))
+    return lines
+
+
 def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None,
            strict: bool = False) -> str:
     cite = ", ".join(str(spec.citation[k]) for k in ("authors", "venue") if spec.citation.get(k))
     out = [f"{spec.name}: {spec.title}" + (f" ({cite})" if cite else "")]
+    out += _setup_lines(spec)
     out.append(f"\npublished tables: {len(checks)} derived cells")
     if checks:
         out.append(_table(["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows",

@@ -431,16 +431,16 @@ def test_a_rerun_reuses_the_merge_and_every_evaluation(tmp_path, cache):
         return json.loads(Path(path).read_text())["models"][-1]
 
     first = mergeval("+experiment=tiny", f"store.path={store}", cwd=tmp_path)
-    assert first.returncode == 0 and first.stdout.count("mergeval: evaluating") == 4, first.stderr[-2000:]
+    assert first.returncode == 0 and first.stdout.count(": evaluating on ") == 4, first.stderr[-2000:]
     assert merged(first)["merge"] == "this run"
     again = mergeval("+experiment=tiny", f"store.path={store}", cwd=tmp_path)
-    assert again.returncode == 0 and "mergeval: evaluating" not in again.stdout
+    assert again.returncode == 0 and ": evaluating on " not in again.stdout
     assert merged(again)["merge"] == merged(again)["evaluated"] == "reused from the results store"
     assert merged(again)["fingerprint"] == merged(first)["fingerprint"]
     saved = mergeval("+experiment=tiny", f"store.path={store}", "save_merged=true", cwd=tmp_path)
-    assert merged(saved)["merge"] == "this run" and "mergeval: evaluating" not in saved.stdout  # a file needs a merge
+    assert merged(saved)["merge"] == "this run" and ": evaluating on " not in saved.stdout  # a file needs a merge
     forced = mergeval("+experiment=tiny", f"store.path={store}", "eval.force=true", cwd=tmp_path)
-    assert forced.stdout.count("mergeval: evaluating") == 4
+    assert forced.stdout.count(": evaluating on ") == 4
     bad = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.limit=0", cwd=tmp_path)
     assert bad.returncode == 2
     runs = Store(store).runs()

@@ -472,3 +472,13 @@ def test_no_spec_calls_a_registered_method_missing():
                     assert key not in METHODS, f"{name}: {label} is marked missing but mergeval has {key}"
                 else:
                     assert entry["mergeval"] in METHODS, f"{name}: {label} -> {entry['mergeval']} is not registered"
+
+
+def test_verify_lists_each_papers_baselines_as_mergeval_runs_them(capsys):
+    code, out, _ = run_cli(capsys, "medical_hier")
+    assert code == 0
+    for shown in ("hierarchical -> hierarchical", "Linear -> linear", "TA -> task_arithmetic",
+                  "DARE-TIES -> medical_dare_ties", "DELLA -> medical_della", "Breadcrumbs -> medical_breadcrumbs"):
+        assert shown in out, shown
+    _, out, _ = run_cli(capsys, "cpt_finance")
+    assert "DARE-TIES -> dare_ties" in out and "setup stage1 (+experiment=cpt_finance_stage1)" in out

@@ -13,9 +13,26 @@ from mergeval.models.checkpoint import check_vocab_policy
 from mergeval.zoo.domains import DOMAINS
 
 
+def check_known_keys(cfg: DictConfig, method) -> None:
+    """A key added with ``+`` (``+method.densty=0.3``) slips past Hydra's schema check: name it and the fields."""
+    import dataclasses
+
+    from mergeval.config import BenchmarkConfig, EvalConfig, MetricConfig, ModelsetConfig
+
+    schemas = {"method": method.config, "benchmark": BenchmarkConfig, "metric": MetricConfig, "eval": EvalConfig,
+               "modelset": ModelsetConfig}
+    for group, schema in schemas.items():
+        fields = [f.name for f in dataclasses.fields(schema)]
+        unknown = [k for k in cfg[group] if k not in fields]
+        if unknown:
+            raise UserError(f"{group}.{unknown[0]}", "no such field (added with +?)",
+                            f"check the spelling; the fields of {group} are: {', '.join(fields)}")
+
+
 def validate(cfg: DictConfig):
     """All config checks that need no model: returns the method and its typed config."""
     method = get_method(cfg.method.name)
+    check_known_keys(cfg, method)
     method_cfg = OmegaConf.to_object(cfg.method)
     generated = [t for t in cfg.benchmark.tasks if t in GENERATED]
     unknown = [t for t in cfg.benchmark.tasks if t.startswith(PREFIX) and t not in GENERATED]

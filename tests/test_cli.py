@@ -58,6 +58,8 @@ def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_p
     (["metric.scale=permille"], "metric.scale"),
     (["eval.batch_size=0"], "eval.batch_size"),
     (["modelset.experts.chem.domain=poetry"], "modelset.experts.chem.domain"),
+    (["+method.densty=0.3"], "method.densty"),  # a misspelt key added with + is not silently ignored
+    (["+benchmark.limt=3"], "benchmark.limt"),
 ])
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)

@@ -35,6 +35,7 @@ def atomic_dir(final: Path):
             shutil.rmtree(tmp)
         else:
             os.replace(tmp, final)
+            fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -47,12 +48,31 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all, and durably: the data is fsynced before the rename and the directory
+    after it, so a crash or power loss leaves the old file or the new one, never a torn or empty one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Persist a rename inside ``directory`` (POSIX needs the directory itself fsynced)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory handles: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

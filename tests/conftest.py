@@ -9,8 +9,11 @@ import pytest
 from hypothesis import settings
 
 # No wall-clock limits in tests: the machines are shared and noisy, so hypothesis' per-example deadline is off.
-settings.register_profile("mergeval", deadline=None)
-settings.load_profile("mergeval")
+# The default profile is derandomized, so the suite (and CI) draws the same examples every run and a planted
+# bug is caught every time or never; MERGEVAL_HYPOTHESIS=explore draws fresh, ten times as many examples.
+settings.register_profile("mergeval", deadline=None, derandomize=True)
+settings.register_profile("explore", deadline=None, max_examples=1000)
+settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "explore" else "mergeval")
 
 
 @pytest.fixture(scope="session")

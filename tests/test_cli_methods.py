@@ -100,3 +100,28 @@ def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name
     with initialize_config_module("mergeval.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"method={preset}"])
     assert cfg.method.name == name and {k: cfg.method[k] for k in values} == values
+
+
+@pytest.mark.parametrize("constituents,roles", [("experts", ["chem", "units"]),
+                                                ("base_and_experts", ["base", "chem", "units"])])
+def test_every_aggregate_recomputes_from_the_result_files_scores(tmp_path, tiny_dir, constituents, roles):
+    """Macro-Gain, Macro-OG, normalized scores, group means and forgetting, recomputed here by hand from the
+    per-task scores in result.json, for two and three constituents (the base counted only when asked)."""
+    # metric=full: groups domains (chem, units) and general, equal weights; forgetting on general_facts
+    result = result_of(mergeval("+experiment=tiny", "metric=full", f"metric.constituents={constituents}",
+                                "metric.similarity=false", "metric.calibration=false", cwd=tmp_path), tmp_path)
+    s = {t: {role: v["value"] for role, v in by_role.items()} for t, by_role in result["scores"].items()}
+    tasks, agg = result["tasks"], result["aggregates"]
+    avg = {role: sum(s[t][role] for t in tasks) / len(tasks) for role in ("base", "chem", "units", "merged")}
+    assert agg["constituents"] == roles
+    assert agg["macro_gain"] == pytest.approx(100 * (avg["merged"] - sum(avg[r] for r in roles) / len(roles)))
+    assert agg["macro_og"] == pytest.approx(100 * (avg["merged"] - max(avg[r] for r in roles)))
+    for task, expert in (("mergeval_chem_count", "chem"), ("mergeval_unit_convert", "units")):
+        gain = s[task][expert] - s[task]["base"]
+        want = None if gain == 0 else (s[task]["merged"] - s[task]["base"]) / gain
+        assert agg["normalized"][task] == (None if want is None else pytest.approx(want))
+    for role in ("base", "chem", "units", "merged"):
+        domains = (s["mergeval_chem_count"][role] + s["mergeval_unit_convert"][role]) / 2
+        assert agg["groups"][role] == pytest.approx((domains + s["mergeval_general_facts"][role]) / 2)
+    drop = s["mergeval_general_facts"]["base"] - s["mergeval_general_facts"]["merged"]
+    assert agg["forgetting"]["mean"] == pytest.approx(drop)

@@ -130,3 +130,13 @@ def test_bad_configs():
     assert err.value.field == "method.num_attention_heads"
     filled = fill_head_counts(HierarchicalConfig(), {"num_attention_heads": 9, "num_key_value_heads": 3})
     assert (filled.num_attention_heads, filled.num_key_value_heads) == (9, 3)
+
+
+def test_cosine_weight_at_an_intermediate_angle_by_hand():
+    """d_A = (1, 0, 0, 1), d_B = (1, 1, 0, 0): cos = 1 / (sqrt 2 * sqrt 2) = 0.5, so w = t_max * 0.5 (not cos^2 =
+    0.25); a layer split over two tensors is one flattened vector: (3, 4) . (4, 3) / 25 = 24 / 25."""
+    a, b = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert cosine_weight([a], [b], 1.0) == pytest.approx(0.5)
+    assert cosine_weight([a], [b], 0.6) == pytest.approx(0.3)
+    parts_a, parts_b = [torch.tensor([3.0]), torch.tensor([4.0])], [torch.tensor([4.0]), torch.tensor([3.0])]
+    assert cosine_weight(parts_a, parts_b, 1.0) == pytest.approx(24 / 25)

@@ -135,3 +135,20 @@ def test_unknown_method():
 def test_every_method_documents_its_formula():
     for method in METHODS.values():
         assert "=" in method.doc, method.name
+
+
+def test_ties_elects_the_sign_on_the_trimmed_deltas_by_hand():
+    """density 0.5 of 4 entries keeps 2 per expert. At entry 0 expert 2's -4 and expert 3's 0.5 are trimmed away:
+    the trimmed deltas elect + there (3), where the untrimmed ones would elect - (3 - 4 + 0.5 < 0) and drop the 3.
+      d1 = ( 3,  10,  0,  0   ) -> t1 = (3, 10, 0, 0)
+      d2 = (-4,   0,  9,  8   ) -> t2 = (0,  0, 9, 8)
+      d3 = ( 0.5, -2, -3, 0.25) -> t3 = (0, -2, -3, 0)
+    signs (+, +, +, +); disjoint means: (3, 10, 9, 8)."""
+    from mergeval.methods import get_method
+    from mergeval.methods.task_vector import TiesConfig
+
+    base = torch.zeros(4)
+    experts = [torch.tensor([3.0, 10.0, 0.0, 0.0]), torch.tensor([-4.0, 0.0, 9.0, 8.0]),
+               torch.tensor([0.5, -2.0, -3.0, 0.25])]
+    merged = get_method("ties").merge(base, experts, TiesConfig(density=0.5), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged, torch.tensor([3.0, 10.0, 9.0, 8.0]))

@@ -482,3 +482,15 @@ def test_verify_lists_each_papers_baselines_as_mergeval_runs_them(capsys):
         assert shown in out, shown
     _, out, _ = run_cli(capsys, "cpt_finance")
     assert "DARE-TIES -> dare_ties" in out and "setup stage1 (+experiment=cpt_finance_stage1)" in out
+
+
+@pytest.mark.parametrize("by,status", [("0.110", "recorded"), ("0.090", "recorded"),
+                                       ("0.111", "record-wrong"), ("0.089", "record-wrong")])
+def test_the_discrepancy_tolerance_on_both_sides(by, status):
+    """printed 1.60 vs mean(1.00, 2.00) = 1.5: off = +0.1. The record may differ from it by the rounding of all
+    involved: printed +-0.005, the recomputed interval's half-width 0.005, the record's own +-0.0005 = 0.0105.
+    So 0.110 and 0.090 (0.010 away) are the paper's discrepancy; 0.111 and 0.089 (0.011 away) are not."""
+    raw = {"t": {"columns": ["a", "b", "avg"], "rows": {"r": "1.00 2.00 1.60"}, "derived": {"avg": {"mean": ["a", "b"]}},
+                 "discrepancies": [{"at": ["r", "avg"], "by": by, "note": "typo in the paper"}]}}
+    (check,) = check_tables(parse_tables(raw, "tables"))
+    assert check.status == status

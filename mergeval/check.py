@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from mergeval.cli import discard_job_dir, run_cli
 from mergeval.config import register_configs
 from mergeval.errors import UserError
+from mergeval.paths import dir_size
 
 register_configs()
 
@@ -98,7 +99,7 @@ def _locate(source: str, offline: bool) -> dict:
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
         why = "a PEFT adapter: merge it into its base first" if (path / "adapter_config.json").is_file() else \
             "no config.json and *.safetensors"
-        return {"present": ok, "where": str(path) if ok else why, "size": _size_of(path), "fetch": None if ok else
+        return {"present": ok, "where": str(path) if ok else why, "size": dir_size(path), "fetch": None if ok else
                 "save the full model with save_pretrained(..., safe_serialization=True)"}
     repo = source.removeprefix("hf:")
     fetch = f"hf download {repo} --include '*.json' '*.safetensors' 'tokenizer*' '*.model' '*.txt'"
@@ -110,11 +111,11 @@ def _locate(source: str, offline: bool) -> dict:
     except Exception:  # the hub client raises several types for "not cached"
         return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch}
     if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
-        return {"present": False, "where": f"{local} holds a PEFT adapter, not a full model", "size": _size_of(local),
+        return {"present": False, "where": f"{local} holds a PEFT adapter, not a full model", "size": dir_size(local),
                 "fetch": "merge the adapter into its base (peft merge_and_unload) and point the source at the result"}
     if not any(local.glob("*.safetensors")):
         return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch}
-    return {"present": True, "where": str(local), "size": _size_of(local), "fetch": None}
+    return {"present": True, "where": str(local), "size": dir_size(local), "fetch": None}
 
 
 def _print_cost(cfg: DictConfig, console, n_models: int) -> None:
@@ -149,10 +150,6 @@ def _size(size: int | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return "-"
-
-
-def _size_of(path: Path) -> int:
-    return sum(p.resolve().stat().st_size for p in path.rglob("*") if p.resolve().is_file())
 
 
 def cli() -> None:

@@ -41,6 +41,11 @@ def atomic_dir(final: Path):
         raise
 
 
+def dir_size(path: Path) -> int:
+    """Bytes of the files below ``path``, symlinks followed once (a Hugging Face cache snapshot links to blobs)."""
+    return sum(p.resolve().stat().st_size for p in path.rglob("*") if p.resolve().is_file())
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

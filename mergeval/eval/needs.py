@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.paths import dir_size
 from mergeval.eval.tasks import GENERATED
 
 
@@ -77,7 +78,7 @@ def _need(entry: str, task: str, cfg: dict, bench) -> DataNeed:
         return DataNeed(entry, task, "defined in code", True, "the task builds its own data", None, None, unsafe)
     if Path(str(path)).expanduser().is_dir():
         local = Path(str(path)).expanduser()
-        return DataNeed(entry, task, str(path), True, str(local), _dir_size(local), None, unsafe)
+        return DataNeed(entry, task, str(path), True, str(local), dir_size(local), None, unsafe)
     label = f"{path}/{name}" if name else str(path)
     found = _cached_dataset(str(path))
     if (cfg.get("dataset_kwargs") or {}).get("data_files"):  # files picked from the repository: fetch all of it
@@ -85,7 +86,7 @@ def _need(entry: str, task: str, cfg: dict, bench) -> DataNeed:
     else:
         fetch = f"python -c \"import datasets; datasets.load_dataset('{path}'{', ' + repr(name) if name else ''})\""
     return DataNeed(entry, task, label, found is not None, str(found) if found else "not in the local caches",
-                    _dir_size(found) if found else None, None if found else fetch, unsafe)
+                    dir_size(found) if found else None, None if found else fetch, unsafe)
 
 
 def _cached_dataset(repo: str) -> Path | None:
@@ -98,10 +99,3 @@ def _cached_dataset(repo: str) -> Path | None:
     datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
     own = datasets_cache / repo.replace("/", "___")
     return own if own.is_dir() else None
-
-
-def _dir_size(path: Path | None) -> int | None:
-    if path is None:
-        return None
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) + \
-        sum(p.resolve().stat().st_size for p in path.rglob("*") if p.is_symlink() and p.resolve().is_file())

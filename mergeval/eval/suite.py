@@ -77,8 +77,9 @@ class Row:
 class Suite:
     """The loaded tasks of a run and their rows; built once per run, shared by every model's evaluation."""
 
-    def __init__(self, entries: list[str], rows: list[Row], loaded: dict, generated: bool):
-        self.entries, self.loaded, self.generated = entries, loaded, generated
+    def __init__(self, entries: list[str], rows: list[Row], loaded: dict, generated_dir: Path | None):
+        # generated_dir: where mergeval wrote its generated tasks (YAML + JSONL), None when there are none
+        self.entries, self.loaded, self.generated_dir = entries, loaded, generated_dir
         self.rows = {r.name: r for r in rows}
 
     @property
@@ -146,11 +147,12 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
         raise UserError(f"benchmark.data.{stray[0]}", f"'{stray[0]}' is neither in benchmark.tasks nor a member of a "
                         "group there", "add it or drop its data")
     _configure(loaded, bench, eval_cfg)
+    generated_dir = paths[0] if generated else None
+    leaf_digests: dict[str, str] = {}  # a group's members are hashed once, for the group row and their own
     rows = []
     for entry in entries:
-        digest_dir = paths[0] if entry in generated else None
-        rows += _rows(entry, loaded, bench, digest_dir)
-    return Suite(entries, rows, loaded, bool(generated))
+        rows += _rows(entry, loaded, bench, generated_dir if entry in generated else None, leaf_digests)
+    return Suite(entries, rows, loaded, generated_dir)
 
 
 def _quiet_lm_eval() -> None:
@@ -228,7 +230,8 @@ def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> N
         raise UserError("benchmark.tasks", f"'{clash[0]}' is both in '{owner}' and in '{entry}'",
                         "list a group or its members, not both")
     for name, task in got["tasks"].items():
-        _check_schema(entry, name, task, bench)
+        if name in (bench.data or {}):  # registry data has the task's schema; only local files can differ
+            _check_schema(name, task)
         if getattr(task, "UNSAFE_CODE", False) and not allow_code:
             raise UserError("eval.allow_code_execution", f"'{name}' runs the code the model writes",
                             "set eval.allow_code_execution=true on a sandboxed machine, or drop the task")
@@ -258,8 +261,8 @@ def _data_error(entry: str, bench, err: Exception) -> UserError:
                      f"task at local files with benchmark.data.{entry}")
 
 
-def _check_schema(entry: str, name: str, task, bench) -> None:
-    """Render the first document the way the task will: a data override with other columns fails here."""
+def _check_schema(name: str, task) -> None:
+    """Render the first document of an overridden task the way the task will: other columns fail here."""
     try:
         docs = task.eval_docs
         doc = next(iter(docs))
@@ -268,11 +271,10 @@ def _check_schema(entry: str, name: str, task, bench) -> None:
         if task.get_config("output_type") == "multiple_choice":
             task.doc_to_choice(doc)
     except StopIteration:
-        raise UserError(f"benchmark.data.{name}" if name in (bench.data or {}) else "benchmark.tasks",
-                        f"'{name}' has no documents to evaluate", "give a split with at least one row") from None
+        raise UserError(f"benchmark.data.{name}", f"'{name}' has no documents to evaluate",
+                        "give a split with at least one row") from None
     except Exception as err:
-        where = f"benchmark.data.{name}" if name in (bench.data or {}) else "benchmark.tasks"
-        raise UserError(where, f"the data of '{name}' does not fit the task's schema ({type(err).__name__}: "
+        raise UserError(f"benchmark.data.{name}", f"the data of '{name}' does not fit the task's schema ({type(err).__name__}: "
                         f"{str(err)[:200]})", "give the columns the task reads (see its YAML and process_docs)") \
             from None
 
@@ -306,7 +308,7 @@ def _task_metrics(task) -> list[str]:
     return metric_keys(metrics, filters)
 
 
-def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None) -> list[Row]:
+def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None, leaf_digests: dict[str, str]) -> list[Row]:
     configured = dict(bench.metrics or {})
     rows = []
     group = loaded["groups"].get(entry)
@@ -316,7 +318,7 @@ def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None) -> list[R
             task = loaded["tasks"][name]
             keys, hib = _task_metrics(task), task.higher_is_better()
             kind, output_type = "task", task.get_config("output_type")
-            digest = task_digest(generated_dir, name) if generated_dir is not None else _config_digest(task)
+            digest = task_digest(generated_dir, name) if generated_dir is not None else _leaf_digest(task, leaf_digests)
         else:
             g = loaded["groups"][name]
             if not g.has_aggregation:
@@ -328,7 +330,7 @@ def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None) -> list[R
                 hib = {**leaf.higher_is_better(), **hib}
             kind, output_type = "group", None
             digest = _hash([json.dumps(g.to_dict(), sort_keys=True, default=str)]
-                           + sorted(_config_digest(t) for t in leaves))
+                           + sorted(_leaf_digest(t, leaf_digests) for t in leaves))
         if not keys:
             continue
         chosen = configured.get(name) if name == entry else None
@@ -353,6 +355,12 @@ def _group_metrics(group, leaves) -> list[str]:
                               if k.split(",", 1)[0] == agg.metric})
         keys += [f"{agg.metric},{f}" for f in ([filters] if isinstance(filters, str) else filters)]
     return keys
+
+
+def _leaf_digest(task, known: dict[str, str]) -> str:
+    if task.task_name not in known:
+        known[task.task_name] = _config_digest(task)
+    return known[task.task_name]
 
 
 def _config_digest(task) -> str:

@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from mergeval.checks import validate
 from mergeval.errors import UserError
 from mergeval.eval.settings import eval_settings
-from mergeval.eval.tasks import GENERATED, write_tasks
+from mergeval.eval.suite import build_suite
+from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo
@@ -259,10 +260,8 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     owners = stage1_tasks(cfg)
     trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
     heldout = heldout_items(list(owners), plan.heldout_items, n_items, trained, cfg.modelset.train)
-    task_dir = write_tasks(tasks, n_items, cache)
-    from mergeval.eval.suite import build_suite
-
-    suite = build_suite(cfg.benchmark, cfg.eval, cache)  # the same generated tasks, loaded for lm-eval
+    suite = build_suite(cfg.benchmark, cfg.eval, cache)  # staged runs hold only generated tasks (prepare)
+    task_dir = suite.generated_dir
     base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
 

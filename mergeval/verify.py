@@ -1,19 +1,24 @@
-"""``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...]``
+"""``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...] [--strict]``
+``python -m mergeval.verify --all [--strict]``
 
-Checks a paper spec (``specs/<name>.yaml``, by name or by path):
+Checks a paper spec (a path, or a name on the spec search path: see
+``mergeval/specs/load.py`` and docs/specs.md):
 
 1. Published tables: every derived cell (an average over tasks, an overall
-   score over rescaled groups, a normalized score, Macro-Gain...) is recomputed
-   from the printed inputs. A number printed with d decimals is known to
-   +-0.5*10^-d; the derived value may lie anywhere the inputs' rounding lets it
-   (a group rescaled by s carries s times its inputs' error), and the printed
-   derived value agrees when its own rounding interval meets that range
+   score over rescaled groups, a plain formula, a normalized score,
+   Macro-Gain...) is recomputed from the printed inputs. A number printed with
+   d decimals is known to +-0.5*10^-d (or to its column's declared decimals,
+   clipped to its declared range; exactly, when marked ``!``); the derived
+   value may lie anywhere the inputs' intervals let it, and the printed
+   derived value agrees when its own interval meets that range
    (``mergeval/specs/numbers.py``). A cell that does not recompute fails,
    unless the spec records it as the paper's own discrepancy (which number, by
-   how much, why) and the record matches what is measured.
+   how much, why) and the record matches what is measured. A cell whose
+   rounding window is wider than its table's ``tolerance`` is "not checkable".
 2. Claims: relations with tolerances between published cells, numbers and the
    results of runs (``--run``: result.json files, or directories holding them,
-   e.g. a sweep's multirun directory). The claim language is documented in
+   e.g. a sweep's multirun directory), and rankings of a table's rows or
+   columns. The claim language is documented in docs/specs.md and
    ``mergeval/specs/claims.py``; in short::
 
        - id: expert_beats_base
@@ -24,18 +29,23 @@ Checks a paper spec (``specs/<name>.yaml``, by name or by path):
          right: {score: {task: "{task}", role: base}}
          stderr_margin: 3
 
-   Each claim, and each repetition of it, is "pass", "fail" or "not run" (the
+   Each claim, and each repetition of it, is "pass", "fail", "undetermined"
+   (by rounding: the printed numbers allow it either way) or "not run" (the
    runs given cannot evaluate it; the reason is printed).
 
 ``--tag`` / ``--claim`` select the claims (published table checks always run).
+``--all`` checks every spec on the search path: its tables and the claims
+that need no run, one summary line per spec.
 
 Exit status:
-  0  every derived cell agrees (or is a matching recorded discrepancy), and every
-     selected claim that was evaluated passes; claims the runs given cannot
-     evaluate are listed as "not run", with what would run them, and do not count
-     (without ``--run`` that is every claim about runs, so ``verify SPEC`` checks
-     what the paper publishes); with ``--strict`` a "not run" claim is not a pass
-     (CI uses it with ``--tag`` / ``--claim`` to select what its runs cover);
+  0  no derived cell disagrees (each agrees, is "not checkable", or is a matching
+     recorded discrepancy), and no selected claim fails; claims the runs given
+     cannot evaluate are listed as "not run", with what would run them, and do
+     not count (without ``--run`` that is every claim about runs, so ``verify
+     SPEC`` checks what the paper publishes); "undetermined" claims and "not
+     checkable" cells are listed and do not count either; with ``--strict`` all
+     three are failures (CI uses it with ``--tag`` / ``--claim`` to select what
+     its runs cover);
   1  otherwise;
   2  a mistake to fix: a missing or invalid spec, an unreadable result.json, an
      unknown tag or claim id (one line on stderr naming it).
@@ -47,9 +57,12 @@ import argparse
 import sys
 
 from mergeval.errors import UserError
-from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, check_tables, evaluate_claim, load_runs,
+from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluate_claim, load_runs,
                             load_spec)
+from mergeval.specs.load import found, search_path
 from mergeval.specs.tables import CellCheck
+
+STATUSES = ("pass", "fail", "undetermined", "not run")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,12 +74,15 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mergeval.verify", description="Check a paper spec's published tables and claims.")
     p.add_argument("spec", nargs="?", help="a spec name (see --list) or a path to a spec YAML")
+    p.add_argument("--all", action="store_true",
+                   help="check every spec on the search path (tables and claims that need no run)")
     p.add_argument("--run", action="append", default=None, metavar="RESULT",
                    help="a result.json, or a directory searched for them (repeatable)")
     p.add_argument("--tag", action="append", default=[], help="check only claims with this tag (repeatable)")
     p.add_argument("--claim", action="append", default=[], metavar="ID", help="check only this claim (repeatable)")
-    p.add_argument("--list", action="store_true", help="list the shipped specs and exit")
-    p.add_argument("--strict", action="store_true", help="a claim the runs cannot evaluate (not run) fails")
+    p.add_argument("--list", action="store_true", help="list the specs on the search path and exit")
+    p.add_argument("--strict", action="store_true",
+                   help="a claim not run or undetermined by rounding, or a cell not checkable, fails")
     return p
 
 
@@ -88,10 +104,10 @@ def select_claims(spec: Spec, tags: list[str], ids: list[str]):
 
 def exit_status(checks: list[CellCheck], results: list[ClaimResult], strict: bool) -> int:
     """0 or 1 as the module docstring defines it."""
-    bad_cells = any(not c.ok for c in checks)
-    failed = any(r.status == "fail" for r in results)
-    missing = strict and any(r.status == "not run" for r in results)
-    return 1 if bad_cells or failed or missing else 0
+    if any(c.failed for c in checks) or any(r.status == "fail" for r in results):
+        return 1
+    unsure = any(not c.ok for c in checks) or any(r.status != "pass" for r in results)
+    return 1 if strict and unsure else 0
 
 
 def _fmt(m: Measured | None) -> str:
@@ -136,7 +152,7 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     if checks:
         out.append(_table(["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows",
                            "verdict"],
-                          [[" / ".join(c.at), c.kind, c.printed.text, f"{c.recomputed:.6g}",
+                          [[" / ".join(c.at), _short(c.kind, 60), c.printed.text, f"{c.recomputed:.6g}",
                             f"[{c.lo:.6g}, {c.hi:.6g}]", c.status + (f": {c.detail}" if c.detail else "")]
                            for c in checks]))
     runs_given = runs is not None
@@ -150,8 +166,7 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     if results:
         out.append(_table(["claim", "verdict", "left", "op", "right", "detail"],
                           [[r.id, r.status, _fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
-    agree = sum(c.ok for c in checks)
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "not run")}
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     if not counts["not run"]:
         note = ""
     elif not runs_given:
@@ -160,23 +175,72 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
         note = (" (the runs given cannot evaluate them: add runs that match, see each detail; "
                 + ("--strict counts them as failures)" if strict else "not counted; --strict fails on them)"))
     code = exit_status(checks, results, strict)
-    out.append(f"\nverdict: {agree}/{len(checks)} derived cells agree; claims {counts['pass']} pass, "
-               f"{counts['fail']} fail, {counts['not run']} not run{note} -> exit {code}")
+    out.append(f"\nverdict: {summary(checks, results)}{note} -> exit {code}")
     return "\n".join(out)
+
+
+def _short(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def summary(checks: list[CellCheck], results: list[ClaimResult]) -> str:
+    """One line: how many derived cells agree (and the other cell verdicts), and the claims by verdict."""
+    agree = sum(c.ok for c in checks)
+    others = {s: sum(c.status == s for c in checks) for s in ("disagree", "record-wrong", "not checkable")}
+    cells = f"{agree}/{len(checks)} derived cells agree" + "".join(f", {n} {s}" for s, n in others.items() if n)
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
+    undetermined = f", {counts['undetermined']} undetermined by rounding" if counts["undetermined"] else ""
+    return (f"{cells}; claims {counts['pass']} pass, {counts['fail']} fail{undetermined}, "
+            f"{counts['not run']} not run")
+
+
+def check_all(strict: bool) -> int:
+    """``--all``: every spec on the search path, tables and the claims that need no run; one line each, and the
+    cells and claims that are not a pass under it. Exit 2 if a spec is invalid, else 1 if one fails, else 0."""
+    worst = 0
+    for name, path in found().items():
+        try:
+            spec = load_spec(str(path))
+            checks = spec.check_tables()
+            results = [r for c in spec.claims if not c.uses_runs for r in evaluate_claim(c, None, spec.tables,
+                                                                                         spec.metrics)]
+        except UserError as err:
+            print(f"{name}: {err.line()}")
+            worst = 2
+            continue
+        code = exit_status(checks, results, strict)
+        worst = max(worst, code)
+        need_runs = sum(c.uses_runs for c in spec.claims)
+        print(f"{name}: {summary(checks, results)} ({need_runs} claims on runs not checked here) -> "
+              f"{'ok' if code == 0 else 'FAIL'}  ({path})")
+        for c in checks:
+            if not c.ok:
+                print(f"  cell {' / '.join(c.at)}: {c.status}: {c.detail}")
+        for r in results:
+            if r.status != "pass":
+                print(f"  claim {r.id}: {r.status}: {r.detail}")
+    if not found():
+        print("no specs found on the search path: " + ", ".join(map(str, search_path())))
+    return worst
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.list:
-            print("\n".join(available()))
+            print("\n".join(f"{name}  {path}" for name, path in found().items()))
             return 0
+        if args.all:
+            if args.spec or args.run or args.tag or args.claim:
+                raise UserError("--all", "checks every spec's tables and published claims on its own",
+                                "drop the spec, --run, --tag and --claim, or drop --all")
+            return check_all(args.strict)
         if args.spec is None:
             raise UserError("spec", "no spec given", f"name one of: {', '.join(available())}")
         spec = load_spec(args.spec)
         claims = select_claims(spec, args.tag, args.claim)
         runs = load_runs(args.run) if args.run is not None else None
-        checks = check_tables(spec.tables)
+        checks = spec.check_tables()
         results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
     except UserError as err:
         print(err.line(), file=sys.stderr)

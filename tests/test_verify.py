@@ -18,7 +18,7 @@ from mergeval.config import register_configs
 from mergeval.errors import UserError
 from mergeval.metrics.groups import group_mean
 from mergeval.specs import available, check_tables, compare, evaluate_claim, load_runs, load_spec
-from mergeval.specs.numbers import Printed, agrees, corner_range, parse_printed
+from mergeval.specs.numbers import Printed, corner_range, interval, meets, parse_printed
 from mergeval.specs.runs import Measured
 from mergeval.specs.tables import parse_tables
 from mergeval.verify import main
@@ -97,7 +97,8 @@ def test_parse_printed():
     assert parse_printed("+21.83").value == 21.83 and parse_printed("\u22128.33").value == -8.33
     assert parse_printed("0.650").half_width == pytest.approx(0.0005)
     assert parse_printed("-") is None
-    for bad in ("1e3", "12%", "abc", "1.2.3", ""):
+    assert parse_printed("100!") == Printed("100", 100.0, 0, exact=True) and parse_printed("100!").half_width == 0
+    for bad in ("1e3", "12%", "abc", "1.2.3", "", "!", "1!!"):
         with pytest.raises(ValueError):
             parse_printed(bad)
 
@@ -130,7 +131,8 @@ def test_a_linear_derivation_carries_the_weighted_sum_of_half_widths(terms):
     coeffs = [c for c, _, _ in terms]
     values = [v for _, v, _ in terms]
     widths = [0.5 * 10.0 ** -d for _, _, d in terms]
-    lo, hi = corner_range(lambda xs: math.fsum(c * x for c, x in zip(coeffs, xs)), values, widths)
+    lo, hi = corner_range(lambda xs: math.fsum(c * x for c, x in zip(coeffs, xs)),
+                          [(v - h, v + h) for v, h in zip(values, widths)])
     assert hi - lo == pytest.approx(2 * math.fsum(abs(c) * h for c, h in zip(coeffs, widths)), abs=1e-9)
 
 
@@ -139,9 +141,11 @@ def test_a_linear_derivation_carries_the_weighted_sum_of_half_widths(terms):
 def test_agreement_is_exactly_interval_overlap(p, decimals, gap):
     printed = parse_printed(_print(p, decimals))
     h = printed.half_width
+    box = interval(printed)
+    assert box == pytest.approx((printed.value - h, printed.value + h))
     lo = printed.value + h + gap + 1e-6  # strictly above the printed value's rounding interval
-    assert not agrees(printed, lo, lo + 1.0)
-    assert agrees(printed, printed.value + h - 1e-12, lo + 1.0)
+    assert not meets(box, (lo, lo + 1.0))
+    assert meets(box, (printed.value + h - 1e-12, lo + 1.0))
 
 
 def test_a_wrong_derived_value_is_reported_with_the_difference():
@@ -197,7 +201,26 @@ def test_cross_table_normalized_and_macro_derivations():
 ])
 def test_compare(left, op, right, tol, k, ok):
     got, _ = compare(Measured(*left), op, Measured(*right), tol, k)
-    assert got is ok
+    assert got == ("pass" if ok else "fail")
+
+
+@pytest.mark.parametrize("left,op,right,tol,status", [
+    ((72.33, 72.325, 72.335), ">=", (72.0, 71.5, 72.5), 0, "undetermined"),  # 72.33 vs 72 +- 0.5
+    ((72.33, 72.325, 72.335), ">=", (72.0, 71.5, 72.5), 0.9, "pass"),  # lenient enough to cover the tie
+    ((70.0, 69.95, 70.05), ">", (70.0, 69.95, 70.05), 0, "undetermined"),  # equal printed values
+    ((70.2, 70.15, 70.25), ">", (70.0, 69.95, 70.05), 0, "pass"),
+    ((70.0, 69.95, 70.05), ">", (70.2, 70.15, 70.25), 0, "fail"),
+    ((1.0, 0.95, 1.05), "==", (1.0, 1.0, 1.0), 0.05, "pass"),
+    ((1.0, 0.95, 1.05), "==", (1.0, 1.0, 1.0), 0.01, "undetermined"),
+    ((1.2, 1.15, 1.25), "==", (1.0, 1.0, 1.0), 0.1, "fail"),
+    ((0.5, 0.45, 0.55), "<", (0.5, 0.5, 0.5), 0, "undetermined"),
+])
+def test_compare_on_rounding_intervals_is_three_valued(left, op, right, tol, status):
+    """pass when the relation holds for every value in the intervals, fail when for none, else undetermined."""
+    value, lo, hi = left
+    r_value, r_lo, r_hi = right
+    got, detail = compare(Measured(value, lo=lo, hi=hi), op, Measured(r_value, lo=r_lo, hi=r_hi), tol)
+    assert got == status, detail
 
 
 @SETTINGS
@@ -207,10 +230,10 @@ def test_tolerance_is_lenient_and_stderr_margin_strict(lv, rv, ls, rs, op, t1, t
     left, right = Measured(lv, ls), Measured(rv, rs)
     t_lo, t_hi = sorted((t1, t2))
     k_lo, k_hi = sorted((k1, k2))
-    if compare(left, op, right, t_lo, 0)[0]:
-        assert compare(left, op, right, t_hi, 0)[0]
-    if compare(left, op, right, 0, k_hi)[0]:
-        assert compare(left, op, right, 0, k_lo)[0]
+    if compare(left, op, right, t_lo, 0)[0] == "pass":
+        assert compare(left, op, right, t_hi, 0)[0] == "pass"
+    if compare(left, op, right, 0, k_hi)[0] == "pass":
+        assert compare(left, op, right, 0, k_lo)[0] == "pass"
 
 
 def write_run(tmp_path, name, scores, method="task_arithmetic", modelset="demo", params=None, experts=None,
@@ -272,9 +295,9 @@ def outcomes(spec_path, run_paths):
 def test_expert_claim_passes_fails_per_expert(tmp_path):
     run = write_run(tmp_path, "r", SCORES)
     got = outcomes(spec_file(tmp_path, EXPERT_CLAIM), [run])
-    assert got["expert_beats_base[a]"].status == "pass"  # 0.9 vs 0.5, 6.9 se
-    assert got["expert_beats_base[b]"].status == "fail"  # 0.35 vs 0.3, 0.7 se < 2
-    assert got["expert_beats_base[b]"].left == Measured(0.35, 0.05)
+    assert got["expert_beats_base (expert=a)"].status == "pass"  # 0.9 vs 0.5, 6.9 se
+    assert got["expert_beats_base (expert=b)"].status == "fail"  # 0.35 vs 0.3, 0.7 se < 2
+    assert got["expert_beats_base (expert=b)"].left == Measured(0.35, 0.05)
 
 
 def test_sweep_spread_over_runs(tmp_path):
@@ -301,8 +324,8 @@ def test_sweep_spread_over_runs(tmp_path):
           right: 0
         """
     got = outcomes(spec_file(tmp_path, claim), runs)
-    assert got["ta_gains_at_each_lambda[0.5]"].left.value == 1.0
-    assert got["ta_gains_at_each_lambda[1.0]"].status == "pass"
+    assert got["ta_gains_at_each_lambda (lam=0.5)"].left.value == 1.0
+    assert got["ta_gains_at_each_lambda (lam=1.0)"].status == "pass"
     assert got["ties_robust"].status == "pass" and got["ties_robust"].left.value == 1.5
     assert got["ties_robust"].right.value == 8.0
     assert got["ta_best_at_one"].status == "pass"
@@ -367,11 +390,20 @@ def test_without_runs_run_claims_are_not_run(tmp_path):
     ("""- {id: c, says: s, left: 1, op: ">", right: 0, tolerance: -1}""", "claims.c.tolerance"),
     ("""- {id: c, says: s, left: 1, op: ">", right: 0}\n- {id: c, says: s, left: 1, op: ">", right: 0}""",
      "claims.c.id"),
+    ("""- {id: c, says: s, argmax: {table: t, col: a}, is: nobody}""", "claims.c.is"),
+    ("""- {id: c, says: s, argmax: {table: t, col: a, except: [ghost]}, is: r}""", "claims.c.argmax.except"),
+    ("""- {id: c, says: s, argmax: {table: t, col: zz}, is: r}""", "claims.c.argmax"),
+    ("""- {id: c, says: s, argmax: {table: t, col: a}, is: r, op: ">"}""", "claims.c"),
+    ("""- {id: c, says: s, rank: {table: t, col: a}}""", "claims.c"),
+    ("""- {id: c, says: s, for_each: {x: {rows: nope}}, left: 1, op: ">", right: 0}""", "claims.c.for_each.x.rows"),
+    ("""- {id: c, says: s, for_each: {x: {rows: t, except: [ghost]}}, left: 1, op: ">", right: 0}""",
+     "claims.c.for_each.x.except"),
+    ("""- {id: c, says: s, left: {max: {table: t, col: a, row: r}}, op: ">", right: 0}""", "claims.c.left.max"),
     ("""- {id: c, says: s, left: {metric: macro_gain, over_runs: median}, op: ">", right: 0}""",
      "claims.c.left.over_runs"),
 ])
 def test_invalid_claims_fail_at_load_naming_the_field(tmp_path, claim, field):
-    tables = 'tables: {t: {columns: [a], rows: {r: "1.0"}}}\n'
+    tables = 'tables: {t: {columns: [a], rows: {r: "1.0", q: "2.0"}}}\n'
     with pytest.raises(UserError) as err:
         load_spec(spec_file(tmp_path, claim, tables))
     assert err.value.field == f"demo.yaml:{field}", err.value
@@ -416,8 +448,22 @@ def test_cli_fails_on_a_table_that_does_not_recompute(tmp_path, capsys):
 
 @pytest.mark.parametrize("content,field", [
     ("name: x\n  bad: [", "demo.yaml: is not valid YAML at line"),
-    ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ncolour: red\n", "demo.yaml: missing keys [], unknown keys ['colour']"),
-    ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: nope}}\n", "demo.yaml:setups.d.experiment"),
+    ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ncolour: red\n", "demo.yaml: unknown keys ['colour']"),
+    ("name: x\ntitle: t\n", "demo.yaml: has neither tables nor claims"),
+    ("tables:\n  t:\n    columns: [a]\n    rows:\n      r: '1.0'\n      r: '2.0'\n",
+     "demo.yaml:6: key 'r' is given twice (lines 5 and 6)"),
+    ("tables: {t: {columns: [a], range: [0, 1], rows: {r: '1.5'}}}\n", "demo.yaml:tables.t.rows.r: column a: 1.5 is outside"),
+    ("tables: {t: {columns: [a], formats: {b: {decimals: 2}}, rows: {r: '1.5'}}}\n", "demo.yaml:tables.t.formats.b"),
+    ("tables: {t: {columns: [a], decimals: -1, rows: {r: '1.5'}}}\n", "demo.yaml:tables.t.decimals"),
+    ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {expr: 'a ** 2'}}}}\n",
+     "demo.yaml:tables.t.derived.b.expr: 'a ** 2' is not allowed"),
+    ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {expr: 'open(a)'}}}}\n",
+     "demo.yaml:tables.t.derived.b.expr: 'open(a)' is not allowed"),
+    ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {expr: 'a + c'}}}}\n",
+     "demo.yaml:tables.t: refers to column c"),
+    ("tables: {t: {columns: [a, b], rows: {r: '0 2'}, derived: {b: {expr: '1 / a'}}}}\n",
+     "demo.yaml:tables.t.r.b: 'a' can be 0"),
+    ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: nope}}\nclaims: []\n", "demo.yaml:setups.d.experiment"),
     ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ntables: {t: {columns: [a, b], rows: {r: '1.0'}}}\n",
      "demo.yaml:tables.t.rows.r: has 1 cells for 2 columns"),
     ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ntables: {t: {columns: [a], rows: {r: '1,0'}}}\n",
@@ -452,7 +498,7 @@ def test_python_m_verify_missing_spec_one_line_no_traceback(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: spec: no spec file or spec named 'no_such_spec'; give a path to a spec YAML or one of: "
-        + ", ".join(SHIPPED)]
+        + ", ".join(SHIPPED) + " (search path: $MERGEVAL_SPECS_PATH, [tool.mergeval.specs] path, the shipped specs)"]
 
 
 def test_no_spec_calls_a_registered_method_missing():

@@ -16,7 +16,9 @@ A claim (one item of a spec's ``claims`` list)::
 Operands:
 
 - a number: ``0.8``
-- a published cell: ``{table: T, row: R, col: C}`` (the value as printed)
+- a published cell: ``{table: T, row: R, col: C}`` (the value as printed, known to its rounding interval)
+- the largest / smallest cell of a line: ``{max: {table: T, col: C, except: [R]}}``,
+  ``{min: {table: T, row: R}}`` (``quantified.py``)
 - a run score: ``{score: {task: T, role: R}}``: ``scores[T][R].acc`` of a result.json
   (a fraction), with its stderr
 - a run metric: ``{metric: M, role: R}``: a metric of the spec's ``metrics``
@@ -33,10 +35,17 @@ Which runs: run operands without ``over_runs`` are evaluated run by run. When
 they all select the same runs, the claim is checked once per matching run, the
 operands paired within the run; otherwise each must match exactly one run.
 
+Instead of left/op/right a claim can rank a line of a table (``quantified.py``)::
+
+    argmax: {table: T, col: Avg}     is: CMM       # CMM has the highest Avg of all rows
+    argmin: {table: T, col: Avg}     is: Base
+    rank: {table: T, col: Overall}   first: CMM   last: TA    # (best: low when lower is better)
+
 Repetition: ``for_each: expert`` checks the claim for every expert of the run
 that names its own task, binding ``{expert}`` (its role) and ``{task}`` (its
 task) in the operands' strings; ``for_each: {var: [a, b]}`` repeats it for
-each listed value of ``{var}``.
+each listed value of ``{var}``; ``for_each: {var: {rows: T, except: [..]}}``
+(or ``columns: T``) for every row (column) of table T as it stands.
 
 Verdict, with l, r the operand values, se = sqrt(se_l^2 + se_r^2) (published
 cells and numbers have no stderr), k = stderr_margin, t = tolerance:
@@ -46,9 +55,13 @@ cells and numbers have no stderr), k = stderr_margin, t = tolerance:
     ==      : pass iff  |l - r| <= t + k*se
 
 so the stderr margin makes an inequality stricter ("beats by more than k
-stderrs") and the tolerance makes it lenient. A claim whose runs are not there
-(no ``--run``, no matching run, a missing score, an undefined aggregate) is
-"not run", with the reason.
+stderrs") and the tolerance makes it lenient. A published cell is known only
+to its rounding interval, so d is known only to [d_lo, d_hi] (for >: l_lo -
+r_hi .. l_hi - r_lo). The verdict is "pass" when the relation holds for every
+d there, "fail" when it holds for none, and "undetermined" (by rounding) when
+it holds for some: the printed numbers cannot settle it. A claim whose runs
+are not there (no ``--run``, no matching run, a missing score, an undefined
+aggregate) is "not run", with the reason.
 """
 
 from __future__ import annotations
@@ -62,21 +75,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergeval.errors import UserError
+from mergeval.specs.quantified import Line, extreme, members, parse_line, quantifier_values, rank_verdict
 from mergeval.specs.runs import Measured, NotRun, Run, RunMetric, matches
-from mergeval.specs.tables import Table, cell
+from mergeval.specs.tables import Table, cell_interval, find_cell, match_name, name_text
 
 OPS = (">", ">=", "<", "<=", "==")
 REDUCTIONS = ("min", "max", "mean", "range", "std")
 AGGREGATES = ("macro_gain", "macro_og", "normalized_mean")  # plus normalized.<task>
-_CLAIM_KEYS = {"id", "says", "tags", "where", "for_each", "left", "op", "right", "tolerance", "stderr_margin"}
+_CLAIM_KEYS = {"id", "says", "tags", "where", "for_each", "left", "op", "right", "tolerance", "stderr_margin",
+               "argmax", "argmin", "is", "rank", "first", "last", "best"}
+_RANK_FORMS = {"argmax": {"is"}, "argmin": {"is"}, "rank": {"first", "last", "best"}}
 _ID = re.compile(r"[A-Za-z0-9_]+")
 
 
 @dataclass(frozen=True)
 class Operand:
-    kind: str  # number | cell | score | metric
+    kind: str  # number | cell | max | min | score | metric
     number: float | None = None
     ref: tuple[str, str, str] | None = None  # (table, row, col)
+    line: Line | None = None  # for max | min
     task: str = ""
     role: str = ""
     metric: str = ""
@@ -89,28 +106,42 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Rank:
+    """A ranking claim: ``who`` holds ``place`` (first | last) in ``line``; ``best`` high: larger is better."""
+
+    line: Line
+    places: tuple[tuple[str, str], ...]  # (place, who)
+    best: str = "high"
+
+
+@dataclass(frozen=True)
 class Claim:
     id: str
     says: str
-    left: Operand
+    left: Operand | None
     op: str
-    right: Operand
+    right: Operand | None
     tags: tuple[str, ...] = ()
     where: dict = field(default_factory=dict)
     for_each: Any = None  # None | "expert" | {var: [values]}
     tolerance: float = 0.0
     stderr_margin: float = 0.0
+    rank: Rank | None = None  # a ranking claim has no left/op/right
+
+    @property
+    def operands(self) -> list[Operand]:
+        return [op for op in (self.left, self.right) if op is not None]
 
     @property
     def uses_runs(self) -> bool:
-        return self.left.uses_runs or self.right.uses_runs
+        return any(op.uses_runs for op in self.operands)
 
 
 @dataclass(frozen=True)
 class ClaimResult:
     id: str  # the claim's id, with its repetition (run, expert, variable) in brackets
     says: str
-    status: str  # pass | fail | not run
+    status: str  # pass | fail | undetermined | not run
     op: str
     left: Measured | None = None
     right: Measured | None = None
@@ -121,20 +152,35 @@ class ClaimResult:
 # ---------------------------------------------------------------- verdict
 
 def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
-            stderr_margin: float = 0.0) -> tuple[bool, str]:
-    """The verdict of one relation (formula in the module docstring) and a short explanation."""
+            stderr_margin: float = 0.0) -> tuple[str, str]:
+    """The verdict of one relation (pass | fail | undetermined; formula in the module docstring) and why."""
     se = math.hypot(left.stderr, right.stderr)
+    (l_lo, l_hi), (r_lo, r_hi) = left.bounds, right.bounds
     if op == "==":
         allowed = tolerance + stderr_margin * se
-        diff = abs(left.value - right.value)
-        return diff <= allowed, f"|l - r| = {diff:.4g}, allowed {allowed:.4g}"
-    d = left.value - right.value if op in (">", ">=") else right.value - left.value
+        d_lo, d_hi = l_lo - r_hi, l_hi - r_lo
+        far = max(abs(d_lo), abs(d_hi))
+        near = 0.0 if d_lo <= 0.0 <= d_hi else min(abs(d_lo), abs(d_hi))
+        slack = 1e-12 * max(1.0, abs(left.value), abs(right.value))  # float rounding in d_lo, d_hi
+        status = "pass" if far <= allowed + slack else "fail" if near > allowed + slack else "undetermined"
+        return status, f"|l - r| = {abs(left.value - right.value):.4g}{_within(d_lo, d_hi)}, allowed {allowed:.4g}"
+    if op in (">", ">="):
+        d, d_lo, d_hi = left.value - right.value, l_lo - r_hi, l_hi - r_lo
+    else:
+        d, d_lo, d_hi = right.value - left.value, r_lo - l_hi, r_hi - l_lo
     need = stderr_margin * se - tolerance
-    ok = d > need if op in (">", "<") else d >= need
+    if op in (">", "<"):
+        status = "pass" if d_lo > need else "fail" if d_hi <= need else "undetermined"
+    else:
+        status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"
     sym = ">" if op in (">", "<") else ">="
     gap = "l - r" if op in (">", ">=") else "r - l"
     margin = f" ({stderr_margin:g} x se {se:.3g})" if stderr_margin and se else ""
-    return ok, f"{gap} = {d:+.4g}, needs {sym} {need:+.4g}{margin}"
+    return status, f"{gap} = {d:+.4g}{_within(d_lo, d_hi)}, needs {sym} {need:+.4g}{margin}"
+
+
+def _within(lo: float, hi: float) -> str:
+    return f" (rounding allows {lo:+.4g} .. {hi:+.4g})" if hi > lo else ""
 
 
 # ---------------------------------------------------------------- parsing
@@ -148,41 +194,73 @@ def parse_claims(raw: Any, field: str, tables: Mapping[str, Table], metrics: Map
     for i, body in enumerate(raw):
         where = f"{field}[{i}]"
         if not isinstance(body, Mapping):
-            raise UserError(where, "must be a mapping", "see mergeval/specs/claims.py")
+            raise UserError(where, "must be a mapping", "see docs/specs.md")
         where = f"{field}.{body.get('id', i)}"
-        unknown = set(body) - _CLAIM_KEYS
-        missing = {"id", "says", "left", "op", "right"} - set(body)
-        if unknown or missing:
-            raise UserError(where, f"missing keys {sorted(missing)}, unknown keys {sorted(unknown)}",
-                            f"a claim has {sorted(_CLAIM_KEYS)}")
-        cid = str(body["id"])
-        if not _ID.fullmatch(cid) or cid in seen:
+        cid = str(body.get("id"))
+        if "id" not in body or not _ID.fullmatch(cid) or cid in seen:
             raise UserError(f"{where}.id", f"'{cid}' is not a new identifier",
                             "use a unique name of letters, digits, _")
         seen.add(cid)
+        claims.append(_parse_claim(body, where, tables, metrics))
+    return claims
+
+
+def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> Claim:
+    forms = [k for k in _RANK_FORMS if k in body]
+    relation = {"left", "op", "right"}
+    allowed = {"id", "says", "tags", "where", "for_each"} | (
+        {forms[0], *_RANK_FORMS[forms[0]]} if len(forms) == 1 else relation | {"tolerance", "stderr_margin"})
+    unknown = set(body) - allowed
+    missing = ({"says"} | (set() if forms else relation)) - set(body)
+    if unknown or missing or len(forms) > 1:
+        raise UserError(where, f"missing keys {sorted(missing)}, keys that do not belong {sorted(unknown)}",
+                        "a claim has id, says and either left, op, right (+ tolerance, stderr_margin) or one of "
+                        "argmax/argmin (+ is) or rank (+ first, last, best); optional: tags, where, for_each")
+    numbers = {}
+    for key in ("tolerance", "stderr_margin"):
+        value = body.get(key, 0.0)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            raise UserError(f"{where}.{key}", f"must be a number >= 0, got {value!r}", f"set {key}: 0 or more")
+        numbers[key] = float(value)
+    tags = body.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise UserError(f"{where}.tags", "must be a list of names", "write tags: [ci]")
+    claim_where = _where(body.get("where"), f"{where}.where")
+    for_each = _for_each(body.get("for_each"), f"{where}.for_each", tables)
+    common = dict(id=str(body["id"]), says=str(body["says"]), tags=tuple(tags), where=claim_where, for_each=for_each)
+    if forms:
+        claim = Claim(left=None, op=forms[0], right=None, rank=_rank(forms[0], body, where), **common)
+    else:
         if body["op"] not in OPS:
             raise UserError(f"{where}.op", f"unknown relation {body['op']!r}", f"use one of {' '.join(OPS)}")
-        numbers = {}
-        for key in ("tolerance", "stderr_margin"):
-            value = body.get(key, 0.0)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (number and math.isfinite(value) and value >= 0):
-                raise UserError(f"{where}.{key}", f"must be a number >= 0, got {value!r}", f"set {key}: 0 or more")
-            numbers[key] = float(value)
-        tags = body.get("tags") or []
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise UserError(f"{where}.tags", "must be a list of names", "write tags: [ci]")
-        claim_where = _where(body.get("where"), f"{where}.where")
-        for_each = _for_each(body.get("for_each"), f"{where}.for_each")
         left = _operand(body["left"], f"{where}.left", tables, metrics)
         right = _operand(body["right"], f"{where}.right", tables, metrics)
-        claim = Claim(cid, str(body["says"]), left, body["op"], right, tuple(tags), claim_where, for_each,
-                      numbers["tolerance"], numbers["stderr_margin"])
-        _check_templates(claim, where)
-        _check_pairing(claim, where)
-        _check_expanded_cells(claim, where, tables)
-        claims.append(claim)
-    return claims
+        claim = Claim(left=left, op=body["op"], right=right, tolerance=numbers["tolerance"],
+                      stderr_margin=numbers["stderr_margin"], **common)
+    _check_templates(claim, where)
+    _check_pairing(claim, where)
+    _check_expanded_cells(claim, where, tables)
+    return claim
+
+
+def _rank(form: str, body: Mapping, field: str) -> Rank:
+    line = parse_line(body[form], f"{field}.{form}")
+    if form == "rank":
+        places = tuple((p, _name(body[p])) for p in ("first", "last") if p in body)
+        best = body.get("best", "high")
+        if not places or best not in ("high", "low"):
+            raise UserError(field, "rank needs first: NAME and/or last: NAME (best: high or low)",
+                            "write rank: {table: T, col: C}, first: CMM, last: TA")
+        return Rank(line, places, best)
+    if "is" not in body:
+        raise UserError(f"{field}.is", f"{form} needs is: NAME", f"write {form}: {{table: T, col: C}}, is: CMM")
+    return Rank(line, (("first" if form == "argmax" else "last", _name(body["is"])),))
+
+
+def _name(raw: Any) -> str:
+    text = name_text(raw)
+    return text if text is not None else str(raw)
 
 
 def _where(raw: Any, field: str) -> dict:
@@ -194,12 +272,19 @@ def _where(raw: Any, field: str) -> dict:
     return dict(raw)
 
 
-def _for_each(raw: Any, field: str):
+def _for_each(raw: Any, field: str, tables: Mapping[str, Table]):
+    """None | "expert" | {var: [values]}, a table quantifier expanded to the table's names as it stands."""
     if raw is None or raw == "expert":
         return raw
-    if isinstance(raw, Mapping) and raw and all(isinstance(v, list) and v for v in raw.values()):
-        return {str(k): list(v) for k, v in raw.items()}
-    raise UserError(field, f"{raw!r} is not a repetition", "use for_each: expert, or {var: [value, ..]}")
+    if isinstance(raw, Mapping) and raw:
+        out = {}
+        for var, values in raw.items():
+            names = quantifier_values(values, tables, f"{field}.{var}")
+            out[str(var)] = names if names is not None else values
+        if all(isinstance(v, list) and v for v in out.values()):
+            return out
+    raise UserError(field, f"{raw!r} is not a repetition",
+                    "use for_each: expert, {var: [value, ..]} or {var: {rows: TABLE, except: [..]}}")
 
 
 def _operand(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> Operand:
@@ -207,13 +292,16 @@ def _operand(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping
         return Operand("number", number=float(raw))
     if not isinstance(raw, Mapping):
         raise UserError(field, f"{raw!r} is not an operand",
-                        "give a number, {table, row, col}, {score: ..} or {metric: ..}")
+                        "give a number, {table, row, col}, {max: ..}, {min: ..}, {score: ..} or {metric: ..}")
     keys = set(raw)
     if keys == {"table", "row", "col"}:
-        ref = (str(raw["table"]), str(raw["row"]), str(raw["col"]))
+        ref = (str(raw["table"]), _name(raw["row"]), _name(raw["col"]))
         if "{" not in "".join(ref):  # templated references are checked when expanded
-            cell(tables, ref, field)
+            ref = find_cell(tables, ref, field)[0]
         return Operand("cell", ref=ref)
+    if keys in ({"max"}, {"min"}):
+        how = next(iter(keys))
+        return Operand(how, line=parse_line(raw[how], f"{field}.{how}"))
     run_keys = {"where", "over_runs"}
     over = raw.get("over_runs")
     if over is not None and over not in REDUCTIONS:
@@ -236,15 +324,18 @@ def _operand(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping
                             "drop role, or define a spec metric")
         return Operand("metric", metric=name, role=str(raw.get("role", "merged")), where=where, over_runs=over)
     raise UserError(field, f"unknown operand keys {sorted(keys)}",
-                    "give a number, {table, row, col}, {score: {task, role}} or {metric: M} (+ where, over_runs)")
+                    "give a number, {table, row, col}, {max: LINE}, {min: LINE}, {score: {task, role}} or "
+                    "{metric: M} (+ where, over_runs)")
 
 
 def _strings(claim: Claim) -> list[str]:
-    out = []
-    for op in (claim.left, claim.right):
-        out += [s for s in (*(op.ref or ()), op.task, op.role, op.metric) if s]
-        for where in (op.where, claim.where):
-            out += [v for v in (where or {}).values() if isinstance(v, str)]
+    out = [v for v in claim.where.values() if isinstance(v, str)]
+    if claim.rank is not None:
+        out += claim.rank.line.strings() + [who for _, who in claim.rank.places]
+    for op in claim.operands:
+        out += [s for s in (*(op.ref or ()), op.task, op.role, op.metric, *(op.line.strings() if op.line else ()))
+                if s]
+        out += [v for v in (op.where or {}).values() if isinstance(v, str)]
     return out
 
 
@@ -264,13 +355,33 @@ def _check_templates(claim: Claim, field: str) -> None:
 
 
 def _check_expanded_cells(claim: Claim, field: str, tables: Mapping[str, Table]) -> None:
-    if not isinstance(claim.for_each, Mapping):
+    """Every table reference of every static repetition names real cells (a typo fails at load)."""
+    static = claim.for_each if isinstance(claim.for_each, Mapping) else {}
+    if claim.for_each == "expert":  # bound only by a run's experts
         return
-    for values in itertools.product(*claim.for_each.values()):
-        binding = dict(zip(claim.for_each, values))
-        for op in (claim.left, claim.right):
+    for values in itertools.product(*static.values()) if static else [()]:
+        binding = dict(zip(static, values))
+        for op in claim.operands:
             if op.kind == "cell":
-                cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), field)
+                find_cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), field)
+            elif op.line is not None:
+                members(op.line.fill(lambda s: str(_fill(s, binding))), tables, f"{field}.{op.kind}")
+        if claim.rank is not None:
+            _rank_members(claim, binding, tables, field)
+
+
+def _rank_members(claim: Claim, binding: Mapping[str, Any], tables: Mapping[str, Table], field: str):
+    """The ranked line's cells and the (place, who) to check, names matched; UserError for an unknown who."""
+    cells = members(claim.rank.line.fill(lambda s: str(_fill(s, binding))), tables, f"{field}.{claim.op}")
+    places = []
+    for place, who in claim.rank.places:
+        name = match_name([c[0] for c in cells], str(_fill(who, binding)))
+        if name is None:
+            key = "is" if claim.op != "rank" else place
+            raise UserError(f"{field}.{key}", f"{who!r} is not in {claim.rank.line.describe()}",
+                            f"use one of {[c[0] for c in cells]}")
+        places.append((place, name))
+    return cells, places
 
 
 def _effective_where(op: Operand, claim: Claim) -> dict:
@@ -278,7 +389,7 @@ def _effective_where(op: Operand, claim: Claim) -> dict:
 
 
 def _per_run(claim: Claim) -> list[Operand]:
-    return [op for op in (claim.left, claim.right) if op.uses_runs and op.over_runs is None]
+    return [op for op in claim.operands if op.uses_runs and op.over_runs is None]
 
 
 def _check_pairing(claim: Claim, field: str) -> None:
@@ -350,9 +461,11 @@ def _operand_value(op: Operand, claim: Claim, run: Run | None, runs: list[Run], 
     if op.kind == "number":
         return Measured(op.number)
     if op.kind == "cell":
-        ref = tuple(str(_fill(s, binding)) for s in op.ref)
-        printed = cell(tables, ref, f"claims.{claim.id}")
-        return Measured(printed.value, text=printed.text)
+        ref, printed = find_cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), f"claims.{claim.id}")
+        lo, hi = cell_interval(tables, ref)
+        return Measured(printed.value, text=printed.text, lo=lo, hi=hi)
+    if op.kind in ("max", "min"):
+        return extreme(op.kind, members(op.line.fill(lambda s: str(_fill(s, binding))), tables, f"claims.{claim.id}"))
     where = _bind_where(_effective_where(op, claim), binding)
     if op.over_runs is None:
         if run is None:
@@ -365,6 +478,16 @@ def _operand_value(op: Operand, claim: Claim, run: Run | None, runs: list[Run], 
     return Measured(_reduce(op.over_runs, [_value_in_run(op, r, binding, metrics).value for r in chosen]))
 
 
+def label(cid: str, parts: list[str]) -> str:
+    """A result's name: the claim id, then its repetition readably: ``best_avg (model=[0.4,0.7], run 0: ties)``."""
+    return f"{cid} ({', '.join(parts)})" if parts else cid
+
+
+def _show(value: Any) -> str:
+    text = name_text(value)
+    return text if text is not None else str(value)
+
+
 def evaluate_claim(claim: Claim, runs: list[Run] | None, tables: Mapping[str, Table],
                    metrics: Mapping[str, RunMetric]) -> list[ClaimResult]:
     """Every repetition of one claim; ``runs=None`` means no run results were given."""
@@ -373,18 +496,20 @@ def evaluate_claim(claim: Claim, runs: list[Run] | None, tables: Mapping[str, Ta
     names = list(static)
     for values in itertools.product(*static.values()) if static else [()]:
         binding = dict(zip(names, values))
-        tag = "".join(f"[{v}]" for v in values)
-        if not claim.uses_runs:
-            results.append(_judge(claim, claim.id + tag, None, [], binding, tables, metrics))
+        parts = [f"{k}={_show(v)}" for k, v in binding.items()]
+        if claim.rank is not None:
+            results += _judge_rank(claim, parts, binding, tables)
+        elif not claim.uses_runs:
+            results.append(_judge(claim, label(claim.id, parts), None, [], binding, tables, metrics))
         elif runs is None:
-            results.append(ClaimResult(claim.id + tag, claim.says, "not run", claim.op,
+            results.append(ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op,
                                        detail="no run results given (--run)", uses_runs=True))
         else:
-            results += _over_instances(claim, tag, runs, binding, tables, metrics)
+            results += _over_instances(claim, parts, runs, binding, tables, metrics)
     return results
 
 
-def _over_instances(claim, tag, runs, binding, tables, metrics) -> list[ClaimResult]:
+def _over_instances(claim, parts, runs, binding, tables, metrics) -> list[ClaimResult]:
     per_run = _per_run(claim)
     wheres = [_bind_where(_effective_where(op, claim), binding) for op in per_run]
     if not per_run:
@@ -392,28 +517,28 @@ def _over_instances(claim, tag, runs, binding, tables, metrics) -> list[ClaimRes
     elif all(w == wheres[0] for w in wheres):
         instances = _select(runs, wheres[0])
         if not instances:
-            return [ClaimResult(claim.id + tag, claim.says, "not run", claim.op, uses_runs=True,
+            return [ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op, uses_runs=True,
                                 detail=f"no run matches {_describe(wheres[0])}")]
     else:  # operands reading different runs: each must name exactly one
         for w in wheres:
             n = len(_select(runs, w))
             if n != 1:
-                return [ClaimResult(claim.id + tag, claim.says, "not run", claim.op, uses_runs=True,
+                return [ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op, uses_runs=True,
                                     detail=f"{n} runs match {_describe(w)}; an operand without over_runs needs 1")]
         instances = [None]
     results = []
     for run in instances:
-        suffix = tag + (f"[{run.short}]" if run is not None and len(instances) > 1 else "")
+        here = parts + ([run.short] if run is not None and len(instances) > 1 else [])
         if claim.for_each == "expert":
             experts = run.experts() if run is not None else []
             if not experts:
-                results.append(ClaimResult(claim.id + suffix, claim.says, "not run", claim.op, uses_runs=True,
+                results.append(ClaimResult(label(claim.id, here), claim.says, "not run", claim.op, uses_runs=True,
                                            detail="the run has no expert with its own task"))
             for role, task in experts:
-                results.append(_judge(claim, f"{claim.id}{suffix}[{role}]", run, runs,
+                results.append(_judge(claim, label(claim.id, here + [f"expert={role}"]), run, runs,
                                       dict(binding, expert=role, task=task), tables, metrics))
         else:
-            results.append(_judge(claim, claim.id + suffix, run, runs, binding, tables, metrics))
+            results.append(_judge(claim, label(claim.id, here), run, runs, binding, tables, metrics))
     return results
 
 
@@ -425,5 +550,18 @@ def _judge(claim, cid, run, runs, binding, tables, metrics) -> ClaimResult:
         right = _operand_value(claim.right, claim, lone.get(id(claim.right), run), runs, binding, tables, metrics)
     except NotRun as reason:
         return ClaimResult(cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs)
-    ok, detail = compare(left, claim.op, right, claim.tolerance, claim.stderr_margin)
-    return ClaimResult(cid, claim.says, "pass" if ok else "fail", claim.op, left, right, detail, claim.uses_runs)
+    status, detail = compare(left, claim.op, right, claim.tolerance, claim.stderr_margin)
+    return ClaimResult(cid, claim.says, status, claim.op, left, right, detail, claim.uses_runs)
+
+
+def _judge_rank(claim: Claim, parts: list[str], binding: Mapping[str, Any],
+                tables: Mapping[str, Table]) -> list[ClaimResult]:
+    """One result per stated place: the named row (column) is first / last of the line (quantified.rank_verdict)."""
+    cells, places = _rank_members(claim, binding, tables, f"claims.{claim.id}")
+    results = []
+    for place, who in places:
+        status, detail, mine, rival = rank_verdict(cells, who, place, claim.rank.best)
+        here = parts + ([f"{place}={who}"] if len(places) > 1 else [])
+        results.append(ClaimResult(label(claim.id, here), claim.says, status, f"{place} of {len(cells)}, vs",
+                                   mine, rival, detail))
+    return results

@@ -3,6 +3,9 @@
 A derivation in a spec is a mapping with exactly one of these keys; its inputs
 are cell references (see ``tables.py``), ``r``, ``r_i`` below:
 
+- ``expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13"``  a plain formula (``expr.py``); its
+                                            names are the row's columns (in ``derived``), the column's rows
+                                            (in ``derived_rows``), or bound by ``with: {name: r}``
 - ``mean: [r_1, ..]``                       plain mean (``group_mean`` with one group)
 - ``group_mean: {groups: {g: [r, ..]}, scale: {g: s}, weighting: tasks|equal|given, weights: {g: w}}``
                                             ``metrics.groups.group_mean``: rescale each group, then
@@ -11,8 +14,9 @@ are cell references (see ``tables.py``), ``r``, ``r_i`` below:
 - ``normalized_mean: {merged: [..], base: [..], expert: [..]}``  mean of the pairwise normalized scores
 - ``macro_gain`` / ``macro_og: {merged: [..], constituents: [[..], ..], scale: fraction|percent}``
 
-Every kind is monotone in each input separately, so ``numbers.corner_range``
-bounds it exactly under the inputs' rounding.
+Every kind but ``expr`` is monotone in each input separately, so
+``numbers.corner_range`` bounds it exactly under the inputs' rounding; ``expr``
+is bounded by interval arithmetic (exact when each name occurs once).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from typing import Any
 from mergeval.errors import UserError
 from mergeval.metrics.aggregates import macro_gain, macro_og, mean_normalized_score, normalized_score
 from mergeval.metrics.groups import group_mean
+from mergeval.specs.expr import evaluate, parse_expr
+from mergeval.specs.numbers import Interval, corner_range
 
-KINDS = ("mean", "group_mean", "normalized", "normalized_mean", "macro_gain", "macro_og")
+KINDS = ("expr", "mean", "group_mean", "normalized", "normalized_mean", "macro_gain", "macro_og")
 Ref = tuple[str, str, str]  # (table, row, column)
 
 
@@ -34,6 +40,12 @@ class Formula:
     kind: str
     refs: list[Ref]  # the inputs, in the order ``fn`` takes their values
     fn: Callable[[Sequence[float]], float | None]
+    bounds: Callable[[Sequence[Interval]], Interval] | None = None  # default: corner_range of fn
+    text: str = ""  # how the report shows it (the expression), else the kind
+
+    def range(self, boxes: Sequence[Interval]) -> Interval:
+        """[lo, hi] of the derivation over the inputs' intervals (ValueError where it is undefined)."""
+        return self.bounds(boxes) if self.bounds else corner_range(self.fn, boxes)
 
 
 def parse_formula(raw: Any, field: str, resolve: Callable[[Any, str], Ref]) -> Formula:
@@ -42,17 +54,46 @@ def parse_formula(raw: Any, field: str, resolve: Callable[[Any, str], Ref]) -> F
     Raises UserError naming ``field`` for an unknown kind, a missing or extra
     key, a malformed reference, or inputs the metric function rejects.
     """
-    if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in KINDS:
-        raise UserError(field, f"a derivation needs exactly one of {', '.join(KINDS)}",
-                        "write e.g. {mean: [colA, colB]}")
-    kind, body = next(iter(raw.items()))
+    kinds = [k for k in raw if k in KINDS] if isinstance(raw, Mapping) else []
+    if len(kinds) != 1 or set(raw) - {kinds[0], "with"} or ("with" in raw and kinds[0] != "expr"):
+        raise UserError(field, f"a derivation needs exactly one of {', '.join(KINDS)} (and with: only beside expr)",
+                        'write e.g. {mean: [colA, colB]} or {expr: "(a + 2*b) / 3"}')
+    kind, body = kinds[0], raw[kinds[0]]
+    if kind == "expr":
+        return _expr(body, raw.get("with"), f"{field}.expr", resolve)
     field = f"{field}.{kind}"
     formula = _BUILDERS[kind](body, field, resolve)
     try:  # a dry run on neutral inputs catches what the metric function itself rejects
         formula.fn([float(i % 7 + 1) for i in range(len(formula.refs))])
     except ValueError as err:
         raise UserError(field, str(err), "fix the derivation's inputs") from None
-    return Formula(kind, formula.refs, formula.fn)
+    return Formula(kind, formula.refs, formula.fn, text=kind)
+
+
+def _expr(text: Any, bindings: Any, field: str, resolve) -> Formula:
+    """An expression whose names are bound by ``with`` or else resolved as bare names (a column of the row)."""
+    if not isinstance(text, str) and not isinstance(text, (int, float)):
+        raise UserError(field, f"{text!r} is not an expression", 'write e.g. expr: "(a + 2*b) / 3"')
+    try:
+        expr = parse_expr(str(text))
+    except ValueError as err:
+        raise UserError(field, str(err), "write arithmetic over names, e.g. (9*a + `ARC-C`) / 10") from None
+    if bindings is not None and not isinstance(bindings, Mapping):
+        raise UserError(f"{field}.with", "must map names to cell references", "write with: {b: [base, Avg]}")
+    bindings = {str(k): v for k, v in (bindings or {}).items()}
+    unused = set(bindings) - set(expr.names)
+    if unused:
+        raise UserError(f"{field}.with", f"binds {sorted(unused)}, which {text!r} does not use",
+                        "remove them or use them in the expression")
+    refs = [resolve(bindings[n], f"{field}.with.{n}") if n in bindings else resolve(n, f"{field} (name '{n}')")
+            for n in expr.names]
+
+    def bounds(boxes: Sequence[Interval]) -> Interval:
+        return evaluate(expr, dict(zip(expr.names, boxes)))
+
+    def fn(xs: Sequence[float]) -> float:
+        return bounds([(x, x) for x in xs])[0]
+    return Formula("expr", refs, fn, bounds, str(text))
 
 
 def _refs(raw: Any, field: str, resolve) -> list[Ref]:

@@ -1,14 +1,22 @@
 """Finding and reading spec files.
 
-A spec is found by path, or by name in the spec library: the repository's
-``specs/`` directory, shipped inside the package as ``mergeval/specs/library``
-(a symlink, like ``mergeval/conf``), so ``python -m mergeval.verify cmm_chem``
-works from a checkout and from an installed wheel alike.
+A spec is found by path, or by name on the spec search path, first match wins:
 
-Top-level keys of a spec (``name``, ``title``, ``citation`` and ``setups`` are required)::
+1. the directories in ``$MERGEVAL_SPECS_PATH`` (separated by ``:``; ``;`` on Windows);
+2. ``specs.path`` in the nearest ``pyproject.toml`` at or above the current
+   directory (relative entries are relative to that file)::
 
-    name: cmm_chem                 # = the file name
-    title: ...
+       [tool.mergeval.specs]
+       path = ["specs", "../shared/specs"]
+
+3. the shipped specs: the repository's ``specs/`` directory, shipped inside the
+   package as ``mergeval/specs/library`` (a symlink, like ``mergeval/conf``).
+
+Top-level keys of a spec (``tables`` or ``claims`` is required; a table-only
+spec needs nothing else)::
+
+    name: cmm_chem                 # default: the file name
+    title: ...                     # default: the name
     citation: {authors: .., title: .., venue: .., year: .., url: ..}
     sources: [where the numbers were copied from]
     setups:                        # one per experimental setup of the paper
@@ -20,11 +28,15 @@ Top-level keys of a spec (``name``, ``title``, ``citation`` and ``setups`` are r
     tables: {..}                   # published tables (tables.py)
     claims: [..]                   # claims (claims.py)
     notes: [..]
+
+The file is read with ``yamlload.StrictLoader``: a key given twice is an error
+naming both lines.
 """
 
 from __future__ import annotations
 
-import re
+import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -35,10 +47,11 @@ import yaml
 from mergeval.errors import UserError
 from mergeval.specs.claims import Claim, parse_claims
 from mergeval.specs.runs import RunMetric, parse_metrics
-from mergeval.specs.tables import Table, parse_tables
+from mergeval.specs.tables import CellCheck, Table, check_tables, parse_tables
+from mergeval.specs.yamlload import DuplicateKey, load_strict
 
 _TOP_KEYS = {"name", "title", "citation", "sources", "setups", "metrics", "tables", "claims", "notes"}
-_REQUIRED = {"name", "title", "citation", "setups"}
+ENV = "MERGEVAL_SPECS_PATH"
 
 
 @dataclass
@@ -53,47 +66,99 @@ class Spec:
     claims: list[Claim]
     notes: list[str] = field(default_factory=list)
 
+    def check_tables(self) -> list[CellCheck]:
+        """Every derived cell's verdict (tables.check_tables), errors naming this file."""
+        return check_tables(self.tables, f"{Path(self.path).name}:tables")
+
 
 def library() -> Path:
     """The directory of the shipped specs."""
     return Path(str(files("mergeval.specs") / "library"))
 
 
+def _configured(start: Path) -> list[Path]:
+    """``[tool.mergeval.specs] path`` of the nearest pyproject.toml at or above ``start``."""
+    for folder in [start, *start.parents]:
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file():
+            try:
+                config = tomllib.loads(pyproject.read_text())
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                raise UserError(str(pyproject), "is not readable TOML", "fix it, or run from another directory") from None
+            path = config.get("tool", {}).get("mergeval", {}).get("specs", {}).get("path", [])
+            if isinstance(path, str):
+                path = [path]
+            if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
+                raise UserError(f"{pyproject}:tool.mergeval.specs.path", "must be a list of directories",
+                                'write path = ["specs"]')
+            return [(folder / p).expanduser() for p in path]
+    return []
+
+
+def search_path() -> list[Path]:
+    """Where specs are looked up by name, in order (module docstring)."""
+    env = [Path(p).expanduser() for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    return [*env, *_configured(Path.cwd()), library()]
+
+
+def found() -> dict[str, Path]:
+    """Every spec on the search path by name (the first of equal names wins)."""
+    out: dict[str, Path] = {}
+    for folder in search_path():
+        for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            out.setdefault(path.stem, path)
+    return dict(sorted(out.items()))
+
+
 def available() -> list[str]:
-    return sorted(p.stem for p in library().glob("*.yaml"))
+    """The names of the specs on the search path."""
+    return list(found())
 
 
 def find_spec(name_or_path: str) -> Path:
-    """A spec file by path, or by name from the library; UserError naming the choices otherwise."""
-    path = Path(name_or_path)
+    """A spec file by path, or by name on the search path; UserError naming the choices otherwise."""
+    path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
-    if re.fullmatch(r"[A-Za-z0-9_]+", name_or_path) and (library() / f"{name_or_path}.yaml").is_file():
-        return library() / f"{name_or_path}.yaml"
+    stem = name_or_path[:-5] if name_or_path.endswith(".yaml") else name_or_path
+    if "/" not in stem and os.sep not in stem:
+        for folder in search_path():
+            if (folder / f"{stem}.yaml").is_file():
+                return folder / f"{stem}.yaml"
     raise UserError("spec", f"no spec file or spec named '{name_or_path}'",
-                    f"give a path to a spec YAML or one of: {', '.join(available()) or '(none shipped)'}")
+                    f"give a path to a spec YAML or one of: {', '.join(available()) or '(none found)'} "
+                    f"(search path: ${ENV}, [tool.mergeval.specs] path, the shipped specs)")
+
+
+def read_yaml(path: Path) -> object:
+    """The file's YAML via the strict loader; UserError (one line, naming the lines) otherwise."""
+    where = path.name
+    try:
+        return load_strict(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError("spec", f"cannot read {path} ({err.__class__.__name__})", "check the file") from None
+    except DuplicateKey as err:
+        raise UserError(f"{where}:{err.second}", f"key '{err.key}' is given twice (lines {err.first} and {err.second})",
+                        "keep one of them (YAML would silently keep only the last)") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(where, f"is not valid YAML{at}", "fix the YAML syntax") from None
 
 
 def load_spec(name_or_path: str) -> Spec:
     path = find_spec(name_or_path)
     where = path.name
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError("spec", f"cannot read {path} ({err.__class__.__name__})", "check the file") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(where, f"is not valid YAML{at}", "fix the YAML syntax") from None
+    raw = read_yaml(path)
     if not isinstance(raw, Mapping):
-        raise UserError(where, "is not a spec (not a mapping)", f"give the keys {sorted(_REQUIRED)}")
-    missing, unknown = _REQUIRED - set(raw), set(raw) - _TOP_KEYS
-    if missing or unknown:
-        raise UserError(where, f"missing keys {sorted(missing)}, unknown keys {sorted(unknown)}",
-                        f"a spec has {sorted(_TOP_KEYS)}")
-    setups = raw["setups"]
-    if not isinstance(setups, Mapping) or not setups:
-        raise UserError(f"{where}:setups", "needs at least one setup", "add setups: {name: {experiment: ..}}")
+        raise UserError(where, "is not a spec (not a mapping)", "give at least tables: or claims:")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown or not {"tables", "claims"} & set(raw):
+        raise UserError(where, f"unknown keys {sorted(unknown)}" if unknown else "has neither tables nor claims",
+                        f"a spec has {sorted(_TOP_KEYS)}, with tables or claims")
+    setups = raw.get("setups") or {}
+    if not isinstance(setups, Mapping):
+        raise UserError(f"{where}:setups", "must map setup names to setups", "write setups: {name: {experiment: ..}}")
     experiments = files("mergeval.conf") / "experiment"
     for name, setup in setups.items():
         exp = setup.get("experiment") if isinstance(setup, Mapping) else None
@@ -103,5 +168,6 @@ def load_spec(name_or_path: str) -> Spec:
     metrics = parse_metrics(raw.get("metrics"), f"{where}:metrics")
     tables = parse_tables(raw.get("tables"), f"{where}:tables")
     claims = parse_claims(raw.get("claims"), f"{where}:claims", tables, metrics)
-    return Spec(str(raw["name"]), str(path), str(raw["title"]), dict(raw["citation"] or {}), dict(setups),
+    name = str(raw.get("name") or path.stem)
+    return Spec(name, str(path), str(raw.get("title") or name), dict(raw.get("citation") or {}), dict(setups),
                 metrics, tables, claims, [str(n) for n in raw.get("notes") or []])

@@ -46,9 +46,17 @@ class NotRun(Exception):
 
 @dataclass(frozen=True)
 class Measured:
+    """A value a claim compares: a run's (with its stderr) or a published cell's (with its rounding interval)."""
+
     value: float
     stderr: float = 0.0
     text: str | None = None  # a published cell's value as printed
+    lo: float | None = None  # the interval the true value lies in; None = exactly value
+    hi: float | None = None
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return (self.value if self.lo is None else self.lo, self.value if self.hi is None else self.hi)
 
 
 @dataclass

@@ -46,6 +46,33 @@ def test_every_published_table_recomputes_and_published_claims_hold(name):
             assert result.status == expected, (result.id, result.detail)
 
 
+def test_verify_all_checks_every_shipped_spec_strictly(tmp_path, monkeypatch, capsys):
+    """What CI runs through the README's test command: every shipped spec's tables agree and its published claims
+    pass, none undetermined by rounding or not checkable (run claims are listed as not checked)."""
+    monkeypatch.delenv("MERGEVAL_SPECS_PATH", raising=False)
+    monkeypatch.chdir(tmp_path)  # no pyproject.toml search path: the shipped specs only
+    code = main(["--all", "--strict"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == SHIPPED
+    assert out.count("-> ok") == len(SHIPPED)
+
+
+def test_verify_all_fails_when_a_spec_on_the_path_fails(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.yaml").write_text('tables: {t: {columns: [a, b, avg], rows: {r: "1.00 2.00 1.60"}, '
+                                       'derived: {avg: {mean: [a, b]}}}}\n')
+    (tmp_path / "broken.yaml").write_text("tables: [\n")
+    monkeypatch.setenv("MERGEVAL_SPECS_PATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["--all"])
+    out = capsys.readouterr().out
+    assert code == 2  # an invalid spec outranks a failing one; both are reported, and the shipped ones still run
+    assert "bad: 0/1 derived cells agree, 1 disagree" in out and "cell bad.yaml" not in out
+    assert "  cell t / r / avg: disagree" in out
+    assert "broken: mergeval: error: broken.yaml: is not valid YAML" in out
+    assert "cmm_chem: 10/10 derived cells agree" in out
+
+
 def test_the_cmm_spec_holds_the_tables_the_issue_asks_for():
     spec = load_spec("cmm_chem")
     checks = {c.at: c for c in check_tables(spec.tables)}

@@ -160,4 +160,4 @@ def rank_verdict(cells: Sequence[tuple[str, Printed, Interval]], who: str, place
         return "fail", f"{', '.join(beaten_by)} {'is' if len(beaten_by) == 1 else 'are'} at least as good", who_m, rival_m
     if ties:
         return ("undetermined", f"a rounding tie with {', '.join(ties)}: their intervals overlap", who_m, rival_m)
-    return "pass", f"{'ahead of' if place == 'first' else 'behind'} all {len(rivals)} others; next: {nearest}", who_m, rival_m
+    return "pass", f"{'ahead of' if place == 'first' else 'behind'} the other {len(rivals)}; next: {nearest}", who_m, rival_m

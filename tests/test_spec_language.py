@@ -1,0 +1,237 @@
+"""The spec language as a new user meets it: the two-table spec of docs/specs.md, verified as written, with
+planted errors, added rows and a rounding tie; names, strict loading, plain formulas and the search path."""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeval.errors import UserError
+from mergeval.specs import evaluate_claim, load_spec
+from mergeval.specs.expr import evaluate, parse_expr
+from mergeval.verify import main
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "specs.md"
+
+
+def doc_spec() -> str:
+    """The YAML block under "A complete two-table spec" in docs/specs.md, as a user would copy it."""
+    match = re.search(r"## A complete two-table spec.*?```yaml\n(.*?)```", DOC.read_text(), re.S)
+    assert match, "docs/specs.md lost its two-table example"
+    return match.group(1)
+
+
+def verify(tmp_path, text: str, *args: str, capsys) -> tuple[int, str, str]:
+    path = tmp_path / "my_paper.yaml"
+    path.write_text(text)
+    code = main([str(path), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def set_cell(text: str, row: str, column_index: int, token: str) -> str:
+    """The spec text with one printed cell of ``row`` replaced."""
+    pattern = re.compile(rf'^(\s+{re.escape(row)}:\s+")([^"]*)(")', re.M)
+    match = pattern.search(text)
+    tokens = match.group(2).split()
+    tokens[column_index] = token
+    return text[:match.start(2)] + " ".join(tokens) + text[match.end(2):]
+
+
+def add_row(text: str, after: str, line: str) -> str:
+    """The spec text with a row line inserted after the row ``after``."""
+    return re.sub(rf'^(\s+){re.escape(after)}:(.*)$', lambda m: f"{m.group(0)}\n{m.group(1)}{line}", text,
+                  count=1, flags=re.M)
+
+
+# the derived cells of the example: (table, row, index of the cell in its row string, printed)
+DERIVED = [("main", "Base", 4, "44.52"), ("main", "TA", 4, "51.07"), ("main", "TIES", 4, "47.53"),
+           ("main", "CMM", 4, "56.34"), ("steps", "A", 3, "0.446"), ("steps", "B", 3, "0.250")]
+COLUMN = {"main": "Overall", "steps": "Mean"}
+
+
+def test_the_reference_example_verifies_strictly(tmp_path, capsys):
+    code, out, _ = verify(tmp_path, doc_spec(), "--strict", capsys=capsys)
+    assert code == 0, out
+    assert "6/6 derived cells agree; claims 7 pass, 0 fail, 0 not run" in out
+
+
+@pytest.mark.parametrize("table,row,index,printed,error",
+                         [(*cell, e) for cell in DERIVED for e in (0.3, -0.3)
+                          if float(cell[3]) + e >= 0])  # below the steps table's range [0, 1]: a load error, below
+def test_a_planted_error_of_0_3_in_any_derived_cell_fails_naming_it(tmp_path, capsys, table, row, index, printed,
+                                                                    error):
+    decimals = len(printed.split(".")[1])
+    wrong = float(printed) + error
+    code, out, _ = verify(tmp_path, set_cell(doc_spec(), row, index, f"{wrong:.{decimals}f}"), capsys=capsys)
+    assert code == 1
+    bad = [line.split()[:5] for line in out.splitlines() if "disagree:" in line]
+    assert bad == [[table, "/", row, "/", COLUMN[table]]], out
+
+
+def test_a_printed_value_outside_the_declared_range_is_one_line_naming_the_cell(tmp_path, capsys):
+    code, _, err = verify(tmp_path, set_cell(doc_spec(), "B", 3, "-0.050"), capsys=capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("mergeval: error: my_paper.yaml:tables.steps.rows.B: column Mean: -0.050 is outside")
+
+
+def test_declared_decimals_and_range_are_what_make_the_cells_checkable(tmp_path, capsys):
+    """TIES prints MolInst as '0' in a 2-decimal 0-1 column. Without decimals: 0 +- 0.5, x200/13 = +-7.7 points:
+    a 0.3 error in TIES' Overall could not fail, and the check says so instead of 'agree'."""
+    spec = load_spec(str(_write(tmp_path, doc_spec())))
+    ties = {c.at: c for c in spec.check_tables()}["main", "TIES", "Overall"]
+    assert ties.lo == pytest.approx((9 * 53.845 + 200 * 0.0 + 72.195 + 60.995) / 13)  # clipped at 0, not -0.005
+    assert ties.hi == pytest.approx((9 * 53.855 + 200 * 0.005 + 72.205 + 61.005) / 13)
+    loose = doc_spec().replace("    decimals: 2 ", "    # decimals: 2 ", 1)
+    assert loose != doc_spec()
+    code, out, _ = verify(tmp_path, loose, capsys=capsys)
+    assert code == 0 and "main / TIES / Overall" in out and "not checkable" in out
+    assert verify(tmp_path, loose, "--strict", capsys=capsys)[0] == 1
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "my_paper.yaml"
+    path.write_text(text)
+    return path
+
+
+def _results(tmp_path, text: str) -> dict:
+    spec = load_spec(str(_write(tmp_path, text)))
+    return {r.id: r for c in spec.claims for r in evaluate_claim(c, None, spec.tables, spec.metrics)}
+
+
+def test_claims_about_the_best_row_cover_a_row_added_later(tmp_path):
+    # a consistent new row: (9*50 + 200*0.25 + 70 + 61) / 13 = 50.0769
+    worse = add_row(doc_spec(), "CMM", 'New:  "50.00 0.25 70.00 61.00 50.08"')
+    got = _results(tmp_path, worse)
+    assert got["cmm_best_overall"].status == "pass"
+    assert got["cmm_best_on_gsm8k (model=New)"].status == "pass"  # the quantifier reaches the new row
+    assert got["cmm_first_base_last (last=Base)"].status == "pass"
+    # a better new row: (9*60 + 200*0.40 + 74 + 64) / 13 = 58.3077: the claim now fails, naming it
+    better = add_row(doc_spec(), "CMM", 'New:  "60.00 0.40 74.00 64.00 58.31"')
+    got = _results(tmp_path, better)
+    assert got["cmm_best_overall"].status == "fail" and "New" in got["cmm_best_overall"].detail
+    assert got["cmm_best_on_gsm8k (model=New)"].status == "fail"
+
+
+def test_a_claim_resting_on_a_rounding_tie_is_undetermined(tmp_path, capsys):
+    # Tie: (9*58.40 + 200*0.35 + 73.85 + 63.00) / 13 = 56.3423, printed 56.34 like CMM's: the order of the two
+    # true values is anyone's guess
+    tie = add_row(doc_spec(), "CMM", 'Tie:  "58.40 0.35 73.85 63.00 56.34"')
+    got = _results(tmp_path, tie)
+    assert got["cmm_best_overall"].status == "undetermined" and "Tie" in got["cmm_best_overall"].detail
+    assert got["cmm_best_on_gsm8k (model=Tie)"].status == "pass"  # 63.75 vs 63.00: settled
+    code, out, _ = verify(tmp_path, tie, capsys=capsys)
+    assert got["cmm_first_base_last (first=CMM)"].status == "undetermined"
+    assert code == 0 and "2 undetermined by rounding" in out
+    assert verify(tmp_path, tie, "--strict", capsys=capsys)[0] == 1
+
+
+def test_any_string_names_a_row_and_prints_as_written(tmp_path, capsys):
+    text = """\
+        tables:
+          grid:
+            columns: [0.50, "ARC-C", Avg]
+            decimals: 1
+            rows:
+              [0.4,0.7]: "1.0 3.0 2.0"
+              0.50:      "2.0 4.0 3.0"
+            derived:
+              Avg: {expr: "(`0.50` + `ARC-C`) / 2"}
+        claims:
+          - id: best_avg
+            says: the 0.50 row has the best Avg
+            argmax: {table: grid, col: Avg}
+            is: 0.50
+          - id: above
+            says: each row's ARC-C is above 2
+            for_each: {r: {rows: grid}}
+            left: {table: grid, row: "{r}", col: ARC-C}
+            op: ">"
+            right: 2
+          - id: low_row
+            says: the [0.4,0.7] row is lowest at 0.50
+            left: {table: grid, row: [0.4,0.7], col: 0.50}
+            op: "<"
+            right: {table: grid, row: 0.50, col: 0.50}
+        """
+    code, out, _ = verify(tmp_path, textwrap.dedent(text), "--strict", capsys=capsys)
+    assert code == 0, out
+    assert "grid / [0.4,0.7] / Avg" in out and "above (r=[0.4,0.7])" in out and "3.0 (0.50)" in out
+    assert "[[" not in out
+
+
+def test_a_duplicated_row_is_an_error_naming_both_lines(tmp_path, capsys):
+    doubled = add_row(doc_spec(), "CMM", 'TA:   "52.3  0.30 71.05 62.10 51.07"')
+    code, _, err = verify(tmp_path, doubled, capsys=capsys)
+    lines = doc_spec().splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("TA:"))
+    second = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("CMM:")) + 1
+    assert code == 2 and err == (f"mergeval: error: my_paper.yaml:{second}: key 'TA' is given twice "
+                                 f"(lines {first} and {second}); keep one of them (YAML would silently keep only "
+                                 "the last)\n")
+
+
+def test_specs_are_found_by_name_on_the_search_path(tmp_path, monkeypatch, capsys):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    (ours / "my_paper.yaml").write_text(doc_spec())
+    (theirs / "other.yaml").write_text(doc_spec().replace("name: my_paper", "name: other"))
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "pyproject.toml").write_text('[tool.mergeval.specs]\npath = ["../theirs"]\n')
+    monkeypatch.chdir(project / "sub")
+    monkeypatch.setenv("MERGEVAL_SPECS_PATH", str(ours))
+    assert main(["my_paper"]) == 0 and main(["other.yaml"]) == 0
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "my_paper" in listed and "other" in listed and "cmm_chem" in listed
+    assert main(["--all", "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^my_paper: 6/6 derived cells agree.* -> ok", out, re.M)
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("a ** 2", "'a ** 2' is not allowed"),
+    ("__import__('os')", "is not allowed"),
+    ("a.real", "'a.real' is not allowed"),
+    ("max(a, key=b)", "is not allowed"),
+    ("a if b else c", "is not allowed"),
+    ("'a' + b", "is not allowed"),
+    ("a +", "is not an arithmetic expression"),
+    ("`a + b", "unbalanced backquote"),
+])
+def test_expressions_outside_the_whitelist_are_refused(text, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_expr(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(-10, 10), st.floats(-50, 50), st.floats(0, 2)), min_size=1, max_size=6),
+       st.floats(0.5, 20), st.floats(0, 1))
+def test_interval_arithmetic_is_the_exact_range_when_each_name_occurs_once(terms, d_value, d_width):
+    """f = (sum c_i x_i) / d with each name once: the interval result equals the min/max over the box's corners
+    (f is monotone in each input), and the point value lies inside it."""
+    names = [f"x{i}" for i in range(len(terms))]
+    text = "(" + " + ".join(f"{c!r} * {n}" for (c, _, _), n in zip(terms, names)) + ") / d"
+    expr = parse_expr(text)
+    boxes = {n: (v - w, v + w) for (_, v, w), n in zip(terms, names)} | {"d": (d_value, d_value + d_width)}
+    lo, hi = evaluate(expr, boxes)
+    corners = []
+    for mask in range(2 ** (len(terms) + 1)):
+        point = {n: boxes[n][(mask >> i) & 1] for i, n in enumerate([*names, "d"])}
+        corners.append(math.fsum(c * point[n] for (c, _, _), n in zip(terms, names)) / point["d"])
+    assert lo == pytest.approx(min(corners), abs=1e-9) and hi == pytest.approx(max(corners), abs=1e-9)
+
+
+def test_a_formula_binding_an_unused_name_is_one_line(tmp_path, capsys):
+    text = doc_spec().replace('Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13"}',
+                              'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13", with: {z: [CMM, DROP]}}')
+    code, _, err = verify(tmp_path, text, capsys=capsys)
+    assert code == 2 and err.startswith("mergeval: error: my_paper.yaml:tables.main.derived.Overall.expr.with: binds ['z']")

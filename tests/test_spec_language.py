@@ -235,3 +235,50 @@ def test_a_formula_binding_an_unused_name_is_one_line(tmp_path, capsys):
                               'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13", with: {z: [CMM, DROP]}}')
     code, _, err = verify(tmp_path, text, capsys=capsys)
     assert code == 2 and err.startswith("mergeval: error: my_paper.yaml:tables.main.derived.Overall.expr.with: binds ['z']")
+
+
+def test_derived_rows_extremes_column_quantifiers_exact_cells_and_lower_is_better(tmp_path, capsys):
+    text = """\
+        tables:
+          ppl:
+            columns: [wiki, c4, n_tasks]
+            formats: {n_tasks: {exact: true}}
+            rows:
+              base:   "12.5 15.0 3"
+              merged: "11.0 14.0 3"
+              Mean:   "11.75 14.5 3"
+            derived_rows:
+              Mean: {mean: [base, merged]}
+          sums:
+            columns: [a, b, total]
+            rows:
+              r: "0.14 0.22 0.4"
+            derived_cells:
+              - {at: [r, total], expr: "a + b"}
+        claims:
+          - id: merged_lowest
+            says: merged has the lowest perplexity on wiki
+            rank: {table: ppl, col: wiki, except: [Mean]}
+            first: merged
+            best: low
+          - id: merged_better_everywhere
+            says: merged is below the base on every corpus
+            for_each: {corpus: {columns: ppl, except: [n_tasks]}}
+            left: {table: ppl, row: merged, col: "{corpus}"}
+            op: "<"
+            right: {table: ppl, row: base, col: "{corpus}"}
+          - id: worst_wiki
+            says: the worst wiki perplexity is the base's 12.5
+            left: {max: {table: ppl, col: wiki}}
+            op: ">"
+            right: 12.4
+        """
+    code, out, _ = verify(tmp_path, textwrap.dedent(text), "--strict", capsys=capsys)
+    assert code == 0, out
+    for cell in ("ppl / Mean / wiki", "ppl / Mean / c4", "ppl / Mean / n_tasks", "sums / r / total"):
+        assert re.search(rf"^  {re.escape(cell)} .* agree$", out, re.M), cell
+    assert re.search(r"^  ppl / Mean / n_tasks\s+mean\s+3\s+3\s+\[3, 3\]\s+agree$", out, re.M)  # exact column
+    assert "merged_better_everywhere (corpus=c4)" in out and "corpus=n_tasks" not in out
+    # 0.14 + 0.22 is 0.35 .. 0.37: a printed 0.4 (0.35 .. 0.45) agrees, an exact 0.4 does not
+    code, out, _ = verify(tmp_path, textwrap.dedent(text).replace('0.22 0.4"', '0.22 0.4!"'), capsys=capsys)
+    assert code == 1 and re.search(r"^  sums / r / total .* disagree", out, re.M), out

@@ -18,7 +18,8 @@ A table in a spec::
         Average: {mean: [NC, RS]}        #   a bare name is a column of the same row
       derived_rows:                      # a derivation per row, applied to every column that prints it;
         Mean: {mean: [GPT-4, CMM]}       #   a bare name is a row of the same column
-      derived_cells:                     # single cells; a reference is [row, col] or [table, row, col]
+      derived_cells:                     # single cells; a reference is a column of the at row,
+                                         #   [row, col] or [table, row, col]
         - at: [CMM, Average]
           expr: "(NC + RS) / 2"
           with: {NC: [CMM, NC], RS: [CMM, RS]}
@@ -276,7 +277,8 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
             raise UserError(where, "needs at: [row, col] and one derivation", "write {at: [r, c], mean: [..]}")
         at = _resolver(table)(entry["at"], f"{where}.at")
         formula = {k: v for k, v in entry.items() if k != "at"}
-        table.derivations.append((at, parse_formula(formula, where, _resolver(table))))
+        # a bare name is a column of the cell's own row, as in ``derived``
+        table.derivations.append((at, parse_formula(formula, where, _resolver(table, row=at[1]))))
     targets = {at for at, _ in table.derivations}
     for i, entry in enumerate(body.get("discrepancies") or []):
         where = f"{field}.discrepancies[{i}]"

@@ -1,10 +1,15 @@
 """Paper specs: a paper's setup, its published numbers, and the claims a run should reproduce.
 
-- ``load.py``: finding (by path or by name in ``specs/``) and reading a spec.
-- ``tables.py`` / ``formulas.py`` / ``numbers.py``: published tables, their
-  derived cells, and the rounding-aware recomputation that checks them.
+The language is documented in docs/specs.md.
+
+- ``load.py``: finding (by path or by name on the search path) and reading a spec;
+  ``yamlload.py``: the strict YAML loader (duplicate keys, names as written).
+- ``tables.py`` / ``formulas.py`` / ``expr.py`` / ``numbers.py``: published tables,
+  their derived cells (plain formulas on intervals included), and the
+  rounding-aware recomputation that checks them.
 - ``runs.py``: result.json files, run selection (``where``), spec metrics.
-- ``claims.py``: the claim language and its verdicts.
+- ``claims.py`` / ``quantified.py``: the claim language (relations, rankings,
+  quantifiers over a table) and its verdicts.
 
 ``python -m mergeval.verify`` is the command line on top of these.
 """

@@ -14,7 +14,11 @@ Checks a paper spec (a path, or a name on the spec search path: see
    (``mergeval/specs/numbers.py``). A cell that does not recompute fails,
    unless the spec records it as the paper's own discrepancy (which number, by
    how much, why) and the record matches what is measured. A cell whose
-   rounding window is wider than its table's ``tolerance`` is "not checkable".
+   rounding window is wider than its table's ``tolerance`` (by default 10
+   units of the cell's last printed digit) is "not checkable". Each check is
+   labelled by the derivation that made it (``column Avg``, ``row Mean``,
+   ``cell [CMM, Avg]``), so a cell that a derived column and a derived row
+   both cover is listed once for each.
 2. Claims: relations with tolerances between published cells, numbers and the
    results of runs (``--run``: result.json files, or directories holding them,
    e.g. a sweep's multirun directory), and rankings of a table's rows or
@@ -60,6 +64,7 @@ from mergeval.errors import UserError
 from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluate_claim, load_runs,
                             load_spec)
 from mergeval.specs.load import found, search_path
+from mergeval.specs.numbers import show_interval
 from mergeval.specs.tables import CellCheck
 
 STATUSES = ("pass", "fail", "undetermined", "not run")
@@ -152,8 +157,9 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     if checks:
         out.append(_table(["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows",
                            "verdict"],
-                          [[" / ".join(c.at), _short(c.kind, 60), c.printed.text, f"{c.recomputed:.6g}",
-                            f"[{c.lo:.6g}, {c.hi:.6g}]", c.status + (f": {c.detail}" if c.detail else "")]
+                          [[" / ".join(c.at), _short(f"{c.origin}: {c.kind}" if c.origin else c.kind, 60),
+                            c.printed.text, f"{c.recomputed:.6g}", show_interval(c.lo, c.hi),
+                            c.status + (f": {c.detail}" if c.detail else "")]
                            for c in checks]))
     runs_given = runs is not None
     if runs:
@@ -215,7 +221,7 @@ def check_all(strict: bool) -> int:
               f"{'ok' if code == 0 else 'FAIL'}  ({path})")
         for c in checks:
             if not c.ok:
-                print(f"  cell {' / '.join(c.at)}: {c.status}: {c.detail}")
+                print(f"  cell {' / '.join(c.at)} ({c.origin}): {c.status}: {c.detail}")
         for r in results:
             if r.status != "pass":
                 print(f"  claim {r.id}: {r.status}: {r.detail}")

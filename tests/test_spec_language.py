@@ -78,7 +78,7 @@ def test_a_planted_error_of_0_3_in_any_derived_cell_fails_naming_it(tmp_path, ca
 def test_a_printed_value_outside_the_declared_range_is_one_line_naming_the_cell(tmp_path, capsys):
     code, _, err = verify(tmp_path, set_cell(doc_spec(), "B", 3, "-0.050"), capsys=capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("mergeval: error: my_paper.yaml:tables.steps.rows.B: column Mean: -0.050 is outside")
+    assert err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.steps.rows.B: column Mean: -0.050 is outside")
 
 
 def test_declared_decimals_and_range_are_what_make_the_cells_checkable(tmp_path, capsys):
@@ -173,7 +173,7 @@ def test_a_duplicated_row_is_an_error_naming_both_lines(tmp_path, capsys):
     lines = doc_spec().splitlines()
     first = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("TA:"))
     second = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("CMM:")) + 1
-    assert code == 2 and err == (f"mergeval: error: my_paper.yaml:{second}: key 'TA' is given twice "
+    assert code == 2 and err == (f"mergeval: error: {tmp_path}/my_paper.yaml:{second}: key 'TA' is given twice "
                                  f"(lines {first} and {second}); keep one of them (YAML would silently keep only "
                                  "the last)\n")
 
@@ -234,7 +234,8 @@ def test_a_formula_binding_an_unused_name_is_one_line(tmp_path, capsys):
     text = doc_spec().replace('Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13"}',
                               'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13", with: {z: [CMM, DROP]}}')
     code, _, err = verify(tmp_path, text, capsys=capsys)
-    assert code == 2 and err.startswith("mergeval: error: my_paper.yaml:tables.main.derived.Overall.expr.with: binds ['z']")
+    assert code == 2 and err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr.with: "
+                                        "binds ['z']")
 
 
 def test_derived_rows_extremes_column_quantifiers_exact_cells_and_lower_is_better(tmp_path, capsys):
@@ -243,6 +244,7 @@ def test_derived_rows_extremes_column_quantifiers_exact_cells_and_lower_is_bette
           ppl:
             columns: [wiki, c4, n_tasks]
             formats: {n_tasks: {exact: true}}
+            tolerance: 0.2  # a mean printed to 0.01 of scores printed to 0.1: its window is 0.11
             rows:
               base:   "12.5 15.0 3"
               merged: "11.0 14.0 3"
@@ -277,8 +279,176 @@ def test_derived_rows_extremes_column_quantifiers_exact_cells_and_lower_is_bette
     assert code == 0, out
     for cell in ("ppl / Mean / wiki", "ppl / Mean / c4", "ppl / Mean / n_tasks", "sums / r / total"):
         assert re.search(rf"^  {re.escape(cell)} .* agree$", out, re.M), cell
-    assert re.search(r"^  ppl / Mean / n_tasks\s+mean\s+3\s+3\s+\[3, 3\]\s+agree$", out, re.M)  # exact column
+    assert re.search(r"^  ppl / Mean / n_tasks\s+row Mean: mean\s+3\s+3\s+\[3, 3\]\s+agree$", out, re.M)  # exact
     assert "merged_better_everywhere (corpus=c4)" in out and "corpus=n_tasks" not in out
     # 0.14 + 0.22 is 0.35 .. 0.37: a printed 0.4 (0.35 .. 0.45) agrees, an exact 0.4 does not
     code, out, _ = verify(tmp_path, textwrap.dedent(text).replace('0.22 0.4"', '0.22 0.4!"'), capsys=capsys)
     assert code == 1 and re.search(r"^  sums / r / total .* disagree", out, re.M), out
+
+
+# ---------------------------------------------------------------- review of issue 14: rough edges
+
+# a 0-1 column (chabsa) rescaled x100 into Overall; nothing declared: Broken merge's '0' is [0, 0.5], 50 points
+RESCALED = """\
+    tables:
+      main:
+        columns: [chabsa, qa, Overall]
+        range: [0, 100]
+        formats: {chabsa: {range: [0, 1]}}
+        rows:
+          Base:   "0.81 42.11 61.56"
+          Broken: "0    2.63  1.32"
+        derived:
+          Overall: {expr: "(100*chabsa + qa) / 2"}
+    """
+
+
+def test_without_a_tolerance_a_window_too_wide_for_the_cells_own_precision_is_not_checkable(tmp_path, capsys):
+    """The default tolerance is 10 units of the derived cell's last printed digit (0.1 for '1.32'): Broken's window
+    is ~25 points, so a planted +0.3 ('1.62') is "not checkable", not "agree". Declaring the paper's decimals makes
+    it fail; the x50 rescale still leaves windows of 0.26 and 0.52, which a stated tolerance of 0.6 accepts."""
+    planted = textwrap.dedent(RESCALED).replace('2.63  1.32"', '2.63  1.62"')
+    code, out, _ = verify(tmp_path, planted, capsys=capsys)
+    assert code == 0 and re.search(r"^  main / Broken / Overall .* not checkable: rounding lets it move by 25.*"
+                                   r"more than the default tolerance 0.1 \(10 units of its last printed digit\)",
+                                   out, re.M), out
+    assert verify(tmp_path, planted, "--strict", capsys=capsys)[0] == 1
+    declared = planted.replace("    range: [0, 100]\n", "    range: [0, 100]\n    decimals: 2\n")
+    code, out, _ = verify(tmp_path, declared, capsys=capsys)  # 0.00 is [0, 0.005]: the planted error is caught
+    assert code == 1 and re.search(r"^  main / Broken / Overall .* disagree", out, re.M), out
+    correct = declared.replace('1.62"', '1.32"')
+    code, out, _ = verify(tmp_path, correct, capsys=capsys)
+    assert code == 0 and "0/2 derived cells agree, 2 not checkable" in out, out  # w = 0.26, 0.515 > 0.1
+    stated = correct.replace("    decimals: 2\n", "    decimals: 2\n    tolerance: 0.6\n")
+    assert verify(tmp_path, stated, "--strict", capsys=capsys)[0] == 0  # a stated tolerance replaces the default
+    assert verify(tmp_path, stated.replace('1.32"', '1.62"'), capsys=capsys)[0] == 1
+
+
+def test_the_default_tolerance_scales_with_the_derived_cells_precision(tmp_path, capsys):
+    # a plain mean of inputs printed like it: w = 2 units, whatever the scale
+    for row in ('"0.412 0.388 0.400"', '"41.2 38.8 40.0"', '"41 39 40"'):
+        text = f'tables: {{t: {{columns: [a, b, m], rows: {{r: {row}}}, derived: {{m: {{mean: [a, b]}}}}}}}}\n'
+        code, out, _ = verify(tmp_path, text, "--strict", capsys=capsys)
+        assert code == 0 and "1/1 derived cells agree" in out, out
+    # a sum of 12 such inputs: w = 13 units > 10
+    text = ('tables: {t: {columns: [a, s], rows: {r: "1.0 12.0"}, derived_cells: '
+            '[{at: [r, s], expr: "a+a+a+a+a+a+a+a+a+a+a+a"}]}}\n')
+    code, out, _ = verify(tmp_path, text, capsys=capsys)
+    assert "not checkable: rounding lets it move by 1.3, more than the default tolerance 1 " in out, out
+
+
+def test_a_cell_under_a_derived_column_and_a_derived_row_is_checked_once_by_each_labelled(tmp_path, capsys):
+    text = """\
+        tables:
+          t:
+            columns: [x, y, Avg]
+            decimals: 1
+            rows:
+              A:    "1.0 2.0 1.5"
+              B:    "3.0 4.0 3.5"
+              Mean: "2.0 3.0 2.5"
+            derived: {Avg: {mean: [x, y]}}
+            derived_rows: {Mean: {mean: [A, B]}}
+        """
+    code, out, _ = verify(tmp_path, textwrap.dedent(text), "--strict", capsys=capsys)
+    assert code == 0, out
+    both = [line.split(None, 5)[5] for line in out.splitlines() if line.startswith("  t / Mean / Avg ")]
+    assert [b.split()[:3] for b in both] == [["column", "Avg:", "mean"], ["row", "Mean:", "mean"]], out
+    spec = load_spec(str(_write(tmp_path, textwrap.dedent(text))))
+    assert sorted(c.origin for c in spec.check_tables() if c.at == ("t", "Mean", "Avg")) == ["column Avg", "row Mean"]
+
+
+def test_intervals_print_with_enough_digits():
+    from mergeval.specs.numbers import show_interval
+    assert show_interval(0.7415 - 0.742, 0.7425 - 0.742) == "[-0.0005, 0.0005]"
+    assert show_interval(12345.675, 12345.685) == "[12345.675, 12345.685]"
+    assert show_interval(61.425000000000004, 61.435) == "[61.425, 61.435]"
+    assert show_interval(3.0, 3.0) == "[3, 3]"
+
+
+def test_a_missing_name_is_located_at_the_formulas_key(tmp_path, capsys):
+    text = doc_spec().replace("(9*ChemBench + 200*MolInst", "(9*ChemBench + 200*MolInstr")
+    code, _, err = verify(tmp_path, text, capsys=capsys)
+    assert code == 2 and err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr: "
+                                        "refers to column MolInstr, which table 'main' does not have"), err
+    text = doc_spec().replace('Mean: {expr: "mean(`Step 1`, `Step 2`, `Step 3`)"}',
+                              'Mean: {expr: "mean(`Step 1`, s2, `Step 3`)", with: {s2: [C, Step 2]}}')
+    code, _, err = verify(tmp_path, text, capsys=capsys)
+    assert code == 2 and "my_paper.yaml:tables.steps.derived.Mean.expr.with.s2: refers to row C," in err, err
+
+
+def test_with_binds_a_fixed_cell_in_derived_and_derived_rows(tmp_path, capsys):
+    text = """\
+        tables:
+          t:
+            columns: [x, y, Average, Gain]
+            decimals: 2
+            rows:
+              GPT-4:        "50.00 60.00 55.00 -"
+              CMM:          "60.00 62.00 61.00 10.91"
+              CMM vs GPT-4: "10.00 2.00 6.00 -"
+            derived:
+              Gain: {expr: "100 * (Average - b) / b", with: {b: [GPT-4, Average]}}
+            derived_rows:
+              CMM vs GPT-4: {expr: "CMM - g", with: {g: [GPT-4, x]}}
+        """
+    code, out, _ = verify(tmp_path, textwrap.dedent(text), capsys=capsys)
+    # Gain: 100 * (61 - 55) / 55 = 10.909; CMM vs GPT-4 on y: 62 - 50 = 12, printed 2.00: disagrees, named
+    assert code == 1, out
+    assert re.search(r"^  t / CMM / Gain .*column Gain: 100 \* \(Average - b\) / b .* agree$", out, re.M), out
+    assert re.search(r"^  t / CMM vs GPT-4 / x .*row CMM vs GPT-4: CMM - g .* agree$", out, re.M), out
+    assert re.search(r"^  t / CMM vs GPT-4 / y .* disagree", out, re.M), out
+
+
+def test_quantifiers_leave_derived_summary_rows_and_columns_out(tmp_path):
+    text = """\
+        tables:
+          t:
+            columns: [x, y, Best]
+            decimals: 1
+            rows:
+              A:      "5.0 1.0 5.0"
+              B:      "3.0 4.0 4.0"
+              Oracle: "5.0 4.0 5.0"
+            derived: {Best: {expr: "max(x, y)"}}
+            derived_rows: {Oracle: {expr: "max(A, B)"}}
+        claims:
+          - {id: a_best_x, says: A is best on x, argmax: {table: t, col: x}, is: A}
+          - {id: a_top, says: A's top cell, left: {max: {table: t, row: A}}, op: "==", right: 5}
+          - id: every_row
+            says: every row prints x
+            for_each: {r: {rows: t}}
+            left: {table: t, row: "{r}", col: x}
+            op: ">"
+            right: 0
+          - id: every_column
+            says: A's cells are positive
+            for_each: {c: {columns: t, except: [Best]}}
+            left: {table: t, row: A, col: "{c}"}
+            op: ">"
+            right: 0
+        """
+    got = _results(tmp_path, textwrap.dedent(text))
+    # the Oracle row (max of A and B) would tie A on x: left out, A is first
+    assert got["a_best_x"].status == "pass" and "Oracle" not in got["a_best_x"].detail
+    assert sorted(k for k in got if k.startswith("every_row")) == ["every_row (r=A)", "every_row (r=B)"]
+    assert sorted(k for k in got if k.startswith("every_column")) == ["every_column (c=x)", "every_column (c=y)"]
+    with pytest.raises(UserError, match=r"claims.c.is: 'Oracle' is not in t column x.*summaries, not ranked"):
+        load_spec(str(_write(tmp_path, textwrap.dedent(text) + "  - {id: c, says: s, argmax: {table: t, col: x}, "
+                                                               "is: Oracle}\n")))
+
+
+@pytest.mark.parametrize("declared,status", [("decimals: 2", "pass"), ("", "undetermined")])
+def test_the_docs_tie_example_depends_on_declared_decimals(tmp_path, declared, status):
+    text = f"""\
+        tables:
+          t:
+            columns: [v]
+            {declared}
+            rows: {{TA: "72.33", TIES: "72", CMM: "72.33"}}
+        claims:
+          - {{id: ge, says: s, left: {{table: t, row: TA, col: v}}, op: ">=", right: {{table: t, row: TIES, col: v}}}}
+          - {{id: tie, says: s, left: {{table: t, row: CMM, col: v}}, op: ">", right: {{table: t, row: TA, col: v}}}}
+        """
+    got = _results(tmp_path, textwrap.dedent(text))
+    assert got["ge"].status == status and got["tie"].status == "undetermined"

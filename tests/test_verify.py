@@ -68,8 +68,8 @@ def test_verify_all_fails_when_a_spec_on_the_path_fails(tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert code == 2  # an invalid spec outranks a failing one; both are reported, and the shipped ones still run
     assert "bad: 0/1 derived cells agree, 1 disagree" in out and "cell bad.yaml" not in out
-    assert "  cell t / r / avg: disagree" in out
-    assert "broken: mergeval: error: broken.yaml: is not valid YAML" in out
+    assert "  cell t / r / avg (column avg): disagree" in out
+    assert f"broken: mergeval: error: {tmp_path}/broken.yaml: is not valid YAML" in out  # the path it was found at
     assert "cmm_chem: 10/10 derived cells agree" in out
 
 
@@ -145,7 +145,7 @@ def test_a_correctly_rounded_table_always_recomputes(cells, out_decimals, scale)
     groups = {"a": columns[n_scaled:], **({"b": columns[:n_scaled]} if n_scaled else {})}
     truth = group_mean(dict(zip(columns, true_inputs)), groups, {"b": scale} if n_scaled else None)
     row = " ".join(_print(x, d) for x, d in cells) + " " + _print(truth, out_decimals)
-    raw = {"t": {"columns": columns + ["out"], "rows": {"r": row},
+    raw = {"t": {"columns": columns + ["out"], "rows": {"r": row}, "tolerance": 1e6,  # agreement, not its width
                  "derived": {"out": {"group_mean": {"groups": groups, **({"scale": {"b": scale}} if n_scaled else {})}}}}}
     (check,) = check_tables(parse_tables(raw, "tables"))
     assert check.status == "agree", check
@@ -199,7 +199,7 @@ def test_a_discrepancy_record_on_a_cell_that_recomputes_fails():
 def test_cross_table_normalized_and_macro_derivations():
     raw = {"run": {"columns": ["base", "e1", "e2", "merged", "norm"],
                    "rows": {"t1": "0.50 0.90 0.40 0.80 0.75", "t2": "0.20 0.20 0.60 0.50 -"}},
-           "agg": {"columns": ["gain"], "rows": {"x": "+12.50"},
+           "agg": {"columns": ["gain"], "rows": {"x": "+12.50"}, "tolerance": 2.5,  # 0.01-wide fractions, in points
                    "derived_cells": [{"at": ["x", "gain"], "macro_gain": {
                        "merged": [["run", "t1", "merged"], ["run", "t2", "merged"]],
                        "constituents": [[["run", "t1", "e1"], ["run", "t2", "e1"]], [["run", "t1", "e2"], ["run", "t2", "e2"]]],
@@ -431,9 +431,10 @@ def test_without_runs_run_claims_are_not_run(tmp_path):
 ])
 def test_invalid_claims_fail_at_load_naming_the_field(tmp_path, claim, field):
     tables = 'tables: {t: {columns: [a], rows: {r: "1.0", q: "2.0"}}}\n'
+    path = spec_file(tmp_path, claim, tables)
     with pytest.raises(UserError) as err:
-        load_spec(spec_file(tmp_path, claim, tables))
-    assert err.value.field == f"demo.yaml:{field}", err.value
+        load_spec(path)
+    assert err.value.field == f"{path}:{field}", err.value  # the spec as given: here, a path
 
 
 # ---------------------------------------------------------------- the command line
@@ -487,21 +488,29 @@ def test_cli_fails_on_a_table_that_does_not_recompute(tmp_path, capsys):
     ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {expr: 'open(a)'}}}}\n",
      "demo.yaml:tables.t.derived.b.expr: 'open(a)' is not allowed"),
     ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {expr: 'a + c'}}}}\n",
-     "demo.yaml:tables.t: refers to column c"),
+     "demo.yaml:tables.t.derived.b.expr: refers to column c, which table 't' does not have"),
+    ("tables: {t: {columns: [a, b], rows: {r: '1.5 2'}, derived: {b: {mean: [a, c]}}}}\n",
+     "demo.yaml:tables.t.derived.b.mean[1]: refers to column c, which table 't' does not have"),
+    ("tables: {t: {columns: [a, a], rows: {r: '1.5 2'}}}\n", "demo.yaml:tables.t.columns: lists column a twice"),
     ("tables: {t: {columns: [a, b], rows: {r: '0 2'}, derived: {b: {expr: '1 / a'}}}}\n",
-     "demo.yaml:tables.t.r.b: 'a' can be 0"),
+     "demo.yaml:tables.t.derived.b.expr: at [r, b]: 'a' can be 0 within its inputs' rounding ([-0.5, 0.5])"),
+    ("tables: {t: {columns: [a, b], decimals: 3, rows: {r: '0.742 2'}, derived: {b: {expr: '1 / (a - 0.742)'}}}}\n",
+     "demo.yaml:tables.t.derived.b.expr: at [r, b]: 'a - 0.742' can be 0 within its inputs' rounding "
+     "([-0.0005, 0.0005])"),
     ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: nope}}\nclaims: []\n", "demo.yaml:setups.d.experiment"),
     ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ntables: {t: {columns: [a, b], rows: {r: '1.0'}}}\n",
      "demo.yaml:tables.t.rows.r: has 1 cells for 2 columns"),
     ("name: x\ntitle: t\ncitation: {}\nsetups: {d: {experiment: tiny}}\ntables: {t: {columns: [a], rows: {r: '1,0'}}}\n",
      "demo.yaml:tables.t.rows.r"),
 ])
-def test_cli_invalid_spec_is_one_line_exit_2(tmp_path, capsys, content, field):
-    path = tmp_path / "demo.yaml"
-    path.write_text(content)
-    code, out, err = run_cli(capsys, str(path))
+def test_cli_invalid_spec_is_one_line_exit_2(tmp_path, monkeypatch, capsys, content, field):
+    (tmp_path / "demo.yaml").write_text(content)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "demo.yaml")  # errors name the spec as given
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"mergeval: error: {field}"), err
+    code, _, err = run_cli(capsys, str(tmp_path / "demo.yaml"))
+    assert err.startswith(f"mergeval: error: {tmp_path}/{field}"), err
 
 
 @pytest.mark.parametrize("args,field", [

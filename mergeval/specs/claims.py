@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergeval.errors import UserError
+from mergeval.specs.numbers import show_interval
 from mergeval.specs.quantified import Line, extreme, members, parse_line, quantifier_values, rank_verdict
 from mergeval.specs.runs import Measured, NotRun, Run, RunMetric, matches
 from mergeval.specs.tables import Table, cell_interval, find_cell, match_name, name_text
@@ -180,7 +181,7 @@ def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
 
 
 def _within(lo: float, hi: float) -> str:
-    return f" (rounding allows {lo:+.4g} .. {hi:+.4g})" if hi > lo else ""
+    return f" (rounding allows {show_interval(lo, hi, signed=True, digits=4)})" if hi > lo else ""
 
 
 # ---------------------------------------------------------------- parsing
@@ -379,7 +380,8 @@ def _rank_members(claim: Claim, binding: Mapping[str, Any], tables: Mapping[str,
         if name is None:
             key = "is" if claim.op != "rank" else place
             raise UserError(f"{field}.{key}", f"{who!r} is not in {claim.rank.line.describe()}",
-                            f"use one of {[c[0] for c in cells]}")
+                            f"use one of {[c[0] for c in cells]} (rows of derived_rows and columns of derived are "
+                            "summaries, not ranked)")
         places.append((place, name))
     return cells, places
 

@@ -38,7 +38,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from mergeval.specs.numbers import Interval
+from mergeval.specs.numbers import Interval, show_interval
 
 _QUOTED = re.compile(r"`([^`]+)`")
 _PLACEHOLDER = "_q{}_"
@@ -128,7 +128,7 @@ def _mul(a: Interval, b: Interval, _node=None) -> Interval:
 def _div(a: Interval, b: Interval, node: ast.BinOp) -> Interval:
     if b[0] <= 0.0 <= b[1]:
         raise ValueError(f"'{ast.unparse(node.right)}' can be 0 within its inputs' rounding "
-                         f"([{b[0]:.6g}, {b[1]:.6g}]): the division is undefined")
+                         f"({show_interval(*b)}): the division is undefined")
     return _mul(a, (1.0 / b[1], 1.0 / b[0]))
 
 

@@ -85,7 +85,7 @@ def _expr(text: Any, bindings: Any, field: str, resolve) -> Formula:
     if unused:
         raise UserError(f"{field}.with", f"binds {sorted(unused)}, which {text!r} does not use",
                         "remove them or use them in the expression")
-    refs = [resolve(bindings[n], f"{field}.with.{n}") if n in bindings else resolve(n, f"{field} (name '{n}')")
+    refs = [resolve(bindings[n], f"{field}.with.{n}") if n in bindings else resolve(n, field)
             for n in expr.names]
 
     def bounds(boxes: Sequence[Interval]) -> Interval:

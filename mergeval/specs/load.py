@@ -65,10 +65,11 @@ class Spec:
     tables: dict[str, Table]
     claims: list[Claim]
     notes: list[str] = field(default_factory=list)
+    shown: str = ""  # the file as errors name it (``shown_as``)
 
     def check_tables(self) -> list[CellCheck]:
         """Every derived cell's verdict (tables.check_tables), errors naming this file."""
-        return check_tables(self.tables, f"{Path(self.path).name}:tables")
+        return check_tables(self.tables, f"{self.shown or Path(self.path).name}:tables")
 
 
 def library() -> Path:
@@ -130,9 +131,17 @@ def find_spec(name_or_path: str) -> Path:
                     f"(search path: ${ENV}, [tool.mergeval.specs] path, the shipped specs)")
 
 
-def read_yaml(path: Path) -> object:
-    """The file's YAML via the strict loader; UserError (one line, naming the lines) otherwise."""
-    where = path.name
+def shown_as(name_or_path: str, path: Path) -> str:
+    """How errors name a spec file: the path as the user gave it, or the file's name when found by name."""
+    return name_or_path if Path(name_or_path).expanduser().is_file() else path.name
+
+
+def read_yaml(path: Path, where: str | None = None) -> object:
+    """The file's YAML via the strict loader; UserError (one line, naming the lines) otherwise.
+
+    ``where`` names the file in errors (default: its name).
+    """
+    where = where or path.name
     try:
         return load_strict(path.read_text())
     except (OSError, UnicodeDecodeError) as err:
@@ -148,8 +157,8 @@ def read_yaml(path: Path) -> object:
 
 def load_spec(name_or_path: str) -> Spec:
     path = find_spec(name_or_path)
-    where = path.name
-    raw = read_yaml(path)
+    where = shown_as(name_or_path, path)
+    raw = read_yaml(path, where)
     if not isinstance(raw, Mapping):
         raise UserError(where, "is not a spec (not a mapping)", "give at least tables: or claims:")
     unknown = set(raw) - _TOP_KEYS
@@ -170,4 +179,4 @@ def load_spec(name_or_path: str) -> Spec:
     claims = parse_claims(raw.get("claims"), f"{where}:claims", tables, metrics)
     name = str(raw.get("name") or path.stem)
     return Spec(name, str(path), str(raw.get("title") or name), dict(raw.get("citation") or {}), dict(setups),
-                metrics, tables, claims, [str(n) for n in raw.get("notes") or []])
+                metrics, tables, claims, [str(n) for n in raw.get("notes") or []], where)

@@ -119,6 +119,18 @@ def corner_range(f: Callable[[Sequence[float]], float], boxes: Sequence[Interval
     return lo, hi
 
 
+def show_interval(lo: float, hi: float, signed: bool = False, digits: int = 6) -> str:
+    """``[lo, hi]`` with enough significant digits (``digits`` at least, up to 15) that each printed end is within
+    1% of the width of the true one, float noise dropped: ``[-0.0005, 0.0005]``, ``[12345.675, 12345.685]``
+    (not ``[12345.7, 12345.7]``)."""
+    sign, close = "+" if signed else "", 0.01 * (hi - lo)
+    for digits in range(digits, 16):
+        a, b = f"{lo:{sign}.{digits}g}", f"{hi:{sign}.{digits}g}"
+        if abs(float(a) - lo) <= close and abs(float(b) - hi) <= close:
+            break
+    return f"[{a}, {b}]"
+
+
 def _slack(*xs: float) -> float:
     """Float rounding in a recomputation: 1e-9 relative to the largest magnitude involved."""
     return 1e-9 * max(1.0, *(abs(x) for x in xs))

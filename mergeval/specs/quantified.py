@@ -17,6 +17,16 @@ later is included (the claim gets stronger, never silently weaker):
 - ``for_each: {var: {rows: T, except: [..]}}`` or ``{var: {columns: T, ..}}``,
   repeating a claim for every row (column) of T.
 
+Derived summaries are not members: a row that the table's ``derived_rows``
+computes (an "Average" or "Mean of merges" row) is left out of every line down
+a column and of ``for_each`` over rows, and a column that ``derived`` computes
+("Avg", "Δ Base") is left out of every line across a row and of ``for_each``
+over columns. They are functions of the members, not rivals of them: an
+average row ranked like a method could be "best" or "last" in its place, and
+"for every benchmark" does not mean the average column. (``except`` may still
+name them; a cell reference ``{table, row, col}`` still reads them.) A cell of
+``derived_cells`` does not make its row or column a summary.
+
 Rounding: NAME is first when its true value is above every other member's.
 With each cell known only to its interval, that is
 
@@ -94,6 +104,7 @@ def members(spec: Line, tables: Mapping[str, Table], field: str) -> list[tuple[s
             raise UserError(f"{field}.except", f"table '{table.name}' has no {show(name)} to leave out",
                             f"use names from {across}")
         without.append(known)
+    without += sorted(table.derived("rows" if spec.col is not None else "columns"))  # summaries: module docstring
     cells = line(table, col=fixed, without=without) if spec.col is not None else line(table, row=fixed, without=without)
     if len(cells) < 2:
         raise UserError(field, f"{spec.describe()} has {len(cells)} printed cell(s)", "a line needs 2 or more")
@@ -133,7 +144,8 @@ def quantifier_values(raw: Any, tables: Mapping[str, Table], field: str) -> list
             raise UserError(f"{field}.except", f"table '{name}' has no {axis[:-1]} {show(_text(w))}",
                             f"use names from {names}")
         left_out.append(known)
-    return [n for n in names if n not in left_out]
+    summaries = tables[name].derived(axis)  # derived rows / columns are not members (module docstring)
+    return [n for n in names if n not in left_out and n not in summaries]
 
 
 def rank_verdict(cells: Sequence[tuple[str, Printed, Interval]], who: str, place: str,

@@ -10,7 +10,8 @@ A table in a spec::
       formats:                           # optional, per column: decimals, range, exact
         MolInst: {decimals: 3, range: [0, 1]}
       tolerance: 0.3                     # optional: a derived cell that cannot detect an error this large
-                                         #   is "not checkable" instead of "agree"
+                                         #   is "not checkable" instead of "agree" (default: 10 units of
+                                         #   the derived cell's last printed digit, below)
       rows:                              # one string per row: the printed cells, '-' for a blank one,
         GPT-4: "55 72 0.41 63.50"        #   a trailing '!' for an exact value ("100!")
         CMM:   "63.95 72.33 0.35 68.14"
@@ -35,6 +36,25 @@ or column written that way (``match_name``).
 
 Each derived cell is checked on intervals (``numbers.py``): its printed
 interval must meet the range its formula takes over its inputs' intervals.
+Each check is labelled by the derivation that made it (``column Average``,
+``row Mean``, ``cell [CMM, Average]``): a cell that a ``derived`` column and a
+``derived_rows`` row both cover is checked once by each.
+
+How wide a window may be: a check whose inputs' rounding lets the recomputed
+value move by more than ``w`` cannot catch an error of ``w`` (``_verdict``).
+Above the table's ``tolerance`` the cell is "not checkable", not "agree".
+Without a ``tolerance`` the default is ``DEFAULT_TOLERANCE_UNITS`` (10) units
+of the derived cell's own last printed digit (its declared decimals if more):
+0.1 for a cell printed ``61.43``, 1 for ``61.4``. Ten units is one unit of the
+next-to-last printed digit, so a cell that agrees has every printed digit but
+the last confirmed by its inputs (to within one). That is scale-free (a 0-1
+table and a 0-100 table are held to the same relative standard) and costs a
+plain mean of inputs printed like it nothing (its window is 2 units: one from
+the inputs' rounding, one from its own), while a cell fed by a ``0`` printed in
+a ×100-rescaled 0-1 column (a window of 10 points for a cell printed to 0.01)
+can no longer pass silently.
+State ``tolerance:`` (in the table's units) where the paper's precision
+justifies another bound, e.g. a ×100 rescale of a 2-decimal 0-1 column.
 """
 
 from __future__ import annotations
@@ -42,6 +62,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import yaml
@@ -54,6 +75,7 @@ from mergeval.specs.yamlload import source_text
 _TABLE_KEYS = {"source", "columns", "rows", "decimals", "range", "formats", "tolerance", "derived", "derived_rows",
                "derived_cells", "discrepancies", "notes"}
 _FORMAT_KEYS = {"decimals", "range", "exact"}
+DEFAULT_TOLERANCE_UNITS = 10  # without a tolerance: units of a derived cell's last printed digit (module docstring)
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,16 @@ class Discrepancy:
     note: str
 
 
+@dataclass(frozen=True)
+class Derivation:
+    """One derived cell: where it is, its formula, which derivation of the spec made it, and that one's key."""
+
+    at: Ref
+    formula: Formula
+    origin: str  # "column Avg" (derived), "row Mean" (derived_rows), "cell [CMM, Avg]" (derived_cells)
+    key: str  # the formula's key under the spec's tables: T.derived.Avg.expr
+
+
 @dataclass
 class Table:
     name: str
@@ -80,7 +112,7 @@ class Table:
     cells: dict[tuple[str, str], Printed | None]
     formats: dict[str, Format] = field(default_factory=dict)  # per column
     tolerance: float | None = None
-    derivations: list[tuple[Ref, Formula]] = field(default_factory=list)
+    derivations: list[Derivation] = field(default_factory=list)
     discrepancies: dict[tuple[str, str], Discrepancy] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -92,6 +124,16 @@ class Table:
             printed = Printed(printed.text, printed.value, printed.decimals, True)
         return interval(printed, fmt.decimals, fmt.bounds)
 
+    def decimals(self, row: str, col: str) -> int:
+        """The precision of the printed cell: max(printed decimals, its column's declared decimals)."""
+        return max(self.cells[row, col].decimals, self.formats.get(col, Format()).decimals or 0)
+
+    def derived(self, axis: str) -> set[str]:
+        """The rows (axis "rows") that ``derived_rows`` computes, or the columns ("columns") that ``derived`` does:
+        summaries of the others, which quantifiers leave out (quantified.py)."""
+        kind = "row " if axis == "rows" else "column "
+        return {d.origin[len(kind):] for d in self.derivations if d.origin.startswith(kind)}
+
 
 @dataclass(frozen=True)
 class CellCheck:
@@ -101,7 +143,8 @@ class CellCheck:
     discrepancy record says: passes); "record-wrong" (a record that the numbers
     do not bear out: fails); "not checkable" (agrees, but its window is wider
     than the table's tolerance, so an error that large could pass: fails only
-    with --strict).
+    with --strict). ``origin`` is the derivation that made the check
+    (``column Avg``, ``row Mean``, ``cell [CMM, Avg]``).
     """
 
     at: Ref
@@ -112,6 +155,7 @@ class CellCheck:
     hi: float
     status: str
     detail: str = ""
+    origin: str = ""
 
     @property
     def ok(self) -> bool:
@@ -173,11 +217,10 @@ def parse_tables(raw: Any, field: str) -> dict[str, Table]:
     if not isinstance(raw, Mapping):
         raise UserError(field, "must map table names to tables", "see docs/specs.md")
     tables = {str(name): _parse_table(str(name), body, f"{field}.{name}") for name, body in raw.items()}
-    for table in tables.values():  # every reference checked, and written as the names it matched
-        where = f"{field}.{table.name}"
-        table.derivations = [(find_cell(tables, at, where)[0],
-                              replace(formula, refs=[find_cell(tables, r, where)[0] for r in formula.refs]))
-                             for at, formula in table.derivations]
+    for table in tables.values():  # every reference checked (other tables, blank cells), as the names it matched
+        table.derivations = [replace(d, formula=replace(d.formula, refs=[find_cell(tables, r, f"{field}.{d.key}")[0]
+                                                                         for r in d.formula.refs]))
+                             for d in table.derivations]
     return tables
 
 
@@ -203,8 +246,11 @@ def _format(raw: Any, field: str, base: Format = Format()) -> Format:
 
 def _names(raw: Any, field: str, what: str) -> list[str]:
     names = [name_text(n) if name_text(n) is not None else str(n) for n in raw] if isinstance(raw, list) else []
-    if not names or len(set(names)) != len(names):
+    if not names:
         raise UserError(field, f"needs a non-empty list of distinct {what} names", f"list the {what}s")
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:
+        raise UserError(field, f"lists {what} {show(twice[0])} twice", f"give each {what} once, with its own name")
     return names
 
 
@@ -270,7 +316,10 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
                 if table.cells[row, col] is not None:
                     resolve = _resolver(table, row=row if key == "derived" else None,
                                         col=col if key == "derived_rows" else None)
-                    table.derivations.append(((name, row, col), parse_formula(formula, f"{field}.{key}.{target}", resolve)))
+                    parsed = parse_formula(formula, f"{field}.{key}.{target}", resolve)
+                    origin = f"{'column' if key == 'derived' else 'row'} {known}"
+                    table.derivations.append(Derivation((name, row, col), parsed, origin,
+                                                        f"{name}.{key}.{target}.{parsed.kind}"))
     for i, entry in enumerate(body.get("derived_cells") or []):
         where = f"{field}.derived_cells[{i}]"
         if not isinstance(entry, Mapping) or "at" not in entry:
@@ -278,8 +327,10 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
         at = _resolver(table)(entry["at"], f"{where}.at")
         formula = {k: v for k, v in entry.items() if k != "at"}
         # a bare name is a column of the cell's own row, as in ``derived``
-        table.derivations.append((at, parse_formula(formula, where, _resolver(table, row=at[1]))))
-    targets = {at for at, _ in table.derivations}
+        parsed = parse_formula(formula, where, _resolver(table, row=at[1]))
+        table.derivations.append(Derivation(at, parsed, f"cell [{at[1]}, {at[2]}]",
+                                            f"{name}.derived_cells[{i}].{parsed.kind}"))
+    targets = {d.at for d in table.derivations}
     for i, entry in enumerate(body.get("discrepancies") or []):
         where = f"{field}.discrepancies[{i}]"
         if not isinstance(entry, Mapping) or set(entry) != {"at", "by", "note"}:
@@ -303,16 +354,24 @@ def _resolver(table: Table, row: str | None = None, col: str | None = None):
     A bare name is a column of ``row`` (in ``derived``) or a row of ``col`` (in
     ``derived_rows``); ``[row, col]`` is a cell of this table; ``[table, row,
     col]`` a cell of any table (its names are matched when all tables are read).
+    A name this table lacks is a UserError at ``field`` (the formula's key).
     """
+    def known(names: list[str], raw: Any, what: str, field: str) -> str:
+        name = match_name(names, raw)
+        if name is None:
+            raise UserError(field, f"refers to {what} {show(_text(raw))}, which table '{table.name}' does not have",
+                            f"use one of {names} (quote a name YAML would read as a number or list; "
+                            "in an expr, backquote a name that is not an identifier)")
+        return name
+
     def resolve(raw: Any, field: str) -> Ref:
         if not isinstance(raw, list):
             if row is not None:
-                return (table.name, row, match_name(table.columns, raw) or str(name_text(raw) or raw))
+                return (table.name, row, known(table.columns, raw, "column", field))
             if col is not None:
-                return (table.name, match_name(table.rows, raw) or str(name_text(raw) or raw), col)
+                return (table.name, known(table.rows, raw, "row", field), col)
         elif len(raw) == 2:
-            return (table.name, match_name(table.rows, raw[0]) or _text(raw[0]),
-                    match_name(table.columns, raw[1]) or _text(raw[1]))
+            return (table.name, known(table.rows, raw[0], "row", field), known(table.columns, raw[1], "column", field))
         elif len(raw) == 3 and isinstance(raw[0], str):
             return (raw[0], raw[1], raw[2])  # names matched against that table in ``cell``
         shapes = "a column name (in derived), a row name (in derived_rows), [row, col] or [table, row, col]"
@@ -368,33 +427,47 @@ def line(table: Table, col: str | None = None, row: str | None = None,
 def check_tables(tables: Mapping[str, Table], field: str = "tables") -> list[CellCheck]:
     """Recompute every derived cell of every table from the printed inputs (see module docstring).
 
-    UserError naming ``field``.table.row.col where a derivation is undefined on its inputs' intervals.
+    UserError naming the formula's key (``field``.table.derived.col.kind) and the cell where a derivation is
+    undefined on its inputs' intervals.
     """
     checks = []
     for table in tables.values():
-        for at, formula in table.derivations:
-            where = f"{field}.{table.name}.{at[1]}.{at[2]}"
-            inputs = [find_cell(tables, ref, where) for ref in formula.refs]
+        for d in table.derivations:
+            where = f"{field}.{d.key}"  # the formula's key
+            inputs = [find_cell(tables, ref, where) for ref in d.formula.refs]
             values = [p.value for _, p in inputs]
-            try:
-                recomputed = formula.fn(values)
-                lo, hi = formula.range([tables[r[0]].interval(r[1], r[2]) for r, _ in inputs])
+            try:  # the range first: where the printed values are themselves a pole, it says how far it reaches
+                lo, hi = d.formula.range([tables[r[0]].interval(r[1], r[2]) for r, _ in inputs])
+                recomputed = d.formula.fn(values)
             except ValueError as err:
-                raise UserError(where, str(err), "check the derivation's inputs") from None
+                raise UserError(where, f"at [{d.at[1]}, {d.at[2]}]: {err}", "check the derivation's inputs") from None
             if recomputed is None:
-                raise UserError(where, "the derivation is undefined", "check the derivation's inputs")
-            checks.append(_verdict(at, formula.text, table, recomputed, lo, hi))
+                raise UserError(where, f"at [{d.at[1]}, {d.at[2]}]: the derivation is undefined",
+                                "check the derivation's inputs")
+            checks.append(_verdict(d, table, recomputed, lo, hi))
     return checks
 
 
-def _verdict(at: Ref, kind: str, table: Table, recomputed: float, lo: float, hi: float) -> CellCheck:
+def tolerance(table: Table, row: str, col: str) -> tuple[float, str]:
+    """The largest window a derived cell [row, col] may have and still "agree", and where that bound comes from:
+    the table's ``tolerance``, else DEFAULT_TOLERANCE_UNITS units of the cell's last printed digit."""
+    if table.tolerance is not None:
+        return table.tolerance, f"the tolerance {table.tolerance:g}"
+    d = table.decimals(row, col)
+    bound = DEFAULT_TOLERANCE_UNITS * 10.0 ** -d
+    return bound, f"the default tolerance {bound:g} ({DEFAULT_TOLERANCE_UNITS} units of its last printed digit)"
+
+
+def _verdict(derivation: Derivation, table: Table, recomputed: float, lo: float, hi: float) -> CellCheck:
     """agree / disagree / not checkable, or recorded / record-wrong where the spec records a discrepancy.
 
     The printed interval P = [p_lo, p_hi] agrees when it meets [lo, hi]. Any
     printed value farther than  w = (hi - lo) + (p_hi - p_lo)  from one that
     agrees disagrees, so w is the smallest error the check is sure to catch:
-    above the table's tolerance the cell is "not checkable".
+    above the table's tolerance (``tolerance``) the cell is "not checkable".
     """
+    at, kind = derivation.at, derivation.formula.text
+    check = partial(CellCheck, at, kind, origin=derivation.origin)
     printed = table.cells[at[1], at[2]]
     p_lo, p_hi = table.interval(at[1], at[2])
     ok = meets((p_lo, p_hi), (lo, hi))
@@ -403,20 +476,22 @@ def _verdict(at: Ref, kind: str, table: Table, recomputed: float, lo: float, hi:
     if record is None:
         window = (hi - lo) + (p_hi - p_lo)
         if not ok:
-            return CellCheck(at, kind, printed, recomputed, lo, hi, "disagree",
-                             f"printed - recomputed = {off:+.4g}, beyond the inputs' rounding")
-        if table.tolerance is not None and window > table.tolerance + 1e-12:
-            return CellCheck(at, kind, printed, recomputed, lo, hi, "not checkable",
-                             f"rounding lets it move by {window:.3g}, more than the tolerance {table.tolerance:g} "
-                             "(declare decimals/range, or mark exact inputs with '!')")
-        return CellCheck(at, kind, printed, recomputed, lo, hi, "agree")
+            return check(printed, recomputed, lo, hi, "disagree",
+                         f"printed - recomputed = {off:+.4g}, beyond the inputs' rounding")
+        bound, source = tolerance(table, at[1], at[2])
+        if window > bound * (1 + 1e-9) + 1e-12:
+            return check(printed, recomputed, lo, hi, "not checkable",
+                         f"rounding lets it move by {window:.3g}, more than {source}; declare decimals/range, "
+                         "mark exact inputs with '!', or state the table's tolerance where the paper's precision "
+                         "allows no better")
+        return check(printed, recomputed, lo, hi, "agree")
     if ok:
-        return CellCheck(at, kind, printed, recomputed, lo, hi, "record-wrong",
+        return check(printed, recomputed, lo, hi, "record-wrong",
                          "recorded as a discrepancy, but the printed value recomputes: remove the record")
     # the recorded difference may itself be off by the rounding of everything involved
     allowed = (p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width
     if abs(off - record.by.value) <= allowed + 1e-9:
-        return CellCheck(at, kind, printed, recomputed, lo, hi, "recorded",
+        return check(printed, recomputed, lo, hi, "recorded",
                          f"the paper's own: printed - recomputed = {off:+.4g}; {record.note}")
-    return CellCheck(at, kind, printed, recomputed, lo, hi, "record-wrong",
+    return check(printed, recomputed, lo, hi, "record-wrong",
                      f"recorded by {record.by.text}, measured {off:+.4g}: correct the record")

@@ -1,6 +1,14 @@
 """mergeval's merge methods against mergekit's, on tiny Llama checkpoints.
 
-Deterministic methods (linear, task_arithmetic, ties, breadcrumbs, breadcrumbs_ties, slerp,
+``compat=mergekit`` (mergeval/methods/compat.py) must give mergekit's tensors within 1e-6 for every
+deterministic method mergekit also has, on any input: test_compat_same_tensors_as_mergekit runs them at
+densities giving fractional kept counts, with mergekit-only variants (disjoint sum, L1 rescale of TIES,
+normalized task arithmetic, breadcrumbs with density + gamma > 1), on the regular experts and on
+"anti" experts: quantised task vectors that are negatively correlated (model_stock's t < 0), sum to
+exactly 0 on many entries (the sign at a zero sum) and repeat magnitudes (the tie order at the cut).
+DARE and DELLA in compat mode match in distribution (the random cases below).
+
+The paper-mode (default) methods with mergekit-like options are compared too. Deterministic methods (linear, task_arithmetic, ties, breadcrumbs, breadcrumbs_ties, slerp,
 model_stock, sce) in their mergekit-compatible settings must give every tensor within 1e-5 of
 ``mergekit.merge.run_merge`` (CPU, float32, no lazy loading). The random methods (dare_linear,
 dare_ties, della_linear, della) draw from different generators, so they are compared in
@@ -52,6 +60,7 @@ SHARED, OWN = 0.04, 0.03  # task vector = SHARED * common + OWN * own noise: mea
 W3 = [1.0, 0.4, 1.6]
 ATOL = 1e-5
 SEEDS = 64
+ZERO = "model.layers.1.post_attention_layernorm.weight"  # all zeros in the third anti expert
 
 
 # ---------------------------------------------------------------- tiny checkpoints
@@ -63,6 +72,7 @@ class Tiny:
     experts: list[Path]  # three experts for the multi-model methods
     small_experts: list[Path]  # the same with task vectors 100x smaller (rms ~4e-4, as the quickstart experts')
     slerp_expert: Path  # one expert with exactly and nearly colinear tensors (slerp's lerp fallback)
+    anti: list[Path]  # three experts over a quantised base: d_1 = -d_0 exactly, d_2 zero on half the entries
     root: Path
 
     def tensors(self, path: Path) -> dict[str, torch.Tensor]:
@@ -107,18 +117,32 @@ def tiny(tmp_path_factory) -> Tiny:
     slerp["model.norm.weight"] = 1.3 * base["model.norm.weight"]  # colinear: cos = 1
     slerp["model.layers.0.input_layernorm.weight"] = base["model.layers.0.input_layernorm.weight"] + 1e-3 * torch.randn(
         32, generator=g)  # cos ~ 1 - 1e-7, above the 0.9995 threshold
+    # Quantised on a grid of 2^-6 (base) and 2^-8 (deltas) so every e - b is exact in float32:
+    # d_0 + d_1 = 0 bit for bit, and magnitudes repeat (ties at every trimming cut).
+    qbase = {name: torch.round(b * 64) / 64 for name, b in base.items()}
+    anti: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+    for name, b in qbase.items():
+        c = torch.round(8 * torch.randn(b.shape, generator=g)) / 256
+        half = torch.rand(b.shape, generator=g) < 0.5
+        own = torch.where(half, torch.zeros_like(b), torch.round(4 * torch.randn(b.shape, generator=g)) / 256)
+        anti[0][name], anti[1][name], anti[2][name] = b + c, b - c, b + own
+    anti[2][ZERO] = torch.zeros_like(qbase[ZERO])  # a zero tensor: slerp's zero-norm case
+    anti_root = root / "anti"
+    anti_root.mkdir()
     return Tiny(base=_save(root / "base", config, base),
                 experts=[_save(root / f"expert{i}", config, e) for i, e in enumerate(experts)],
                 small_experts=[_save(root / f"small{i}", config, {n: base[n] + 0.01 * (e[n] - base[n]) for n in base})
                                for i, e in enumerate(experts)],
-                slerp_expert=_save(root / "slerp", config, slerp), root=root)
+                slerp_expert=_save(root / "slerp", config, slerp),
+                anti=[_save(anti_root / "base", config, qbase)] + [_save(anti_root / f"e{i}", config, e)
+                                                                   for i, e in enumerate(anti)], root=root)
 
 
 # ---------------------------------------------------------------- running both tools
 
 
 def run_mergekit(tiny: Tiny, method: str, models: list[tuple[Path, dict]], parameters: dict,
-                 base: bool = True, seed: int | None = None) -> dict[str, torch.Tensor]:
+                 base: bool | Path = True, seed: int | None = None) -> dict[str, torch.Tensor]:
     """mergekit's merge of ``models`` (each with its per-model parameters), read back and deleted."""
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
@@ -127,7 +151,7 @@ def run_mergekit(tiny: Tiny, method: str, models: list[tuple[Path, dict]], param
     config = {"merge_method": method, "dtype": "float32", "out_dtype": "float32", "parameters": parameters,
               "models": [{"model": str(path), **({"parameters": p} if p else {})} for path, p in models]}
     if base:
-        config["base_model"] = str(tiny.base)
+        config["base_model"] = str(tiny.base if base is True else base)
     out = tiny.root / f"mergekit-{uuid.uuid4().hex}"
     options = MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False,
                            quiet=True, random_seed=seed)
@@ -140,19 +164,19 @@ def run_mergekit(tiny: Tiny, method: str, models: list[tuple[Path, dict]], param
 
 
 def run_mergeval(tiny: Tiny, method: str, params: dict, experts: list[Path],
-                 seeds=(0,)) -> list[dict[str, torch.Tensor]]:
+                 seeds=(0,), base: Path | None = None) -> list[dict[str, torch.Tensor]]:
     """mergeval's in-memory merge, once per seed."""
     merge = get_method(method)
     cfg = merge.config(**params)
     merge.validate(cfg, len(experts))
-    base, tuned = tiny.tensors(tiny.base), [tiny.tensors(p) for p in experts]
+    base, tuned = tiny.tensors(base or tiny.base), [tiny.tensors(p) for p in experts]
     return [merge_tensors(merge, cfg, base, tuned, seed, progress=False) for seed in seeds]
 
 
-def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], atol: float = ATOL) -> None:
     assert sorted(ours) == sorted(theirs)
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours[name], theirs[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- deterministic methods: same tensors
@@ -264,6 +288,77 @@ def test_fixture_exercises_the_differences(tiny):
     assert max(cosines) > 0.9995 and min(cosines) < 0.9
 
 
+# ---------------------------------------------------------------- compat=mergekit: same tensors within 1e-6
+
+MK = {"compat": "mergekit"}
+W_NEG = [1.0, -0.5, 1.2]  # a negative weight flips an expert's vote (mergekit elects on w_i s_i)
+COMPAT = [  # densities give fractional counts: 0.3 * 2048 = 614.4, 0.3 * 32 = 9.6, 0.45 * 64 * 8 = 230.4 ...
+    C("task_arithmetic", "task_arithmetic", {**MK, "lambda_": 0.7, "weights": W3}, {"lambda": 0.7}, weights=W3),
+    C("task_arithmetic-normalize", "task_arithmetic", {**MK, "normalize": True, "weights": W3}, {"normalize": True},
+      weights=W3),
+    C("linear", "linear", {**MK, "weights": W3}, {}, weights=W3),
+    C("ties", "ties", {**MK, "density": 0.3}, {}, {"density": 0.3}, weights=[1, 1, 1]),
+    C("ties-weighted", "ties", {**MK, "density": 0.45, "lambda_": 0.8, "weights": W_NEG}, {"lambda": 0.8},
+      {"density": 0.45}, weights=W_NEG),
+    C("ties-sum-rescale", "ties", {**MK, "density": 0.3, "normalize": False, "rescale": "l1", "weights": W3},
+      {"normalize": False, "rescale": True}, {"density": 0.3}, weights=W3),
+    C("breadcrumbs", "breadcrumbs", {**MK, "density": 0.3, "gamma": 0.05, "weights": W3}, {}, {"density": 0.3,
+                                                                                              "gamma": 0.05}, W3),
+    C("breadcrumbs-crowded", "breadcrumbs", {**MK, "density": 0.98, "gamma": 0.05, "normalize": True},
+      {"normalize": True}, {"density": 0.98, "gamma": 0.05}, weights=[1, 1, 1]),
+    C("breadcrumbs_ties", "breadcrumbs_ties", {**MK, "density": 0.3, "gamma": 0.02}, {},
+      {"density": 0.3, "gamma": 0.02}, weights=[1, 1, 1]),
+    C("breadcrumbs_ties-normalize", "breadcrumbs_ties", {**MK, "density": 0.55, "gamma": 0.01, "normalize": True,
+                                                         "weights": W_NEG}, {"normalize": True},
+      {"density": 0.55, "gamma": 0.01}, weights=W_NEG),
+    C("model_stock", "model_stock", {**MK}),
+    C("model_stock-filter_wise", "model_stock", {**MK, "filter_wise": True}, {"filter_wise": True}),
+    C("sce-topk", "sce", {**MK, "select_topk": 0.3}, {"select_topk": 0.3}),
+    C("sce", "sce", {**MK}, {}),
+]
+
+
+@requires_mergekit
+@pytest.mark.parametrize("case,fixture", [(c, f) for c in COMPAT for f in ("regular", "anti")],
+                         ids=lambda v: v.id if isinstance(v, Case) else v)
+def test_compat_same_tensors_as_mergekit(tiny, case, fixture):
+    base, experts = (tiny.base, tiny.experts) if fixture == "regular" else (tiny.anti[0], tiny.anti[1:])
+    models = [(path, {**case.per_model, **({"weight": w} if case.weights else {})})
+              for path, w in zip(experts, case.weights or [None] * len(experts))]
+    theirs = run_mergekit(tiny, case.method, models, case.shared, base=base if case.method != "linear" else False)
+    (ours,) = run_mergeval(tiny, case.method, case.ours, experts, base=base)
+    assert_same_tensors(ours, theirs, atol=1e-6)
+
+
+@requires_mergekit
+@pytest.mark.parametrize("t", [0.3, 0.8])
+def test_compat_slerp_same_tensors_as_mergekit(tiny, t):
+    """Includes a zero tensor (mergekit slerps it where the paper mode lerps) and colinear ones."""
+    theirs = run_mergekit(tiny, "slerp", [(tiny.anti[0], {}), (tiny.anti[3], {})], {"t": t}, base=tiny.anti[0])
+    (ours,) = run_mergeval(tiny, "slerp", {**MK, "t": t}, [tiny.anti[3]], base=tiny.anti[0])
+    assert_same_tensors(ours, theirs, atol=1e-6)
+
+
+@requires_mergekit
+def test_anti_fixture_exercises_what_compat_changes(tiny):
+    """Each difference the compat mode removes is present in the anti fixture, and the paper mode shows it."""
+    base = tiny.tensors(tiny.anti[0])
+    d = [{n: t - base[n] for n, t in tiny.tensors(p).items()} for p in tiny.anti[1:]]
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(d[0][name], -d[1][name]) and (d[2][name] == 0).float().mean() > 0.4  # exact zero sums
+    assert d[0][name].abs().unique().numel() < d[0][name].numel() / 10  # repeated magnitudes: ties at the cut
+    cases = {c.id: c for c in COMPAT}
+    for case_id in ("ties", "breadcrumbs", "model_stock", "sce-topk"):
+        case = cases[case_id]
+        paper = {k: v for k, v in case.ours.items() if k != "compat"}
+        (ours,) = run_mergeval(tiny, case.method, paper, tiny.anti[1:], base=tiny.anti[0])
+        (exact,) = run_mergeval(tiny, case.method, case.ours, tiny.anti[1:], base=tiny.anti[0])
+        assert max((ours[n] - exact[n]).abs().max().item() for n in ours) > 1e-3, case_id
+    (paper,) = run_mergeval(tiny, "slerp", {"t": 0.3}, [tiny.anti[3]], base=tiny.anti[0])
+    (exact,) = run_mergeval(tiny, "slerp", {**MK, "t": 0.3}, [tiny.anti[3]], base=tiny.anti[0])
+    assert (paper[ZERO] - exact[ZERO]).abs().max() > 1e-2
+
+
 # ---------------------------------------------------------------- random methods: same distribution
 
 
@@ -278,21 +373,21 @@ class RandomCase:
 
 
 RANDOM_SINGLE = [  # one expert, weight 1, lambda 1: the merged delta is the sparsified task vector itself
-    RandomCase("dare", "dare_linear", {"density": 0.3, "rescale": "l1"}, {"rescale": True}, {"density": 0.3}, (1.0,)),
-    RandomCase("della", "della_linear", {"density": 0.5, "epsilon": 0.2, "rescale": "l1", "rank_scope": "row"},
-               {"rescale": True}, {"density": 0.5, "epsilon": 0.2}, (1.0,)),
+    RandomCase("dare", "dare_linear", {"compat": "mergekit", "density": 0.3}, {}, {"density": 0.3}, (1.0,)),
+    RandomCase("della", "della_linear", {"compat": "mergekit", "density": 0.5, "epsilon": 0.2},
+               {}, {"density": 0.5, "epsilon": 0.2}, (1.0,)),
 ]
-RANDOM_MULTI = [
-    RandomCase("dare_linear", "dare_linear", {"density": 0.5, "rescale": "l1", "weights": W3}, {"rescale": True},
+RANDOM_MULTI = [  # compat=mergekit with mergekit's defaults (rescale l1; normalize false for dare_ties, true for della)
+    RandomCase("dare_linear", "dare_linear", {"compat": "mergekit", "density": 0.5, "weights": W3}, {},
                {"density": 0.5}, tuple(W3)),
-    RandomCase("dare_ties", "dare_ties", {"density": 0.3, "rescale": "l1", "weights": W3, **TIES_LIKE},
-               {"rescale": True, "normalize": True}, {"density": 0.3}, tuple(W3)),
-    RandomCase("della_linear", "della_linear",
+    RandomCase("dare_ties", "dare_ties", {"compat": "mergekit", "density": 0.3, "weights": W3}, {},
+               {"density": 0.3}, tuple(W3)),
+    # the paper mode with mergekit-like options (L1 rescale, ranks within rows) stays close to mergekit too
+    RandomCase("della_linear-paper", "della_linear",
                {"density": 0.5, "epsilon": 0.15, "rescale": "l1", "rank_scope": "row", "lambda_": 0.8},
                {"rescale": True, "lambda": 0.8}, {"density": 0.5, "epsilon": 0.15}, (1.0, 1.0, 1.0)),
-    RandomCase("della", "della", {"density": 0.4, "epsilon": 0.2, "rescale": "l1", "rank_scope": "row",
-                                  "weights": W3, **TIES_LIKE},
-               {"rescale": True, "normalize": True}, {"density": 0.4, "epsilon": 0.2}, tuple(W3)),
+    RandomCase("della", "della", {"compat": "mergekit", "density": 0.4, "epsilon": 0.2, "weights": W3}, {},
+               {"density": 0.4, "epsilon": 0.2}, tuple(W3)),
 ]
 
 

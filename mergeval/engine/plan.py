@@ -10,7 +10,8 @@ carries its method config with ``rules`` resolved (see ``RULES_DOC`` in
                outside the layers: t = 0 for 'embed' / 'wte' / 'wpe' tensors, else t = 1
     gradient   [v_0, ..., v_k] at t:  x = t k,  j = min(floor(x), k),  value = v_j + (x - j)(v_{j+1} - v_j)
     rules      the last rule whose glob matches the unit's name sets each parameter;
-               unmatched parameters keep the top-level value
+               unmatched parameters keep the top-level value; a rule with ``expert: i``
+               sets expert i's own value (``per_expert[i]``), which beats the shared one
 
 mergekit computes t the same way (pre-layer weights 0, post-layer weights 1,
 i / (L - 1) per layer of a slice, 1 for a one-layer slice) but its filters are
@@ -80,14 +81,34 @@ def resolve(cfg: Any, name: str, t: float) -> tuple[Any, dict[str, int]]:
     kinds = rule_params(type(cfg))
     values: dict[str, Any] = {}
     source: dict[str, int] = {}
+    own: dict[int, dict[str, float]] = {}
     for i, rule in enumerate(rules):
         match, params = rule_items(rule)
+        expert = params.pop("expert", None)
         if fnmatchcase(name, match):
             for p, value in params.items():
                 v = interpolate(value, t)
-                values[p] = round(v) if kinds.get(p) is int else float(v)
-                source[p] = i
+                v = round(v) if kinds.get(p) is int else float(v)
+                if expert is None:
+                    values[p], source[p] = v, i
+                else:
+                    own.setdefault(expert, {})[p] = v
+                    source[f"per_expert[{expert}].{p}"] = i
+    if own:
+        per_expert = [dict(e or {}) for e in (getattr(cfg, "per_expert", None) or [])]
+        per_expert += [{} for _ in range(max(own) + 1 - len(per_expert))]
+        for expert, items in own.items():
+            per_expert[expert].update(items)
+        values["per_expert"] = per_expert
     return dataclasses.replace(cfg, rules=[], **values), source
+
+
+def resolved_value(cfg: Any, key: str) -> Any:
+    """A parameter of a resolved config by its source key: ``density`` or ``per_expert[1].density``."""
+    if key.startswith("per_expert["):
+        index, param = key.removeprefix("per_expert[").split("].")
+        return cfg.per_expert[int(index)][param]
+    return getattr(cfg, key)
 
 
 @dataclass(frozen=True)
@@ -140,7 +161,7 @@ def check_plan(method: MergeMethod, plan: list[Unit], n_experts: int) -> None:
     for unit in plan:
         if unit.kind == "copy" or not unit.rule_of:
             continue
-        key = (tuple(getattr(unit.cfg, p) for p, _ in unit.rule_of), unit.rule_of)
+        key = (tuple(resolved_value(unit.cfg, p) for p, _ in unit.rule_of), unit.rule_of)
         if key in seen:
             continue
         seen.add(key)
@@ -150,6 +171,6 @@ def check_plan(method: MergeMethod, plan: list[Unit], n_experts: int) -> None:
             rules = dict(unit.rule_of)
             param = err.field.removeprefix("method.")
             param = param if param in rules else unit.rule_of[0][0]
-            with blame_rule(rules[param], param, f"{param}={getattr(unit.cfg, param):.6g} at {unit.key}, "
+            with blame_rule(rules[param], param, f"{param}={resolved_value(unit.cfg, param):.6g} at {unit.key}, "
                                                   f"depth t={unit.t:.3g}"):
                 raise

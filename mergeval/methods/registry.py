@@ -17,8 +17,11 @@ Two kinds of method:
   ``merge_layer`` is called with a one-tensor group ``{name: tensor}``.
 
 Every method config also gets ``rules`` (per-tensor parameters; see
-``RULES_DOC`` below), added here when the method is registered, so method
-modules and ``conf/method/*.yaml`` never declare it.
+``RULES_DOC`` below), and every config with ``weights`` gets ``per_expert``
+(each expert's own weight, density, gamma, epsilon: mergekit's per-model
+parameters), added here when the method is registered, so method modules and
+``conf/method/*.yaml`` never declare them. Methods read per-expert values with
+``mergeval.methods.compat.expert_value``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ their name holds 'embed', 'wte' or 'wpe' (before the first layer) and t = 1
 otherwise (final norm, lm_head: after the last layer), as mergekit does. When
 several rules set a parameter for a tensor, the last matching rule wins;
 unmatched tensors keep the method's top-level value. Settable: the method's
-numeric (float or int, not bool) parameters; int parameters are rounded."""
+numeric (float or int, not bool) parameters; int parameters are rounded.
+A rule with 'expert: I' (0-based index into the modelset's experts) sets expert
+I's own 'weight' / 'density' / 'gamma' / 'epsilon' instead; an expert's own
+value beats the shared one whatever the rule order (as mergekit's per-model
+parameters beat its global ones)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class MergeMethod:
     merge_layer: LayerMergeFn | None = None  # set for methods that need a whole layer at a time
 
 
+PER_EXPERT = ("density", "gamma", "epsilon")  # besides weight: the per-model parameters mergekit also has
 METHODS: dict[str, MergeMethod] = {}
 _DERIVED: dict[type, type] = {}  # method config -> its schema with rules (shared configs derive once)
 
@@ -109,20 +117,32 @@ def rule_params(config: type) -> dict[str, type]:
             if f.name not in ("name", "rules") and hints[f.name] in (float, int)}
 
 
+def expert_params(config: type) -> tuple[str, ...]:
+    """What an expert may set for itself: ``weight`` and the method's density/gamma/epsilon (configs with weights)."""
+    names = {f.name for f in dataclasses.fields(config)}
+    return ("weight",) + tuple(p for p in PER_EXPERT if p in names) if "weights" in names else ()
+
+
 def with_rules(config: type) -> type:
     """``config`` plus ``rules: list[<Method>Rule]``, where a rule is ``match`` and one optional field per
-    rule parameter (typed Any: a number or a list of numbers), so a misspelt parameter fails at compose time.
+    rule parameter (typed Any: a number or a list of numbers), so a misspelt parameter fails at compose time;
+    configs with ``weights`` also get ``per_expert: list[dict[str, float]]`` and rules an ``expert`` index.
 
     The derived classes live in this module under unique names so configs pickle (joblib/submitit launchers).
     """
     if config in _DERIVED or "rules" in {f.name for f in dataclasses.fields(config)}:
         return _DERIVED.get(config, config)
     stem = config.__name__.removesuffix("Config")
+    own = expert_params(config)
     rule = dataclasses.make_dataclass(
         f"{stem}Rule", [("match", str, dataclasses.field(default="*"))]
-        + [(p, Any, dataclasses.field(default=None)) for p in rule_params(config)])
+        + ([("expert", int | None, dataclasses.field(default=None))] if own else [])
+        + [(p, Any, dataclasses.field(default=None)) for p in rule_params(config)]
+        + ([("weight", Any, dataclasses.field(default=None))] if own else []))
+    extra = [("per_expert", list[dict[str, float]] | None, dataclasses.field(default=None))] if own else []
     derived = dataclasses.make_dataclass(
-        f"{stem}ConfigWithRules", [("rules", list[rule], dataclasses.field(default_factory=list))], bases=(config,))
+        f"{stem}ConfigWithRules", [("rules", list[rule], dataclasses.field(default_factory=list)), *extra],
+        bases=(config,))
     module = sys.modules[__name__]
     for cls in (rule, derived):
         if getattr(module, cls.__name__, cls) is not cls:
@@ -159,22 +179,30 @@ def knots(value: Any) -> list[float]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def check_rule_shapes(cfg: Any) -> None:
-    """Every rule names a glob and at least one settable parameter with a number or a non-empty number list."""
-    allowed = rule_params(type(cfg))
+def check_rule_shapes(cfg: Any, n_experts: int) -> None:
+    """Every rule names a glob and at least one settable parameter with a number or a non-empty number list;
+    a rule with ``expert`` names an expert and sets only that expert's own parameters."""
     for i, rule in enumerate(getattr(cfg, "rules", None) or []):
         match, params = rule_items(rule)
+        expert = params.pop("expert", None)
+        allowed = rule_params(type(cfg)) if expert is None else expert_params(type(cfg))
         where = f"method.rules[{i}]"
         if not isinstance(match, str) or not match:
             raise UserError(f"{where}.match", f"must be a non-empty glob, got {match!r}",
                             f"set e.g. {where}.match='*mlp*'")
+        if expert is not None and not (isinstance(expert, int) and 0 <= expert < n_experts):
+            raise UserError(f"{where}.expert", f"must be an expert index in 0..{n_experts - 1}, got {expert!r}",
+                            "count the modelset's experts from 0")
         if not params:
             raise UserError(where, "sets no parameter",
                             f"add one of: {', '.join(allowed) or '(this method has no numeric parameters)'}")
         for p, value in params.items():
             if p not in allowed:
-                raise UserError(f"{where}.{p}", "is not a numeric parameter of this method",
-                                f"rules can set: {', '.join(allowed) or '(none)'}")
+                raise UserError(f"{where}.{p}", "is not a numeric parameter of this method"
+                                + (" that an expert can set" if expert is not None else
+                                   " (weight needs expert: I)" if p == "weight" else ""),
+                                f"{'this rule' if expert is None else 'a rule with expert'} can set: "
+                                f"{', '.join(allowed) or '(none)'}")
             if isinstance(value, (list, tuple)) and not value:
                 raise UserError(f"{where}.{p}", "is an empty list", "give a number or a list of numbers")
             if not all(_is_number(x) for x in knots(value)):
@@ -192,19 +220,49 @@ def _validating_rules(validate: ValidateFn) -> ValidateFn:
     """
     def check(cfg: Any, n_experts: int) -> None:
         validate(cfg, n_experts)
+        _check_per_expert(cfg, n_experts, validate)
         rules = getattr(cfg, "rules", None) or []
         if not rules:
             return
-        check_rule_shapes(cfg)
+        check_rule_shapes(cfg, n_experts)
         for i, rule in enumerate(rules):
-            for p, value in rule_items(rule)[1].items():
+            params = rule_items(rule)[1]
+            params.pop("expert", None)
+            for p, value in params.items():
                 for x in knots(value):
+                    if p == "weight":
+                        continue  # any finite number (check_rule_shapes)
                     trial = dataclasses.replace(cfg, rules=[], **{p: x})
                     with blame_rule(i, p, f"in {value}" if isinstance(value, (list, tuple)) else ""):
                         validate(trial, n_experts)
 
     check.__doc__ = validate.__doc__
     return check
+
+
+def _check_per_expert(cfg: Any, n_experts: int, validate: ValidateFn) -> None:
+    """per_expert: at most one entry per expert, each setting only that expert's parameters to valid values."""
+    own = getattr(cfg, "per_expert", None)
+    if not own:
+        return
+    allowed = expert_params(type(cfg))
+    if len(own) > n_experts:
+        raise UserError("method.per_expert", f"{len(own)} entries for {n_experts} experts",
+                        "give at most one entry per expert, in the modelset's order")
+    for i, entry in enumerate(own):
+        for p, x in (entry or {}).items():
+            field = f"method.per_expert[{i}].{p}"
+            if p not in allowed:
+                raise UserError(field, "is not a parameter an expert can set", f"use one of: {', '.join(allowed)}")
+            if x is None:
+                continue
+            if not _is_number(x):
+                raise UserError(field, f"must be a finite number, got {x!r}", f"set e.g. {field}=0.5")
+            if p != "weight":
+                try:
+                    validate(dataclasses.replace(cfg, rules=[], per_expert=None, **{p: x}), n_experts)
+                except UserError as err:
+                    raise UserError(field, err.problem, err.fix.replace(f"method.{p}=", f"{field}=")) from None
 
 
 @contextmanager

@@ -11,13 +11,17 @@ DARE, Breadcrumbs and DELLA first sparsify every ``d_i`` on its own into
     linear variants (dare_linear, breadcrumbs, della_linear):
         merged = b + lambda * sum_i w_i * s_i
     TIES variants (dare_ties, breadcrumbs_ties, della):
-        merged = b + lambda * disjoint_mean(s_1..s_N)
-    where disjoint_mean is the sign election and disjoint (weighted) mean of
+        merged = b + lambda * disjoint_merge(s_1..s_N)
+    where disjoint_merge is the sign election and disjoint (weighted) mean of
     ``ties`` with the same options (sign_rule, weights_before_election).
 
-The TIES variants always take the disjoint *mean* (as ``ties`` does); mergekit
-defaults dare_ties and breadcrumbs_ties to normalize=false, i.e. the disjoint
-*sum*. Random methods draw all their randomness from the generator they are
+The TIES variants take the disjoint *mean* unless normalize=false (the disjoint
+*sum*, mergekit's default for dare_ties and breadcrumbs_ties); the linear
+variants divide by sum_i w_i only with normalize=true. Each expert may have its
+own density, gamma and epsilon (``per_expert`` or rules with ``expert: i``).
+``compat=mergekit`` gives mergekit 0.1.5's semantics (``compat.py``: kept
+counts floor(density n), its tie order and sign at zero, rescale l1 or none,
+rows along dim 1 for DELLA). Random methods draw all their randomness from the generator they are
 given, one uniform draw per entry per expert in expert order, so a seed fixes
 the output bit for bit; the expert order therefore changes which draws each
 expert gets (the output distribution does not depend on the order).
@@ -32,11 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
+from mergeval.methods import compat
+from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
-from mergeval.methods.task_vector import _check_lambda, _check_weights, _weights, kept_count, trim_to_density
+from mergeval.methods.task_vector import (_check_lambda, _check_weights, check_ties_options, disjoint_merge,
+                                          kept_count, trim_to_density)
 
-RESCALES_DARE = ("inverse_density", "l1")
-RESCALES_DELLA = ("inverse_prob", "l1")
+RESCALES_DARE = ("inverse_density", "l1", "none")
+RESCALES_DELLA = ("inverse_prob", "l1", "none")
 RANK_SCOPES = ("tensor", "row")
 SIGN_RULES = ("sum", "count")
 
@@ -50,7 +57,10 @@ class DareLinearConfig:
     lambda_: float = 1.0
     density: float = 0.5  # keep probability of each delta entry (1 - the paper's drop rate p)
     weights: list[float] | None = None
-    rescale: str = "inverse_density"  # "inverse_density": kept / density (paper); "l1": match the L1 norm (mergekit)
+    # null: the mode's; "inverse_density": kept / density (paper); "l1": match the L1 norm (mergekit); "none"
+    rescale: str | None = None
+    normalize: bool = False  # true: divide by sum_i w_i (mergekit's normalize)
+    compat: str = "paper"
 
 
 @dataclass
@@ -59,9 +69,11 @@ class DareTiesConfig:
     lambda_: float = 1.0
     density: float = 0.5
     weights: list[float] | None = None
-    rescale: str = "inverse_density"
+    rescale: str | None = None
     sign_rule: str = "sum"  # as in ties: "sum" (paper) or "count" (majority of experts)
-    weights_before_election: bool = False  # as in ties: true reproduces mergekit's order
+    weights_before_election: bool | None = None  # as in ties: null is the mode's (mergekit: true)
+    normalize: bool | None = None  # null: paper true (disjoint mean), mergekit false (disjoint sum)
+    compat: str = "paper"
 
 
 @dataclass
@@ -71,6 +83,9 @@ class BreadcrumbsConfig:
     density: float = 0.9  # fraction of entries kept (after the outliers), by magnitude
     gamma: float = 0.01  # fraction of largest-magnitude entries dropped as outliers
     weights: list[float] | None = None
+    normalize: bool = False  # true: divide by sum_i w_i (mergekit's normalize)
+    rescale: str | None = None  # null/none: as trimmed; l1: L1-matched (mergekit's rescale)
+    compat: str = "paper"
 
 
 @dataclass
@@ -81,7 +96,10 @@ class BreadcrumbsTiesConfig:
     gamma: float = 0.01
     weights: list[float] | None = None
     sign_rule: str = "sum"
-    weights_before_election: bool = False
+    weights_before_election: bool | None = None
+    normalize: bool | None = None  # null: paper true (disjoint mean), mergekit false (disjoint sum)
+    rescale: str | None = None
+    compat: str = "paper"
 
 
 @dataclass
@@ -91,8 +109,11 @@ class DellaLinearConfig:
     density: float = 0.5  # mean keep probability
     epsilon: float = 0.1  # keep probabilities span [density - epsilon, density + epsilon] by magnitude rank
     weights: list[float] | None = None
-    rescale: str = "inverse_prob"  # "inverse_prob": kept / p_keep (paper); "l1": match the L1 norm (mergekit)
-    rank_scope: str = "tensor"  # magnitude ranks within the "tensor", or within each "row" (mergekit)
+    # null: the mode's; "inverse_prob": kept / p_keep (paper); "l1": match the L1 norm (mergekit); "none"
+    rescale: str | None = None
+    rank_scope: str | None = None  # null: the mode's; ranks within the "tensor" (paper) or each "row" (mergekit)
+    normalize: bool = False  # true: divide by sum_i w_i (mergekit's normalize)
+    compat: str = "paper"
 
 
 @dataclass
@@ -102,10 +123,12 @@ class DellaConfig:
     density: float = 0.5
     epsilon: float = 0.1
     weights: list[float] | None = None
-    rescale: str = "inverse_prob"
-    rank_scope: str = "tensor"
+    rescale: str | None = None
+    rank_scope: str | None = None
     sign_rule: str = "sum"
-    weights_before_election: bool = False
+    weights_before_election: bool | None = None
+    normalize: bool | None = None  # null: true (disjoint mean) in both modes
+    compat: str = "paper"
 
 
 @dataclass
@@ -113,8 +136,9 @@ class SceConfig:
     name: str = "sce"
     lambda_: float = 1.0
     select_topk: float = 1.0  # fraction of entries kept, ranked by variance across experts (1 = all)
-    normalize: bool = False  # true: divide by the surviving weights, as mergekit does
-    uniform_below: float = 0.0  # equal expert weights below this summed mean-square delta (mergekit: 1e-6)
+    normalize: bool | None = None  # null: the mode's (paper false; mergekit true: divide by the surviving weights)
+    uniform_below: float | None = None  # equal expert weights below this summed mean-square delta (null: 0; mergekit 1e-6)
+    compat: str = "paper"
 
 
 # ---------------------------------------------------------------- validation
@@ -131,34 +155,51 @@ def _check_choice(value: str, allowed: tuple[str, ...], field: str) -> None:
 
 
 def _check_common(cfg, n_experts: int) -> None:
+    compat.check_compat(cfg)
     _check_lambda(cfg.lambda_)
     _check_weights(cfg.weights, n_experts)
     _check_density(cfg.density)
     if hasattr(cfg, "sign_rule"):
         _check_choice(cfg.sign_rule, SIGN_RULES, "method.sign_rule")
+        check_ties_options(cfg)
+
+
+def _rescale(cfg) -> str:
+    """The resolved rescale: the paper's own (inverse_density, inverse_prob, none) or mergekit's (l1 or none)."""
+    paper, mergekit = {"dare": ("inverse_density", "l1"), "della": ("inverse_prob", "l1")}.get(
+        _family(cfg), ("none", "none"))
+    return compat.option(cfg, "rescale", paper, mergekit, ("l1", "none"))
+
+
+def _family(cfg) -> str:
+    return cfg.name.split("_")[0]
 
 
 def _validate_dare(cfg: DareLinearConfig | DareTiesConfig, n_experts: int) -> None:
     _check_common(cfg, n_experts)
-    _check_choice(cfg.rescale, RESCALES_DARE, "method.rescale")
+    _check_choice(_rescale(cfg), RESCALES_DARE, "method.rescale")
 
 
 def _validate_breadcrumbs(cfg: BreadcrumbsConfig | BreadcrumbsTiesConfig, n_experts: int) -> None:
     _check_common(cfg, n_experts)
+    _check_choice(_rescale(cfg), ("none", "l1"), "method.rescale")
     if not (0.0 <= cfg.gamma < 1.0):
         raise UserError("method.gamma", f"must be in [0, 1), got {cfg.gamma}", "set e.g. method.gamma=0.01")
-    if cfg.density + cfg.gamma > 1.0 + 1e-9:
+    if cfg.density + cfg.gamma > 1.0 + 1e-9 and not compat.is_mergekit(cfg):  # mergekit shrinks the outlier cut
         raise UserError("method.gamma", f"density + gamma = {cfg.density + cfg.gamma:g} exceeds 1",
                         "lower method.gamma or method.density so that they sum to at most 1")
 
 
 def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> None:
     _check_common(cfg, n_experts)
-    _check_choice(cfg.rescale, RESCALES_DELLA, "method.rescale")
-    _check_choice(cfg.rank_scope, RANK_SCOPES, "method.rank_scope")
+    _check_choice(_rescale(cfg), RESCALES_DELLA, "method.rescale")
+    _check_choice(compat.option(cfg, "rank_scope", "tensor", "row"), RANK_SCOPES, "method.rank_scope")
     if not (math.isfinite(cfg.epsilon) and cfg.epsilon >= 0.0):
         raise UserError("method.epsilon", f"must be a finite number >= 0, got {cfg.epsilon}",
                         "set e.g. method.epsilon=0.1")
+    if compat.is_mergekit(cfg):
+        compat.check_magprune(cfg.density, cfg.epsilon)
+        return
     lo, hi = cfg.density - cfg.epsilon, cfg.density + cfg.epsilon
     if not (lo > 0.0 and hi <= 1.0 + 1e-9):
         raise UserError("method.epsilon", f"keep probabilities density -/+ epsilon = [{lo:g}, {hi:g}] "
@@ -166,9 +207,12 @@ def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> Non
 
 
 def _validate_sce(cfg: SceConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
     _check_lambda(cfg.lambda_)
-    if not (math.isfinite(cfg.uniform_below) and cfg.uniform_below >= 0.0):
-        raise UserError("method.uniform_below", f"must be a finite number >= 0, got {cfg.uniform_below}",
+    compat.option(cfg, "normalize", False, True)
+    uniform_below = compat.option(cfg, "uniform_below", 0.0, 1e-6)
+    if not (math.isfinite(uniform_below) and uniform_below >= 0.0):
+        raise UserError("method.uniform_below", f"must be a finite number >= 0, got {uniform_below}",
                         "set method.uniform_below=0 (never) or 1e-6 (mergekit)")
     _check_density(cfg.select_topk, "method.select_topk")
     if cfg.select_topk < 1.0 and n_experts < 2:
@@ -185,12 +229,10 @@ def _uniform(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.rand(like.shape, generator=gen, device=gen.device).to(like.device)
 
 
-def _match_l1(delta: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """kept * ||delta||_1 / ||kept||_1, or kept unchanged if either norm is below eps (as mergekit)."""
-    before, after = delta.abs().sum(), kept.abs().sum()
-    if before < eps or after < eps:
-        return kept
-    return kept * (before / after)
+def _rescaled(delta: torch.Tensor, kept: torch.Tensor, rescale: str, keep_prob) -> torch.Tensor:
+    if rescale == "l1":
+        return match_l1(delta, kept)
+    return kept if rescale == "none" else kept / keep_prob
 
 
 def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: torch.Generator) -> torch.Tensor:
@@ -199,12 +241,13 @@ def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: torch.Gene
     m ~ Bernoulli(density) per entry (m = [u < density], u ~ U[0,1) from gen)
     s = m * delta / density                     rescale="inverse_density" (the paper; E[s] = delta)
     s = m * delta * |delta|_1 / |m * delta|_1   rescale="l1" (mergekit)
+    s = m * delta                               rescale="none" (mergekit's rescale=false)
     density = 1 returns delta unchanged and draws nothing.
     """
     if density >= 1.0:
         return delta
     kept = torch.where(_uniform(delta, gen) < density, delta, torch.zeros_like(delta))
-    return kept / density if rescale == "inverse_density" else _match_l1(delta, kept)
+    return _rescaled(delta, kept, rescale, density)
 
 
 def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -250,45 +293,57 @@ def della_magprune(delta: torch.Tensor, density: float, epsilon: float, rescale:
     m ~ Bernoulli(p) per entry (m = [u < p], u ~ U[0,1) from gen)
     s = m * delta / p                           rescale="inverse_prob" (the paper; E[s] = delta)
     s = m * delta * |delta|_1 / |m * delta|_1   rescale="l1" (mergekit)
+    s = m * delta                               rescale="none"
     """
     p = della_keep_prob(delta, density, epsilon, rank_scope)
     kept = torch.where(_uniform(delta, gen) < p, delta, torch.zeros_like(delta))
-    return kept / p if rescale == "inverse_prob" else _match_l1(delta, kept)
+    return _rescaled(delta, kept, rescale, p)
 
 
 # ---------------------------------------------------------------- combining
 
 
-def disjoint_mean(sparse: torch.Tensor, w: list[float], sign_rule: str,
-                  weights_before_election: bool) -> torch.Tensor:
-    """TIES' election and disjoint mean over the stacked (N, ...) sparsified deltas -- ``ties``' rule.
+def _sparsifier(cfg, gen: torch.Generator) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Expert i's sparsifier ``(d_i, i) -> s_i`` in the config's mode (mergekit's leaves the rescale to gta)."""
+    family, mk, rescale = _family(cfg), compat.is_mergekit(cfg), _rescale(cfg)
 
-    gamma = sign(sum_i s_i) ("sum") or sign(sum_i sign(s_i)) ("count"); s_i times w_i when
-    weights_before_election; A_i = [sign(s_i) == gamma] and s_i != 0;
-    tau = sum_i w_i A_i s_i / sum_i w_i A_i (0 where no one agrees).
-    The "sum" vote adds the experts' values in sorted order, so which expert comes first cannot
-    change a rounding-level sign.
-    """
-    wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
-    voters = sparse * wt if weights_before_election else sparse
-    if sign_rule == "sum":
-        gamma = torch.sign(voters.sort(0).values.sum(0))
-    else:
-        gamma = torch.sign(torch.sign(voters).sum(0))
-    agree = (torch.sign(sparse) == gamma) & (sparse != 0)
-    mass = (wt * agree).sum(0)
-    return (wt * sparse * agree).sum(0) / mass.where(mass != 0, torch.ones_like(mass))
+    def value(name: str, i: int) -> float:
+        return expert_value(cfg, name, i)
+
+    if family == "dare":
+        if mk:
+            return lambda d, i: compat.bernoulli(d, value("density", i), gen)
+        return lambda d, i: dare_drop(d, value("density", i), rescale, gen)
+    if family == "breadcrumbs":
+        if mk:
+            return lambda d, i: compat.outliers(d, value("density", i), value("gamma", i))
+        return lambda d, i: _rescaled(d, breadcrumbs_mask(d, value("density", i), value("gamma", i)), rescale, 1.0)
+    if mk:
+        return lambda d, i: compat.magprune(d, value("density", i), value("epsilon", i), gen)
+    scope = compat.option(cfg, "rank_scope", "tensor", "row")
+    return lambda d, i: della_magprune(d, value("density", i), value("epsilon", i), rescale, gen, scope)
 
 
-def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg,
-             sparsify: Callable[[torch.Tensor], torch.Tensor], elect: bool) -> torch.Tensor:
+MERGEKIT_NORMALIZE = {"ties": True, "della": True}  # mergekit's normalize default of each TIES variant (else false)
+
+
+def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Generator, elect: bool) -> torch.Tensor:
+    """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda."""
+    sparsify = _sparsifier(cfg, gen)
+    if compat.is_mergekit(cfg):
+        normalize = (compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
+                     if elect else cfg.normalize)
+        return compat.gta(base, experts, cfg, sparsify, _rescale(cfg) == "l1", cfg.sign_rule if elect else None,
+                          normalize)
     b = base.float()
-    w = _weights(cfg.weights, len(experts))
-    sparse = [sparsify(e.float() - b) for e in experts]
+    sparse = [sparsify(e.float() - b, i) for i, e in enumerate(experts)]
     if elect:
-        tau = disjoint_mean(torch.stack(sparse), w, cfg.sign_rule, cfg.weights_before_election)
+        tau = disjoint_merge(torch.stack(sparse), cfg)
     else:
+        w = expert_weights(cfg, len(experts))
         tau = sum(wi * s for wi, s in zip(w, sparse))
+        if cfg.normalize and abs(sum(w)) >= 1e-8:
+            tau = tau / sum(w)
     return (b + cfg.lambda_ * tau).to(base.dtype)
 
 
@@ -300,11 +355,11 @@ def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinear
                 gen: torch.Generator) -> torch.Tensor:
     """DARE + task arithmetic (Yu et al., 2024).
 
-    s_i    = dare_drop(d_i, density, rescale)   keep w.p. density; kept / density (or L1-matched)
-    merged = b + lambda * sum_i w_i * s_i
-    density = 1 is task_arithmetic.
+    s_i    = dare_drop(d_i, density_i, rescale)   keep w.p. density_i; kept / density_i (or L1-matched, or as is)
+    merged = b + lambda * sum_i w_i * s_i          (normalize=true: divided by sum_i w_i)
+    density = 1 is task_arithmetic. compat=mergekit: rescale defaults to l1 (compat.py).
     """
-    return _combine(base, experts, cfg, lambda d: dare_drop(d, cfg.density, cfg.rescale, gen), elect=False)
+    return _combine(base, experts, cfg, gen, elect=False)
 
 
 @register("dare_ties", DareTiesConfig, _validate_dare)
@@ -312,11 +367,12 @@ def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConf
               gen: torch.Generator) -> torch.Tensor:
     """DARE + TIES election (Yu et al., 2024): random drop instead of TIES' magnitude trim.
 
-    s_i    = dare_drop(d_i, density, rescale)
-    merged = b + lambda * disjoint_mean(s_1..s_N)   TIES' election + disjoint mean (sign_rule, weights)
-    density = 1 is ties with density 1.
+    s_i    = dare_drop(d_i, density_i, rescale)
+    merged = b + lambda * disjoint_merge(s_1..s_N)   TIES' election + disjoint mean (normalize=false: sum)
+    density = 1 is ties with density 1. compat=mergekit: rescale l1 and normalize false by default,
+    weights before the election, + at a zero sum (compat.py).
     """
-    return _combine(base, experts, cfg, lambda d: dare_drop(d, cfg.density, cfg.rescale, gen), elect=True)
+    return _combine(base, experts, cfg, gen, elect=True)
 
 
 @register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs)
@@ -325,9 +381,11 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
 
     s_i    = breadcrumbs_mask(d_i)   drop the floor(gamma*n) largest |d_i|, keep the next ceil(density*n)
-    merged = b + lambda * sum_i w_i * s_i
+    merged = b + lambda * sum_i w_i * s_i          (normalize=true: divided by sum_i w_i)
+    compat=mergekit: keep floor(density n) (possibly 0), shrink the outlier cut when density + gamma > 1,
+    density = 1 keeps everything (compat.py).
     """
-    return _combine(base, experts, cfg, lambda d: breadcrumbs_mask(d, cfg.density, cfg.gamma), elect=False)
+    return _combine(base, experts, cfg, gen, elect=False)
 
 
 @register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs)
@@ -336,10 +394,10 @@ def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: Bread
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).
 
     s_i    = breadcrumbs_mask(d_i)
-    merged = b + lambda * disjoint_mean(s_1..s_N)
-    gamma = 0 is ties with the same density.
+    merged = b + lambda * disjoint_merge(s_1..s_N)
+    gamma = 0 is ties with the same density. compat=mergekit: as breadcrumbs, and normalize false by default.
     """
-    return _combine(base, experts, cfg, lambda d: breadcrumbs_mask(d, cfg.density, cfg.gamma), elect=True)
+    return _combine(base, experts, cfg, gen, elect=True)
 
 
 @register("della_linear", DellaLinearConfig, _validate_della)
@@ -348,12 +406,11 @@ def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLine
     """DELLA's MAGPRUNE + task arithmetic (Deep et al., 2024; mergekit's della_linear).
 
     p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
-    s_i    = Bernoulli(p) * d_i / p   (or L1-matched)
-    merged = b + lambda * sum_i w_i * s_i
+    s_i    = Bernoulli(p) * d_i / p   (or L1-matched, or as is)
+    merged = b + lambda * sum_i w_i * s_i          (normalize=true: divided by sum_i w_i)
+    compat=mergekit: ranks within rows along dim 1, rescale l1 by default, density +/- epsilon strictly in (0, 1).
     """
-    return _combine(base, experts, cfg,
-                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen, cfg.rank_scope),
-                    elect=False)
+    return _combine(base, experts, cfg, gen, elect=False)
 
 
 @register("della", DellaConfig, _validate_della)
@@ -361,13 +418,11 @@ def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.
 
     p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
-    s_i    = Bernoulli(p) * d_i / p   (or L1-matched)
-    merged = b + lambda * disjoint_mean(s_1..s_N)
-    epsilon = 0 is dare_ties.
+    s_i    = Bernoulli(p) * d_i / p   (or L1-matched, or as is)
+    merged = b + lambda * disjoint_merge(s_1..s_N)
+    epsilon = 0 is dare_ties. compat=mergekit: as della_linear, with mergekit's election (compat.py).
     """
-    return _combine(base, experts, cfg,
-                    lambda d: della_magprune(d, cfg.density, cfg.epsilon, cfg.rescale, gen, cfg.rank_scope),
-                    elect=True)
+    return _combine(base, experts, cfg, gen, elect=True)
 
 
 @register("sce", SceConfig, _validate_sce)
@@ -382,8 +437,14 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: to
                ~5e-4, as the quickstart experts', have mean squares ~2e-7)
     Erase:     gamma = sign(sum_i s_i); A_i = [sign(s_i) == gamma] and s_i != 0
     merged = b + lambda * sum_i w_i A_i s_i                           normalize=false (the formula above)
-    merged = b + lambda * sum_i w_i A_i s_i / sum_i w_i A_i           normalize=true (mergekit)
+    merged = b + lambda * sum_i w_i A_i s_i / sum_i w_i A_i           normalize=true
+
+    compat=mergekit (normalize true, uniform_below 1e-6 by default): k = floor(select_topk * m) of the m
+    entries with non-zero variance, in torch.topk's order (k = 0 keeps nothing); the sign is elected
+    by the sum in expert order with + at an exact zero sum; the divisor is max(sum_i w_i A_i, 1e-6).
     """
+    if compat.is_mergekit(cfg):
+        return _sce_mergekit(base, experts, cfg)
     b = base.float()
     deltas = torch.stack([e.float() - b for e in experts])
     ordered = deltas.sort(0).values  # per-entry sorted: variance and sign votes independent of expert order
@@ -399,13 +460,35 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: to
         ordered = ordered * keep
     energy = [float(d.double().square().mean()) for d in deltas]
     total = sum(sorted(energy))
-    uniform = total == 0 or total < cfg.uniform_below
+    uniform = total == 0 or total < compat.option(cfg, "uniform_below", 0.0, 1e-6)
     w = [1.0 / len(energy)] * len(energy) if uniform else [x / total for x in energy]
     wt = torch.tensor(w, dtype=torch.float32, device=b.device).view(-1, *([1] * b.dim()))
     gamma = torch.sign(ordered.sum(0))
     agree = (torch.sign(deltas) == gamma) & (deltas != 0)
     tau = (wt * deltas * agree).sum(0)
-    if cfg.normalize:
+    if compat.option(cfg, "normalize", False, True):
         mass = (wt * agree).sum(0)
         tau = tau / mass.where(mass != 0, torch.ones_like(mass))
+    return (b + cfg.lambda_ * tau).to(base.dtype)
+
+
+def _sce_mergekit(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig) -> torch.Tensor:
+    """mergekit's sce, as the docstring of ``sce`` states (float32 throughout)."""
+    b = base.float()
+    tv = torch.stack([e.float() - b for e in experts])
+    if cfg.select_topk < 1:
+        var = torch.var(tv, dim=0, unbiased=False)
+        k = int(torch.count_nonzero(var) * cfg.select_topk)
+        mask = torch.zeros_like(var)
+        if k > 0:
+            mask.view(-1)[torch.topk(var.abs().view(-1), k=k, largest=True).indices] = 1
+        tv = tv * mask.unsqueeze(0)
+    agree = (torch.sign(tv) == torch.where(tv.sum(0) >= 0, 1.0, -1.0)).to(tv.dtype)
+    energy = tv.square().reshape(tv.shape[0], -1).mean(dim=1)
+    total = torch.sum(energy).item()
+    w = torch.ones_like(energy) / len(experts) if abs(total) < compat.option(cfg, "uniform_below", 0.0, 1e-6) else energy / total
+    w = (w.view(-1, *([1] * b.dim())) * agree)
+    tau = (tv * w).sum(0)
+    if compat.option(cfg, "normalize", False, True):
+        tau = tau / w.sum(0).clamp(min=1e-6)
     return (b + cfg.lambda_ * tau).to(base.dtype)

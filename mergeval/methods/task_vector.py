@@ -1,9 +1,12 @@
 """Linear averaging and the task-vector family (task arithmetic, TIES).
 
 Notation, per tensor: ``b`` the base, ``e_i`` expert i (i = 1..N),
-``d_i = e_i - b`` its task vector, ``w_i`` its weight (default 1), ``lambda``
-the scale of the merged task vector. Arithmetic runs in float32 and the result
-is cast back to the base's dtype.
+``d_i = e_i - b`` its task vector, ``w_i`` its weight (default 1; ``weights``,
+or expert i's own ``per_expert[i].weight``), ``lambda`` the scale of the merged
+task vector. Arithmetic runs in float32 and the result is cast back to the
+base's dtype. ``compat=mergekit`` switches a method to mergekit 0.1.5's
+semantics (``mergeval/methods/compat.py``; the README's table lists every
+difference).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
+from mergeval.methods import compat
+from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
 
 
@@ -23,6 +28,7 @@ class LinearConfig:
     weights: list[float] | None = None
     normalize: bool = True
     include_base: bool = False
+    compat: str = "paper"  # no difference: mergekit's linear is the same formula
 
 
 @dataclass
@@ -30,6 +36,8 @@ class TaskArithmeticConfig:
     name: str = "task_arithmetic"
     lambda_: float = 1.0
     weights: list[float] | None = None
+    normalize: bool = False  # true: divide the weighted sum by sum_i w_i (mergekit's normalize)
+    compat: str = "paper"
 
 
 @dataclass
@@ -39,7 +47,10 @@ class TiesConfig:
     density: float = 0.5
     weights: list[float] | None = None
     sign_rule: str = "sum"  # "sum": sign of the summed trimmed deltas (paper); "count": majority vote
-    weights_before_election: bool = False  # True: mergekit's order (weights applied, then election)
+    weights_before_election: bool | None = None  # null: the mode's (paper false; mergekit true)
+    normalize: bool | None = None  # null/true: disjoint mean; false: disjoint sum (mergekit's normalize)
+    rescale: str | None = None  # null/none: trimmed deltas as they are; l1: L1-matched (mergekit's rescale)
+    compat: str = "paper"  # mergekit: floor(density n) kept, its tie order, + at a zero sum (compat.py)
 
 
 def _check_weights(weights: list[float] | None, n: int) -> None:
@@ -58,6 +69,7 @@ def _check_lambda(lam: float) -> None:
 
 
 def _validate_linear(cfg: LinearConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
     n = n_experts + (1 if cfg.include_base else 0)
     _check_weights(cfg.weights, n)
     if cfg.normalize and cfg.weights is not None and abs(sum(cfg.weights)) < 1e-12:
@@ -66,6 +78,7 @@ def _validate_linear(cfg: LinearConfig, n_experts: int) -> None:
 
 
 def _validate_ta(cfg: TaskArithmeticConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
     _check_lambda(cfg.lambda_)
     _check_weights(cfg.weights, n_experts)
 
@@ -76,10 +89,15 @@ def _validate_ties(cfg: TiesConfig, n_experts: int) -> None:
         raise UserError("method.density", f"must be in (0, 1], got {cfg.density}", "set e.g. method.density=0.5")
     if cfg.sign_rule not in ("sum", "count"):
         raise UserError("method.sign_rule", f"unknown rule '{cfg.sign_rule}'", "use 'sum' or 'count'")
+    check_ties_options(cfg)
+    if cfg.rescale not in (None, "none", "l1"):
+        raise UserError("method.rescale", f"unknown value '{cfg.rescale}'", "use none or l1")
 
 
-def _weights(weights: list[float] | None, n: int) -> list[float]:
-    return list(weights) if weights is not None else [1.0] * n
+def check_ties_options(cfg) -> None:
+    """The election options of every TIES variant, in either mode (compat.option refuses non-mergekit ones)."""
+    compat.option(cfg, "weights_before_election", False, True)
+    compat.option(cfg, "normalize", True, True, (True, False))
 
 
 @register("linear", LinearConfig, _validate_linear)
@@ -91,7 +109,7 @@ def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, g
     The base joins the average as one more model only when include_base=true.
     """
     models = ([base] if cfg.include_base else []) + experts
-    w = _weights(cfg.weights, len(models))
+    w = expert_weights(cfg, len(models))
     total = sum(wi * m.float() for wi, m in zip(w, models))
     if cfg.normalize:
         total = total / sum(w)
@@ -103,11 +121,17 @@ def task_arithmetic(base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskAr
                     gen: torch.Generator) -> torch.Tensor:
     """Task arithmetic (Ilharco et al., 2023).
 
-    merged = b + lambda * sum_i w_i * (e_i - b)
+    merged = b + lambda * sum_i w_i * (e_i - b)                   normalize=false (default)
+    merged = b + lambda * sum_i w_i * (e_i - b) / sum_i w_i       normalize=true (|sum w| < 1e-8: no division)
+    compat=mergekit: the same formula, in mergekit's order of operations.
     """
+    if compat.is_mergekit(cfg):
+        return compat.gta(base, experts, cfg, None, False, None, cfg.normalize)
     b = base.float()
-    w = _weights(cfg.weights, len(experts))
+    w = expert_weights(cfg, len(experts))
     delta = sum(wi * (e.float() - b) for wi, e in zip(w, experts))
+    if cfg.normalize and abs(sum(w)) >= 1e-8:
+        delta = delta / sum(w)
     return (b + cfg.lambda_ * delta).to(base.dtype)
 
 
@@ -131,24 +155,52 @@ def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
 def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: torch.Generator) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
 
-    t_i     = trim(d_i, density)                   keep the top-density fraction by |d_i|
+    t_i     = trim(d_i, density_i)                 keep the ceil(density_i n) largest |d_i|
+                                                   (rescale=l1: then t_i * |d_i|_1 / |t_i|_1)
     gamma   = sign(sum_i t_i)                      sign_rule="sum" (the paper: total mass decides)
             = sign(sum_i sign(t_i))                sign_rule="count" (majority of experts)
-    A_i     = [sign(t_i) == gamma] and t_i != 0    the experts that agree, entry-wise
+    A_i     = [sign(t_i) == gamma] and t_i != 0    the experts that agree, entry-wise (none where gamma = 0)
     tau     = sum_i w_i A_i t_i / sum_i w_i A_i    the disjoint (weighted) mean; 0 where no one agrees
+            = sum_i w_i A_i t_i                    normalize=false: the disjoint sum
     merged  = b + lambda * tau
 
     weights_before_election=false (default, faithful to the paper, which has no
-    weights): the election sees the unweighted trimmed deltas. true reproduces
-    mergekit, which multiplies t_i by w_i before electing the sign.
+    weights): the election sees the unweighted trimmed deltas. true: it sees w_i t_i.
+    compat=mergekit: mergekit's ties (compat.py): floor(density n) entries kept (at least 1) in
+    torch.argsort's order at equal magnitudes, weights before the election (A_i compares sign(w_i t_i)),
+    an exact zero sum elects +, normalize and rescale as mergekit's parameters.
     """
+    if compat.is_mergekit(cfg):
+        return compat.gta(base, experts, cfg, lambda d, i: compat.magnitude(d, expert_value(cfg, "density", i)),
+                          cfg.rescale == "l1", cfg.sign_rule, compat.option(cfg, "normalize", True, True, (True, False)))
     b = base.float()
-    w = _weights(cfg.weights, len(experts))
-    trimmed = torch.stack([trim_to_density(e.float() - b, cfg.density) for e in experts])
-    wt = torch.tensor(w, dtype=torch.float32).view(-1, *([1] * b.dim()))
-    voters = trimmed * wt if cfg.weights_before_election else trimmed
-    gamma = torch.sign(voters.sum(0)) if cfg.sign_rule == "sum" else torch.sign(torch.sign(voters).sum(0))
-    agree = (torch.sign(trimmed) == gamma) & (trimmed != 0)
-    weight_mass = (wt * agree).sum(0)
-    tau = (wt * trimmed * agree).sum(0) / weight_mass.where(weight_mass != 0, torch.ones_like(weight_mass))
-    return (b + cfg.lambda_ * tau).to(base.dtype)
+    trimmed = []
+    for i, e in enumerate(experts):
+        d = e.float() - b
+        t = trim_to_density(d, expert_value(cfg, "density", i))
+        trimmed.append(match_l1(d, t) if cfg.rescale == "l1" and t is not d else t)
+    return (b + cfg.lambda_ * disjoint_merge(torch.stack(trimmed), cfg)).to(base.dtype)
+
+
+def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
+    """TIES' election and disjoint mean (or sum) over the stacked (N, ...) sparse deltas, paper mode.
+
+    gamma = sign(sum_i s_i) ("sum") or sign(sum_i sign(s_i)) ("count"); s_i times w_i when
+    weights_before_election; A_i = [sign(s_i) == gamma] and s_i != 0;
+    tau = sum_i w_i A_i s_i / sum_i w_i A_i (0 where no one agrees), or sum_i w_i A_i s_i (normalize=false).
+    The "sum" vote adds the experts' values in sorted order, so which expert comes first cannot
+    change a rounding-level sign.
+    """
+    w = expert_weights(cfg, sparse.shape[0])
+    wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
+    voters = sparse * wt if compat.option(cfg, "weights_before_election", False, True) else sparse
+    if cfg.sign_rule == "sum":
+        gamma = torch.sign(voters.sort(0).values.sum(0))
+    else:
+        gamma = torch.sign(torch.sign(voters).sum(0))
+    agree = (torch.sign(sparse) == gamma) & (sparse != 0)
+    tau = (wt * sparse * agree).sum(0)
+    if not compat.option(cfg, "normalize", True, True, (True, False)):
+        return tau
+    mass = (wt * agree).sum(0)
+    return tau / mass.where(mass != 0, torch.ones_like(mass))

@@ -30,7 +30,12 @@ def check_known_keys(cfg: DictConfig, method) -> None:
 
 
 def validate(cfg: DictConfig):
-    """All config checks that need no model: returns the method and its typed config."""
+    """All config checks that need no model: returns the method and its typed config.
+
+    With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place)."""
+    from mergeval.interop import mergekit_config
+
+    mergekit_config.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, method)
     method_cfg = OmegaConf.to_object(cfg.method)

@@ -144,6 +144,7 @@ class RunConfig:
     output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
     staged: StagedConfig | None = None  # the sweep of python -m mergeval.staged (unused by python -m mergeval)
     verbose: bool = False  # also show lm-eval's and transformers' own progress bars and warnings
+    mergekit: str | None = None  # a mergekit YAML: its method and models replace method and modelset (interop/)
 
 
 def register_configs() -> None:

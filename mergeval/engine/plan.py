@@ -13,8 +13,10 @@ carries its method config with ``rules`` resolved (see ``RULES_DOC`` in
                unmatched parameters keep the top-level value; a rule with ``expert: i``
                sets expert i's own value (``per_expert[i]``), which beats the shared one
 
-mergekit computes t the same way (pre-layer weights 0, post-layer weights 1,
-i / (L - 1) per layer of a slice, 1 for a one-layer slice) but its filters are
+mergekit 0.1.5 computes t the same way for layers (i / (L - 1) per layer of a
+slice, 1 for a one-layer slice) but gives every tensor outside the layers t = 0,
+the final norm and lm_head included: under ``compat=mergekit`` they get t = 0
+here too. Its filters are
 substrings and the first matching filter wins; mergeval's rules are globs over
 the full name and the last match wins (later rules refine earlier ones, as
 later overrides do). A layer unit is matched by its prefix ``model.layers.<i>``.
@@ -51,12 +53,13 @@ def count_layers(names) -> int:
     return 1 + max((layer[1] for layer in map(layer_of, names) if layer), default=-1)
 
 
-def depth(name: str, n_layers: int) -> float:
-    """t in [0, 1]: where the tensor (or layer prefix) sits between the first and the last layer."""
+def depth(name: str, n_layers: int, after_layers: float = 1.0) -> float:
+    """t in [0, 1]: where the tensor (or layer prefix) sits between the first and the last layer;
+    ``after_layers`` for the tensors after them (final norm, lm_head: 1, or mergekit 0.1.5's 0)."""
     layer = layer_of(name + ".")
     if layer is not None:
         return layer[1] / (n_layers - 1) if n_layers > 1 else 1.0
-    return 0.0 if any(key in name for key in BEFORE_LAYERS) else 1.0
+    return 0.0 if any(key in name for key in BEFORE_LAYERS) else after_layers
 
 
 def interpolate(value: float | list[float], t: float) -> float:
@@ -126,8 +129,10 @@ def build_plan(method: MergeMethod, cfg: Any, dtypes: Mapping[str, torch.dtype])
     names = sorted(dtypes)
     n_layers = count_layers(names)
 
+    after = 0.0 if getattr(cfg, "compat", "paper") == "mergekit" else 1.0
+
     def unit(key: str, members: tuple[str, ...], kind: str) -> Unit:
-        t = depth(key, n_layers)
+        t = depth(key, n_layers, after)
         resolved, source = resolve(cfg, key, t) if kind != "copy" else (cfg, {})
         return Unit(key, members, kind, resolved, t, tuple(sorted(source.items())))
 

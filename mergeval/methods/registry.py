@@ -51,7 +51,8 @@ pattern over the full tensor name ('*' also crosses dots), e.g. '*self_attn*',
 list of numbers interpolated linearly over depth t in [0, 1]: layer i of L has
 t = i / (L - 1) (t = 1 when L = 1); tensors outside the layers get t = 0 when
 their name holds 'embed', 'wte' or 'wpe' (before the first layer) and t = 1
-otherwise (final norm, lm_head: after the last layer), as mergekit does. When
+otherwise (final norm, lm_head: after the last layer; mergekit 0.1.5 and
+compat=mergekit give them t = 0). When
 several rules set a parameter for a tensor, the last matching rule wins;
 unmatched tensors keep the method's top-level value. Settable: the method's
 numeric (float or int, not bool) parameters; int parameters are rounded.
@@ -182,6 +183,7 @@ def knots(value: Any) -> list[float]:
 def check_rule_shapes(cfg: Any, n_experts: int) -> None:
     """Every rule names a glob and at least one settable parameter with a number or a non-empty number list;
     a rule with ``expert`` names an expert and sets only that expert's own parameters."""
+    n_models = n_experts + (1 if getattr(cfg, "include_base", False) else 0)  # linear averages the base first
     for i, rule in enumerate(getattr(cfg, "rules", None) or []):
         match, params = rule_items(rule)
         expert = params.pop("expert", None)
@@ -190,9 +192,9 @@ def check_rule_shapes(cfg: Any, n_experts: int) -> None:
         if not isinstance(match, str) or not match:
             raise UserError(f"{where}.match", f"must be a non-empty glob, got {match!r}",
                             f"set e.g. {where}.match='*mlp*'")
-        if expert is not None and not (isinstance(expert, int) and 0 <= expert < n_experts):
-            raise UserError(f"{where}.expert", f"must be an expert index in 0..{n_experts - 1}, got {expert!r}",
-                            "count the modelset's experts from 0")
+        if expert is not None and not (isinstance(expert, int) and 0 <= expert < n_models):
+            raise UserError(f"{where}.expert", f"must be an expert index in 0..{n_models - 1}, got {expert!r}",
+                            "count the modelset's experts from 0 (the base is 0 for linear with include_base)")
         if not params:
             raise UserError(where, "sets no parameter",
                             f"add one of: {', '.join(allowed) or '(this method has no numeric parameters)'}")
@@ -246,6 +248,7 @@ def _check_per_expert(cfg: Any, n_experts: int, validate: ValidateFn) -> None:
     if not own:
         return
     allowed = expert_params(type(cfg))
+    n_experts += 1 if getattr(cfg, "include_base", False) else 0
     if len(own) > n_experts:
         raise UserError("method.per_expert", f"{len(own)} entries for {n_experts} experts",
                         "give at most one entry per expert, in the modelset's order")

@@ -1,0 +1,1 @@
+"""Formats of other tools, in and out: mergekit merge configurations (``mergekit_config``)."""

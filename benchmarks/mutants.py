@@ -1,0 +1,527 @@
+"""Mutation check: does the test suite catch small, plausible bugs in the code that computes numbers?
+
+Copies the checkout's code, configs, specs and tests into a temporary directory,
+plants ONE known bug at a time (a file, an exact snippet of it, its
+replacement), runs the tests relevant to that code there and reports each
+mutant as killed (some test failed) or survived (every test passed), with the
+score killed / total. Bugs cover metrics, merge methods, spec verification
+and a run's aggregation; the first five are the ones issue 20 found uncaught.
+
+    python benchmarks/mutants.py                 # every mutant (a few minutes on 2 cores)
+    python benchmarks/mutants.py --only ties_ --only agrees_   # names containing these
+    python benchmarks/mutants.py --list
+
+Why a copy and not the checkout: the bug must never touch the working tree, and
+the tests must import the *copy's* ``mergeval``. The installed package is an
+editable install pointing at the checkout, so the copy is put first on
+PYTHONPATH and pytest runs from the copy's root; before any mutant the script
+checks that ``import mergeval`` resolves into the copy, and plants a canary
+(an import that fails) to prove that pytest's tests see the copy too.
+
+A snippet that no longer occurs exactly once in its file is an error, not a
+skipped mutant: the list must be updated with the code. Exit status: 0 when
+every mutant is killed, 1 when one survives, 2 on an error (a stale snippet,
+a failing unmutated baseline, a copy that is not the one imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the tests need: the package (its conf and specs/library are symlinks to ../conf and ../specs), the
+# tests and their conftest, the benchmarks and docs some tests read, and the project metadata pytest reads.
+COPIED = ("mergeval", "conf", "specs", "tests", "benchmarks", "docs", "pyproject.toml", "README.md")
+PYTEST = ("-q", "-x", "-p", "no:cacheprovider")
+
+METHODS = ("tests/test_methods.py", "tests/test_methods_more.py", "tests/test_methods_exact.py",
+           "tests/test_methods_lowp.py")
+SPARSE = ("tests/test_methods_more.py", "tests/test_methods_exact.py", "tests/test_methods_lowp.py")
+METRICS = ("tests/test_metrics_properties.py", "tests/test_metrics_more.py", "tests/test_metrics_exact.py")
+VERIFY = ("tests/test_verify.py", "tests/test_spec_language.py", "tests/test_verify_exact.py")
+HIERARCHICAL = ("tests/test_hierarchical.py", "tests/test_methods_exact.py")
+CURRICULUM = ("tests/test_curriculum_pipeline.py", "tests/test_methods_exact.py")
+AGGREGATION = ("tests/test_aggregation.py",
+               "tests/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    before: str  # must occur exactly once in the file
+    after: str
+    tests: tuple[str, ...]  # pytest arguments: files or node ids
+    bug: str  # the bug in words
+
+
+MUTANTS = [
+    # ------------------------------------------------ the five issue 20 found uncaught
+    Mutant("summary_base_is_a_constituent", "mergeval/summary.py",
+           'experts = [r for r in roles if r not in ("base", MERGED)]', "experts = [r for r in roles if r != MERGED]",
+           AGGREGATION, "the base counted as a constituent in the run's Macro-Gain/OG"),
+    Mutant("hierarchical_cos_squared", "mergeval/methods/hierarchical.py",
+           "return t_max * max(0.0, dot / (na * nb))", "return t_max * max(0.0, dot / (na * nb)) ** 2",
+           HIERARCHICAL, "the layer weight cos replaced by cos^2"),
+    Mutant("verify_discrepancy_tolerance_doubled", "mergeval/specs/tables.py",
+           "allowed = (p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width",
+           "allowed = 2 * ((p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width)",
+           VERIFY, "verify's tolerance on a recorded discrepancy doubled"),
+    Mutant("ties_elects_on_untrimmed_deltas", "mergeval/methods/task_vector.py",
+           "    voters = trimmed * wt if cfg.weights_before_election else trimmed\n",
+           "    untrimmed = torch.stack([e.float() - b for e in experts])\n"
+           "    voters = untrimmed * wt if cfg.weights_before_election else untrimmed\n",
+           METHODS, "TIES elects the sign on the untrimmed deltas"),
+    Mutant("agrees_drops_upper_half_width", "mergeval/specs/tables.py",
+           "ok = meets((p_lo, p_hi), (lo, hi))", "ok = meets((printed.value, p_hi), (lo, hi))",
+           VERIFY, "agrees drops the printed value's half-width on the upper side"),
+    # ------------------------------------------------ metrics
+    Mutant("normalized_denominator_expert_only", "mergeval/metrics/aggregates.py",
+           "denom = expert - base", "denom = expert",
+           METRICS, "normalized score divided by the expert's score instead of expert - base"),
+    Mutant("macro_og_min_constituent", "mergeval/metrics/aggregates.py",
+           "return factor * (avg_m - max(avgs))", "return factor * (avg_m - min(avgs))",
+           METRICS, "Macro-OG against the weakest constituent"),
+    Mutant("band_good_at_0_8", "mergeval/metrics/aggregates.py",
+           "if x > 0.8:", "if x >= 0.8:",
+           METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",), "band: 0.8 counted as good"),
+    Mutant("accuracy_stderr_divides_by_n", "mergeval/metrics/aggregates.py",
+           "acc * (1.0 - acc) / (n - 1)", "acc * (1.0 - acc) / n",
+           METRICS, "accuracy stderr with ddof=0"),
+    Mutant("mean_normalized_counts_undefined_as_zero", "mergeval/metrics/aggregates.py",
+           "defined = [v for v in values if v is not None]", "defined = [0.0 if v is None else v for v in values]",
+           METRICS, "undefined normalized scores averaged in as 0"),
+    Mutant("forgetting_sign", "mergeval/metrics/groups.py",
+           "per_task[t] = b - m", "per_task[t] = m - b",
+           METRICS + ("tests/test_metrics_composed.py",), "forgetting with the wrong sign"),
+    Mutant("group_mean_tasks_weighting_is_mean_of_groups", "mergeval/metrics/groups.py",
+           "return math.fsum(rescaled_all) / len(rescaled_all)",
+           "return math.fsum(sums[g] / len(groups[g]) for g in groups) / len(groups)",
+           METRICS + ("tests/test_metrics_composed.py",), "weighting=tasks as the plain mean of group means"),
+    Mutant("group_mean_given_sums_groups", "mergeval/metrics/groups.py",
+           "math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total",
+           "math.fsum(w[g] * sums[g] for g in groups) / total",
+           METRICS + ("tests/test_metrics_composed.py",), "weighted group mean of group sums, not means"),
+    Mutant("ece_unweighted_bins", "mergeval/metrics/calibration.py",
+           "ece += mask.sum() / conf.size * abs(corr[mask].mean() - conf[mask].mean())",
+           "ece += abs(corr[mask].mean() - conf[mask].mean()) / len(np.unique(bins))",
+           METRICS, "ECE averages bins equally instead of by their size"),
+    Mutant("mean_ci_one_sided_z", "mergeval/metrics/uncertainty.py",
+           "return NormalDist().inv_cdf((1.0 + level) / 2.0)", "return NormalDist().inv_cdf(level)",
+           METRICS, "a one-sided quantile for a two-sided interval"),
+    Mutant("wilson_center", "mergeval/metrics/uncertainty.py",
+           "center = (p + z * z / (2 * n)) / denom", "center = (p + z * z / n) / denom",
+           METRICS, "Wilson interval's centre with z^2/n instead of z^2/(2n)"),
+    Mutant("bootstrap_stderr_ddof0", "mergeval/metrics/uncertainty.py",
+           "np.std(stats, ddof=1)", "np.std(stats)",
+           METRICS, "bootstrap stderr with ddof=0"),
+    Mutant("pareto_keeps_equal_y_behind", "mergeval/metrics/tradeoff.py",
+           "if top_y > best_y and", "if top_y >= best_y and",
+           METRICS, "Pareto front keeps a point dominated by one with the same y and a larger x"),
+    Mutant("synergy_normal_flipped", "mergeval/metrics/tradeoff.py",
+           "nx, ny = dy, -dx", "nx, ny = -dy, dx",
+           METRICS, "synergy area measured below the diagonal"),
+    Mutant("sign_conflict_counts_zeros", "mergeval/metrics/similarity.py",
+           '"conflicts": float((sa * sb < 0).sum())', '"conflicts": float((sa * sb <= 0).sum())',
+           METRICS, "an entry zero in one task vector counted as a sign conflict"),
+    Mutant("sar_rank_eps_not_squared", "mergeval/metrics/similarity.py",
+           "(tails > eps * eps * tails[0])", "(tails > eps * tails[0])",
+           METRICS, "SAR rank keeps all but eps (not eps^2) of the energy"),
+    Mutant("perplexity_mean_of_text_means", "mergeval/metrics/perplexity.py",
+           "values = [float(v) for text in nlls for v in text]",
+           "values = [math.fsum(map(float, text)) / len(text) for text in nlls if len(text)]",
+           ("tests/test_staged.py::test_perplexity_weights_tokens_not_texts",
+            "tests/test_staged.py::test_perplexity_is_exp_of_the_token_mean", "tests/test_metrics_exact.py"),
+           "perplexity averages texts, not tokens"),
+    # ------------------------------------------------ merge methods
+    Mutant("kept_count_floor", "mergeval/methods/task_vector.py",
+           "return max(1, math.ceil(round(density * n, 9)))", "return max(1, int(density * n))",
+           METHODS, "TIES keeps floor(density n) entries, one fewer at a fractional count"),
+    Mutant("linear_divides_by_count", "mergeval/methods/task_vector.py",
+           "total = total / sum(w)", "total = total / len(w)",
+           METHODS, "weighted linear merge divided by the number of models, not the weights' sum"),
+    Mutant("ties_mean_by_count_not_weight", "mergeval/methods/task_vector.py",
+           "weight_mass = (wt * agree).sum(0)", "weight_mass = agree.sum(0).float()",
+           METHODS, "TIES' disjoint mean divides by the number of agreeing experts, not their weights"),
+    Mutant("dare_no_rescale", "mergeval/methods/sparsify.py",
+           'return kept / density if rescale == "inverse_density"', 'return kept if rescale == "inverse_density"',
+           SPARSE, "DARE forgets to rescale the kept entries"),
+    Mutant("breadcrumbs_outliers_rounded_up", "mergeval/methods/sparsify.py",
+           "n_top = int(gamma * delta.numel() + 1e-9)", "n_top = math.ceil(gamma * delta.numel())",
+           SPARSE, "Breadcrumbs drops ceil(gamma n) outliers instead of floor"),
+    Mutant("della_half_span", "mergeval/methods/sparsify.py",
+           "((density - epsilon) + 2.0 * epsilon * rank)", "((density - epsilon) + epsilon * rank)",
+           SPARSE, "DELLA's keep probabilities span half the interval"),
+    Mutant("della_rescale_by_density", "mergeval/methods/sparsify.py",
+           'return kept / p if rescale == "inverse_prob"', 'return kept / density if rescale == "inverse_prob"',
+           SPARSE, "DELLA rescales by the mean keep probability, not each entry's"),
+    Mutant("disjoint_mean_ignores_weights_before_election", "mergeval/methods/sparsify.py",
+           "voters = sparse * wt if weights_before_election else sparse", "voters = sparse",
+           SPARSE, "the TIES variants ignore weights_before_election"),
+    Mutant("sce_energy_mean_abs", "mergeval/methods/sparsify.py",
+           "energy = [float(d.double().square().mean()) for d in deltas]",
+           "energy = [float(d.double().abs().mean()) for d in deltas]",
+           SPARSE, "SCE weights by mean |delta| instead of mean square"),
+    Mutant("slerp_endpoints_swapped", "mergeval/methods/geometric.py",
+           "return (s0 * v0 + s1 * v1).to(base.dtype)", "return (s1 * v0 + s0 * v1).to(base.dtype)",
+           METHODS, "slerp's coefficients swapped between base and expert"),
+    Mutant("model_stock_t_denominator", "mergeval/methods/geometric.py",
+           "t = (n * cos / (1.0 + (n - 1) * cos))", "t = (n * cos / (1.0 + n * cos))",
+           METHODS, "Model Stock's t with (1 + N cos) in the denominator"),
+    Mutant("hierarchical_tensor_anchor_swapped", "mergeval/methods/hierarchical.py",
+           "return _lerp(a, b, cosine_weight(", "return _lerp(b, a, cosine_weight(",
+           HIERARCHICAL, "non-layer tensors interpolate from B, not the anchor A"),
+    Mutant("cmm_linear_schedule_off_by_one", "mergeval/methods/curriculum.py",
+           "us = [k / (n - 1) if n > 1 else 0.0 for k in range(n)]", "us = [k / n for k in range(n)]",
+           CURRICULUM, "CMM's linear schedule never reaches its end"),
+    Mutant("cmm_reverse_breaks_ties_backwards", "mergeval/methods/curriculum.py",
+           'return ranked if order == "ranked" else sorted(range(n), key=lambda i: (-scores[i], i))',
+           'return ranked if order == "ranked" else ranked[::-1]',
+           CURRICULUM, "reverse order flips tied experts too"),
+    Mutant("pipeline_stage_uses_modelset_base", "mergeval/methods/pipeline.py",
+           "out = method.merge(values[stage.base],", "out = method.merge(base,",
+           CURRICULUM, "a pipeline stage ignores its own base"),
+    # ------------------------------------------------ spec verification
+    Mutant("printed_full_unit", "mergeval/specs/numbers.py",
+           "h = 0.0 if printed.exact else 0.5 * 10.0 **", "h = 0.0 if printed.exact else 10.0 **",
+           VERIFY, "a printed number's uncertainty is a whole last digit"),
+    Mutant("compare_se_added_linearly", "mergeval/specs/claims.py",
+           "se = math.hypot(left.stderr, right.stderr)", "se = left.stderr + right.stderr",
+           VERIFY, "a claim's standard errors added, not in quadrature"),
+    Mutant("compare_strict_as_non_strict", "mergeval/specs/claims.py",
+           'status = "pass" if d_lo > need else "fail" if d_hi <= need else "undetermined"',
+           'status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"',
+           VERIFY, "a strict inequality passes at equality"),
+    Mutant("compare_tolerance_sign", "mergeval/specs/claims.py",
+           "need = stderr_margin * se - tolerance", "need = stderr_margin * se + tolerance",
+           VERIFY, "a claim's tolerance makes it stricter instead of lenient"),
+    Mutant("over_runs_std_population", "mergeval/specs/claims.py",
+           "return statistics.stdev(values)", "return statistics.pstdev(values)",
+           VERIFY, "std over runs with ddof=0"),
+    Mutant("run_score_drops_stderr", "mergeval/specs/runs.py",
+           'return Measured(float(score_value(s)), float(s.get("stderr") or 0.0))',
+           "return Measured(float(score_value(s)))",
+           VERIFY, "a run's score loses its stderr"),
+    Mutant("forgetting_stderr_sqrt_t", "mergeval/specs/runs.py",
+           "base[t].stderr ** 2 + other[t].stderr ** 2 for t in tasks)) / len(tasks)",
+           "base[t].stderr ** 2 + other[t].stderr ** 2 for t in tasks) / len(tasks))",
+           VERIFY, "the forgetting metric's stderr divided by sqrt(T), not T"),
+    Mutant("forgetting_default_counts_expert_tasks", "mergeval/specs/runs.py",
+           "tasks = self.body.get(\"tasks\") or [t for t in run.scores if t not in own]",
+           "tasks = self.body.get(\"tasks\") or list(run.scores)",
+           VERIFY, "forgetting by default also averages the experts' own tasks"),
+    Mutant("group_metric_stderr_linear", "mergeval/specs/runs.py",
+           "stderr = math.sqrt(math.fsum((weight[t] * got[t].stderr) ** 2 for t in tasks))",
+           "stderr = math.fsum(weight[t] * got[t].stderr for t in tasks)",
+           VERIFY, "a spec metric's stderr summed linearly, not in quadrature"),
+    Mutant("normalized_mean_base_expert_swapped", "mergeval/specs/formulas.py",
+           "normalized_score(xs[i], xs[n + i], xs[2 * n + i])", "normalized_score(xs[i], xs[2 * n + i], xs[n + i])",
+           VERIFY, "a derived normalized mean takes the expert as the base"),
+    Mutant("strict_ignores_not_run", "mergeval/verify.py",
+           'unsure = any(not c.ok for c in checks) or any(r.status != "pass" for r in results)',
+           "unsure = any(not c.ok for c in checks)",
+           VERIFY, "--strict lets claims that did not run (or were undetermined) pass"),
+    # ------------------------------------------------ a second batch, written before any test aimed at it
+    Mutant("wilson_half_width_4n", "mergeval/metrics/uncertainty.py",
+           "z * z / (4 * n * n)", "z * z / (4 * n)",
+           METRICS, "Wilson half-width with z^2/(4n) under the root"),
+    Mutant("bootstrap_ci_one_sided_levels", "mergeval/metrics/uncertainty.py",
+           "[(1.0 - level) / 2.0, (1.0 + level) / 2.0]", "[1.0 - level, level]",
+           METRICS, "bootstrap interval from one-sided quantiles"),
+    Mutant("ece_confidence_not_normalized", "mergeval/metrics/calibration.py",
+           "confidences.append(1.0 / math.fsum(np.exp(ll - ll[pred])))",
+           "confidences.append(min(1.0, float(np.exp(ll[pred]))))",
+           METRICS, "ECE takes the raw choice probability, not the softmax over the choices"),
+    Mutant("both_correct_ignores_gold", "mergeval/metrics/calibration.py",
+           "sum(p == q == g for p, q, g in", "sum(p == q for p, q, g in",
+           METRICS + ("tests/test_consistency.py",), "both-correct counts agreeing answers, right or wrong"),
+    Mutant("sign_conflict_nonzero_over_all", "mergeval/metrics/similarity.py",
+           '"sign_conflict_nonzero": sums["conflicts"] / both if both else None',
+           '"sign_conflict_nonzero": sums["conflicts"] / sums["numel"] if both else None',
+           METRICS, "sign conflicts among non-zero entries divided by all entries"),
+    Mutant("perplexity_ratio_inverted", "mergeval/metrics/perplexity.py",
+           "math.log(candidate[t] / reference[t])", "math.log(reference[t] / candidate[t])",
+           ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_metrics_exact.py"),
+           "the stage-1 key's log ratio inverted"),
+    Mutant("synergy_no_expert_endpoint", "mergeval/metrics/tradeoff.py",
+           "knots.setdefault(0.0, 0.0)", "pass",
+           METRICS, "the synergy frontier does not start at expert 1"),
+    Mutant("band_without_rounding", "mergeval/metrics/aggregates.py",
+           "x = round(normalized, 9)", "x = normalized",
+           METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
+           "a mean a rounding error below 0.5 is failing"),
+    Mutant("task_arithmetic_in_input_dtype", "mergeval/methods/task_vector.py",
+           "    delta = sum(wi * (e.float() - b) for wi, e in zip(w, experts))\n"
+           "    return (b + cfg.lambda_ * delta).to(base.dtype)",
+           "    delta = sum(wi * (e - base) for wi, e in zip(w, experts))\n"
+           "    return (base + cfg.lambda_ * delta).to(base.dtype)",
+           METHODS, "task arithmetic in the checkpoint's dtype (bf16), not float32"),
+    Mutant("trim_by_signed_value", "mergeval/methods/task_vector.py",
+           "keep[flat.abs().topk(k, sorted=False).indices] = True", "keep[flat.topk(k, sorted=False).indices] = True",
+           METHODS, "TIES keeps the largest values, not the largest magnitudes"),
+    Mutant("l1_rescale_inverted", "mergeval/methods/sparsify.py",
+           "return kept * (before / after)", "return kept * (after / before)",
+           SPARSE, "L1 rescale by the inverse ratio"),
+    Mutant("della_rank_over_n", "mergeval/methods/sparsify.py",
+           "positions = torch.arange(n, dtype=torch.float32, device=delta.device) / (n - 1)",
+           "positions = torch.arange(n, dtype=torch.float32, device=delta.device) / n",
+           SPARSE, "DELLA's largest entry never reaches density + epsilon"),
+    Mutant("sce_keeps_lowest_variance", "mergeval/methods/sparsify.py",
+           "top = torch.sort(variance, descending=True, stable=True)", "top = torch.sort(variance, stable=True)",
+           SPARSE, "SCE selects the entries of least variance"),
+    Mutant("slerp_antiparallel_not_lerped", "mergeval/methods/geometric.py",
+           "if abs(cos) > COLINEAR_COS:", "if cos > COLINEAR_COS:",
+           METHODS, "slerp of nearly opposite tensors divides by sin(theta) ~ 0"),
+    Mutant("model_stock_negative_cos", "mergeval/methods/geometric.py",
+           "cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)", "cos = torch.stack(cosines).mean(0).clamp(-1.0, 1.0)",
+           METHODS, "Model Stock's t leaves [0, 1] for opposed task vectors"),
+    Mutant("cmm_interpolates_from_the_base", "mergeval/methods/curriculum.py",
+           "theta = (1 - c) * theta + c * e", "theta = theta + c * (e - b)",
+           CURRICULUM,
+           "CMM's interpolate step takes the task vector against the base (additive)"),
+    Mutant("cmm_ignores_lambda", "mergeval/methods/curriculum.py",
+           "return (b + cfg.lambda_ * (theta - b)).to(base.dtype)", "return theta.to(base.dtype)",
+           CURRICULUM, "CMM ignores lambda"),
+    Mutant("claim_equality_passes_when_possible", "mergeval/specs/claims.py",
+           'status = "pass" if far <= allowed + slack else', 'status = "pass" if near <= allowed + slack else',
+           VERIFY, "== passes when rounding merely allows equality"),
+    Mutant("range_over_one_run", "mergeval/specs/claims.py",
+           'need = 2 if op.over_runs in ("range", "std") else 1', "need = 1",
+           VERIFY, "range/std over a single run (always 0)"),
+    Mutant("derived_macro_counts_merged", "mergeval/specs/formulas.py",
+           "return metric(cut[0], cut[1:], scale=scale)", "return metric(cut[0], cut, scale=scale)",
+           VERIFY, "a derived Macro-Gain counts the merged row as a constituent"),
+    Mutant("interval_ignores_upper_bound", "mergeval/specs/numbers.py",
+           "lo, hi = max(lo, bounds[0]), min(hi, bounds[1])", "lo, hi = max(lo, bounds[0]), hi",
+           VERIFY, "a column's range clips only the lower end"),
+    Mutant("corner_range_lower_corners_only", "mergeval/specs/numbers.py",
+           "for ends in itertools.product((0, 1), repeat=len(free)):",
+           "for ends in itertools.product((0,), repeat=len(free)):",
+           VERIFY, "the derived range evaluated at the lower corner only"),
+    Mutant("checkable_window_ignores_printed", "mergeval/specs/tables.py",
+           "window = (hi - lo) + (p_hi - p_lo)", "window = hi - lo",
+           VERIFY, "'not checkable' ignores the printed value's own rounding"),
+    Mutant("aggregable_any_to_all", "mergeval/summary.py",
+           'elif any(not 0.0 <= s["value"] <= 1.0', 'elif all(not 0.0 <= s["value"] <= 1.0',
+           AGGREGATION, "a task is left out only when every model is out of range"),
+    Mutant("forgetting_of_merge_swapped", "mergeval/metrics/composed.py",
+           'return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"]',
+           'return forgetting({t: scores[t][merged]["value"] for t in tasks}, {t: scores[t]["base"]["value"]',
+           AGGREGATION + ("tests/test_metrics_composed.py",), "the run's forgetting is merged minus base"),
+    # ------------------------------------------------ the run's aggregation
+    Mutant("aggregable_excludes_zero", "mergeval/summary.py",
+           "not 0.0 <= s[\"value\"] <= 1.0", "not 0.0 < s[\"value\"] <= 1.0",
+           AGGREGATION, "a task where some model scores exactly 0 is left out of the aggregates"),
+    Mutant("aggregable_counts_group_members", "mergeval/summary.py",
+           'if not row.get("counted", True) and row.get("higher_is_better", True):',
+           'if False and not row.get("counted", True):',
+           AGGREGATION, "a group's member tasks counted beside their group"),
+    Mutant("aggregate_normalized_base_expert_swapped", "mergeval/summary.py",
+           'normalized_score(s[MERGED]["value"], s["base"]["value"], s[e.role]["value"])',
+           'normalized_score(s[MERGED]["value"], s[e.role]["value"], s["base"]["value"])',
+           AGGREGATION, "the run's normalized score with base and expert swapped"),
+    Mutant("aggregate_ignores_percent_scale", "mergeval/summary.py",
+           '"macro_gain": macro_gain(merged, constituents, scale=scale)',
+           '"macro_gain": macro_gain(merged, constituents)',
+           AGGREGATION, "the run's Macro-Gain ignores metric.scale"),
+    Mutant("group_scores_drop_scale", "mergeval/metrics/composed.py",
+           "scale = {name: g.scale for name, g in metric.groups.items()}", "scale = None",
+           AGGREGATION + ("tests/test_metrics_composed.py",), "group means ignore each group's scale"),
+    Mutant("score_text_drops_stderr", "mergeval/outcome.py",
+           'return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"',
+           "return text",
+           AGGREGATION + ("tests/test_report.py",), "the score table drops the stderr"),
+]
+
+
+class MutantError(Exception):
+    """The list of mutants no longer fits the code (or the copy is not what the tests import)."""
+
+
+def copy_checkout(root: Path, dest: Path) -> None:
+    """The parts of the checkout the tests need, symlinks kept (mergeval/conf -> ../conf), no caches."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache", "outputs", "multirun")
+    for name in COPIED:
+        src = root / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, symlinks=True, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+
+
+def planted(text: str, mutant: Mutant) -> str:
+    """``text`` with the mutant's snippet replaced; MutantError unless the snippet occurs exactly once."""
+    count = text.count(mutant.before)
+    if count != 1:
+        raise MutantError(f"{mutant.name}: the snippet occurs {count} times in {mutant.path} "
+                          f"(expected once): {mutant.before!r}")
+    return text.replace(mutant.before, mutant.after)
+
+
+def copy_env(copy: Path) -> dict[str, str]:
+    """The environment that makes Python (and every subprocess a test starts) import the copy's mergeval:
+    the copy first on PYTHONPATH, ahead of the editable install's finder; no bytecode written, so a restored
+    file can never be shadowed by the mutant's .pyc."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.pop("MERGEVAL_HYPOTHESIS", None)  # the derandomized profile: a mutant is killed every time or never
+    return env
+
+
+def imported_from(copy: Path, env: dict[str, str]) -> Path:
+    """Where ``import mergeval`` resolves when run in the copy with its environment."""
+    out = subprocess.run([sys.executable, "-c", "import mergeval; print(mergeval.__file__)"], cwd=copy, env=env,
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip()).resolve()
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    killed: bool
+    seconds: float
+    detail: str  # the first failing test, or what ran
+
+
+def pytest_run(copy: Path, env: dict[str, str], tests: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    """(exit code, output) of pytest on ``tests`` in the copy; a run past ``timeout`` counts as a failure
+    (a mutant that makes a test hang is caught), reported as code -1."""
+    cmd = [sys.executable, "-m", "pytest", *PYTEST, *tests]
+    try:
+        out = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"no result within {timeout:.0f} s"
+    return out.returncode, out.stdout + out.stderr
+
+
+def first_failure(output: str) -> str:
+    """The first FAILED/ERROR line of pytest's short summary, or the output's last line."""
+    match = re.search(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    if match:
+        return f"{match.group(1)} {match.group(2)}"
+    lines = output.strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
+def run_mutant(copy: Path, env: dict[str, str], mutant: Mutant, timeout: float) -> Outcome:
+    """Plant the mutant in the copy, run its tests, restore the file (also when interrupted)."""
+    path = copy / mutant.path
+    original = path.read_text()
+    path.write_text(planted(original, mutant))
+    start = time.perf_counter()
+    try:
+        code, output = pytest_run(copy, env, mutant.tests, timeout)
+    finally:
+        path.write_text(original)
+    seconds = time.perf_counter() - start
+    if code not in (0, 1, 2, -1):  # 3-5: internal error, usage error (a missing test), nothing collected
+        raise MutantError(f"{mutant.name}: pytest exited {code} ({first_failure(output)}): fix its tests")
+    killed = code != 0  # 1: a test failed; 2: collection failed (the mutant broke an import); -1: hung
+    return Outcome(mutant, killed, seconds, first_failure(output) if killed else "all passed")
+
+
+def check_copy_is_tested(copy: Path, env: dict[str, str], tests: tuple[str, ...], timeout: float) -> None:
+    """MutantError unless mergeval resolves into the copy and a canary planted there breaks pytest's tests."""
+    where = imported_from(copy, env)
+    if copy.resolve() not in where.parents:
+        raise MutantError(f"import mergeval resolves to {where}, not into the copy {copy}")
+    canary = Mutant("canary", "mergeval/__init__.py", "", "raise ImportError('mutants.py canary')\n", tests, "")
+    init = copy / canary.path
+    original = init.read_text()
+    init.write_text(canary.after + original)
+    try:
+        code, output = pytest_run(copy, env, tests, timeout)
+    finally:
+        init.write_text(original)
+    if "mutants.py canary" not in output:
+        raise MutantError(f"a canary planted in the copy's mergeval did not reach pytest (exit {code}): "
+                          "the tests import another mergeval")
+
+
+def selected(names: list[str]) -> list[Mutant]:
+    if not names:
+        return list(MUTANTS)
+    chosen = [m for m in MUTANTS if any(n in m.name for n in names)]
+    if not chosen:
+        raise MutantError(f"no mutant name contains any of {names}")
+    return chosen
+
+
+def check_snippets(root: Path, mutants: list[Mutant]) -> None:
+    """Every snippet occurs exactly once, checked up front so a stale list fails before minutes of tests."""
+    errors = []
+    for m in mutants:
+        try:
+            planted((root / m.path).read_text(), m)
+        except MutantError as err:
+            errors.append(str(err))
+        except FileNotFoundError:
+            errors.append(f"{m.name}: {m.path} does not exist")
+    if errors:
+        raise MutantError("\n".join(errors))
+
+
+def baseline_tests(mutants: list[Mutant]) -> tuple[str, ...]:
+    """Every test any chosen mutant runs, once (a node id is dropped when its whole file is listed)."""
+    tests = dict.fromkeys(t for m in mutants for t in m.tests)
+    return tuple(t for t in tests if "::" not in t or t.split("::")[0] not in tests)
+
+
+def score_line(outcomes: list[Outcome]) -> str:
+    killed = sum(o.killed for o in outcomes)
+    return f"score: {killed}/{len(outcomes)} killed ({100 * killed / len(outcomes):.0f}%)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", action="append", default=[], help="run the mutants whose name contains this")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a mutant's tests count as hung")
+    p.add_argument("--no-baseline", action="store_true", help="skip running the unmutated tests first")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout to copy (default: this one)")
+    args = p.parse_args(argv)
+    try:
+        mutants = selected(args.only)
+        if args.list:
+            for m in mutants:
+                print(f"{m.name:48} {m.path:36} {m.bug}")
+            return 0
+        check_snippets(args.root, mutants)
+        with tempfile.TemporaryDirectory(prefix="mergeval-mutants-") as tmp:
+            copy = Path(tmp)
+            copy_checkout(args.root, copy)
+            env = copy_env(copy)
+            check_copy_is_tested(copy, env, ("tests/test_metrics_properties.py",), args.timeout)
+            print(f"copy in {copy}; import mergeval -> {imported_from(copy, env)} (canary reached pytest)")
+            if not args.no_baseline:
+                code, output = pytest_run(copy, env, baseline_tests(mutants), args.timeout)
+                if code != 0:
+                    raise MutantError(f"the unmutated tests fail: {first_failure(output)}")
+                print("baseline: the unmutated tests pass")
+            outcomes = []
+            for m in mutants:
+                outcome = run_mutant(copy, env, m, args.timeout)
+                outcomes.append(outcome)
+                verdict = "killed  " if outcome.killed else "SURVIVED"
+                print(f"{verdict} {m.name:48} {outcome.seconds:5.1f} s  {outcome.detail}", flush=True)
+    except MutantError as err:
+        print(f"mutants: error: {err}", file=sys.stderr)
+        return 2
+    print(score_line(outcomes))
+    survivors = [o.mutant for o in outcomes if not o.killed]
+    for m in survivors:
+        print(f"  survived: {m.name} ({m.path}): {m.bug}")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,8 +16,18 @@ side on this machine:
     first configuration.
 
 Both sides evaluate the same task files (mergeval's generated tasks), in
-bfloat16 with batch size 32, on the CPU. The experts must already exist in the
-given mergeval cache (run the quickstart once); they are linked, not rebuilt.
+bfloat16 with batch size 32, on the CPU, with the log-softmax in float32 (the
+``lm_eval`` side gets ``softmax_dtype=float32``, which mergeval's scorer always
+uses; lm-eval's default would round log-probabilities to bfloat16). The experts
+must already exist in the given mergeval cache (run the quickstart once); they
+are linked, not rebuilt.
+
+Both sides must also get the same accuracies: every (model, task) pair's
+accuracy from mergeval's cold sweep is compared with the ``lm_eval`` command
+line's, within the scorer's stated bfloat16 tolerance
+(``mergeval.eval.scorer.ACCURACY_TOLERANCE``); the script exits 1 naming every
+pair that differs by more (after writing its report), so a speed-up is never
+reported for work that computed something else.
 
     python benchmarks/sweep_cost.py --cache ~/.cache/mergeval --n-items 50
 """
@@ -36,8 +46,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from mergeval.eval.scorer import ACCURACY_TOLERANCE  # noqa: E402
+
 TASKS = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts"]
 METHODS = ["task_arithmetic", "ties"]
+EXPERTS = {"chem": "chem_count", "units": "unit_convert"}  # role -> domain, as conf/modelset/quickstart.yaml
+DTYPE = "bfloat16"
 
 
 BIN = Path(sys.executable).parent  # mergekit-yaml and lm_eval live beside this interpreter (a venv's bin/)
@@ -61,7 +75,8 @@ def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
 
     base = smollm2_dir(cache, "--cache")
     base_fp = fingerprint(base, cache / "fingerprints.json")
-    return base, {d: expert_dir(base, base_fp, d, TrainConfig(), cache, "--cache") for d in ("chem_count", "unit_convert")}
+    return base, {role: expert_dir(base, base_fp, domain, TrainConfig(), cache, "--cache")
+                  for role, domain in EXPERTS.items()}
 
 
 def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path]) -> str:
@@ -74,16 +89,63 @@ def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path
 
 
 def lm_eval_cmd(model: Path, task_dir: Path, out: Path) -> list[str]:
-    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},dtype=bfloat16",
+    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args",
+            f"pretrained={model},dtype={DTYPE},softmax_dtype=float32",
             "--tasks", ",".join(TASKS), "--include_path", str(task_dir), "--batch_size", "32",
             "--device", "cpu", "--output_path", str(out)]
 
 
-def run_mergeval(cache: Path, store: Path, lambdas: list[float], n_items: int, work: Path, log: Path) -> float:
+def run_mergeval(cache: Path, store: Path, lambdas: list[float], n_items: int, work: Path,
+                 log: Path) -> tuple[float, Path]:
+    """(seconds, the sweep directory holding each job's result.json)."""
+    sweep = work / f"multirun-{time.time_ns()}"
     cmd = [sys.executable, "-m", "mergeval", "-m", f"method={','.join(METHODS)}",
            f"method.lambda_={','.join(map(str, lambdas))}", f"cache_dir={cache}", f"store.path={store}",
-           f"benchmark.n_items={n_items}", f"hydra.sweep.dir={work}/multirun-{time.time_ns()}"]
-    return timed(cmd, log, cwd=work)
+           f"benchmark.n_items={n_items}", f"eval.dtype={DTYPE}", f"hydra.sweep.dir={sweep}"]
+    return timed(cmd, log, cwd=work), sweep
+
+
+def merge_label(method: str, lam: float) -> str:
+    return f"{method} lambda={float(lam):g}"
+
+
+def mergeval_accuracies(sweep: Path) -> dict[tuple[str, str], tuple[str, float, int]]:
+    """(model, task) -> (lm-eval metric, value, items) from a sweep's result.json files; the merge of each job is
+    named by its method and lambda, the base and the experts by their roles."""
+    out = {}
+    for path in sorted(sweep.rglob("result.json")):
+        result = json.loads(path.read_text())
+        method = result["config"]["method"]
+        for task, by_role in result["scores"].items():
+            for role, score in by_role.items():
+                model = merge_label(method["name"], method["lambda_"]) if role == "merged" else role
+                out[model, task] = (score.get("metric", "acc,none"), score.get("value", score.get("acc")),
+                                    score.get("n"))
+    return out
+
+
+def lm_eval_accuracies(out_dir: Path, model: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(model, task) -> lm-eval's metrics for the one ``lm_eval`` run written under ``out_dir``."""
+    [results] = sorted(out_dir.rglob("results_*.json"))
+    return {(model, task): metrics for task, metrics in json.loads(results.read_text())["results"].items()}
+
+
+def accuracy_mismatches(ours: dict[tuple[str, str], tuple[str, float, int]],
+                        theirs: dict[tuple[str, str], dict[str, float]], tolerance: float) -> list[str]:
+    """One line per (model, task) whose accuracies differ by more than ``tolerance`` (a fraction of the items),
+    that only one side scored, or whose metric the lm_eval side does not report."""
+    lines = [f"{m} / {t}: only the lm_eval side scored it" for m, t in sorted(set(theirs) - set(ours))]
+    for (model, task), (metric, value, n) in sorted(ours.items()):
+        other = theirs.get((model, task))
+        if other is None:
+            lines.append(f"{model} / {task}: only mergeval scored it")
+        elif metric not in other:
+            lines.append(f"{model} / {task}: lm_eval reports no {metric}")
+        elif abs(value - other[metric]) > tolerance + 1e-9:
+            items = f" ({abs(value - other[metric]) * n:.0f} of {n} items)" if n else ""
+            lines.append(f"{model} / {task}: {metric} {value:.4f} (mergeval) vs {other[metric]:.4f} (lm_eval), "
+                         f"differ by {abs(value - other[metric]):.4f}{items} > {tolerance:g}")
+    return lines
 
 
 def main() -> None:
@@ -105,24 +167,30 @@ def main() -> None:
     for sub in ("models", "experts"):
         (cache / sub).symlink_to(args.cache.expanduser().resolve() / sub)
     store = work / "results.sqlite"
-    cold = run_mergeval(cache, store, lambdas, args.n_items, work, log)
+    cold, cold_sweep = run_mergeval(cache, store, lambdas, args.n_items, work, log)
     print(f"mergeval cold sweep: {cold:.1f} s", flush=True)
-    warm = run_mergeval(cache, store, lambdas, args.n_items, work, log)
+    warm, _ = run_mergeval(cache, store, lambdas, args.n_items, work, log)
     print(f"mergeval warm rerun: {warm:.1f} s", flush=True)
 
     from mergeval.eval.tasks import write_tasks
 
     task_dir = write_tasks(TASKS, args.n_items, work / "baseline-tasks")
     constituents = {"base": base, **experts}
-    rows, first_constituents = [], 0.0
+    rows, first_constituents, theirs = [], 0.0, {}
     for i, (method, lam) in enumerate((m, lam) for m in METHODS for lam in lambdas):
         cfg = work / f"{method}-{lam}.yaml"
         cfg.write_text(mergekit_config(method, lam, base, experts))
         out_dir = work / f"merged-{method}-{lam}"
         t_merge = timed([str(BIN / "mergekit-yaml"), str(cfg), str(out_dir), "--copy-tokenizer"], log)
-        t_eval_merged = timed(lm_eval_cmd(out_dir, task_dir, work / "lm_eval_out"), log)
-        t_constituents = sum(timed(lm_eval_cmd(p, task_dir, work / "lm_eval_out"), log)
-                             for p in constituents.values())
+        merged_out = work / "lm_eval_out" / f"{method}-{lam}"
+        t_eval_merged = timed(lm_eval_cmd(out_dir, task_dir, merged_out), log)
+        theirs.update(lm_eval_accuracies(merged_out, merge_label(method, lam)))
+        t_constituents = 0.0
+        for name, path in constituents.items():
+            constituent_out = work / "lm_eval_out" / f"{name}-{i}"
+            t_constituents += timed(lm_eval_cmd(path, task_dir, constituent_out), log)
+            if i == 0:  # every configuration re-evaluates the same constituents; the first one is compared
+                theirs.update(lm_eval_accuracies(constituent_out, name))
         if i == 0:
             first_constituents = t_constituents
         shutil.rmtree(out_dir)
@@ -139,8 +207,16 @@ def main() -> None:
         "speedup_cold": round(baseline / cold, 2), "speedup_cold_vs_constituents_once": round(baseline_once / cold, 2),
         "baseline_rows": rows,
     }
+    tolerance = ACCURACY_TOLERANCE[DTYPE]
+    mismatches = accuracy_mismatches(mergeval_accuracies(cold_sweep), theirs, tolerance)
+    report["accuracy_tolerance"], report["accuracy_mismatches"] = tolerance, mismatches
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "baseline_rows"}, indent=2))
+    if mismatches:
+        print(f"sweep_cost: the two sides' accuracies differ beyond the scorer's {DTYPE} tolerance ({tolerance:g}), "
+              "so the timings compare different computations:\n  " + "\n  ".join(mismatches), file=sys.stderr)
+        sys.exit(1)
+    print(f"accuracies agree within {tolerance:g} on all {len(theirs)} (model, task) pairs")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""benchmarks/sweep_cost.py's check that mergeval and the mergekit + lm_eval baseline got the same accuracies
+(the benchmark itself takes 10+ minutes; here its comparison runs on files laid out as both sides write them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from mergeval.eval.scorer import ACCURACY_TOLERANCE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep_cost():
+    spec = importlib.util.spec_from_file_location("sweep_cost", ROOT / "benchmarks" / "sweep_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_job(sweep: Path, job: int, method: str, lam: float, scores: dict) -> None:
+    """A result.json as python -m mergeval writes it for one job of a multirun (the fields the check reads)."""
+    path = sweep / str(job) / "result.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"config": {"method": {"name": method, "lambda_": lam}}, "scores": {
+        task: {role: {"metric": "acc,none", "value": v, "stderr": 0.03, "n": 200} for role, v in by_role.items()}
+        for task, by_role in scores.items()}}))
+
+
+def write_lm_eval(out: Path, results: dict) -> Path:
+    """lm_eval --output_path OUT writes OUT/<model path, sanitized>/results_<time>.json."""
+    path = out / "__tmp__model" / "results_2026-01-01T00-00-00.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"results": {t: {"alias": t, **m} for t, m in results.items()}}))
+    return out
+
+
+def test_both_sides_read_and_agree(sweep_cost, tmp_path):
+    sweep = tmp_path / "multirun"
+    write_job(sweep, 0, "ties", 0.5, {"t1": {"base": 0.30, "chem": 0.50, "merged": 0.45}})
+    write_job(sweep, 1, "ties", 1.0, {"t1": {"base": 0.30, "chem": 0.50, "merged": 0.40}})
+    ours = sweep_cost.mergeval_accuracies(sweep)
+    assert ours == {("base", "t1"): ("acc,none", 0.30, 200), ("chem", "t1"): ("acc,none", 0.50, 200),
+                    ("ties lambda=0.5", "t1"): ("acc,none", 0.45, 200),
+                    ("ties lambda=1", "t1"): ("acc,none", 0.40, 200)}
+    theirs = {}
+    for model, acc in (("base", 0.30), ("chem", 0.50), ("ties lambda=0.5", 0.45), ("ties lambda=1", 0.405)):
+        out = write_lm_eval(tmp_path / "lm_eval" / model, {"t1": {"acc,none": acc, "acc_stderr,none": 0.03}})
+        theirs.update(sweep_cost.lm_eval_accuracies(out, model))
+    assert theirs["chem", "t1"]["acc,none"] == 0.50
+    assert sweep_cost.accuracy_mismatches(ours, theirs, 0.01) == []  # 0.405 vs 0.40: 1 item of 200
+    assert sweep_cost.merge_label("ties", 1.0) == "ties lambda=1"
+
+
+def test_a_difference_beyond_the_tolerance_is_named(sweep_cost):
+    ours = {("base", "t1"): ("acc,none", 0.30, 200), ("ties lambda=1", "t1"): ("acc,none", 0.40, 200)}
+    theirs = {("base", "t1"): {"acc,none": 0.30}, ("ties lambda=1", "t1"): {"acc,none": 0.43}}
+    [line] = sweep_cost.accuracy_mismatches(ours, theirs, 0.01)
+    assert line.startswith("ties lambda=1 / t1: acc,none 0.4000 (mergeval) vs 0.4300 (lm_eval)")
+    assert "(6 of 200 items) > 0.01" in line
+    assert sweep_cost.accuracy_mismatches(ours, theirs, 0.03) == []  # exactly at the tolerance: agrees
+
+
+def test_pairs_scored_by_one_side_or_under_another_metric_are_mismatches(sweep_cost):
+    ours = {("base", "t1"): ("acc_norm,none", 0.3, 200), ("chem", "t1"): ("acc,none", 0.5, 200)}
+    theirs = {("base", "t1"): {"acc,none": 0.3}, ("units", "t1"): {"acc,none": 0.2}}
+    assert sweep_cost.accuracy_mismatches(ours, theirs, 0.01) == [
+        "units / t1: only the lm_eval side scored it", "base / t1: lm_eval reports no acc_norm,none",
+        "chem / t1: only mergeval scored it"]
+
+
+def test_the_benchmark_compares_in_bfloat16_with_the_scorers_tolerance(sweep_cost):
+    assert sweep_cost.DTYPE == "bfloat16" and ACCURACY_TOLERANCE["bfloat16"] == 0.01
+    cmd = sweep_cost.lm_eval_cmd(Path("/m"), Path("/tasks"), Path("/out"))
+    assert "pretrained=/m,dtype=bfloat16,softmax_dtype=float32" in cmd  # the log-softmax our scorer takes

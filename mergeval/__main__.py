@@ -6,15 +6,13 @@ mergeval/cli.py); HYDRA_FULL_ERROR=1 shows the full traceback instead.
 
 from __future__ import annotations
 
-import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import discard_job_dir, explain, run_cli  # noqa: F401  (explain: used by older imports)
+from mergeval.cli import explain, failing_cleanly, run_cli  # noqa: F401  (explain: used by older imports)
 from mergeval.config import register_configs
-from mergeval.errors import UserError
 
 register_configs()
 
@@ -27,14 +25,10 @@ def main(cfg: DictConfig) -> None:
     from mergeval.report.table import render
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with failing_cleanly(out_dir):
         outcome = app.run(cfg, out_dir)
-    except UserError as err:
-        discard_job_dir(out_dir)
-        print(err.line(), file=sys.stderr)
-        sys.exit(2)
-    render(outcome, title=f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}")
-    path = app.write_result(cfg, outcome, out_dir)
+        render(outcome, title=f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}")
+        path = app.write_result(cfg, outcome, out_dir)
     print(f"result: {path}")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.checks import check_rows, validate
+from mergeval.interop import mergekit_config
 from mergeval.errors import UserError
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
@@ -34,7 +35,8 @@ from mergeval.summary import aggregable, aggregate
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     """One run, recorded in the results store: ``running`` from here, then ``failed`` on any error (a user's
-    mistake, a bug, Ctrl-C) or ``finished`` by ``write_result``. A killed process leaves it ``running``."""
+    mistake, a fault, a bug), ``interrupted`` on Ctrl-C or SIGTERM, or ``finished`` by ``write_result``. A
+    killed process leaves it ``running`` until a later process on this host proves it gone (store.py)."""
     apply_offline(cfg.offline)
     store = open_store(cfg, cache_root(cfg.cache_dir))
     run_id, versions, git = uuid.uuid4().hex, package_versions(), git_commit()
@@ -44,8 +46,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     try:
         outcome = _execute(cfg, out_dir, store)
     except BaseException as err:
-        store.release_claims()
-        store.fail_run(run_id, f"{type(err).__name__}: {err}")
+        _record_end(store, run_id, err, release=True)
         raise
     outcome.run_id, outcome.versions, outcome.git = run_id, versions, git
     return outcome
@@ -91,8 +92,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
     else:
         base_tensors = load_tensors(base_dir)
-        merged = merge_tensors(method, method_cfg, base_tensors, [load_tensors(p) for p in expert_dirs.values()],
-                               cfg.seed, vocab_policy=cfg.vocab_policy)
+        merged = merge_tensors(method, method_cfg, base_tensors, {n: load_tensors(p) for n, p in expert_dirs.items()},
+                               cfg.seed, vocab_policy=cfg.vocab_policy, dirs={"base": base_dir, **expert_dirs})
         models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
     record_models(store, models)
@@ -193,10 +194,26 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
     path = out_dir / "result.json"
     try:
         atomic_write_text(path, json.dumps(result, indent=2))
+        mergekit_config.write_for_run(out_dir / "mergekit.yaml", cfg, outcome.models)  # when mergekit can express it
         store.finish_run(outcome.run_id, result_path=str(path), aggregates=outcome.aggregates,
                          timings=outcome.timings, models=result["models"], scores=outcome.scores)
     except BaseException as err:
         path.unlink(missing_ok=True)
-        store.fail_run(outcome.run_id, f"{type(err).__name__}: {err}", outcome.timings)
+        _record_end(store, outcome.run_id, err, timings=outcome.timings)
         raise
     return path
+
+
+def _record_end(store, run_id: str, err: BaseException, timings=None, release: bool = False) -> None:
+    """Mark the run interrupted (Ctrl-C, SIGTERM) or failed, and drop its claims. If the store itself is what
+    failed (damaged, read-only, full) this is skipped: the original error is the one to report, and a run left
+    ``running`` is reaped by the next process that opens the store."""
+    try:
+        if release:
+            store.release_claims()
+        if isinstance(err, KeyboardInterrupt):
+            store.interrupt_run(run_id, f"interrupted by {err or 'Ctrl-C'}", timings)
+        else:
+            store.fail_run(run_id, f"{type(err).__name__}: {err}", timings)
+    except (UserError, OSError):
+        pass

@@ -1,19 +1,25 @@
 """The command-line contract shared by every entry point (run, merge, staged).
 
 Mistakes a user can make (a bad override, an unknown option, an invalid
-hyperparameter, a missing model) end in one line on stderr and exit status 2,
-and a job that failed that way leaves no job directory behind. Set
-HYDRA_FULL_ERROR=1 to see the full traceback instead.
+hyperparameter, a missing or damaged model) and faults of the environment (a
+read-only place, a full disk, a damaged results store) end in one line on
+stderr and exit status 2, and a job that failed that way leaves no job
+directory behind. SIGTERM is handled like Ctrl-C: the work stops, temporary
+files are removed, the run is recorded as ``interrupted``, one line, exit 2.
+A multirun (``-m``) composes and checks every job's config before the first
+job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.errors import UserError, from_os_error
 
 
 def explain(ex: BaseException) -> str | None:
@@ -64,23 +70,80 @@ def discard_job_dir(job_dir: Path) -> None:
                 break
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so every cleanup that handles one handles both."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut our own cleanup short
+    raise Interrupted("SIGTERM")
+
+
+def user_failure(err: BaseException) -> UserError | None:
+    """The one-line error for a failure the user or the environment caused, else None (a bug)."""
+    if isinstance(err, UserError):
+        return err
+    if isinstance(err, OSError):
+        return from_os_error(err)
+    return None
+
+
+@contextmanager
+def failing_cleanly(job_dir: Path):
+    """Around a job's work: on a user's mistake, a fault of the environment or an interruption, the job
+    directory goes if it holds only Hydra's own files. A failure ends the process here with its one line and
+    status 2 (an exception escaping the job would make Hydra log its own report first); an interruption goes
+    on to ``run_cli`` (Hydra lets BaseExceptions through unreported)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        discard_job_dir(job_dir)
+        raise
+    except Exception as err:
+        known = None if os.environ.get("MERGEVAL_FULL_ERROR") == "1" else user_failure(err)
+        if known is None:
+            raise
+        discard_job_dir(job_dir)
+        print(known.line(), file=sys.stderr)
+        sys.exit(2)
+
+
 def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
-    """Run a Hydra main with mergeval's error contract: a UserError or a composition error is one line on
-    stderr and exit status 2; HYDRA_FULL_ERROR=1 shows the traceback instead. ``--help``/``-h`` print
-    mergeval's help for ``entry`` (mergeval/help.py); Hydra's stays at --hydra-help."""
+    """Run a Hydra main with mergeval's error contract: a UserError, a composition error, a fault of the
+    environment or an interruption (Ctrl-C, SIGTERM) is one line on stderr and exit status 2;
+    HYDRA_FULL_ERROR=1 shows the traceback instead. ``--help``/``-h`` print mergeval's help for ``entry``
+    (mergeval/help.py); Hydra's stays at --hydra-help."""
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         from mergeval.help import help_text
 
         print(help_text(entry, summary))
         sys.exit(0)
-    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("MERGEVAL_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
+    os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
+            from mergeval.sweep_check import check_sweep
+
+            problems = check_sweep(sys.argv[1:])
+            if problems:
+                print("\n".join(f"mergeval: error: {p}" for p in problems), file=sys.stderr)
+                sys.exit(2)
         hydra_main()
-    except UserError as err:
-        print(err.line(), file=sys.stderr)
+    except KeyboardInterrupt as err:
+        if full_error:
+            raise
+        which = "SIGTERM" if isinstance(err, Interrupted) else "Ctrl-C"
+        print(f"mergeval: interrupted by {which}: stopped, nothing half-written left (the run is recorded as "
+              "interrupted); run the same command again to continue, finished evaluations are reused",
+              file=sys.stderr)
         sys.exit(2)
     except Exception as ex:
+        known = None if full_error else user_failure(ex)
+        if known is not None:
+            print(known.line(), file=sys.stderr)
+            sys.exit(2)
         line = None if full_error else explain(ex)
         if line is None:
             raise

@@ -10,7 +10,6 @@ line on stderr and exit status 2, as with ``python -m mergeval``.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -18,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mergeval.config import register_configs
-from mergeval.cli import discard_job_dir, run_cli
+from mergeval.cli import discard_job_dir, failing_cleanly, run_cli
 from mergeval.errors import UserError
 
 register_configs()
@@ -27,12 +26,8 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     job_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with failing_cleanly(job_dir):
         target = merge(cfg, job_dir)
-    except UserError as err:
-        discard_job_dir(job_dir)
-        print(err.line(), file=sys.stderr)
-        sys.exit(2)
     if cfg.output:  # the merge went elsewhere: the job directory would hold only Hydra's files
         discard_job_dir(job_dir)
     print(f"merged model: {target}")
@@ -56,8 +51,12 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
     inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.fingerprint} for m in models]
-    return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
-                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True)
+    out = merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
+                        card={"config": merge_config(cfg), "inputs": inputs}, progress=True)
+    from mergeval.interop import mergekit_config
+
+    mergekit_config.write_for_run(out / "mergekit.yaml", cfg, models)  # when mergekit can express the merge
+    return out
 
 
 def cli() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -10,12 +11,14 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
+from mergeval.proc import orphaned, tmp_prefix
+
 
 def cache_root(cache_dir: str | None) -> Path:
     """``cache_dir`` from the config, else $MERGEVAL_CACHE, else the user cache dir."""
     root = cache_dir or os.environ.get("MERGEVAL_CACHE") or user_cache_dir("mergeval")
     path = Path(root).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
+    make_dirs(path)
     return path
 
 
@@ -23,11 +26,14 @@ def cache_root(cache_dir: str | None) -> Path:
 def atomic_dir(final: Path):
     """Yield a temporary sibling directory; rename it to ``final`` only if the block succeeds.
 
-    An interrupted build leaves no half-written ``final`` (only a ``.tmp-*``
-    sibling, which the next build ignores and which is removed on failure).
+    A failed or interrupted build leaves no half-written ``final``: the temporary
+    directory is removed on any exception (SIGTERM and Ctrl-C included); after a
+    SIGKILL the next atomic write into the same parent removes it (its name
+    proves its owner is gone, see ``mergeval.proc``).
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    make_dirs(final.parent)
+    remove_orphans(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(final.name), dir=final.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only; the result is an ordinary directory
     try:
         yield tmp
@@ -36,9 +42,47 @@ def atomic_dir(final: Path):
         else:
             os.replace(tmp, final)
             fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        _name_the_place(err, final)
         raise
+
+
+def _name_the_place(err: BaseException, target: Path) -> None:
+    """A write that failed without naming its file (a full disk, a file-size limit) names what was being
+    written, so the one-line error says where."""
+    if isinstance(err, OSError) and err.filename is None:
+        raise OSError(err.errno, err.strerror, str(target)) from err
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p``, with the OSError naming the first path in the way (an existing file, a read-only parent)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as err:  # a file where a directory should be, at ``directory`` or above it
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
+        raise NotADirectoryError(errno.ENOTDIR, "is a file, not a directory", str(blocker)) from err
+
+
+def remove_orphans(directory: Path) -> list[str]:
+    """Remove the temporary files and directories in ``directory`` left by mergeval processes that were killed
+    (SIGKILL, power loss) on this host; returns their names. Entries of live processes are never touched."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(".tmp-") and orphaned(entry.name):
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:  # another process removed it first, or it is not ours to remove
+                pass
+    return removed
 
 
 def dir_size(path: Path) -> int:
@@ -55,16 +99,18 @@ def _umask() -> int:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all, and durably: the data is fsynced before the rename and the directory
     after it, so a crash or power loss leaves the old file or the new one, never a torn or empty one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    make_dirs(path.parent)
+    remove_orphans(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        _name_the_place(err, path)
         raise
     fsync_dir(path.parent)
 

@@ -10,15 +10,13 @@ is a result, not an error (exit 0).
 
 from __future__ import annotations
 
-import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import discard_job_dir, run_cli
+from mergeval.cli import failing_cleanly, run_cli
 from mergeval.config import register_configs
-from mergeval.errors import UserError
 
 register_configs()
 
@@ -31,14 +29,11 @@ def main(cfg: DictConfig) -> None:
     from mergeval.staging.pipeline import run_staged
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with failing_cleanly(out_dir):
         outcome = run_staged(cfg)
-    except UserError as err:
-        discard_job_dir(out_dir)
-        print(err.line(), file=sys.stderr)
-        sys.exit(2)
-    report.render(outcome, title=f"staged sweep · {cfg.modelset.name} · {cfg.benchmark.name}")
-    print(f"staged: {report.write(cfg, outcome, out_dir)}")
+        report.render(outcome, title=f"staged sweep · {cfg.modelset.name} · {cfg.benchmark.name}")
+        written = report.write(cfg, outcome, out_dir)
+    print(f"staged: {written}")
 
 
 def cli() -> None:

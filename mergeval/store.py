@@ -6,12 +6,15 @@ processes, Slurm jobs on one node) read and write at once. Every write is one
 the whole write or none of it, and concurrent writers wait for each other
 (busy timeout) instead of failing or losing rows.
 
-Tables (schema v3; v1 and v2 databases are migrated in place on open):
+Tables (schema v4; v1-v3 databases are migrated in place on open):
 
-- ``runs``: one row per run. ``start_run`` inserts it as ``running``;
-  ``finish_run`` completes it exactly once (``finished``, with result path,
-  aggregates, scores and timings); ``fail_run`` marks it ``failed``. A run
-  killed without a chance to say so stays ``running``: never half finished.
+- ``runs``: one row per run. ``start_run`` inserts it as ``running`` with its
+  process (host, pid, start time); ``finish_run`` completes it exactly once
+  (``finished``, with result path, aggregates, scores and timings);
+  ``fail_run`` marks it ``failed``, ``interrupt_run`` ``interrupted`` (SIGTERM,
+  Ctrl-C). A run killed without a chance to say so (SIGKILL, power loss) stays
+  ``running`` until the next process on its host opens the store and proves its
+  process gone: then it becomes ``interrupted`` with a note. Never half finished.
 - ``models``: content fingerprint -> source and architecture (from config.json).
 - ``evaluations``: (model fingerprint, task digest, settings hash) -> every
   metric the task reported (``{"acc_norm,none": [value, stderr], ...}``; a
@@ -26,6 +29,12 @@ Tables (schema v3; v1 and v2 databases are migrated in place on open):
   evaluated need not be redone.
 - ``claims``: which process is evaluating a model right now, so parallel
   sweep jobs that share a constituent evaluate it once (``claim_or_scores``).
+
+Faults: opening checks that the file is a database, passes ``PRAGMA
+quick_check`` and can be written (once per process and path); an SQLite error
+later (a page corrupted mid-run, a full disk, a file made read-only) becomes a
+one-line ``UserError`` naming the file, raised after the transaction rolled
+back, so the store is never left half-written.
 """
 
 from __future__ import annotations
@@ -41,19 +50,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 
+from mergeval import proc
 from mergeval.errors import UserError
+from mergeval.paths import make_dirs
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
 CLAIM_TTL_S = 6 * 3600  # a claim from another host older than this is presumed dead (its evaluation never came)
 BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
-STATUSES = ("running", "finished", "failed")
+STATUSES = ("running", "finished", "failed", "interrupted")
 
-_RUNS = """
-CREATE TABLE {name} (
+_RUNS_COLUMNS = """
     run_id TEXT PRIMARY KEY,
     created REAL NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'failed')),
+    status TEXT NOT NULL CHECK (status IN ({statuses})),
     experiment TEXT NOT NULL,
     method TEXT NOT NULL,
     config TEXT NOT NULL,
@@ -66,11 +76,16 @@ CREATE TABLE {name} (
     scores TEXT,
     result_path TEXT,
     finished REAL,
-    error TEXT,
+    error TEXT,{owner}
     CHECK (status = 'running' OR finished IS NOT NULL),
     CHECK (status <> 'finished' OR (timings IS NOT NULL AND aggregates IS NOT NULL AND models IS NOT NULL
-                                    AND scores IS NOT NULL AND result_path IS NOT NULL))
-)"""
+                                    AND scores IS NOT NULL AND result_path IS NOT NULL))"""
+# v4 adds the 'interrupted' status and the owning process (host, pid, its start time), so a run whose process
+# was killed can be proven dead and marked interrupted by the next process that opens the store.
+_RUNS = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(
+    statuses="'running', 'finished', 'failed', 'interrupted'",
+    owner="\n    host TEXT,\n    pid INTEGER,\n    pid_start INTEGER,") + ")"
+_RUNS_V2 = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(statuses="'running', 'finished', 'failed'", owner="") + ")"
 _EVALUATIONS = """
 CREATE TABLE {name} (
     model_fingerprint TEXT NOT NULL,
@@ -83,7 +98,7 @@ CREATE TABLE {name} (
     created REAL NOT NULL,
     samples_path TEXT,
     PRIMARY KEY (model_fingerprint, task_digest, settings_hash))"""
-_V3 = [
+_CURRENT = [
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     _EVALUATIONS.format(name="evaluations"),
     _RUNS.format(name="runs"),
@@ -175,14 +190,28 @@ class Store:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._ensure_schema()
-        except sqlite3.DatabaseError as err:  # not a database, unreadable, read-only directory...
-            raise UserError("store.path", f"cannot use {self.path} as the results store ({err})",
-                            "point store.path at a new file or a mergeval results store") from err
+            make_dirs(self.path.parent)
         except OSError as err:
-            raise UserError("store.path", f"cannot create {self.path} ({err})",
+            raise UserError("store.path", f"cannot create {self.path} ({err.strerror}: {err.filename})",
                             "point store.path at a writable location") from err
+        self._ensure_schema()
+        if self.path.resolve() not in _CHECKED:  # once per process: quick_check reads every page
+            self._check_health()
+            _CHECKED.add(self.path.resolve())
+        self.reap_dead_runs()
+
+    def _check_health(self) -> None:
+        """The file passes ``PRAGMA quick_check`` and accepts a write (a rolled-back one)."""
+        with self._read() as db:
+            found = [row[0] for row in db.execute("PRAGMA quick_check").fetchall()]
+        if found != ["ok"]:
+            raise UserError("store.path", f"{self.path} is damaged ({'; '.join(found[:2])})", _DAMAGED_FIX)
+        with self._faults(), closing(self._connect()) as db:  # a read-only file fails here, not mid-run
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("UPDATE meta SET value=value WHERE key='schema_version'")
+            finally:
+                db.execute("ROLLBACK")
 
     # connections and transactions
 
@@ -195,19 +224,37 @@ class Store:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; IMMEDIATE takes the write lock up front, so two writers never deadlock."""
-        with closing(self._connect()) as db:
+        with self._faults(), closing(self._connect()) as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:
+                    try:
+                        db.execute("ROLLBACK")
+                    except sqlite3.Error:  # the failure already ended it (SQLite rolls back on some errors)
+                        pass
                 raise
             db.execute("COMMIT")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        with closing(self._connect()) as db:
+        with self._faults(), closing(self._connect()) as db:
             yield db
+
+    @contextmanager
+    def _faults(self) -> Iterator[None]:
+        """An SQLite error the environment caused becomes one line naming the store; IntegrityError (a write
+        the schema forbids) and anything else stay as they are."""
+        try:
+            yield
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.DatabaseError as err:
+            line = _store_fault(self.path, err)
+            if line is None:
+                raise
+            raise line from err
 
     def _ensure_schema(self) -> None:
         with self._read() as db:
@@ -216,13 +263,15 @@ class Store:
         with self._write() as db:  # re-read under the lock: another process may have just migrated
             version = self._version(db)
             if version == 0:
-                for statement in _V3 + _NEW_IN_V2:
+                for statement in _CURRENT + _NEW_IN_V2:
                     db.execute(statement)
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif version in (1, 2):
+            elif version in (1, 2, 3):
                 if version == 1:
                     _migrate_v1_to_v2(db)
-                _migrate_v2_to_v3(db)
+                if version <= 2:
+                    _migrate_v2_to_v3(db)
+                _migrate_v3_to_v4(db)
             elif version > SCHEMA_VERSION:
                 raise UserError("store.path", f"{self.path} has schema v{version}, newer than this mergeval "
                                 f"(v{SCHEMA_VERSION})", "upgrade mergeval or use another store.path")
@@ -360,9 +409,9 @@ class Store:
         try:
             with self._write() as db:
                 db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, "
-                           "job_dir) VALUES (?,?,?,?,?,?,?,?,?)",
+                           "job_dir, host, pid, pid_start) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                            (run_id, time.time(), "running", experiment, method, _dump(config),
-                            _dump(versions), _dump(git), job_dir))
+                            _dump(versions), _dump(git), job_dir, *proc.me()))
         except sqlite3.IntegrityError as err:
             raise StoreError(f"run {run_id} is already in the store") from err
 
@@ -391,6 +440,35 @@ class Store:
                               "WHERE run_id=? AND status='running'",
                               (time.time(), error, None if timings is None else _dump(timings),
                                run_id)).rowcount == 1
+
+    def interrupt_run(self, run_id: str, note: str, timings: Mapping | None = None) -> bool:
+        """Mark a running run interrupted (SIGTERM, Ctrl-C); like ``fail_run``, never raises on state."""
+        with self._write() as db:
+            return db.execute("UPDATE runs SET status='interrupted', finished=?, error=?, timings=? "
+                              "WHERE run_id=? AND status='running'",
+                              (time.time(), note, None if timings is None else _dump(timings),
+                               run_id)).rowcount == 1
+
+    def reap_dead_runs(self) -> list[str]:
+        """Runs left ``running`` by a process of this host that is provably gone (killed) become ``interrupted``
+        with a note, and that process's evaluation claims are dropped; returns their run ids. Runs of other
+        hosts, and runs from before schema v4 (no process recorded), are left as they are."""
+        with self._read() as db:
+            rows = db.execute("SELECT run_id, host, pid, pid_start FROM runs WHERE status='running' AND host=?",
+                              (socket.gethostname(),)).fetchall()
+            claims = db.execute("SELECT DISTINCT pid FROM claims WHERE host=?", (socket.gethostname(),)).fetchall()
+        dead = [r for r in rows if proc.gone(r[1], r[2], r[3])]
+        dead_claims = [pid for (pid,) in claims if pid != os.getpid() and proc.gone(socket.gethostname(), pid)]
+        if not dead and not dead_claims:
+            return []
+        with self._write() as db:
+            for run_id, host, pid, _ in dead:
+                db.execute("UPDATE runs SET status='interrupted', finished=?, error=? WHERE run_id=? AND "
+                           "status='running'", (time.time(), f"process {pid} on {host} ended without finishing "
+                                                "(killed?); found by a later run", run_id))
+            for pid in dead_claims:
+                db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), pid))
+        return [r[0] for r in dead]
 
     def _status(self, run_id: str) -> str | None:
         with self._read() as db:
@@ -432,7 +510,7 @@ def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
                      str(Path(result_path).parent), _dump(result.get("timings_s", {})), aggregates,
                      _dump(result.get("models", [])), _dump(result.get("scores", {})), result_path,
                      created, None))
-    db.execute(_RUNS.format(name="runs_v2"))
+    db.execute(_RUNS_V2.format(name="runs_v2"))
     db.executemany(f"INSERT INTO runs_v2 VALUES ({','.join('?' * 16)})", rows)
     db.execute("DROP TABLE runs")
     db.execute("ALTER TABLE runs_v2 RENAME TO runs")
@@ -453,6 +531,45 @@ def _migrate_v2_to_v3(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE evaluations")
     db.execute("ALTER TABLE evaluations_v3 RENAME TO evaluations")
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+def _migrate_v3_to_v4(db: sqlite3.Connection) -> None:
+    """v3 -> v4 inside the caller's transaction: runs may be ``interrupted`` and record their process. Runs
+    from before have no process, so a stale ``running`` one among them is never reaped automatically."""
+    db.execute(_RUNS.format(name="runs_v4"))
+    columns = [row[1] for row in db.execute("PRAGMA table_info(runs)").fetchall()]
+    db.execute(f"INSERT INTO runs_v4 ({', '.join(columns)}) SELECT {', '.join(columns)} FROM runs")
+    db.execute("DROP TABLE runs")
+    db.execute("ALTER TABLE runs_v4 RENAME TO runs")
+    db.execute("CREATE INDEX IF NOT EXISTS runs_by_created ON runs (created)")
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+_CHECKED: set[Path] = set()  # stores this process has health-checked
+_DAMAGED_FIX = ("move the file aside and rerun (evaluations are then recomputed), or recover what it holds "
+                "with `sqlite3 FILE .recover | sqlite3 NEW`")
+
+
+def _store_fault(path: Path, err: sqlite3.DatabaseError) -> UserError | None:
+    """The one-line error for an SQLite failure the environment caused, or None for any other."""
+    code = getattr(err, "sqlite_errorname", "") or ""
+    if code.startswith("SQLITE_READONLY") or "readonly database" in str(err):
+        return UserError("store.path", f"{path} is read-only ({err})",
+                         "make the file and its directory writable, or point store.path elsewhere")
+    if code in ("SQLITE_FULL",) or "disk is full" in str(err):
+        return UserError("store.path", f"no space left for {path} ({err})",
+                         "free some space there, or point store.path at another file system")
+    if code in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or code.startswith("SQLITE_CORRUPT") or \
+            "malformed" in str(err) or "not a database" in str(err):
+        return UserError("store.path", f"{path} is damaged or not a results store ({err})", _DAMAGED_FIX)
+    if code.startswith("SQLITE_CANTOPEN") or code.startswith("SQLITE_IOERR") or code.startswith("SQLITE_PERM"):
+        return UserError("store.path", f"cannot read or write {path} ({err})",
+                         "check the file's permissions and the device, or point store.path elsewhere")
+    if code.startswith("SQLITE_BUSY") or "database is locked" in str(err):
+        return UserError("store.path", f"{path} stayed locked by another process for over {BUSY_TIMEOUT_S} s",
+                         "wait for that process, or use another store.path (a network file system cannot "
+                         "hold an SQLite store safely)")
+    return None
 
 
 def _all_metrics(score: Mapping) -> dict:
@@ -485,19 +602,11 @@ def _tasks_key(digests: Mapping[str, str]) -> str:
 
 
 def _claim_alive(host: str, pid: int, since: float) -> bool:
-    """Whether a claim's process may still be evaluating: on this host, whether the pid runs (this very
+    """Whether a claim's process may still be evaluating: on this host, unless its process is gone (this very
     process's stale claims never block it); elsewhere, whether the claim is younger than CLAIM_TTL_S."""
     if host != socket.gethostname():
         return time.time() - since < CLAIM_TTL_S
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # running, as another user
-        return True
-    return True
+    return pid != os.getpid() and not proc.gone(host, pid)
 
 
 def _read_json(path: Path) -> dict:

@@ -309,8 +309,10 @@ def test_a_writer_killed_mid_loop_leaves_a_consistent_store(tmp_path):
         store = Store(path)
         runs = store.runs()
         finished = [r for r in runs if r["status"] == "finished"]
-        assert {r["status"] for r in runs} <= {"running", "finished"}
-        assert len([r for r in runs if r["status"] == "running"]) <= n_crashes  # only the interrupted ones
+        # opening the store found the killed writers' runs: interrupted, with a note; none is left running
+        assert {r["status"] for r in runs} <= {"interrupted", "finished"}
+        interrupted = [r for r in runs if r["status"] == "interrupted"]
+        assert len(interrupted) <= n_crashes and all("ended without finishing" in r["error"] for r in interrupted)
         assert len(finished) >= finished_before + kill_after + (step == "finished")
         for r in finished:  # a finished row is whole, and so are the evaluations it was finished after
             assert all(r[k] is not None for k in ("aggregates", "timings", "models", "scores", "result_path"))
@@ -357,7 +359,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
                        (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
                         json.dumps({"macro_gain": 2.5})))
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 3
+    assert store.schema_version() == SCHEMA_VERSION == 4
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
     kept, gone = store.run("kept"), store.run("gone")
     assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0
@@ -374,7 +376,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
 def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
     """v2 stored one accuracy per evaluation (generated tasks only): after migration it reads as ``acc,none``,
     and a run asking for another metric of that task does not mistake it for one."""
-    from mergeval.store import _NEW_IN_V2, _RUNS, settings_hash
+    from mergeval.store import _NEW_IN_V2, _RUNS_V2, settings_hash
 
     path = tmp_path / "v2.sqlite"
     with sqlite3.connect(path) as db:
@@ -384,7 +386,7 @@ def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
                    "settings_hash TEXT NOT NULL, task TEXT NOT NULL, settings TEXT NOT NULL, acc REAL NOT NULL, "
                    "stderr REAL NOT NULL, n INTEGER NOT NULL, created REAL NOT NULL, samples_path TEXT, "
                    "PRIMARY KEY (model_fingerprint, task_digest, settings_hash))")
-        db.execute(_RUNS.format(name="runs"))
+        db.execute(_RUNS_V2.format(name="runs"))
         for statement in _NEW_IN_V2:
             db.execute(statement)
         for task, digest in DIGESTS.items():
@@ -392,10 +394,38 @@ def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
             db.execute("INSERT INTO evaluations VALUES ('fp',?,?,?,?,?,?,?,1.0,'/s.jsonl')",
                        (digest, settings_hash(SETTINGS), task, json.dumps(SETTINGS), s["value"], s["stderr"], s["n"]))
     store = Store(path)
-    assert store.schema_version() == 3 and integrity(path) == "ok"
+    assert store.schema_version() == 4 and integrity(path) == "ok"
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES
     assert store.samples_paths("fp", DIGESTS, SETTINGS) == {"a": "/s.jsonl", "b": "/s.jsonl"}
     assert store.get_scores("fp", DIGESTS, SETTINGS, metrics={"a": "acc_norm,none", "b": "acc,none"}) is None
+
+
+def test_a_v3_store_keeps_its_runs_and_gains_interrupted(tmp_path):
+    """v3 -> v4: every run row is kept as it was; a run left running by a v3 process has no process recorded,
+    so it is never reaped by guesswork; new runs record theirs and can be interrupted."""
+    from mergeval.store import _EVALUATIONS, _NEW_IN_V2, _RUNS_V2
+
+    path = tmp_path / "v3.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        db.execute("INSERT INTO meta VALUES ('schema_version', '3')")
+        db.execute(_EVALUATIONS.format(name="evaluations"))
+        db.execute(_RUNS_V2.format(name="runs"))
+        for statement in _NEW_IN_V2:
+            db.execute(statement)
+        db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git) "
+                   "VALUES ('old-running', 1.0, 'running', 'e', 'm', '{}', '{}', '{}')")
+        db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, timings, "
+                   "aggregates, models, scores, result_path, finished) VALUES ('old-done', 2.0, 'finished', 'e', "
+                   "'m', '{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)")
+    store = Store(path)
+    assert store.schema_version() == 4 and integrity(path) == "ok"
+    assert store.run("old-running")["status"] == "running" and store.run("old-running")["pid"] is None
+    assert store.run("old-done")["aggregates"] == {"macro_gain": 1.5} and store.run("old-done")["finished"] == 3.0
+    start(store, "new")
+    assert store.run("new")["pid"] == os.getpid()
+    assert store.interrupt_run("new", "interrupted by SIGTERM") and store.run("new")["status"] == "interrupted"
+    assert not store.interrupt_run("new", "again")  # only a running run can be interrupted
 
 
 def test_every_metric_is_kept_and_read_by_name(tmp_path):

@@ -28,12 +28,18 @@ from mergeval.paths import atomic_dir
 
 
 def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
-                  experts: list[Mapping[str, torch.Tensor]], seed: int, progress: bool = True,
-                  vocab_policy: str = "error") -> dict[str, torch.Tensor]:
+                  experts: list[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]], seed: int,
+                  progress: bool = True, vocab_policy: str = "error",
+                  dirs: Mapping[str, Path] | None = None) -> dict[str, torch.Tensor]:
     """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
-    or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules)."""
-    b = MemorySource(base, "modelset.base")
-    es = [MemorySource(e, f"modelset.experts[{i}]") for i, e in enumerate(experts)]
+    or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules).
+
+    ``experts`` is a list or a mapping modelset name -> tensors; ``dirs`` (role -> checkpoint directory, "base"
+    included) only names where a bad tensor came from, as the streaming merge does."""
+    named = experts.items() if isinstance(experts, Mapping) else enumerate(experts)
+    dirs = dirs or {}
+    b = MemorySource(base, "modelset.base", dirs.get("base"))
+    es = [MemorySource(e, f"modelset.experts.{k}", dirs.get(str(k))) for k, e in named]
     rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
     plan = build_plan(method, cfg, b.dtypes)
     check_plan(method, plan, len(es))

@@ -15,7 +15,6 @@ without a separate pass and named in a one-line error.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,20 +22,7 @@ from pathlib import Path
 import torch
 
 from mergeval.errors import UserError
-
-# safetensors header dtype -> torch dtype (the writer uses the inverse)
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-INDEX = "model.safetensors.index.json"
-
-
-def shard_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those its index names, else every ``*.safetensors``."""
-    index = model_dir / INDEX
-    if index.exists():
-        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-    return sorted(model_dir.glob("*.safetensors"))
+from mergeval.models.safetensors_io import DTYPES, INDEX, read_header, shard_files  # noqa: F401  (re-exported)
 
 
 def check_finite(t: torch.Tensor, label: str, name: str, where: str = "") -> torch.Tensor:
@@ -44,24 +30,6 @@ def check_finite(t: torch.Tensor, label: str, name: str, where: str = "") -> tor
         raise UserError(label, f"tensor {name}{where} contains NaN or Inf",
                         "check that checkpoint (a failed fine-tune or conversion?); it cannot be merged")
     return t
-
-
-def read_header(path: Path) -> tuple[int, dict]:
-    """(offset of the data section, {name: {dtype, shape, data_offsets}}) of one safetensors file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or 8 + n > size:
-            raise UserError("modelset", f"'{path}' is not a valid safetensors file (header length {n})",
-                            "re-save or re-download that checkpoint")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        if entry["dtype"] not in DTYPES or not 0 <= begin <= end <= size - 8 - n:
-            raise UserError("modelset", f"'{path}': tensor {name} is truncated or has an unknown dtype "
-                            f"({entry['dtype']})", "re-save or re-download that checkpoint")
-    return 8 + n, header
 
 
 class CheckpointReader:
@@ -74,8 +42,8 @@ class CheckpointReader:
         self._where: dict[str, tuple[Path, int, dict]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
-        for path in shard_files(self.dir):
-            start, header = read_header(path)
+        for path in shard_files(self.dir, label):
+            start, header = read_header(path, label)
             for name, entry in header.items():
                 self._where[name] = (path, start, entry)
                 self.shapes[name] = tuple(entry["shape"])
@@ -106,8 +74,9 @@ class CheckpointReader:
 class MemorySource:
     """The same interface over tensors already in memory (the in-memory merge)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], label: str):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], label: str, source_dir: Path | None = None):
         self.tensors, self.label = tensors, label
+        self.where = f" in {source_dir}" if source_dir is not None else ""
         self.shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         self.dtypes = {n: t.dtype for n, t in tensors.items()}
 
@@ -115,4 +84,4 @@ class MemorySource:
         return sorted(self.shapes)
 
     def get(self, name: str) -> torch.Tensor:
-        return check_finite(self.tensors[name], self.label, name)
+        return check_finite(self.tensors[name], self.label, name, self.where)

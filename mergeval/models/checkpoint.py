@@ -11,32 +11,56 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mergeval.errors import UserError
-from mergeval.models.fingerprint import safetensors_files
+from mergeval.models.safetensors_io import REFETCH, check_checkpoint, read_config, shard_files  # noqa: F401
 
 
-def tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, read from the safetensors headers only (no tensor data)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+def tensor_shapes(model_dir: Path, label: str = "modelset") -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, read from the checked safetensors headers only (no tensor data)."""
+    return check_checkpoint(model_dir, label)
 
 
-def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_tensors(model_dir: Path, label: str = "modelset") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (its files checked first: a damaged one is a one-line error)."""
+    check_checkpoint(model_dir, label)
     tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        tensors.update(load_file(str(path)))
+    for path in shard_files(model_dir, label):
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:  # noqa: BLE001  the file changed since it was checked (safetensors' own error)
+            raise UserError(label, f"cannot read '{path}' ({err})", REFETCH) from err
     return tensors
 
 
-def read_config(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
+# What must agree for two checkpoints to be merged tensor by tensor: equal shapes alone do not prove it (6 heads
+# of 8 dims and 4 heads of 12 give the same projections, but the merge would mix unrelated heads).
+ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "tie_word_embeddings",
+                       "rope_theta", "rope_scaling", "partial_rotary_factor")
+
+
+def architecture(config: dict) -> dict:
+    """The fields of ARCHITECTURE_FIELDS a config has (``text_config`` of multimodal configs included), with
+    ``head_dim`` derived as hidden_size / num_attention_heads where the config leaves it out and
+    ``num_key_value_heads`` defaulting to the attention heads, as transformers does. RoPE settings are read
+    from both spellings: ``rope_theta``/``rope_scaling`` (transformers 4) and ``rope_parameters`` (5), where a
+    ``rope_type`` of ``default`` means no scaling."""
+    merged = {**(config.get("text_config") or {}), **config}
+    arch = {k: merged[k] for k in ARCHITECTURE_FIELDS if k in merged}
+    rope = dict(merged.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        arch.setdefault("rope_theta", rope.pop("rope_theta"))
+    if rope and rope.get("rope_type", "default") != "default":
+        arch.setdefault("rope_scaling", rope)
+    if arch.get("rope_scaling") is None or (arch.get("rope_scaling") or {}).get("rope_type") == "default":
+        arch.pop("rope_scaling", None)
+    heads = arch.get("num_attention_heads")
+    if heads and "hidden_size" in arch:
+        arch.setdefault("head_dim", arch["hidden_size"] // heads)
+        arch.setdefault("num_key_value_heads", heads)
+    return arch
 
 
 VOCAB_POLICIES = ("error", "truncate", "union")
@@ -74,15 +98,18 @@ def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str 
     union; union also refuses an expert with more rows than the base.
     """
     check_vocab_policy(vocab_policy)
-    base_cfg, base_shapes = read_config(base_dir), tensor_shapes(base_dir)
+    base_cfg, base_shapes = read_config(base_dir, "modelset.base"), tensor_shapes(base_dir, "modelset.base")
+    base_arch = architecture(base_cfg)
     for name, path in others.items():
         field = f"modelset.experts.{name}"
-        cfg = read_config(path)
-        for key in ("model_type", "num_hidden_layers", "hidden_size"):
-            if cfg.get(key) != base_cfg.get(key):
-                raise UserError(field, f"{key} is {cfg.get(key)!r} but the base has {base_cfg.get(key)!r}",
+        cfg = read_config(path, field)
+        arch = architecture(cfg)
+        for key in ARCHITECTURE_FIELDS:
+            if key in arch and key in base_arch and arch[key] != base_arch[key] or \
+                    key in ("model_type", "hidden_size", "num_hidden_layers") and arch.get(key) != base_arch.get(key):
+                raise UserError(field, f"{key} is {arch.get(key)!r} but the base has {base_arch.get(key)!r}",
                                 "merge only models of the base's architecture (fine-tuned from the same base)")
-        shapes = tensor_shapes(path)
+        shapes = tensor_shapes(path, field)
         missing, extra = sorted(set(base_shapes) - set(shapes)), sorted(set(shapes) - set(base_shapes))
         if missing or extra:
             which = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mergeval.models.safetensors_io import read_header
 from mergeval.paths import atomic_write_text
 
 _CHUNK = 1 << 24
@@ -45,24 +46,32 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def fingerprint(model_dir: Path, cache_file: Path | None = None) -> str:
+def _read_cache(cache_file: Path | None) -> dict:
+    """The fingerprint cache; an unreadable or damaged one is treated as empty (it is only a cache)."""
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file else {}
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def fingerprint(model_dir: Path, cache_file: Path | None = None, label: str = "modelset") -> str:
     """Fingerprint of all ``*.safetensors`` in ``model_dir`` (tensor names are unique across shards)."""
     files = safetensors_files(model_dir)
     keys = "|".join(_file_key(p) for p in files)
-    cache = json.loads(cache_file.read_text()) if cache_file and cache_file.exists() else {}
+    cache = _read_cache(cache_file)
     if keys in cache:
         return cache[keys]
     h = hashlib.blake2b(digest_size=16)
     owner = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            owner.update({name: path for name in f.keys()})
+        owner.update({name: path for name in read_header(path, label)[1]})
     for name in sorted(owner):  # global name order, so sharding does not change the fingerprint
         with safe_open(str(owner[name]), framework="pt") as f:
             _hash_tensor(h, name, f.get_tensor(name))
     digest = h.hexdigest()
     if cache_file:
-        cache = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+        cache = _read_cache(cache_file)
         cache[keys] = digest
         atomic_write_text(cache_file, json.dumps(cache, indent=0))
     return digest

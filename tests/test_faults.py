@@ -1,0 +1,427 @@
+"""Fault injection: damaged inputs, unwritable places, full disks, damaged stores, interruptions and kills.
+
+The contract for each (issue 11): one line on stderr naming what and where and the fix, exit status 2, no
+traceback, and nothing left half-written: no output directory, no temporary directory, no job directory, and
+a results store whose integrity check passes with every run in a truthful state. Everything runs on the tiny
+zoo (the merge-only CLI takes about 2 s per case).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.test_engine import make_expert
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def cli(module: str, *args: str, cwd: Path, prefix: tuple[str, ...] = (), preexec=None,
+        timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", module, *args], cwd=cwd, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+
+
+def assert_one_line(out: subprocess.CompletedProcess, starts: str, *contains: str) -> str:
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"mergeval: error: {starts}"), out.stderr[-3000:]
+    for text in contains:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def leftovers(*dirs: Path) -> list[Path]:
+    """Temporary files and directories, and Hydra job directories, below ``dirs``."""
+    found = []
+    for d in dirs:
+        if d.exists():
+            found += [p for p in d.rglob(".tmp-*")] + [p.parent for p in d.rglob(".hydra")]
+    return found
+
+
+@pytest.fixture(scope="module")
+def zoo(tiny_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fault-zoo")
+    return {"base": tiny_dir, "e0": make_expert(tiny_dir, root / "e0", seed=1),
+            "e1": make_expert(tiny_dir, root / "e1", seed=2)}
+
+
+def modelset(base: Path, e0: Path, e1: Path) -> list[str]:
+    return ["+experiment=tiny", f"modelset.base={base}", "modelset.experts.chem.domain=null",
+            f"modelset.experts.chem.source={e0}", "modelset.experts.units.domain=null",
+            f"modelset.experts.units.source={e1}"]
+
+
+def damaged_copy(zoo, tmp_path: Path, damage) -> Path:
+    bad = tmp_path / "damaged"
+    shutil.copytree(zoo["e1"], bad)
+    damage(bad)
+    return bad
+
+
+def _truncate(d: Path) -> None:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-4000])
+
+
+def _garbage(d: Path) -> None:
+    (d / "model.safetensors").write_bytes(os.urandom(5000))
+
+
+def _huge_header(d: Path) -> None:
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes((len(data) * 4).to_bytes(8, "little") + data[8:])
+
+
+def _header_not_json(d: Path) -> None:
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"{" * 32
+    f.write_bytes(bytes(data))
+
+
+def _index_names_missing_shard(d: Path) -> None:
+    tensors = load_file(str(d / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, str(d / "model-00001-of-00002.safetensors"))
+    (d / "model.safetensors").unlink()
+    weight_map = {n: "model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors"
+                  for i, n in enumerate(names)}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _config_not_json(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": 32,')
+
+
+def _no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _other_head_layout(d: Path) -> None:
+    """Same tensor shapes, other attention layout: 4 heads x 8 dims (2 kv heads) -> 2 heads x 16 (1 kv head)."""
+    config = json.loads((d / "config.json").read_text())
+    config.update(num_attention_heads=2, num_key_value_heads=1)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _other_rope(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    rope = config.get("rope_parameters") or config  # transformers 5 keeps rope_theta in rope_parameters
+    rope["rope_theta"] = float(rope.get("rope_theta", 10000.0)) * 4
+    (d / "config.json").write_text(json.dumps(config))
+
+
+DAMAGE = {
+    "truncated": (_truncate, "truncated"),
+    "garbage": (_garbage, "safetensors"),
+    "header length past the end": (_huge_header, "not a complete safetensors file"),
+    "header not JSON": (_header_not_json, "damaged header"),
+    "index names a missing shard": (_index_names_missing_shard, "missing shard"),
+    "config.json not JSON": (_config_not_json, "not valid JSON"),
+    "no weights": (_no_weights, "*.safetensors"),
+    "attention layout": (_other_head_layout, "num_attention_heads is 2 but the base has 4"),
+    "rope": (_other_rope, "rope_theta"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_expert_is_one_line_and_leaves_nothing(case, zoo, tmp_path):
+    damage, says = DAMAGE[case]
+    bad = damaged_copy(zoo, tmp_path, damage)
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], bad), f"output={tmp_path / 'out'}",
+              cwd=tmp_path)
+    assert_one_line(out, "modelset.experts.units", says)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_the_full_run_checks_a_damaged_base_before_anything(zoo, tmp_path):
+    bad = tmp_path / "base"
+    shutil.copytree(zoo["base"], bad)
+    _truncate(bad)
+    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}",
+              cwd=tmp_path)
+    assert_one_line(out, "modelset.base", "truncated")
+    assert "evaluating" not in out.stdout and not leftovers(tmp_path)
+    assert [r[0] for r in sqlite3.connect(tmp_path / "r.sqlite").execute("SELECT status FROM runs")] == ["failed"]
+
+
+def test_nan_in_an_expert_names_the_same_field_and_directory_in_a_run_as_in_merge_only(zoo, tmp_path):
+    def poison(tensors, _dst):
+        tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
+
+    bad = make_expert(zoo["base"], tmp_path / "nan", seed=9, change=poison)
+    lines = [assert_one_line(cli(module, *modelset(zoo["base"], zoo["e0"], bad), f"store.path={tmp_path / 'r.sqlite'}",
+                                 f"output={tmp_path / 'out'}", cwd=tmp_path), "modelset.experts.units",
+                             f"in {bad}", "NaN or Inf")
+             for module in ("mergeval", "mergeval.merge")]
+    assert lines[0] == lines[1] and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------- places the user cannot write
+
+
+def unprivileged() -> tuple[str, ...]:
+    """A command prefix under which file permissions apply: root ignores them, so as root the child drops
+    the capabilities that override them (setpriv); other users need nothing."""
+    if os.geteuid() != 0:
+        return ()
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: file permissions cannot be tested")
+    return ("setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner")
+
+
+def test_output_in_a_read_only_directory(zoo, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={locked / 'out'}",
+                  cwd=tmp_path, prefix=unprivileged())
+    finally:
+        locked.chmod(0o755)
+    assert_one_line(out, str(locked), "permission denied")
+    assert not list(locked.iterdir()) and not leftovers(tmp_path)
+
+
+def test_output_below_an_existing_file(zoo, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+              f"output={tmp_path / 'afile' / 'sub' / 'out'}", cwd=tmp_path)
+    assert_one_line(out, str(tmp_path / "afile"), "is a file, not a directory")
+    assert not leftovers(tmp_path)
+
+
+def test_a_file_size_limit_while_writing_the_merge(zoo, tmp_path):
+    """The merged weights outgrow RLIMIT_FSIZE (as a full disk would stop them): EFBIG, one line, and the
+    half-written temporary directory is gone."""
+    limit = (zoo["e0"] / "model.safetensors").stat().st_size // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={tmp_path / 'out'}",
+              cwd=tmp_path, preexec=small_files)
+    assert_one_line(out, str(tmp_path / "out"), "file-size limit")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_cache_dir_below_a_file(zoo, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"cache_dir={tmp_path / 'afile'}",
+              f"output={tmp_path / 'out'}", cwd=tmp_path)
+    assert_one_line(out, str(tmp_path / "afile"), "is a file")
+
+
+# ---------------------------------------------------------------- the results store
+
+
+def make_store(path: Path) -> None:
+    from mergeval.store import Store
+
+    Store(path)
+
+
+def test_a_read_only_store_fails_at_open_not_mid_run(zoo, tmp_path):
+    store = tmp_path / "r.sqlite"
+    make_store(store)
+    store.chmod(0o444)
+    out = cli("mergeval", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
+              "benchmark.limit=4", cwd=tmp_path, prefix=unprivileged())
+    assert_one_line(out, "store.path", "read-only")
+    assert "evaluating" not in out.stdout and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["page", "garbage"])
+def test_a_damaged_store_is_found_at_open(damage, zoo, tmp_path):
+    store = tmp_path / "r.sqlite"
+    make_store(store)
+    data = bytearray(store.read_bytes())
+    if damage == "page":  # the runs table's page (4096-byte pages; page 6 is its root in a new store)
+        data[4096 * 5:4096 * 5 + 300] = b"\x07" * 300
+    else:
+        data[:100] = os.urandom(100)
+    store.write_bytes(bytes(data))
+    out = cli("mergeval", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
+              "benchmark.limit=4", cwd=tmp_path)
+    assert_one_line(out, "store.path", "damaged")
+    assert not leftovers(tmp_path)
+
+
+def test_a_store_damaged_mid_run_is_one_line(tmp_path):
+    """A page corrupted after the open-time check: the next write names the store, not sqlite3."""
+    from mergeval.errors import UserError
+    from mergeval.store import Store
+
+    store = Store(tmp_path / "r.sqlite")
+    with sqlite3.connect(store.path) as db:
+        root = db.execute("SELECT rootpage FROM sqlite_master WHERE name='runs'").fetchone()[0]
+        page = db.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(store.path.read_bytes())
+    data[page * (root - 1):page * (root - 1) + 200] = b"\x07" * 200
+    store.path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="store.path: .* is damaged"):
+        store.start_run("r1", experiment="e", method="m", config={}, versions={}, git={})
+
+
+# ---------------------------------------------------------------- interruptions and kills
+
+
+def started(out_parent: Path, proc: subprocess.Popen, timeout: float = 300) -> bool:
+    """Wait until the merge's temporary directory appears (the merge is writing), then freeze the process so
+    the signal lands mid-merge; False if the process ended first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if any(out_parent.glob(".tmp-out-*")):
+            proc.send_signal(signal.SIGSTOP)
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+@pytest.fixture(scope="module")
+def medium(cache, tmp_path_factory) -> dict[str, Path]:
+    """A model large enough (about 17 MB) that a merge lasts long enough to be interrupted."""
+    from mergeval.zoo.tiny import ZOO, zoo_dir
+
+    ZOO["medium"] = dict(ZOO["tiny"], hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+    base = zoo_dir("medium", cache)
+    root = tmp_path_factory.mktemp("medium")
+    return {"base": base, "e0": make_expert(base, root / "e0", seed=1), "e1": make_expert(base, root / "e1", seed=2)}
+
+
+def merge_cmd(models: dict[str, Path], out: Path) -> list[str]:
+    return [sys.executable, "-m", "mergeval.merge", *modelset(models["base"], models["e0"], models["e1"]),
+            "method=ties", "method.density=0.3", f"output={out}"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
+    proc = subprocess.Popen(merge_cmd(medium, tmp_path / "out"), cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not started(tmp_path, proc):
+        proc.communicate()
+        pytest.fail("the merge finished before it could be interrupted")
+    proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mergeval: interrupted by"), err[-3000:]
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_path):
+    proc = subprocess.Popen(merge_cmd(medium, tmp_path / "out"), cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert started(tmp_path, proc), "the merge finished before it could be killed"
+    proc.kill()
+    proc.wait()
+    debris = list(tmp_path.glob(".tmp-out-*"))
+    assert debris and not (tmp_path / "out").exists()
+    again = subprocess.run(merge_cmd(medium, tmp_path / "out"), cwd=tmp_path, env=child_env(), capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_live_process_temporary_files_are_never_removed(tmp_path):
+    from mergeval.paths import remove_orphans
+    from mergeval.proc import tmp_prefix
+
+    mine = tmp_path / (tmp_prefix("out") + "abc")
+    mine.mkdir()
+    foreign = tmp_path / ".tmp-out-deadbeef.1.1-abc"  # another host's: cannot be proven orphaned
+    foreign.mkdir()
+    unowned = tmp_path / ".tmp-out-xyz"  # an old-style name without an owner
+    unowned.mkdir()
+    assert remove_orphans(tmp_path) == [] and mine.exists() and foreign.exists() and unowned.exists()
+
+
+def run_cmd(models: dict[str, Path], store: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mergeval", *modelset(models["base"], models["e0"], models["e1"]),
+            f"store.path={store}", "benchmark.limit=4", *extra]
+
+
+def statuses(store: Path) -> list[tuple[str, str | None]]:
+    with sqlite3.connect(store) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        return db.execute("SELECT status, error FROM runs ORDER BY created").fetchall()
+
+
+def evaluating(zoo, store: Path, cwd: Path) -> subprocess.Popen:
+    """A run into job directory ``first``, returned once it has started evaluating."""
+    proc = subprocess.Popen(run_cmd(zoo, store, "hydra.run.dir=first"), cwd=cwd, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "evaluating" in line:
+            return proc
+    pytest.fail("the run ended before it started evaluating: " + proc.stderr.read()[-3000:])
+
+
+def test_sigterm_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes(zoo, tmp_path):
+    store = tmp_path / "r.sqlite"
+    proc = evaluating(zoo, store, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and err.strip().startswith("mergeval: interrupted by SIGTERM"), err[-3000:]
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "first").exists()
+    assert [s for s, _ in statuses(store)] == ["interrupted"]
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+    again = subprocess.run(run_cmd(zoo, store, "hydra.run.dir=second"), cwd=tmp_path, env=child_env(),
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [s for s, _ in statuses(store)] == ["interrupted", "finished"]
+
+
+def test_sigkill_leaves_running_until_the_next_process_proves_it_dead(zoo, tmp_path):
+    store = tmp_path / "r.sqlite"
+    proc = evaluating(zoo, store, tmp_path)
+    proc.kill()
+    proc.communicate()
+    assert [s for s, _ in statuses(store)] == ["running"]
+    listed = cli("mergeval.results", "--store", str(store), cwd=tmp_path)
+    assert listed.returncode == 0 and "interrupted" in listed.stdout, listed.stdout + listed.stderr
+    ((status, note),) = statuses(store)
+    assert status == "interrupted" and "ended without finishing" in note
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+def test_a_sweep_checks_every_job_before_the_first(zoo, tmp_path):
+    store = tmp_path / "r.sqlite"
+    out = cli("mergeval", "-m", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
+              "method=ties", "method.density=0.5,0,1.5", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("mergeval: error: ") for line in lines), out.stderr
+    assert "sweep job 2 of 3 (method.density=0)" in lines[0] and "method.density" in lines[0]
+    assert "sweep job 3 of 3 (method.density=1.5)" in lines[1]
+    assert "2 of 3 jobs are invalid; no job was started" in lines[2]
+    assert not store.exists() and not leftovers(tmp_path) and not (tmp_path / "multirun").exists()

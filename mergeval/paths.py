@@ -40,7 +40,12 @@ def atomic_dir(final: Path):
         if final.exists():  # built concurrently by another process: keep theirs
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as err:  # another builder renamed theirs between our check and our rename
+                if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
+                    raise
+                shutil.rmtree(tmp)
             fsync_dir(final.parent)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -149,3 +149,30 @@ def test_synergy_area_of_one_point_is_a_triangle():
     # a point beyond expert 1 is clipped onto u = 0 and keeps its height: the trapezoid (0, h) -> (1, 0)
     h = (1.2 + 0.1 - 1) / math.sqrt(2)
     assert synergy_area([(1.2, 0.1)], (1.0, 0.0), (0.0, 1.0)) == pytest.approx(math.sqrt(2) * h / 2)
+
+
+# ---------------------------------------------------------------- similarity pooling
+
+
+def test_task_vector_stats_pool_layers_and_the_whole_model_by_sums():
+    import torch
+
+    from mergeval.metrics.similarity import task_vector_stats
+
+    names = ("model.layers.0.w", "model.layers.0.b", "model.embed.weight")
+    base = {n: torch.zeros(2 if "layers" in n else 1) for n in names}
+    a = {"model.layers.0.w": torch.tensor([1.0, 0.0]), "model.layers.0.b": torch.tensor([0.0, 2.0]),
+         "model.embed.weight": torch.tensor([3.0])}
+    b = {"model.layers.0.w": torch.tensor([1.0, 1.0]), "model.layers.0.b": torch.tensor([0.0, -2.0]),
+         "model.embed.weight": torch.tensor([3.0])}
+    out = task_vector_stats(base, a, b)
+    # layer 0 pools (1, 0, 0, 2) and (1, 1, 0, -2): dot -3, squares 5 and 6, one conflict of 4, 2 non-zero in both
+    layer = out["by_layer"][0]
+    assert layer["cosine"] == pytest.approx(-3 / math.sqrt(30)) and layer["l2"] == pytest.approx(math.sqrt(17))
+    assert (layer["numel"], layer["sign_conflict"], layer["sign_conflict_nonzero"]) == (4, 0.25, 0.5)
+    # the whole model adds the embedding (3 and 3), which belongs to no layer
+    whole = out["overall"]
+    assert whole["cosine"] == pytest.approx(6 / math.sqrt(14 * 15)) and whole["l2"] == pytest.approx(math.sqrt(17))
+    assert (whole["numel"], whole["sign_conflict"]) == (5, 0.2)
+    assert whole["sign_conflict_nonzero"] == pytest.approx(1 / 3)
+    assert set(out["by_layer"]) == {0} and out["per_tensor"]["model.embed.weight"]["layer"] is None

@@ -59,9 +59,21 @@ def validate(cfg: DictConfig):
         if expert.task is not None and expert.task not in cfg.benchmark.tasks:
             raise UserError(f"modelset.experts.{name}.task", f"'{expert.task}' is not in benchmark.tasks",
                             f"use one of {list(cfg.benchmark.tasks)} or null")
+        if expert.get("calibration") is not None:
+            from mergeval.calibration import check_calibration
+
+            check_calibration(expert.calibration, f"modelset.experts.{name}.calibration", cfg.benchmark.n_items)
     if method.name == "pipeline":  # stages refer to experts by their modelset names
         method_cfg.expert_names = list(experts)
     method.validate(method_cfg, len(experts))
+    from mergeval.methods.data_aware import STATISTICS
+
+    if method.name in STATISTICS and method_cfg.statistics is None:  # before minutes of building experts
+        missing = [n for n, e in experts.items() if e.get("calibration") is None]
+        if missing:
+            field = f"modelset.experts.{missing[0]}.calibration"
+            raise UserError(field, f"method {method.name} needs calibration data for every expert",
+                            f"set {field}={{task: <generated domain>, split: train, n: 64}}")
     if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
         if not generated:
             raise UserError("method.order", "ranking experts needs a validation split, which only mergeval's "

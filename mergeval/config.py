@@ -28,12 +28,22 @@ class TrainConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """An expert's calibration data for data-aware merges (fisher, regmean; mergeval/calibration.py)."""
+
+    task: str | None = None  # a generated domain (chem_count) or generated task (mergeval_chem_count)
+    split: str = "train"  # train | validation; never test (the items the merge is scored on)
+    n: int = 64  # items
+
+
+@dataclass
 class ExpertConfig:
     """One constituent to merge: an existing model (``source``) or one mergeval fine-tunes (``domain``)."""
 
     source: str | None = None  # hf:<id>, a local directory, smollm2, zoo:tiny
     domain: str | None = None  # fine-tune the modelset's base on this generated domain
     task: str | None = None  # the benchmark task that measures this expert's own skill
+    calibration: CalibrationConfig | None = None  # data for fisher / regmean statistics (null: none)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""What a method needs from the models before it merges: head counts, and validation scores that rank experts
-(CMM's curriculum).
+"""What a method needs from the models before it merges: head counts, validation scores that rank experts
+(CMM's curriculum), and calibration statistics (fisher, regmean: mergeval/calibration.py).
 
 Each expert is evaluated with mergeval's own evaluator on the validation split
 of the benchmark's tasks (held-out items disjoint from the test items, see
@@ -30,6 +30,13 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
 
         method_cfg = fill_head_counts(method_cfg, read_config(base_dir))
     merge_info = merge_details(method.name, method_cfg, models)
+    from mergeval.methods.data_aware import STATISTICS
+
+    if method.name in STATISTICS and method_cfg.statistics is None:  # each expert's, computed once and cached
+        from mergeval.calibration import fill_statistics
+
+        method_cfg, details = fill_statistics(cfg, method.name, STATISTICS[method.name], method_cfg, models, cache)
+        merge_info = {**merge_info, **details}
     if "needs_ranking" in merge_info:
         if not can_evaluate:
             refuse_ranking(method, method_cfg)

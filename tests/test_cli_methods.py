@@ -90,6 +90,11 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
     ("mergebench_soup", "task_arithmetic", {"lambda_": 0.2}),
     ("mergebench_task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
     ("mergebench_ties", "ties", {"density": 0.3, "lambda_": 0.4}),
+    ("mergebench_dare", "dare_linear", {"density": 0.1, "lambda_": 0.4, "rescale": "inverse_density"}),
+    ("mergebench_consensus_ta", "consensus_ta", {"lambda_": 0.4, "k": 2, "tall_lambda": 0.2, "strict": True}),
+    ("regmean", "regmean", {"alpha": 0.5}),
+    ("fisher", "fisher", {"epsilon": 1e-10}),
+    ("localize_stitch", "localize_stitch", {"sparsity": 0.1}),
 ])
 def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
     from hydra import compose, initialize_config_module

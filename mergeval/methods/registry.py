@@ -282,4 +282,5 @@ def blame_rule(index: int, param: str, where: str):
 
 # Registration happens on import of the method families.
 from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401
+from mergeval.methods import data_aware, masks  # noqa: E402,F401
 from mergeval.methods import pipeline  # noqa: E402,F401  (last: its stages name the others)

@@ -1,0 +1,272 @@
+"""Calibration data and the per-expert statistics that data-aware merges need (Fisher merging, RegMean).
+
+A modelset expert names its calibration data::
+
+    experts:
+      chem: {domain: chem_count, task: mergeval_chem_count,
+             calibration: {task: chem_count, split: train, n: 64}}
+
+``task`` is a generated domain (``chem_count``, ``unit_convert``) or a generated
+task (``mergeval_chem_count``, its lettered ``_mc`` twin asks the same items);
+``split`` is ``train`` (the first ``n`` items of the domain's training stream:
+what a zoo expert with ``train.seed=0`` was fine-tuned on, disjoint from every
+evaluation item) or ``validation`` (the last ``n`` items of the task's held-out
+pool, disjoint from the first ``benchmark.n_items`` test items; checked). The
+test split is never used: it is what the merge is scored on. Each item is
+rendered exactly as in fine-tuning (``zoo.finetune``): ``Question: q\\nAnswer: a``
+plus end-of-sequence, and only the answer tokens count as the example's
+log-likelihood.
+
+Statistics (``KINDS``), computed from one expert with its own calibration data,
+one model in memory at a time:
+
+    fisher   F[p] = (1/n) sum_x (d/dp log p(answer_x | prompt_x))^2
+             the diagonal empirical Fisher: one forward and one backward pass per
+             example (batch 1), squared per-example gradients, every parameter.
+    gram     G[m] = (1/T) sum_x X_m,x^T X_m,x
+             for every nn.Linear m inside the model (lm_head excluded), X_m,x the
+             (tokens x in_features) inputs of m on example x and T the total
+             number of tokens: one forward pass per example (forward hooks).
+             Linear layers fed the very same tensor (q/k/v, gate/up) share one
+             matrix, stored once (``aliases``).
+
+Each is cached under ``<cache>/statistics/<kind>-<key>/`` (``stats.safetensors``
+and ``meta.json``, written atomically) with ``key`` = sha256 of (kind, model
+fingerprint, data digest, n, STATS_VERSION): later runs and sweeps reuse it.
+The merge reads it one tensor at a time (``read_stat``), so memory stays
+bounded by one layer's statistics per expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from mergeval.errors import UserError
+from mergeval.paths import atomic_dir
+
+STATS_VERSION = 1
+KINDS = ("fisher", "gram")
+SPLITS = ("train", "validation")
+STATS_FILE, META_FILE = "stats.safetensors", "meta.json"
+
+
+# ---------------------------------------------------------------- data
+
+
+def _domain_and_task(task: str, field: str) -> tuple[str | None, str]:
+    """(training domain or None, held-out task name) of a calibration task."""
+    from mergeval.eval.tasks import GENERATED, PREFIX, items_of
+    from mergeval.zoo.domains import DOMAINS
+
+    if task in DOMAINS:
+        return task, PREFIX + task
+    if task in GENERATED:
+        cloze = items_of(task)
+        domain = cloze.removeprefix(PREFIX)
+        return (domain if domain in DOMAINS else None), cloze
+    choices = sorted(DOMAINS) + sorted(GENERATED)
+    raise UserError(f"{field}.task", f"unknown calibration task {task!r}",
+                    f"choose a generated domain or task: {', '.join(choices)}")
+
+
+def check_calibration(cal, field: str, n_test: int) -> None:
+    """The checks of one expert's calibration config that need no data (one line each)."""
+    if cal.split == "test":
+        raise UserError(f"{field}.split", "calibration never uses the test split (the items the merge is scored on)",
+                        f"set {field}.split=train or {field}.split=validation")
+    if cal.split not in SPLITS:
+        raise UserError(f"{field}.split", f"unknown split {cal.split!r}", f"set {field}.split=train or validation")
+    if not isinstance(cal.n, int) or cal.n < 1:
+        raise UserError(f"{field}.n", f"must be a positive number of items, got {cal.n!r}", f"set e.g. {field}.n=64")
+    if cal.task is None:
+        raise UserError(f"{field}.task", "no calibration task", f"set {field}.task to a generated domain, e.g. "
+                        "chem_count")
+    domain, name = _domain_and_task(cal.task, field)
+    if cal.split == "train" and domain is None:
+        raise UserError(f"{field}.split", f"{cal.task} has no training split (its items are all held out)",
+                        f"set {field}.split=validation")
+    if cal.split == "validation":
+        from mergeval.eval.tasks import POOL
+
+        if cal.n + n_test > POOL[name]:
+            raise UserError(f"{field}.n", f"{name} holds {POOL[name]} held-out items, fewer than "
+                            f"{n_test} test + {cal.n} validation", f"lower {field}.n or benchmark.n_items")
+
+
+def calibration_items(cal, field: str, n_test: int) -> list[dict]:
+    """The calibration items (module docstring); never the test split."""
+    check_calibration(cal, field, n_test)
+    domain, name = _domain_and_task(cal.task, field)
+    if cal.split == "train":
+        from mergeval.zoo.domains import split_items
+        from mergeval.zoo.experts import EVAL_POOL
+
+        return split_items(domain, seed=0, n_train=cal.n, n_eval=EVAL_POOL, train_seed=0)[0]
+    from mergeval.eval.tasks import task_items
+
+    return task_items(name, n_test, "validation", cal.n)
+
+
+def data_digest(items: list[dict]) -> str:
+    """sha256 of the items as rendered for the model (prompt, answer), first 16 hex digits."""
+    from mergeval.zoo.finetune import prompt
+
+    rows = [[prompt(i["question"]), i["choices"][i["answer"]]] for i in items]
+    return hashlib.sha256(json.dumps({"rows": rows, "format": 1}).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def stats_key(kind: str, fingerprint: str, digest: str, n: int) -> str:
+    payload = {"kind": kind, "model": fingerprint, "data": digest, "n": n, "version": STATS_VERSION}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def statistics_dir(kind: str, model_dir: Path, fingerprint: str, items: list[dict], cache: Path,
+                   label: str = "") -> tuple[Path, bool]:
+    """(the cached statistics directory, whether it was computed now); computed once per (model, data, n)."""
+    digest = data_digest(items)
+    target = cache / "statistics" / f"{kind}-{stats_key(kind, fingerprint, digest, len(items))}"
+    if target.exists():
+        return target, False
+    print(f"mergeval: calibration: computing {kind} statistics of {label or model_dir.name} on {len(items)} items",
+          flush=True)
+    tensors, meta = compute(kind, model_dir, items)
+    from safetensors.torch import save_file
+
+    with atomic_dir(target) as tmp:
+        save_file(tensors, str(tmp / STATS_FILE), metadata={"format": "pt"})
+        (tmp / META_FILE).write_text(json.dumps({"kind": kind, "model": fingerprint, "data": digest,
+                                                 "n": len(items), "version": STATS_VERSION, **meta}, indent=1))
+    return target, True
+
+
+def compute(kind: str, model_dir: Path, items: list[dict]):
+    """(name -> float32 tensor, extra metadata) of one statistic of the model in ``model_dir``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mergeval.models.checkpoint import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, dtype=torch.float32)
+    examples = [_example(tokenizer, item) for item in items]
+    return (fisher(model, examples) if kind == "fisher" else gram(model, examples))
+
+
+def _example(tokenizer, item):
+    from mergeval.zoo.finetune import _batch  # the fine-tuning format: answer-only labels
+
+    return _batch(tokenizer, [item])
+
+
+def answer_log_likelihood(model, ids, mask, labels):
+    """sum over the answer tokens of log p(token | preceding tokens)."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    scored = targets != -100
+    return -torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
+
+
+def fisher(model, examples) -> tuple[dict, dict]:
+    """F[p] = mean over examples of the squared gradient of the example's answer log-likelihood."""
+    import torch
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+    for ids, mask, labels in examples:
+        model.zero_grad(set_to_none=True)
+        answer_log_likelihood(model, ids, mask, labels).backward()
+        for n, p in params.items():
+            if p.grad is not None:
+                acc[n].add_(p.grad.float().square())
+    model.zero_grad(set_to_none=True)
+    return {n: (a / len(examples)).contiguous() for n, a in acc.items()}, {}
+
+
+def gram(model, examples) -> tuple[dict, dict]:
+    """G[m] = (1/T) sum of X^T X over the inputs X of each nn.Linear m (lm_head excluded); shared inputs once."""
+    import torch
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+               and not n.endswith(".lm_head")}
+    acc: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    live: dict[int, tuple[torch.Tensor, str]] = {}  # this forward's inputs (kept alive, so ids stay unique)
+    tokens = 0
+
+    def hook(name):
+        def record(module, inputs, output):
+            x = inputs[0]
+            seen = live.get(id(x))
+            if seen is not None and seen[0] is x:
+                aliases.setdefault(name, seen[1])
+                return
+            live[id(x)] = (x, name)
+            flat = x.detach().reshape(-1, x.shape[-1]).float()
+            g = flat.T @ flat
+            acc[name] = acc[name].add_(g) if name in acc else g
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for ids, mask, _ in examples:
+                live.clear()
+                model(input_ids=ids, attention_mask=mask)
+                tokens += int(mask.sum())
+    finally:
+        for h in handles:
+            h.remove()
+        live.clear()
+    tensors = {f"{n}.weight": (g / tokens).contiguous() for n, g in acc.items() if n not in aliases}
+    return tensors, {"tokens": tokens, "aliases": {f"{n}.weight": f"{o}.weight" for n, o in aliases.items()}}
+
+
+@lru_cache(maxsize=64)
+def _aliases(directory: str) -> dict[str, str]:
+    return json.loads((Path(directory) / META_FILE).read_text()).get("aliases", {})
+
+
+def read_stat(directory: str, name: str):
+    """One statistic tensor (``name`` is the parameter's name; a shared Gram matrix is found by alias), or None."""
+    from safetensors import safe_open
+
+    key = _aliases(directory).get(name, name)
+    with safe_open(str(Path(directory) / STATS_FILE), "pt") as f:
+        return f.get_tensor(key) if key in f.keys() else None
+
+
+# ---------------------------------------------------------------- a run's statistics
+
+
+def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache: Path):
+    """``method_cfg.statistics`` = each expert's statistics directory (computed once, then cached), in modelset
+    order; returns (new method config, details for result.json). Refused with one line for an expert without
+    calibration data."""
+    import dataclasses
+
+    details = {}
+    paths = []
+    for info in models:
+        if info.role == "base":
+            continue
+        expert = cfg.modelset.experts[info.role]
+        field = f"modelset.experts.{info.role}.calibration"
+        cal = expert.get("calibration") if hasattr(expert, "get") else getattr(expert, "calibration", None)
+        if cal is None:
+            raise UserError(field, f"method {method_name} needs calibration data for every expert",
+                            f"set {field}={{task: <generated domain>, split: train, n: 64}}")
+        items = calibration_items(cal, field, cfg.benchmark.n_items)
+        path, fresh = statistics_dir(kind, Path(info.path), info.fingerprint, items, cache, info.role)
+        paths.append(str(path))
+        details[info.role] = {"kind": kind, "task": cal.task, "split": cal.split, "n": cal.n,
+                              "data_digest": data_digest(items), "path": str(path),
+                              "computed": "this run" if fresh else "reused from the cache"}
+    return dataclasses.replace(method_cfg, statistics=paths), {"statistics": details}

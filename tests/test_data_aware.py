@@ -1,0 +1,304 @@
+"""Calibration data and the data-aware / mask-based methods (issue 19): Fisher merging, RegMean, Consensus TA,
+Localize-and-Stitch. Property tests on random tensors, hand-worked masks, the calibration config's checks, the
+statistics cache, and Fisher / RegMean through the engine against an independent dense implementation on the
+two-layer tiny zoo model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeval.calibration import calibration_items, check_calibration, data_digest, statistics_dir
+from mergeval.errors import UserError
+from mergeval.methods import METHODS
+from mergeval.methods.data_aware import fisher_merge, regmean_linear, shrink
+from mergeval.methods.masks import tall_masks, top_mask
+from tests.test_engine import make_expert, read_dir
+
+SETTINGS = settings(max_examples=40, deadline=None)
+shapes = st.sampled_from([(3, 4), (5, 5), (2, 7)])
+
+
+def rand(shape, seed, scale=1.0):
+    return scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- Fisher
+
+
+@SETTINGS
+@given(shapes, st.integers(0, 10_000), st.integers(1, 4))
+def test_fisher_with_equal_fisher_is_the_average_and_one_expert_is_itself(shape, seed, n):
+    experts = [rand(shape, seed + i) for i in range(n)]
+    f = rand(shape, seed + 99).abs()
+    merged = fisher_merge(experts, [f] * n, 1e-10)
+    assert torch.allclose(merged, torch.stack(experts).mean(0), atol=1e-12)
+    assert torch.allclose(fisher_merge(experts[:1], [f], 1e-10), experts[0], atol=1e-12)
+
+
+def test_fisher_weights_each_entry_by_its_fisher_and_the_floor_averages_zero_fisher():
+    e1, e2 = torch.tensor([1.0, 1.0, 4.0]), torch.tensor([3.0, 5.0, 8.0])
+    f1, f2 = torch.tensor([1.0, 3.0, 0.0]), torch.tensor([1.0, 1.0, 0.0])
+    # (1*1 + 1*3)/2 = 2; (3*1 + 1*5)/4 = 2; zero Fisher everywhere -> the floor gives the mean 6
+    assert fisher_merge([e1, e2], [f1, f2], 1e-10).tolist() == pytest.approx([2.0, 2.0, 6.0])
+
+
+# ---------------------------------------------------------------- RegMean
+
+
+@SETTINGS
+@given(st.integers(2, 6), st.integers(1, 5), st.integers(0, 10_000), st.floats(0.0, 1.0))
+def test_regmean_one_expert_is_itself_and_identical_grams_average(d_in, d_out, seed, alpha):
+    x = rand((3 * d_in, d_in), seed)
+    g = x.T @ x / len(x)
+    ws = [rand((d_out, d_in), seed + 1 + i) for i in range(3)]
+    assert torch.allclose(regmean_linear(ws[:1], [g], alpha), ws[0], atol=1e-8)
+    assert torch.allclose(regmean_linear(ws, [g] * 3, alpha), torch.stack(ws).mean(0), atol=1e-8)
+
+
+@SETTINGS
+@given(st.integers(0, 10_000), st.floats(0.0, 1.0))
+def test_regmean_minimises_the_summed_output_distance(seed, alpha):
+    """W solves the normal equations of sum_i ||X_i W^T - X_i W_i^T||^2 with the shrunk Grams: its gradient
+    sum_i G~_i (W^T - W_i^T) is zero, and moving W raises the (shrunk) objective."""
+    grams = [(lambda x: x.T @ x / len(x))(rand((12, 4), seed + i)) for i in range(2)]
+    ws = [rand((3, 4), seed + 10 + i) for i in range(2)]
+    w = regmean_linear(ws, grams, alpha)
+    grad = sum(shrink(g, alpha) @ (w - wi).T for g, wi in zip(grams, ws))
+    assert grad.abs().max() < 1e-8
+
+    def loss(v):
+        return sum(torch.trace((v - wi) @ shrink(g, alpha) @ (v - wi).T) for g, wi in zip(grams, ws))
+
+    assert loss(w) <= loss(w + 1e-3 * rand(w.shape, seed + 77)) + 1e-12
+
+
+def test_regmean_shrinkage_and_unseen_inputs_by_hand():
+    g = torch.tensor([[4.0, 2.0], [2.0, 3.0]], dtype=torch.float64)
+    assert shrink(g, 0.25).tolist() == [[4.0, 0.5], [0.5, 3.0]]
+    # input 1 is never active for either expert: its column is the plain average, input 0 Gram-weighted
+    g1 = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    g2 = torch.tensor([[3.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    w1, w2 = torch.tensor([[2.0, 10.0]]), torch.tensor([[6.0, 20.0]])
+    assert regmean_linear([w1, w2], [g1, g2], 1.0).tolist() == [[pytest.approx(5.0), pytest.approx(15.0)]]
+
+
+# ---------------------------------------------------------------- Consensus TA, Localize-and-Stitch
+
+
+def test_tall_and_consensus_masks_by_hand():
+    base = torch.zeros(4)
+    e1, e2, e3 = torch.tensor([1.0, 0.0, 2.0, 0.1]), torch.tensor([1.0, 3.0, -2.0, 0.0]), torch.tensor(
+        [0.0, 0.0, 0.0, 5.0])
+    # mtl = (2, 3, 0, 5.1); m_t = |t| >= 0.5 |mtl - t|:
+    # e1: 1>=0.5, 0>=1.5 no, 2>=1 yes, 0.1>=2.5 no -> (1,0,1,0)
+    # e2: 1>=0.5, 3>=0 yes, 2>=1 yes, 0>=2.55 no   -> (1,1,1,0)
+    # e3: 0>=1 no, 0>=1.5 no, 0>=0 yes, 5>=0.05 yes -> (0,0,1,1)
+    masks = tall_masks([e1, e2, e3], 0.5)
+    assert [m.int().tolist() for m in masks] == [[1, 0, 1, 0], [1, 1, 1, 0], [0, 0, 1, 1]]
+    assert tall_masks([e1, e2, e3], 0.5, strict=True)[2].int().tolist() == [0, 0, 0, 1]  # 0 > 0 is false
+    cfg = METHODS["consensus_ta"].config(lambda_=0.5, k=2, tall_lambda=0.5)
+    out = METHODS["consensus_ta"].merge(base, [e1, e2, e3], cfg, torch.Generator())
+    assert out.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # votes (2,1,3,1): entries 0 and 2 kept, * 0.5
+
+
+@SETTINGS
+@given(shapes, st.integers(0, 10_000), st.floats(0.0, 2.0))
+def test_consensus_with_one_expert_and_k1_is_task_arithmetic(shape, seed, lam):
+    base, e = rand(shape, seed).float(), rand(shape, seed + 1).float()
+    cfg = METHODS["consensus_ta"].config(lambda_=lam, k=1)
+    out = METHODS["consensus_ta"].merge(base, [e], cfg, torch.Generator())
+    assert torch.allclose(out, base + lam * (e - base), atol=1e-6)
+
+
+def test_consensus_refuses_k_beyond_the_experts():
+    with pytest.raises(UserError, match="method.k"):
+        METHODS["consensus_ta"].validate(METHODS["consensus_ta"].config(k=3), 2)
+
+
+def test_localize_stitch_by_hand_and_at_full_density():
+    base = torch.zeros(4)
+    e1, e2 = torch.tensor([4.0, -3.0, 0.5, 0.1]), torch.tensor([2.0, 0.1, 0.2, -6.0])
+    assert top_mask(e1, 0.5).tolist() == [True, True, False, False]
+    cfg = METHODS["localize_stitch"].config(sparsity=0.5)
+    out = METHODS["localize_stitch"].merge(base, [e1, e2], cfg, torch.Generator())
+    # masks (1,1,0,0) and (1,0,0,1): entry 0 overlaps -> mean (4+2)/2; entry 1 from e1; 2 none; 3 from e2
+    assert out.tolist() == pytest.approx([3.0, -3.0, 0.0, -6.0])
+    full = METHODS["localize_stitch"].merge(base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(
+        sparsity=1.0), torch.Generator())
+    assert torch.allclose(full, 1 + (e1 + e2) / 2)
+
+
+# ---------------------------------------------------------------- calibration config
+
+
+def cal(task="chem_count", split="train", n=8):
+    return SimpleNamespace(task=task, split=split, n=n)
+
+
+@pytest.mark.parametrize("kwargs,field,words", [
+    (dict(split="test"), "x.split", "never uses the test split"),
+    (dict(split="dev"), "x.split", "unknown split"),
+    (dict(n=0), "x.n", "positive"),
+    (dict(task="nope"), "x.task", "unknown calibration task"),
+    (dict(task="mergeval_general_facts"), "x.split", "no training split"),
+    (dict(task="mergeval_chem_count", split="validation", n=400), "x.n", "fewer than"),
+])
+def test_calibration_config_errors_name_the_field(kwargs, field, words):
+    with pytest.raises(UserError) as err:
+        check_calibration(cal(**kwargs), "x", 200)
+    assert err.value.field == field and words in err.value.problem
+
+
+def test_calibration_items_never_touch_the_test_items():
+    from mergeval.eval.tasks import task_items
+
+    test = {i["question"] for i in task_items("mergeval_chem_count", 200)}
+    train = calibration_items(cal(n=64), "x", 200)
+    valid = calibration_items(cal("mergeval_chem_count_mc", "validation", 64), "x", 200)
+    assert len(train) == len(valid) == 64
+    assert not test & {i["question"] for i in train} and not test & {i["question"] for i in valid}
+    assert calibration_items(cal(n=64), "x", 200)[:8] == calibration_items(cal(n=8), "x", 200)  # a fixed stream
+    assert data_digest(train) != data_digest(valid)
+
+
+# ---------------------------------------------------------------- against a dense implementation
+
+
+@pytest.fixture(scope="module")
+def two_layer(tiny_dir, tmp_path_factory):
+    """The two-layer tiny Llama, two noisy experts and each one's calibration items (train / validation)."""
+    root = tmp_path_factory.mktemp("data_aware")
+    experts = [make_expert(tiny_dir, root / f"e{i}", seed=10 + i, scale=0.05) for i in range(2)]
+    items = [calibration_items(cal("chem_count", "train", 6), "x", 200),
+             calibration_items(cal("unit_convert", "validation", 6), "x", 200)]
+    return tiny_dir, experts, items, root
+
+
+def _dense_examples(model_dir, items):
+    from transformers import AutoTokenizer
+
+    from mergeval.zoo.finetune import prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for item in items:
+        context = tok(prompt(item["question"]))["input_ids"]
+        full = tok(prompt(item["question"]) + " " + item["choices"][item["answer"]])["input_ids"] + [tok.eos_token_id]
+        out.append((torch.tensor([full]), len(context)))
+    return out
+
+
+def dense_fisher(model_dir, items):
+    """(1/n) sum_x (grad of sum_{answer tokens} log softmax)^2, written independently of mergeval.calibration."""
+    from mergeval.models.checkpoint import load_model
+
+    model = load_model(model_dir, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+    examples = _dense_examples(model_dir, items)
+    for ids, start in examples:
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        ll = sum(logp[j - 1, ids[0, j]] for j in range(start, ids.shape[1]))
+        grads = torch.autograd.grad(ll, list(params.values()))
+        for (n, _), g in zip(params.items(), grads):
+            total[n] += g.double() ** 2
+    return {n: t / len(examples) for n, t in total.items()}
+
+
+def dense_grams(model_dir, items):
+    """Per nn.Linear (every one, no sharing): X^T X / T over all calibration tokens, with numpy."""
+    from mergeval.models.checkpoint import load_model
+
+    model = load_model(model_dir, dtype=torch.float32)
+    xs: dict[str, list[np.ndarray]] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: xs.setdefault(n, []).append(
+        inp[0].detach().reshape(-1, inp[0].shape[-1]).double().numpy()))
+        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    with torch.no_grad():
+        for ids, _ in _dense_examples(model_dir, items):
+            model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for n, chunks in xs.items():
+        x = np.concatenate(chunks)
+        out[f"{n}.weight"] = x.T @ x / len(x)
+    return out
+
+
+def _engine_merge(name, base, experts, items, root, cache, **params):
+    from mergeval.engine import merge_to_disk
+    from mergeval.methods.data_aware import STATISTICS
+    from mergeval.models.fingerprint import fingerprint
+
+    dirs = [str(statistics_dir(STATISTICS[name], e, fingerprint(e), its, cache)[0]) for e, its in zip(experts, items)]
+    method = METHODS[name]
+    cfg = method.config(statistics=dirs, **params)
+    method.validate(cfg, len(experts))
+    out = merge_to_disk(method, cfg, base, experts, root / f"out-{name}")
+    return read_dir(out), dirs
+
+
+def test_fisher_through_the_engine_matches_a_dense_implementation(two_layer, cache):
+    base, experts, items, root = two_layer
+    merged, dirs = _engine_merge("fisher", base, experts, items, root, cache)
+    fishers = [dense_fisher(e, its) for e, its in zip(experts, items)]
+    params = [{n: t.double() for n, t in read_dir(e).items()} for e in experts]
+    assert set(merged) <= set(fishers[0])
+    assert any(fishers[0][n].abs().max() > 0 for n in merged)
+    for n, got in merged.items():
+        num = sum((f[n] + 1e-10) * p[n] for f, p in zip(fishers, params))
+        want = num / sum(f[n] + 1e-10 for f in fishers)
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-6), n
+    # computed once: a second request reuses the directory without recomputing
+    from mergeval.models.fingerprint import fingerprint
+
+    again, fresh = statistics_dir("fisher", experts[0], fingerprint(experts[0]), items[0], cache)
+    assert str(again) == dirs[0] and not fresh
+
+
+def test_regmean_through_the_engine_matches_a_dense_implementation(two_layer, cache):
+    base, experts, items, root = two_layer
+    alpha = 0.7
+    merged, _ = _engine_merge("regmean", base, experts, items, root, cache, alpha=alpha)
+    grams = [dense_grams(e, its) for e, its in zip(experts, items)]
+    params = [{n: t.double().numpy() for n, t in read_dir(e).items()} for e in experts]
+    solved = 0
+    for n, got in merged.items():
+        if n in grams[0]:
+            gs = [alpha * g[n] + (1 - alpha) * np.diag(np.diag(g[n])) for g in grams]
+            want = np.linalg.solve(sum(gs), sum(g @ p[n].T for g, p in zip(gs, params))).T
+            solved += 1
+        else:
+            want = sum(p[n] for p in params) / len(params)
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-4, atol=1e-5, err_msg=n)
+    assert solved == 2 * 7  # q, k, v, o, gate, up, down in each of the two layers
+
+
+def test_data_aware_methods_are_refused_without_calibration(cache):
+    from hydra import compose, initialize_config_module
+
+    from mergeval.checks import validate
+    from mergeval.config import register_configs
+
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        for name in ("fisher", "regmean"):
+            cfg = compose("config", overrides=["+experiment=tiny", f"method={name}",
+                                               "modelset.experts.units.calibration=null"])
+            with pytest.raises(UserError) as err:
+                validate(cfg)
+            assert err.value.field == "modelset.experts.units.calibration"
+        cfg = compose("config", overrides=["+experiment=tiny", "method=consensus_ta",
+                                           "modelset.experts.chem.calibration.split=test"])
+        with pytest.raises(UserError) as err:
+            validate(cfg)
+        assert err.value.field == "modelset.experts.chem.calibration.split"
+        validate(compose("config", overrides=["+experiment=tiny", "method=consensus_ta",
+                                              "modelset.experts.units.calibration=null"]))  # data-free: fine

@@ -270,3 +270,55 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
                               "data_digest": data_digest(items), "path": str(path),
                               "computed": "this run" if fresh else "reused from the cache"}
     return dataclasses.replace(method_cfg, statistics=paths), {"statistics": details}
+
+
+# ---------------------------------------------------------------- data-free: magnitude cuts (localize_stitch)
+
+
+def kth_largest_delta(base_dir: Path, expert_dir: Path, k: int) -> float:
+    """The k-th largest |e - b| over every floating-point tensor of a checkpoint pair, exactly, in two streamed
+    passes with O(65536) memory: non-negative float32 values order as their bit patterns do, so a histogram of
+    the high 16 bits finds the bucket of the k-th value and one of the low 16 bits inside it finds the value."""
+    import torch
+
+    from mergeval.engine.reader import CheckpointReader
+
+    base, expert = CheckpointReader(base_dir, "modelset.base"), CheckpointReader(expert_dir, "modelset.experts")
+    names = [n for n in base.names() if base.dtypes[n].is_floating_point]
+
+    def bits(name):
+        b, e = base.get(name).float(), expert.get(name).float()
+        rows = min(b.shape[0], e.shape[0]) if b.dim() else None  # vocab policies: the rows both have
+        d = (e[:rows] - b[:rows]) if rows is not None else e - b
+        return d.abs().flatten().contiguous().view(torch.int32)
+
+    high = torch.zeros(1 << 16, dtype=torch.int64)
+    for n in names:
+        high += torch.bincount(bits(n) >> 16, minlength=1 << 16)
+    above = torch.flip(torch.cumsum(torch.flip(high, [0]), 0), [0])  # above[i]: entries with high bits >= i
+    k = min(k, int(above[0]))
+    bucket = int((above >= k).nonzero().max())
+    rank = k - (int(above[bucket + 1]) if bucket + 1 < len(above) else 0)
+    low = torch.zeros(1 << 16, dtype=torch.int64)
+    for n in names:
+        x = bits(n)
+        low += torch.bincount(x[(x >> 16) == bucket] & 0xFFFF, minlength=1 << 16)
+    above_low = torch.flip(torch.cumsum(torch.flip(low, [0]), 0), [0])
+    value = (bucket << 16) | int((above_low >= rank).nonzero().max())
+    return float(torch.tensor([value], dtype=torch.int32).view(torch.float32))
+
+
+def fill_thresholds(method_cfg, base_dir: Path, models):
+    """localize_stitch with scope=model: each expert's cut, the ceil(sparsity n)-th largest |e - b| over the
+    model (n = its floating-point entries); returns (new config, details for result.json)."""
+    import dataclasses
+    import math
+
+    from mergeval.engine.reader import CheckpointReader
+
+    reader = CheckpointReader(base_dir, "modelset.base")
+    n = sum(math.prod(reader.shapes[t]) for t in reader.names() if reader.dtypes[t].is_floating_point)
+    k = max(1, math.ceil(method_cfg.sparsity * n))
+    cuts = {m.role: kth_largest_delta(base_dir, Path(m.path), k) for m in models if m.role != "base"}
+    return (dataclasses.replace(method_cfg, thresholds=list(cuts.values())),
+            {"thresholds": cuts, "kept_per_expert": k, "entries": n})

@@ -1,5 +1,6 @@
 """What a method needs from the models before it merges: head counts, validation scores that rank experts
-(CMM's curriculum), and calibration statistics (fisher, regmean: mergeval/calibration.py).
+(CMM's curriculum), calibration statistics (fisher, regmean: mergeval/calibration.py) and localize_stitch's
+magnitude cuts.
 
 Each expert is evaluated with mergeval's own evaluator on the validation split
 of the benchmark's tasks (held-out items disjoint from the test items, see
@@ -36,6 +37,11 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
         from mergeval.calibration import fill_statistics
 
         method_cfg, details = fill_statistics(cfg, method.name, STATISTICS[method.name], method_cfg, models, cache)
+        merge_info = {**merge_info, **details}
+    if method.name == "localize_stitch" and method_cfg.scope == "model" and method_cfg.thresholds is None:
+        from mergeval.calibration import fill_thresholds
+
+        method_cfg, details = fill_thresholds(method_cfg, base_dir, models)
         merge_info = {**merge_info, **details}
     if "needs_ranking" in merge_info:
         if not can_evaluate:

@@ -20,7 +20,7 @@ from mergeval.methods.data_aware import fisher_merge, regmean_linear, shrink
 from mergeval.methods.masks import tall_masks, top_mask
 from tests.test_engine import make_expert, read_dir
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=25, deadline=None)
 shapes = st.sampled_from([(3, 4), (5, 5), (2, 7)])
 
 
@@ -125,12 +125,12 @@ def test_localize_stitch_by_hand_and_at_full_density():
     base = torch.zeros(4)
     e1, e2 = torch.tensor([4.0, -3.0, 0.5, 0.1]), torch.tensor([2.0, 0.1, 0.2, -6.0])
     assert top_mask(e1, 0.5).tolist() == [True, True, False, False]
-    cfg = METHODS["localize_stitch"].config(sparsity=0.5)
+    cfg = METHODS["localize_stitch"].config(sparsity=0.5, scope="tensor")
     out = METHODS["localize_stitch"].merge(base, [e1, e2], cfg, torch.Generator())
     # masks (1,1,0,0) and (1,0,0,1): entry 0 overlaps -> mean (4+2)/2; entry 1 from e1; 2 none; 3 from e2
     assert out.tolist() == pytest.approx([3.0, -3.0, 0.0, -6.0])
     full = METHODS["localize_stitch"].merge(base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(
-        sparsity=1.0), torch.Generator())
+        sparsity=1.0, scope="tensor"), torch.Generator())
     assert torch.allclose(full, 1 + (e1 + e2) / 2)
 
 
@@ -175,8 +175,8 @@ def two_layer(tiny_dir, tmp_path_factory):
     """The two-layer tiny Llama, two noisy experts and each one's calibration items (train / validation)."""
     root = tmp_path_factory.mktemp("data_aware")
     experts = [make_expert(tiny_dir, root / f"e{i}", seed=10 + i, scale=0.05) for i in range(2)]
-    items = [calibration_items(cal("chem_count", "train", 6), "x", 200),
-             calibration_items(cal("unit_convert", "validation", 6), "x", 200)]
+    items = [calibration_items(cal("chem_count", "train", 4), "x", 200),
+             calibration_items(cal("unit_convert", "validation", 4), "x", 200)]
     return tiny_dir, experts, items, root
 
 
@@ -302,3 +302,34 @@ def test_data_aware_methods_are_refused_without_calibration(cache):
         assert err.value.field == "modelset.experts.chem.calibration.split"
         validate(compose("config", overrides=["+experiment=tiny", "method=consensus_ta",
                                               "modelset.experts.units.calibration=null"]))  # data-free: fine
+
+
+def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_layer, cache):
+    """scope=model: each expert keeps its ceil(sparsity n) largest |d| over all its tensors (the exact cut from
+    the two-pass histogram equals the sorted k-th value), overlaps averaged; checked on the flattened model."""
+    import math
+
+    from mergeval.calibration import fill_thresholds, kth_largest_delta
+    from mergeval.engine import merge_to_disk
+    from mergeval.outcome import ModelInfo
+
+    base, experts, _, root = two_layer
+    b = read_dir(base)
+    es = [read_dir(e) for e in experts]
+    names = sorted(b)
+    flat = [torch.cat([(e[n].float() - b[n].float()).abs().flatten() for n in names]) for e in es]
+    for k in (1, 7, 1000, flat[0].numel()):
+        assert kth_largest_delta(base, experts[0], k) == torch.sort(flat[0], descending=True).values[k - 1].item()
+    method = METHODS["localize_stitch"]
+    cfg, info = fill_thresholds(method.config(sparsity=0.05), base, [ModelInfo("base", "", "", str(base))] + [
+        ModelInfo(f"e{i}", "", "", str(e)) for i, e in enumerate(experts)])
+    assert info["kept_per_expert"] == math.ceil(0.05 * flat[0].numel())
+    merged = read_dir(merge_to_disk(method, cfg, base, experts, root / "out-ls"))
+    cuts = [torch.sort(f, descending=True).values[info["kept_per_expert"] - 1] for f in flat]
+    for n in names:
+        ds = [e[n].float() - b[n].float() for e in es]
+        ms = [(d.abs() >= c).float() for d, c in zip(ds, cuts)]
+        want = b[n].float() + sum(m * d for m, d in zip(ms, ds)) / torch.stack(ms).sum(0).clamp(min=1)
+        assert torch.allclose(merged[n].float(), want, atol=1e-7), n
+    kept = sum(int((((es[0][n].float() - b[n].float()).abs()) >= cuts[0]).sum()) for n in names)
+    assert kept == info["kept_per_expert"]  # random noise has no ties at the cut

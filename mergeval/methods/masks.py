@@ -39,6 +39,10 @@ class LocalizeStitchConfig:
     # share of each task vector's entries kept (largest |tau_t|). 0.1 is uiuctml/MergeBench scripts/merge.sh's
     # "Dataless Localize-and-Stitch --sparsity 0.1" (and prepare_args.py's default).
     sparsity: float = 0.1
+    # model: the top share of the expert's whole task vector (the paper, MergeBench); tensor: of each tensor
+    scope: str = "model"
+    # scope=model: each expert's cut on |tau_t| (the k-th largest over the model), filled in before merging
+    thresholds: list[float] | None = None
 
 
 def _validate_consensus(cfg: ConsensusConfig, n_experts: int) -> None:
@@ -55,6 +59,11 @@ def _validate_consensus(cfg: ConsensusConfig, n_experts: int) -> None:
 def _validate_stitch(cfg: LocalizeStitchConfig, n_experts: int) -> None:
     if not (math.isfinite(cfg.sparsity) and 0 < cfg.sparsity <= 1):
         raise UserError("method.sparsity", f"must be in (0, 1], got {cfg.sparsity}", "set e.g. method.sparsity=0.1")
+    if cfg.scope not in ("model", "tensor"):
+        raise UserError("method.scope", f"unknown scope {cfg.scope!r}", "set method.scope=model or tensor")
+    if cfg.thresholds is not None and len(cfg.thresholds) != n_experts:
+        raise UserError("method.thresholds", f"{len(cfg.thresholds)} thresholds for {n_experts} experts",
+                        "leave method.thresholds null: they are measured from the experts before merging")
 
 
 def tall_masks(deltas: list[torch.Tensor], tall_lambda: float, strict: bool = False) -> list[torch.Tensor]:
@@ -99,15 +108,24 @@ def merge_localize_stitch(base: torch.Tensor, experts: list[torch.Tensor], cfg: 
     """Localize-and-Stitch, data-free: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t``.
 
     Localize: ``m_t`` keeps the top ``sparsity`` share of ``|tau_t|`` (the paper's
-    dataless variant; here per tensor, ceil(sparsity * n) entries,
-    where the paper and MergeBench rank the whole model's task vector at once).
-    Stitch: where several masks overlap, their task vectors are
+    dataless variant). ``scope=model`` (default, as the paper and MergeBench):
+    ``m_t = |tau_t| >= c_t`` with ``c_t`` the ceil(sparsity * n)-th largest
+    ``|tau_t|`` entry over all n entries of the model's tensors (``thresholds``,
+    measured before merging; ties at the cut are kept, as MergeBench's
+    ``>= threshold``); ``scope=tensor``: the ceil(sparsity * n) largest entries
+    of each tensor (ties by position). Stitch: where several masks overlap, their task vectors are
     averaged; elsewhere each region takes its own expert's delta. The
     data-driven localization (a mask trained on calibration data) is not
     implemented. ``sparsity = 1``: the mean task vector, ``b + mean_t tau_t``.
     """
     b = base.float()
     deltas = [e.float() - b for e in experts]
-    masks = [top_mask(d, cfg.sparsity) for d in deltas]
+    if cfg.scope == "tensor":
+        masks = [top_mask(d, cfg.sparsity) for d in deltas]
+    elif cfg.thresholds is None:
+        raise UserError("method.thresholds", "scope=model needs each expert's magnitude cut, measured before merging",
+                        "run through python -m mergeval or mergeval.merge, or set method.scope=tensor")
+    else:
+        masks = [d.abs() >= c for d, c in zip(deltas, cfg.thresholds)]
     count = torch.stack([m.to(torch.float32) for m in masks]).sum(0).clamp(min=1)
     return b + sum(m * d for m, d in zip(masks, deltas)) / count

@@ -3,6 +3,8 @@
     python -m mergeval.results                                   # every run, oldest first
     python -m mergeval.results --method ties --status finished --since 2026-11-01 --csv ties.csv
     python -m mergeval.results --experiment quickstart --parquet runs.parquet
+    python -m mergeval.results import RESULTS_JSON --model SOURCE +experiment=...   # an lm_eval results file in
+    python -m mergeval.results export RUN_ID DIR                 # a run's models as lm_eval results files
 """
 
 from __future__ import annotations
@@ -132,6 +134,15 @@ def filtered_runs(store: Store, args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["import"]:  # an lm_eval results file in (mergeval/interop/lm_eval_import.py)
+        from mergeval.interop.lm_eval_import import main as import_main
+
+        return import_main(argv[1:])
+    if argv[:1] == ["export"]:  # a run's models out in lm_eval's results shape (mergeval/interop/lm_eval_export.py)
+        from mergeval.interop.lm_eval_export import main as export_main
+
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mergeval.results", description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="the SQLite results store (default: <cache>/results.sqlite)")
     add_filters(parser)

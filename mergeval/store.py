@@ -343,6 +343,15 @@ class Store:
                 (fingerprint, settings_hash(settings), *digests.values())).fetchall()
         return {task: path for task, path in rows}
 
+    def all_metrics(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, dict]:
+        """task -> every metric stored for it (``{"acc,none": [value, stderr], ...}``), for the tasks stored."""
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT task, metrics FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
+                f"AND task_digest IN ({','.join('?' * len(digests))})",
+                (fingerprint, settings_hash(settings), *digests.values())).fetchall()
+        return {task: json.loads(metrics) for task, metrics in rows if task in digests}
+
     def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
         """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces.

@@ -49,6 +49,35 @@ Fingerprint: blake2b over each tensor's name, dtype, shape and bytes (mergeval.m
 """
 
 
+def evaluation_section(scores: dict[str, dict[str, dict]], roles: list[str]) -> str:
+    """Markdown: one row per task, one column per model, each cell ``value ± stderr`` of the task's metric (the
+    metric lm-eval reported and the run shows; ``-`` where lm-eval gives no stderr) and the items scored."""
+    lines = ["## Evaluation", "", "Scored by mergeval's run (lm-eval tasks; value ± standard error, n items).", "",
+             "| task | metric | n | " + " | ".join(roles) + " |", "|---|---|---|" + "---|" * len(roles)]
+    for task, by_role in scores.items():
+        first = next(iter(by_role.values()))
+        cells = [_cell(by_role.get(role)) for role in roles]
+        lines.append(f"| {task} | {first['metric']} | {first['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(score: dict | None) -> str:
+    if score is None:
+        return ""
+    stderr = "-" if score.get("stderr") is None else f"{score['stderr']:.4f}"
+    return f"{score['value']:.4f} ± {stderr}"
+
+
+def add_evaluation(card_path, scores: dict[str, dict[str, dict]], roles: list[str]) -> None:
+    """Append the evaluation table to a saved merge's model card (README.md), atomically."""
+    from pathlib import Path
+
+    from mergeval.paths import atomic_write_text
+
+    path = Path(card_path)
+    atomic_write_text(path, path.read_text().rstrip("\n") + "\n\n" + evaluation_section(scores, roles))
+
+
 def merge_config(cfg) -> dict:
     """The parts of a run config that determine a merge (for the card): method, modelset, seed, vocab_policy."""
     from omegaconf import OmegaConf

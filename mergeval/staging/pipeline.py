@@ -264,6 +264,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     task_dir = suite.generated_dir
     base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
+    _data_aware(cfg, plan, base_dir, constituents, cache)
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -294,6 +295,20 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
                               _choices(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
                               len(outcome.stage3))
     return outcome
+
+
+def _data_aware(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
+    """Candidates that need calibration statistics (fisher, regmean) or localize_stitch's magnitude cuts get
+    them as a run does (``ranking.prepare_method``; computed once per model and data, then cached)."""
+    from mergeval.methods.data_aware import STATISTICS
+    from mergeval.ranking import prepare_method
+
+    import dataclasses
+
+    for i, cand in enumerate(plan.candidates):
+        if cand.method.name in STATISTICS or cand.method.name == "localize_stitch":
+            config, _ = prepare_method(cfg, cand.method, cand.config, constituents, base_dir, cache, can_evaluate=False)
+            plan.candidates[i] = dataclasses.replace(cand, config=config)
 
 
 def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], models: Models,

@@ -77,9 +77,16 @@ MUTANTS = [
            "allowed = 2 * ((p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width)",
            VERIFY, "verify's tolerance on a recorded discrepancy doubled"),
     Mutant("ties_elects_on_untrimmed_deltas", "mergeval/methods/task_vector.py",
-           "    voters = trimmed * wt if cfg.weights_before_election else trimmed\n",
-           "    untrimmed = torch.stack([e.float() - b for e in experts])\n"
-           "    voters = untrimmed * wt if cfg.weights_before_election else untrimmed\n",
+           "    return (b + cfg.lambda_ * disjoint_merge(torch.stack(trimmed), cfg)).to(base.dtype)\n",
+           "    sparse, untrimmed = torch.stack(trimmed), torch.stack([e.float() - b for e in experts])\n"
+           "    wt = torch.tensor(expert_weights(cfg, len(experts))).view(-1, *([1] * b.dim()))\n"
+           "    voters = untrimmed * wt if compat.option(cfg, 'weights_before_election', False, True) else untrimmed\n"
+           "    voters = voters if cfg.sign_rule == 'sum' else torch.sign(voters)\n"
+           "    gamma = torch.sign(voters.sum(0))\n"
+           "    agree = (torch.sign(sparse) == gamma) & (sparse != 0)\n"
+           "    mass = (wt * agree).sum(0)\n"
+           "    tau = (wt * sparse * agree).sum(0) / mass.where(mass != 0, torch.ones_like(mass))\n"
+           "    return (b + cfg.lambda_ * tau).to(base.dtype)\n",
            METHODS, "TIES elects the sign on the untrimmed deltas"),
     Mutant("agrees_drops_upper_half_width", "mergeval/specs/tables.py",
            "ok = meets((p_lo, p_hi), (lo, hi))", "ok = meets((printed.value, p_hi), (lo, hi))",
@@ -150,11 +157,11 @@ MUTANTS = [
            "total = total / sum(w)", "total = total / len(w)",
            METHODS, "weighted linear merge divided by the number of models, not the weights' sum"),
     Mutant("ties_mean_by_count_not_weight", "mergeval/methods/task_vector.py",
-           "weight_mass = (wt * agree).sum(0)", "weight_mass = agree.sum(0).float()",
+           "mass = (wt * agree).sum(0)", "mass = agree.sum(0).float()",
            METHODS, "TIES' disjoint mean divides by the number of agreeing experts, not their weights"),
     Mutant("dare_no_rescale", "mergeval/methods/sparsify.py",
-           'return kept / density if rescale == "inverse_density"', 'return kept if rescale == "inverse_density"',
-           SPARSE, "DARE forgets to rescale the kept entries"),
+           'return kept if rescale == "none" else kept / keep_prob', "return kept",
+           SPARSE, "DARE and DELLA forget to rescale the kept entries"),
     Mutant("breadcrumbs_outliers_rounded_up", "mergeval/methods/sparsify.py",
            "n_top = int(gamma * delta.numel() + 1e-9)", "n_top = math.ceil(gamma * delta.numel())",
            SPARSE, "Breadcrumbs drops ceil(gamma n) outliers instead of floor"),
@@ -162,11 +169,12 @@ MUTANTS = [
            "((density - epsilon) + 2.0 * epsilon * rank)", "((density - epsilon) + epsilon * rank)",
            SPARSE, "DELLA's keep probabilities span half the interval"),
     Mutant("della_rescale_by_density", "mergeval/methods/sparsify.py",
-           'return kept / p if rescale == "inverse_prob"', 'return kept / density if rescale == "inverse_prob"',
+           "return _rescaled(delta, kept, rescale, p)", "return _rescaled(delta, kept, rescale, density)",
            SPARSE, "DELLA rescales by the mean keep probability, not each entry's"),
-    Mutant("disjoint_mean_ignores_weights_before_election", "mergeval/methods/sparsify.py",
-           "voters = sparse * wt if weights_before_election else sparse", "voters = sparse",
-           SPARSE, "the TIES variants ignore weights_before_election"),
+    Mutant("disjoint_mean_ignores_weights_before_election", "mergeval/methods/task_vector.py",
+           'voters = sparse * wt if compat.option(cfg, "weights_before_election", False, True) else sparse',
+           "voters = sparse",
+           METHODS + SPARSE[:1], "the TIES variants ignore weights_before_election"),
     Mutant("sce_energy_mean_abs", "mergeval/methods/sparsify.py",
            "energy = [float(d.double().square().mean()) for d in deltas]",
            "energy = [float(d.double().abs().mean()) for d in deltas]",
@@ -260,15 +268,13 @@ MUTANTS = [
            METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
            "a mean a rounding error below 0.5 is failing"),
     Mutant("task_arithmetic_in_input_dtype", "mergeval/methods/task_vector.py",
-           "    delta = sum(wi * (e.float() - b) for wi, e in zip(w, experts))\n"
-           "    return (b + cfg.lambda_ * delta).to(base.dtype)",
-           "    delta = sum(wi * (e - base) for wi, e in zip(w, experts))\n"
-           "    return (base + cfg.lambda_ * delta).to(base.dtype)",
+           "delta = sum(wi * (e.float() - b) for wi, e in zip(w, experts))",
+           "delta = sum(wi * (e - base) for wi, e in zip(w, experts))",
            METHODS, "task arithmetic in the checkpoint's dtype (bf16), not float32"),
     Mutant("trim_by_signed_value", "mergeval/methods/task_vector.py",
            "keep[flat.abs().topk(k, sorted=False).indices] = True", "keep[flat.topk(k, sorted=False).indices] = True",
            METHODS, "TIES keeps the largest values, not the largest magnitudes"),
-    Mutant("l1_rescale_inverted", "mergeval/methods/sparsify.py",
+    Mutant("l1_rescale_inverted", "mergeval/methods/compat.py",
            "return kept * (before / after)", "return kept * (after / before)",
            SPARSE, "L1 rescale by the inverse ratio"),
     Mutant("della_rank_over_n", "mergeval/methods/sparsify.py",
@@ -279,7 +285,8 @@ MUTANTS = [
            "top = torch.sort(variance, descending=True, stable=True)", "top = torch.sort(variance, stable=True)",
            SPARSE, "SCE selects the entries of least variance"),
     Mutant("slerp_antiparallel_not_lerped", "mergeval/methods/geometric.py",
-           "if abs(cos) > COLINEAR_COS:", "if cos > COLINEAR_COS:",
+           "if abs(cos) > COLINEAR_COS:\n        return ((1.0 - t) * v0 + t * v1)",
+           "if cos > COLINEAR_COS:\n        return ((1.0 - t) * v0 + t * v1)",
            METHODS, "slerp of nearly opposite tensors divides by sin(theta) ~ 0"),
     Mutant("model_stock_negative_cos", "mergeval/methods/geometric.py",
            "cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)", "cos = torch.stack(cosines).mean(0).clamp(-1.0, 1.0)",

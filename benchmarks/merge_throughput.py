@@ -42,10 +42,12 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from importlib.metadata import version
 from pathlib import Path
 
 TOOLS = ("mergeval", "mergekit")
+METHOD = "ties"  # --method
 DENSITY, LAMBDA = 0.5, 1.0
 TARGET_SPEEDUP = 1.5
 POLL_S = 0.02
@@ -88,6 +90,75 @@ def smoke_models(root: Path) -> tuple[Path, list[Path]]:
     return base, experts
 
 
+SYNTHETIC = {  # llama layouts: hidden, layers, intermediate, heads, kv heads, vocab (untied lm_head)
+    "1b": (2048, 22, 5632, 32, 4, 32000),  # TinyLlama-1.1B's shapes
+    "0.5b": (1536, 16, 4096, 24, 4, 32000),
+}
+
+
+def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Path, list[Path]]:
+    """A random llama-layout base (``SYNTHETIC[size]``, with the tiny zoo's tokenizer) and two experts =
+    base + small random deltas, written one tensor at a time."""
+    import torch
+
+    from mergeval.engine.writer import ShardWriter
+    from mergeval.zoo.tiny import zoo_dir
+
+    hidden, layers, inter, heads, kv, vocab = SYNTHETIC[size]
+    hd = hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                       p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)})
+    tdtype = getattr(torch, dtype)
+    specs = {n: (shapes[n], tdtype) for n in sorted(shapes)}
+    tokenizer = zoo_dir("tiny", root / "cache")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "vocab_size": vocab, "torch_dtype": dtype, "tie_word_embeddings": False,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "rope_theta": 10000.0}
+    dirs = []
+    for i, name in enumerate(["base", "expert0", "expert1"]):
+        out = root / name
+        out.mkdir(parents=True)
+        writer = ShardWriter(out, specs)
+        for n, (shape, _) in specs.items():
+            g = torch.Generator().manual_seed(zlib.crc32(n.encode()))
+            t = 0.02 * torch.randn(shape, generator=g)
+            if i:
+                t += 0.002 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(f"{i}:{n}".encode())))
+            writer.write(n, t.to(tdtype))
+        writer.finish()
+        (out / "config.json").write_text(json.dumps(config))
+        for f in tokenizer.glob("tokenizer*"):
+            shutil.copy2(f, out / f.name)
+        dirs.append(out)
+    return dirs[0], dirs[1:]
+
+
+def io_floor(base: Path, experts: list[Path], out: Path) -> float:
+    """Seconds to read every input's safetensors bytes (warm page cache) and write one output-sized file."""
+    start = time.perf_counter()
+    for d in [base, *experts]:
+        for path in d.glob("*.safetensors"):
+            with open(path, "rb", buffering=0) as f:
+                while f.read(1 << 24):
+                    pass
+    out_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    block = bytes(1 << 24)
+    with open(out, "wb") as f:
+        for start_byte in range(0, out_bytes, len(block)):
+            f.write(block[: min(len(block), out_bytes - start_byte)])
+    elapsed = time.perf_counter() - start
+    out.unlink()
+    return elapsed
+
+
 def base_dtype(base: Path) -> str:
     """mergekit's name for the dtype of the base's first floating tensor (mergeval writes the base's dtype)."""
     with open(sorted(base.glob("*.safetensors"))[0], "rb") as f:
@@ -112,7 +183,7 @@ def warm_page_cache(dirs: list[Path]) -> None:
 def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str) -> list[str]:
     import yaml
 
-    config = {"merge_method": "ties", "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
+    config = {"merge_method": METHOD, "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
               "parameters": {"normalize": True, "lambda": LAMBDA},
               "models": [{"model": str(e), "parameters": {"weight": 1.0, "density": DENSITY}} for e in experts]}
     path = work / "mergekit.yaml"
@@ -132,7 +203,8 @@ def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
 
 
 def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict]) -> list[str]:
-    spec = {"base": str(base), "experts": [str(e) for e in experts], "out": str(out), "inputs": inputs}
+    spec = {"base": str(base), "experts": [str(e) for e in experts], "out": str(out), "inputs": inputs,
+            "method": METHOD}
     path = work / f"mergeval-{out.name}.json"
     path.write_text(json.dumps(spec))
     return [sys.executable, str(Path(__file__).resolve()), "--child-mergeval", str(path)]
@@ -150,11 +222,11 @@ def child_mergeval(spec_path: str) -> None:
     from mergeval.methods import get_method
 
     spec = json.loads(Path(spec_path).read_text())
-    method = get_method("ties")
+    method = get_method(spec.get("method", "ties"))
     cfg = method.config(density=DENSITY, lambda_=LAMBDA, weights=[1.0] * len(spec["experts"]),
                         weights_before_election=True)
     merge_to_disk(method, cfg, Path(spec["base"]), [Path(e) for e in spec["experts"]], Path(spec["out"]), seed=0,
-                  card={"config": {"method": "ties", "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]})
+                  card={"config": {"method": method.name, "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]})
 
 
 # ---------------------------------------------------------------- measuring one child
@@ -237,6 +309,8 @@ def run(args) -> dict:
     try:
         if args.smoke:
             base, experts = smoke_models(work / "models")
+        elif args.synthetic:
+            base, experts = synthetic_models(work / "models", args.synthetic)
         elif args.base:
             base, experts = Path(args.base), [Path(e) for e in args.experts]
         else:
@@ -248,6 +322,7 @@ def run(args) -> dict:
             env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         inputs = card_inputs(base, experts)
         warm_page_cache([base, *experts])
+        floor = statistics.median(io_floor(base, experts, work / "io-floor.bin") for _ in range(args.repeats))
         runs: list[dict] = []
         outputs: dict[str, Path] = {}
         for repeat in range(args.repeats):
@@ -273,7 +348,8 @@ def run(args) -> dict:
         speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
         return {
             "models": {"base": str(base), "experts": [str(e) for e in experts], "dtype": dtype, "smoke": args.smoke},
-            "merge": {"method": "ties", "density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
+            "io_floor_s": floor,
+            "merge": {"method": METHOD, "density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
             "repeats": args.repeats, "threads": args.threads or "default", "runs": runs, "summary": summary,
             "speedup_mergekit_over_mergeval": speedup,
             "target": {"speedup_at_least": TARGET_SPEEDUP, "met": bool(
@@ -296,13 +372,14 @@ def _default_cache() -> str:
 
 def print_table(report: dict) -> None:
     s = report["summary"]
-    print(f"\nTIES merge of {1 + len(report['models']['experts'])} models ({report['models']['dtype']}), "
+    print(f"\n{report['merge']['method']} merge of {1 + len(report['models']['experts'])} models ({report['models']['dtype']}), "
           f"median of {report['repeats']} runs each, order alternating")
     print(f"{'tool':10s} {'median wall (s)':>16s} {'peak RSS (MiB)':>15s}")
     for tool in TOOLS:
         startup = (f"   (start alone: {s[tool]['startup_median_wall_s']:.2f} s, "
                    f"{s[tool]['startup_peak_rss_mib']:.0f} MiB)" if "startup_median_wall_s" in s[tool] else "")
         print(f"{tool:10s} {s[tool]['median_wall_s']:16.2f} {s[tool]['peak_rss_mib']:15.0f}{startup}")
+    print(f"{'I/O floor':10s} {report['io_floor_s']:16.2f}   (read every input, write one output-sized file)")
     agreement = report["agreement"]
     print(f"speed-up (mergekit / mergeval wall time): {report['speedup_mergekit_over_mergeval']:.2f}x   "
           f"target >= {TARGET_SPEEDUP}x with no higher peak memory: {'met' if report['target']['met'] else 'NOT met'}")
@@ -325,6 +402,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="OMP/MKL threads for both tools (default: their defaults)")
     parser.add_argument("--workdir", help="where outputs are written (default: the system temp dir)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
+    parser.add_argument("--method", choices=("ties", "dare_ties"), default="ties",
+                        help="mergekit's and mergeval's method (default ties; both with density 0.5)")
+    parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random llama-layout bfloat16 base + 2 "
+                        "experts of this size, written under --workdir (instead of the quickstart's)")
     parser.add_argument("--smoke", action="store_true", help="tiny synthetic models: checks the script in seconds")
     parser.add_argument("--startup", action="store_true", help="also time each tool's start alone (imports only)")
     parser.add_argument("--child-mergeval", help=argparse.SUPPRESS)
@@ -336,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--base and --experts go together")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    global METHOD
+    METHOD = args.method
     report = run(args)
     print_table(report)
     if args.json:

@@ -12,7 +12,10 @@ unit order.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +23,11 @@ from tqdm.auto import tqdm
 from mergeval.engine.plan import Unit
 from mergeval.engine.vocab import align
 from mergeval.methods import MergeMethod
+
+WORKERS = 2  # reader threads, and merging threads for row blocks (the reference machine has 2 cores)
+WINDOW = 2  # units read (or row blocks merged) ahead of the consumer: memory about WINDOW + 1 units
+BLOCK_MIN = 1 << 22  # tensors of at least this many entries are merged in row blocks where the method allows
+BLOCK_ENTRIES = 1 << 20  # entries per row block
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -37,32 +45,121 @@ def output_shapes(plan: list[Unit], shapes: dict[str, tuple[int, ...]], rows: di
 
 
 def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int],
-             progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources."""
+             progress: bool = False, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
+
+    A reader thread reads up to WINDOW units ahead while this thread merges (torch's intra-op threads use
+    the cores) and the consumer writes, so reading, merging and writing overlap; units are merged one at
+    a time, in order. ``blocks=True`` (sources with ``get_rows``): a tensor of at least BLOCK_MIN entries
+    whose method has a row-chunked form is yielded as ``Blocks`` (its row blocks, read and merged by
+    WORKERS threads as the consumer iterates) instead of a tensor.
+    """
     # disable=None: a bar only on a terminal, so piped stderr keeps errors on one line
-    for unit in tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True):
-        if unit.kind == "copy":  # integer buffers (e.g. position ids) are not merged
-            (name,) = unit.names
-            yield name, base.get(name).clone()
-            continue
-        b = {n: base.get(n) for n in unit.names}
-        es = [{n: e.get(n) for n in unit.names} for e in experts]
-        for n in unit.names:
-            if n in rows:
-                b[n], aligned = align(b[n], [e[n] for e in es], rows[n])
-                for e, t in zip(es, aligned):
-                    e[n] = t
-        gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
-        if unit.kind == "tensor":
-            (name,) = unit.names
-            out = {name: method.merge(b[name], [e[name] for e in es], unit.cfg, gen)}
-        else:
-            out = method.merge_layer(b, es, unit.cfg, gen)
-            _check_layer_output(method.name, unit, b, out)
-        dtypes = {n: t.dtype for n, t in b.items()}
-        del b, es  # the inputs can go before the outputs are consumed
-        for name in unit.names:
-            yield name, out.pop(name).to(dtypes[name])
+    bar = tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        def read(unit: Unit):
+            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool)) is not None:
+                return found
+            return _read_unit(unit, base, experts, rows)
+
+        for unit, inputs in ordered(pool, read, bar):
+            if isinstance(inputs, Blocks):
+                yield unit.key, inputs
+            else:
+                yield from _merge_unit(unit, method, inputs, seed).items()
+
+
+def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None) -> Iterator:
+    """(item, fn(item)) in the order of ``items``, with up to ``window`` calls running ahead in ``pool``."""
+    window = window or WINDOW
+    pending: deque = deque()
+    for item in items:
+        pending.append((item, pool.submit(fn, item)))
+        if len(pending) > window:
+            head, future = pending.popleft()
+            yield head, future.result()
+    while pending:
+        head, future = pending.popleft()
+        yield head, future.result()
+
+
+def _read_unit(unit: Unit, base, experts: list, rows: dict[str, int]):
+    """One unit's inputs read whole: (base {name: tensor}, [each expert's]), vocab rows aligned."""
+    b = {n: base.get(n) for n in unit.names}
+    if unit.kind == "copy":
+        return b, []
+    es = [{n: e.get(n) for n in unit.names} for e in experts]
+    for n in unit.names:
+        if n in rows:
+            b[n], aligned = align(b[n], [e[n] for e in es], rows[n])
+            for e, t in zip(es, aligned):
+                e[n] = t
+    return b, es
+
+
+def _merge_unit(unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str, torch.Tensor]:
+    """{name: merged tensor in the base's dtype} in the unit's order (a copy unit: the base's tensor)."""
+    b, es = inputs
+    if unit.kind == "copy":  # integer buffers (e.g. position ids) are not merged
+        (name,) = unit.names
+        return {name: b[name].clone()}
+    gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
+    if unit.kind == "tensor":
+        (name,) = unit.names
+        out = {name: method.merge(b[name], [e[name] for e in es], unit.cfg, gen)}
+    else:
+        out = method.merge_layer(b, es, unit.cfg, gen)
+        _check_layer_output(method.name, unit, b, out)
+    return {name: out.pop(name).to(b[name].dtype) for name in unit.names}
+
+
+class Blocks:
+    """A merged tensor as row blocks, each merged in the pool when iterated (in order, WINDOW ahead)."""
+
+    def __init__(self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool):
+        self.merger, self.name, self.base, self.experts, self.spans, self.pool = \
+            merger, name, base, experts, spans, pool
+
+    def _read(self, span: tuple[int, int]):
+        """(flat offset of the block, base rows, each expert's rows)."""
+        per_row = math.prod(self.base.shapes[self.name][1:])
+        return (span[0] * per_row, self.base.get_rows(self.name, *span),
+                [e.get_rows(self.name, *span) for e in self.experts])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for _, block in ordered(self.pool, lambda span: self.merger.merge(*self._read(span)), self.spans):
+            yield block
+
+
+def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool):
+    """The unit as ``Blocks`` when it is one large tensor, not vocab-aligned, whose method has a row-chunked
+    form for its config (its passes over the blocks run here); else None."""
+    if unit.kind != "tensor" or method.rows is None or not hasattr(base, "get_rows"):
+        return None
+    (name,) = unit.names
+    shape = base.shapes[name]
+    numel = math.prod(shape)
+    if name in rows or numel < BLOCK_MIN or len(shape) == 0 or not base.dtypes[name].is_floating_point:
+        return None
+    gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
+    merger = method.rows(unit.cfg, len(experts), numel, gen)
+    if merger is None:
+        return None
+    blocks = Blocks(merger, name, base, experts, row_spans(shape, BLOCK_ENTRIES), pool)
+    p = 0
+    while p < merger.passes:  # a pass may ask for another (rows.TiesRows)
+        for span in blocks.spans:  # the block's reads are the page cache's
+            merger.observe(p, *blocks._read(span))
+        merger.end_pass(p)
+        p += 1
+    return blocks
+
+
+def row_spans(shape: tuple[int, ...], entries: int) -> list[tuple[int, int]]:
+    """(r0, r1) blocks of whole rows along dim 0, each about ``entries`` entries (at least one row)."""
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(1, entries // per_row)
+    return [(r0, min(r0 + step, shape[0])) for r0 in range(0, shape[0], step)]
 
 
 def _check_layer_output(method: str, unit: Unit, base: dict[str, torch.Tensor], out: dict[str, torch.Tensor]):

@@ -15,6 +15,7 @@ without a separate pass and named in a one-line error.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,8 @@ from mergeval.models.safetensors_io import DTYPES, INDEX, read_header, shard_fil
 
 
 def check_finite(t: torch.Tensor, label: str, name: str, where: str = "") -> torch.Tensor:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    """``t``, or a UserError when it holds NaN or Inf (a NaN makes the min and max NaN: one reduction pass)."""
+    if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, torch.aminmax(t)))):
         raise UserError(label, f"tensor {name}{where} contains NaN or Inf",
                         "check that checkpoint (a failed fine-tune or conversion?); it cannot be merged")
     return t
@@ -53,9 +55,17 @@ class CheckpointReader:
         return sorted(self.shapes)
 
     def get(self, name: str) -> torch.Tensor:
+        return self.get_rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1)
+
+    def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1-1 (along dim 0) of one tensor, read from its file alone (a 0-dim tensor has one row)."""
         path, start, entry = self._where[name]
         begin, end = entry["data_offsets"]
         shape, dtype = self.shapes[name], self.dtypes[name]
+        rows = shape[0] if shape else 1
+        row_bytes = (end - begin) // rows if rows else 0
+        begin, end = begin + r0 * row_bytes, begin + r1 * row_bytes
+        shape = (r1 - r0, *shape[1:]) if shape else shape
         if end == begin:
             return torch.empty(shape, dtype=dtype)
         buf = bytearray(end - begin)

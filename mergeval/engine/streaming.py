@@ -63,7 +63,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:
-            for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress):
+            for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
                 writer.write(name, tensor)
             writer.finish()
         finally:

@@ -81,21 +81,33 @@ class ShardWriter:
         self._next = 0
         self._file = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor) -> None:
+        """Append the next tensor: a torch.Tensor, or an iterable of its row blocks in order (execute.Blocks)."""
         shard, expected = self._order[self._next]
         shape, dtype = self.specs[expected]
-        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"writer expected {expected} {list(shape)} {dtype}, got {name} "
-                             f"{list(tensor.shape)} {tensor.dtype}")
+        blocks = [tensor] if isinstance(tensor, torch.Tensor) else tensor
         if self._file is None:
             self._file = open(self.out_dir / self.files[shard], "wb")
             self._file.write(_header(self.shards[shard], self.specs))
-        if tensor.numel():
-            self._file.write(memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+        rows = 0
+        for block in blocks:
+            rows += self._append(name, block, expected, shape, dtype, isinstance(tensor, torch.Tensor))
+        if (rows if shape else 1) != (shape[0] if shape else 1):
+            raise ValueError(f"writer expected {expected} with {shape[0]} rows, got {rows}")
         self._next += 1
         if self._next == len(self._order) or self._order[self._next][0] != shard:
             self._file.close()
             self._file = None
+
+    def _append(self, name: str, block: torch.Tensor, expected: str, shape, dtype, whole: bool) -> int:
+        """Write one block's bytes after checking it against the spec; its number of rows."""
+        block_shape = tuple(block.shape) if whole else tuple(block.shape[1:])
+        if name != expected or block_shape != (shape if whole else shape[1:]) or block.dtype != dtype:
+            raise ValueError(f"writer expected {expected} {list(shape)} {dtype}, got {name} "
+                             f"{list(block.shape)} {block.dtype}")
+        if block.numel():
+            self._file.write(memoryview(block.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+        return block.shape[0] if block.dim() else 1
 
     def finish(self) -> None:
         if self._next != len(self._order):

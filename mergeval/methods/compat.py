@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from mergeval.errors import UserError
+from mergeval.methods.select import top_k_mask
 
 MODES = ("paper", "mergekit")
 
@@ -120,10 +121,16 @@ def _keep(delta: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """The first k = max(1, floor(density n)) of argsort(|d|, descending); the same set by threshold
+    (select.py) unless ties at a non-zero cut must be split in argsort's order."""
     if density >= 1:
         return delta
     k = max(1, int(density * delta.numel()))
-    return _keep(delta, torch.argsort(delta.abs().reshape(-1), descending=True)[:k])
+    magnitude = delta.abs().reshape(-1)
+    keep = top_k_mask(magnitude, k)
+    if keep is not None:
+        return delta * keep.to(delta.dtype).view_as(delta)
+    return _keep(delta, torch.argsort(magnitude, descending=True)[:k])
 
 
 def outliers(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:

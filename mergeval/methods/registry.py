@@ -70,6 +70,9 @@ class MergeMethod:
     validate: ValidateFn  # the method's own checks, then every rule's values
     doc: str
     merge_layer: LayerMergeFn | None = None  # set for methods that need a whole layer at a time
+    # (cfg, n_experts, numel, gen) -> a row-chunked merge of one tensor (methods/rows.py), or None where the
+    # config needs the whole tensor at once; the engine then streams large tensors in row blocks
+    rows: Callable[..., Any] | None = None
 
 
 PER_EXPERT = ("density", "gamma", "epsilon")  # besides weight: the per-model parameters mergekit also has
@@ -284,3 +287,4 @@ def blame_rule(index: int, param: str, where: str):
 from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401
 from mergeval.methods import data_aware, masks  # noqa: E402,F401
 from mergeval.methods import pipeline  # noqa: E402,F401  (last: its stages name the others)
+from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked form of ties)

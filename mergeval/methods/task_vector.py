@@ -20,6 +20,7 @@ from mergeval.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
+from mergeval.methods.select import top_k_mask
 
 
 @dataclass
@@ -141,13 +142,20 @@ def kept_count(density: float, n: int) -> int:
 
 
 def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the k = ceil(density * numel) entries of largest magnitude, zero the rest."""
+    """Keep the k = ceil(density * numel) entries of largest magnitude, zero the rest.
+
+    The kept set is {|d| > tau} (+ the ties at tau when all of them fit), tau the k-th largest |d|
+    (select.py); only when the ties at a non-zero tau must be split does torch.topk's order decide.
+    """
     if density >= 1.0:
         return delta
     k = kept_count(density, delta.numel())
     flat = delta.flatten()
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    keep[flat.abs().topk(k, sorted=False).indices] = True
+    magnitude = flat.abs()
+    keep = top_k_mask(magnitude, k)
+    if keep is None:
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        keep[magnitude.topk(k, sorted=False).indices] = True
     return torch.where(keep, flat, torch.zeros_like(flat)).view_as(delta)
 
 
@@ -195,7 +203,7 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
     voters = sparse * wt if compat.option(cfg, "weights_before_election", False, True) else sparse
     if cfg.sign_rule == "sum":
-        gamma = torch.sign(voters.sort(0).values.sum(0))
+        gamma = torch.sign(_sorted_sum(voters))
     else:
         gamma = torch.sign(torch.sign(voters).sum(0))
     agree = (torch.sign(sparse) == gamma) & (sparse != 0)
@@ -204,3 +212,8 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
         return tau
     mass = (wt * agree).sum(0)
     return tau / mass.where(mass != 0, torch.ones_like(mass))
+
+
+def _sorted_sum(voters: torch.Tensor) -> torch.Tensor:
+    """sum over dim 0 in sorted order; two or fewer values need no sort (a + b == b + a exactly)."""
+    return voters.sum(0) if voters.shape[0] <= 2 else voters.sort(0).values.sum(0)

@@ -1,0 +1,116 @@
+"""Exact top-k selection by a threshold, without sorting or ``topk`` over the whole tensor.
+
+The k entries of largest magnitude are {a > tau} plus some of the entries equal
+to tau, where tau is the k-th largest |d|. ``Threshold`` finds tau exactly from
+a strided sample (candidate bounds lo <= tau <= hi, verified by counting) and a
+``kthvalue`` over the few entries between the bounds; the data may arrive in
+chunks, seen twice (``sample`` on every chunk, then ``count`` on every chunk),
+so a tensor streamed in row blocks never has to be whole in memory.
+
+The kept set is then decided without any tie order when it is unambiguous:
+
+    c_gt = #{a > tau}, c_eq = #{a == tau}, m = k - c_gt tied entries to keep
+    tau == 0:      keep a > tau   (the tied entries are zeros: kept or not, every value is the same)
+    m == c_eq:     keep a >= tau  (every tied entry is kept)
+    otherwise:     ambiguous: the caller uses its own tie order (torch.topk / argsort) instead
+
+so a mask from here equals, value for value, the one the caller's sort would give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SAMPLE = 1 << 16  # sample size that bounds tau; the candidate window holds about 12 / sqrt(SAMPLE) of the entries
+SMALL = 1 << 15  # below this many entries kthvalue over everything is cheaper than sampling
+
+
+class Threshold:
+    """The k-th largest of n non-negative values seen in chunks: ``sample`` each chunk, ``count`` each chunk,
+    then ``result()`` -> (tau, c_gt, c_eq), or None when the sampled bounds missed (call ``exact`` instead)."""
+
+    def __init__(self, n: int, k: int):
+        if not 1 <= k <= n:
+            raise ValueError(f"k={k} outside 1..{n}")
+        self.n, self.k = n, k
+        self.stride = max(1, n // SAMPLE)
+        self._samples: list[torch.Tensor] = []
+        self.lo = self.hi = None
+        self.above = 0
+        self._cands: list[torch.Tensor] = []
+
+    def sample(self, a: torch.Tensor) -> None:
+        """Pass 1: keep about numel / stride values of this chunk at positions drawn from a fixed seed
+        (a regular stride would follow the columns of a matrix, whose scales differ)."""
+        flat = a.reshape(-1)
+        count = -(-flat.numel() // self.stride)
+        at = torch.randint(0, flat.numel(), (count,), generator=torch.Generator().manual_seed(len(self._samples)))
+        self._samples.append(flat[at])
+
+    def bounds(self) -> None:
+        """lo/hi: sample ranks k/n of the way down, widened by 6 standard deviations of the rank (+8)."""
+        s = torch.cat(self._samples).sort(descending=True).values
+        self._samples = []
+        m = s.numel()
+        centre = self.k / self.n * m
+        margin = 6.0 * (m * (self.k / self.n) * (1 - self.k / self.n)) ** 0.5 + 8
+        self.hi = float(s[max(0, int(centre - margin))]) if centre - margin >= 1 else float("inf")
+        self.lo = float(s[min(m - 1, int(centre + margin))]) if centre + margin < m - 1 else float("-inf")
+
+    def count(self, a: torch.Tensor) -> None:
+        """Pass 2: count the values above hi and keep those in [lo, hi]."""
+        if self.hi is None:
+            self.bounds()
+        flat = a.reshape(-1)
+        if self.hi != float("inf"):
+            self.above += int((flat > self.hi).sum())
+        inside = (flat >= self.lo) & (flat <= self.hi)
+        self._cands.append(flat[inside])
+
+    def result(self) -> tuple[float, int, int] | None:
+        """(tau, c_gt, c_eq), or None if the k-th largest is not among the candidates."""
+        cands = torch.cat(self._cands)
+        self._cands = []
+        r = self.k - self.above  # rank of tau among the candidates, 1 = largest
+        if not 1 <= r <= cands.numel():
+            return None
+        tau = cands.kthvalue(cands.numel() - r + 1).values
+        return float(tau), self.above + int((cands > tau).sum()), int((cands == tau).sum())
+
+
+def exact(a: torch.Tensor, k: int) -> tuple[float, int, int]:
+    """(tau, c_gt, c_eq) of the k largest of ``a`` by kthvalue over all of it."""
+    flat = a.reshape(-1)
+    tau = flat.kthvalue(flat.numel() - k + 1).values
+    return float(tau), int((flat > tau).sum()), int((flat == tau).sum())
+
+
+def kth_largest(a: torch.Tensor, k: int) -> tuple[float, int, int]:
+    """(tau, c_gt, c_eq) for the k largest of the whole tensor ``a`` (sampled bounds, else ``exact``)."""
+    if a.numel() < SMALL:
+        return exact(a, k)
+    t = Threshold(a.numel(), k)
+    t.sample(a)
+    t.count(a)
+    return t.result() or exact(a, k)
+
+
+def keep_rule(tau: float, c_gt: int, c_eq: int, k: int) -> str | None:
+    """">" (keep a > tau), ">=" (keep a >= tau), or None when the tied entries need a tie order (module doc)."""
+    if tau == 0:
+        return ">"
+    if c_gt + c_eq == k:
+        return ">="
+    return None
+
+
+def keep_mask(a: torch.Tensor, tau: float, rule: str) -> torch.Tensor:
+    """The kept entries of ``a`` by ``keep_rule``'s rule."""
+    return a > tau if rule == ">" else a >= tau
+
+
+def top_k_mask(a: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Mask of the k largest of ``a`` (non-negative), or None when ties at the cut need a tie order."""
+    tau, c_gt, c_eq = kth_largest(a, k)
+    rule = keep_rule(tau, c_gt, c_eq, k)
+    return None if rule is None else keep_mask(a, tau, rule)

@@ -165,13 +165,26 @@ def _example(tokenizer, item):
 
 
 def answer_log_likelihood(model, ids, mask, labels):
-    """sum over the answer tokens of log p(token | preceding tokens)."""
+    """sum over the answer tokens of log p(token | preceding tokens). As in fine-tuning (zoo/finetune.py), the
+    LM head runs only at the answer positions when the model exposes its trunk (``model.model``): the
+    vocabulary projection is the costliest layer of a small model."""
     import torch
 
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     targets = labels[:, 1:]
     scored = targets != -100
-    return -torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
+    trunk, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if trunk is not None and head is not None:
+        hidden = trunk(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = head(hidden[:, :-1][scored]).float()
+    else:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][scored].float()
+    return -torch.nn.functional.cross_entropy(logits, targets[scored], reduction="sum")
+
+
+def _progress(examples, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(examples, desc=desc, unit="item", disable=None)  # a bar only on a terminal
 
 
 def fisher(model, examples) -> tuple[dict, dict]:
@@ -180,7 +193,7 @@ def fisher(model, examples) -> tuple[dict, dict]:
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
-    for ids, mask, labels in examples:
+    for ids, mask, labels in _progress(examples, "fisher (forward + backward per item)"):
         model.zero_grad(set_to_none=True)
         answer_log_likelihood(model, ids, mask, labels).backward()
         for n, p in params.items():
@@ -217,7 +230,7 @@ def gram(model, examples) -> tuple[dict, dict]:
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
     try:
         with torch.no_grad():
-            for ids, mask, _ in examples:
+            for ids, mask, _ in _progress(examples, "gram (forward per item)"):
                 live.clear()
                 model(input_ids=ids, attention_mask=mask)
                 tokens += int(mask.sum())

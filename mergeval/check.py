@@ -79,7 +79,23 @@ def check(cfg: DictConfig, console=None) -> list[str]:
         _print_cost(cfg, console, len(cfg.modelset.experts) + 2)
     else:
         console.print("requests and forward passes: counted once every data set is local")
+    _print_calibration_cost(cfg, console)
     return problems
+
+
+def _print_calibration_cost(cfg: DictConfig, console) -> None:
+    """fisher / regmean: the passes over each expert's calibration data (once per model and data; then cached)."""
+    from mergeval.methods.data_aware import STATISTICS
+
+    kind = STATISTICS.get(cfg.method.name)
+    if kind is None or cfg.method.get("statistics") is not None:
+        return
+    per = "forward + backward pass" if kind == "fisher" else "forward pass"
+    for name, expert in cfg.modelset.experts.items():
+        cal = expert.get("calibration")
+        if cal is not None:
+            console.print(f"calibration: {name}: {kind} statistics from {cal.n} {cal.task} {cal.split} items, one "
+                          f"{per} each (batch 1), computed once per model and data, then reused from the cache")
 
 
 def model_needs(cfg: DictConfig) -> list[dict]:

@@ -333,3 +333,18 @@ def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_l
         assert torch.allclose(merged[n].float(), want, atol=1e-7), n
     kept = sum(int((((es[0][n].float() - b[n].float()).abs()) >= cuts[0]).sum()) for n in names)
     assert kept == info["kept_per_expert"]  # random noise has no ties at the cut
+
+
+def test_pipeline_stages_refuse_what_needs_preparation():
+    from mergeval.methods.pipeline import PipelineConfig, StageConfig
+
+    def pipeline(stage_method):
+        return PipelineConfig(stages=[StageConfig(name="s", inputs=["a", "b"], method=stage_method)],
+                              expert_names=["a", "b"])
+
+    for stage_method, field in (({"name": "fisher"}, "method.stages[0].method.name"),
+                                ({"name": "localize_stitch"}, "method.stages[0].method.scope")):
+        with pytest.raises(UserError) as err:
+            METHODS["pipeline"].validate(pipeline(stage_method), 2)
+        assert err.value.field == field
+    METHODS["pipeline"].validate(pipeline({"name": "localize_stitch", "scope": "tensor"}), 2)

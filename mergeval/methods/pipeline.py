@@ -97,6 +97,9 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
         if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
             raise UserError(f"{where}.method.validation_scores", "CMM in a pipeline cannot rank by evaluation",
                             "give validation_scores or set order=given")
+        if method.name == "localize_stitch" and method_cfg.scope == "model" and method_cfg.thresholds is None:
+            raise UserError(f"{where}.method.scope", "a stage's inputs are not checkpoints whose whole-model "
+                            "magnitude cut can be measured before merging", "set scope=tensor in the stage")
         method.validate(method_cfg, len(stage.inputs))
         used.update((stage.base, *stage.inputs))
         known.add(stage.name)

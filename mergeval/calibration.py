@@ -275,7 +275,8 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
         cal = expert.get("calibration") if hasattr(expert, "get") else getattr(expert, "calibration", None)
         if cal is None:
             raise UserError(field, f"method {method_name} needs calibration data for every expert",
-                            f"set {field}={{task: <generated domain>, split: train, n: 64}}")
+                            f"set {field}={{task: {expert.get('domain') or '<generated domain>'}, split: train, "
+                            "n: 64}")
         items = calibration_items(cal, field, cfg.benchmark.n_items)
         path, fresh = statistics_dir(kind, Path(info.path), info.fingerprint, items, cache, info.role)
         paths.append(str(path))

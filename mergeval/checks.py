@@ -73,7 +73,8 @@ def validate(cfg: DictConfig):
         if missing:
             field = f"modelset.experts.{missing[0]}.calibration"
             raise UserError(field, f"method {method.name} needs calibration data for every expert",
-                            f"set {field}={{task: <generated domain>, split: train, n: 64}}")
+                            f"set {field}={{task: {experts[missing[0]].domain or '<generated domain>'}, split: "
+                            "train, n: 64}")
     if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
         if not generated:
             raise UserError("method.order", "ranking experts needs a validation split, which only mergeval's "

@@ -48,7 +48,7 @@ from mergeval.errors import UserError
 from mergeval.paths import atomic_dir
 
 STATS_VERSION = 1
-KINDS = ("fisher", "gram")
+KINDS = ("fisher", "gram", "localize")
 SPLITS = ("train", "validation")
 STATS_FILE, META_FILE = "stats.safetensors", "meta.json"
 
@@ -121,21 +121,23 @@ def data_digest(items: list[dict]) -> str:
 # ---------------------------------------------------------------- statistics
 
 
-def stats_key(kind: str, fingerprint: str, digest: str, n: int) -> str:
+def stats_key(kind: str, fingerprint: str, digest: str, n: int, point: dict | None = None) -> str:
     payload = {"kind": kind, "model": fingerprint, "data": digest, "n": n, "version": STATS_VERSION}
+    if point:  # localize: where the gradient is taken (base fingerprint, magnitude cut, sigmoid bias)
+        payload["point"] = {k: v for k, v in point.items() if k != "base_dir"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def statistics_dir(kind: str, model_dir: Path, fingerprint: str, items: list[dict], cache: Path,
-                   label: str = "") -> tuple[Path, bool]:
+                   label: str = "", point: dict | None = None) -> tuple[Path, bool]:
     """(the cached statistics directory, whether it was computed now); computed once per (model, data, n)."""
     digest = data_digest(items)
-    target = cache / "statistics" / f"{kind}-{stats_key(kind, fingerprint, digest, len(items))}"
+    target = cache / "statistics" / f"{kind}-{stats_key(kind, fingerprint, digest, len(items), point)}"
     if target.exists():
         return target, False
     print(f"mergeval: calibration: computing {kind} statistics of {label or model_dir.name} on {len(items)} items",
           flush=True)
-    tensors, meta = compute(kind, model_dir, items)
+    tensors, meta = compute(kind, model_dir, items, point)
     from safetensors.torch import save_file
 
     with atomic_dir(target) as tmp:
@@ -145,7 +147,7 @@ def statistics_dir(kind: str, model_dir: Path, fingerprint: str, items: list[dic
     return target, True
 
 
-def compute(kind: str, model_dir: Path, items: list[dict]):
+def compute(kind: str, model_dir: Path, items: list[dict], point: dict | None = None):
     """(name -> float32 tensor, extra metadata) of one statistic of the model in ``model_dir``."""
     import torch
     from transformers import AutoTokenizer
@@ -155,6 +157,8 @@ def compute(kind: str, model_dir: Path, items: list[dict]):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_model(model_dir, dtype=torch.float32)
     examples = [_example(tokenizer, item) for item in items]
+    if kind == "localize":
+        return localize_gradient(model, Path(point["base_dir"]), point["cut"], point["sigmoid_bias"], examples)
     return (fisher(model, examples) if kind == "fisher" else gram(model, examples))
 
 
@@ -201,6 +205,34 @@ def fisher(model, examples) -> tuple[dict, dict]:
                 acc[n].add_(p.grad.float().square())
     model.zero_grad(set_to_none=True)
     return {n: (a / len(examples)).contiguous() for n, a in acc.items()}, {}
+
+
+def localize_gradient(model, base_dir: Path, cut: float, bias: float, examples) -> tuple[dict, dict]:
+    """g = sum_x grad L_x at the soft-masked model b + sigmoid(S0) * tau (tau = e - b; S0 = +bias where
+    |tau| >= cut, else -bias), L_x the mean token cross-entropy of example x's answer: the gradient
+    Localize-and-Stitch's mask step multiplies (see methods/masks.py)."""
+    import torch
+
+    from mergeval.engine.reader import CheckpointReader
+
+    base = CheckpointReader(base_dir, "modelset.base")
+    inside, outside = torch.sigmoid(torch.tensor(bias)).item(), torch.sigmoid(torch.tensor(-bias)).item()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for n, p in params.items():
+            b = base.get(n).float()
+            tau = p - b
+            p.copy_(b + torch.where(tau.abs() >= cut, inside, outside) * tau)
+    acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+    for ids, mask, labels in _progress(examples, "localize (forward + backward per item)"):
+        model.zero_grad(set_to_none=True)
+        tokens = int((labels[:, 1:] != -100).sum())
+        (-answer_log_likelihood(model, ids, mask, labels) / tokens).backward()
+        for n, p in params.items():
+            if p.grad is not None:
+                acc[n].add_(p.grad.float())
+    model.zero_grad(set_to_none=True)
+    return {n: a.contiguous() for n, a in acc.items()}, {"cut": cut, "sigmoid_bias": bias}
 
 
 def gram(model, examples) -> tuple[dict, dict]:
@@ -259,7 +291,7 @@ def read_stat(directory: str, name: str):
 # ---------------------------------------------------------------- a run's statistics
 
 
-def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache: Path):
+def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache: Path, base_dir: Path | None = None):
     """``method_cfg.statistics`` = each expert's statistics directory (computed once, then cached), in modelset
     order; returns (new method config, details for result.json). Refused with one line for an expert without
     calibration data."""
@@ -278,7 +310,11 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
                             f"set {field}={{task: {expert.get('domain') or '<generated domain>'}, split: train, "
                             "n: 64}")
         items = calibration_items(cal, field, cfg.benchmark.n_items)
-        path, fresh = statistics_dir(kind, Path(info.path), info.fingerprint, items, cache, info.role)
+        point = None
+        if kind == "localize":  # the gradient is taken at the expert's soft-masked model
+            point = {"base": models[0].fingerprint, "base_dir": str(base_dir), "sigmoid_bias": method_cfg.sigmoid_bias,
+                     "cut": method_cfg.thresholds[len(paths)]}
+        path, fresh = statistics_dir(kind, Path(info.path), info.fingerprint, items, cache, info.role, point)
         paths.append(str(path))
         details[info.role] = {"kind": kind, "task": cal.task, "split": cal.split, "n": cal.n,
                               "data_digest": data_digest(items), "path": str(path),

@@ -33,15 +33,17 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
     merge_info = merge_details(method.name, method_cfg, models)
     from mergeval.methods.data_aware import STATISTICS
 
-    if method.name in STATISTICS and method_cfg.statistics is None:  # each expert's, computed once and cached
-        from mergeval.calibration import fill_statistics
-
-        method_cfg, details = fill_statistics(cfg, method.name, STATISTICS[method.name], method_cfg, models, cache)
-        merge_info = {**merge_info, **details}
-    if method.name == "localize_stitch" and method_cfg.scope == "model" and method_cfg.thresholds is None:
+    if (method.name == "localize_stitch_trained" or method.name == "localize_stitch" and method_cfg.scope == "model") \
+            and method_cfg.thresholds is None:
         from mergeval.calibration import fill_thresholds
 
         method_cfg, details = fill_thresholds(method_cfg, base_dir, models)
+        merge_info = {**merge_info, **details}
+    if method.name in STATISTICS and method_cfg.statistics is None:  # each expert's, computed once and cached
+        from mergeval.calibration import fill_statistics
+
+        method_cfg, details = fill_statistics(cfg, method.name, STATISTICS[method.name], method_cfg, models, cache,
+                                              base_dir)
         merge_info = {**merge_info, **details}
     if "needs_ranking" in merge_info:
         if not can_evaluate:

@@ -95,6 +95,7 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
     ("regmean", "regmean", {"alpha": 0.5}),
     ("fisher", "fisher", {"epsilon": 1e-10}),
     ("localize_stitch", "localize_stitch", {"sparsity": 0.1}),
+    ("localize_stitch_trained", "localize_stitch_trained", {"sparsity": 0.1, "lr": 1e8, "sigmoid_bias": 3.0}),
 ])
 def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
     from hydra import compose, initialize_config_module

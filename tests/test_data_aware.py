@@ -348,3 +348,56 @@ def test_pipeline_stages_refuse_what_needs_preparation():
             METHODS["pipeline"].validate(pipeline(stage_method), 2)
         assert err.value.field == field
     METHODS["pipeline"].validate(pipeline({"name": "localize_stitch", "scope": "tensor"}), 2)
+
+
+def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, cache):
+    """The stored gradient equals a dense autograd one at the soft-masked model (b + sigmoid(+-3) tau); the
+    engine's merge equals the masks S1 = S0 - lr sigmoid'(3) g tau > 0 stitched by hand; the step moves masks."""
+    import math
+
+    from mergeval.calibration import calibration_items, fill_statistics, fill_thresholds, read_stat
+    from mergeval.engine import merge_to_disk
+    from mergeval.models.checkpoint import load_model
+    from mergeval.models.fingerprint import fingerprint
+    from mergeval.outcome import ModelInfo
+
+    base, experts, items, root = two_layer
+    models = [ModelInfo("base", "", fingerprint(base), str(base))] + [
+        ModelInfo(f"e{i}", "", fingerprint(e), str(e)) for i, e in enumerate(experts)]
+    run = SimpleNamespace(benchmark=SimpleNamespace(n_items=200), modelset=SimpleNamespace(experts={
+        "e0": {"calibration": cal("chem_count", "train", 4)}, "e1": {"calibration": cal("unit_convert", "validation", 4)}}))
+    method = METHODS["localize_stitch_trained"]
+    cfg, _ = fill_thresholds(method.config(sparsity=0.2, lr=1e5), base, models)
+    cfg, info = fill_statistics(run, method.name, "localize", cfg, models, cache, base)
+    b = read_dir(base)
+    sig = 1 / (1 + math.exp(-3.0))
+    # dense gradient of expert 0 at its soft-masked point
+    model = load_model(experts[0], dtype=torch.float32)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in params.items():
+            tau = p - b[n].float()
+            p.copy_(b[n].float() + torch.where(tau.abs() >= cfg.thresholds[0], sig, 1 - sig) * tau)
+    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+    for ids, start in _dense_examples(experts[0], items[0]):
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        loss = -sum(logp[j - 1, ids[0, j]] for j in range(start, ids.shape[1])) / (ids.shape[1] - start)
+        for (n, _), g in zip(params.items(), torch.autograd.grad(loss, list(params.values()))):
+            total[n] += g.double()
+    for n in params:
+        assert torch.allclose(read_stat(cfg.statistics[0], n).double(), total[n], rtol=1e-3, atol=1e-7), n
+    merged = read_dir(merge_to_disk(method, cfg, base, experts, root / "out-lst"))
+    es = [read_dir(e) for e in experts]
+    moved = 0
+    for n in b:
+        ds = [e[n].float() - b[n].float() for e in es]
+        ms = []
+        for i, d in enumerate(ds):
+            s0 = torch.where(d.abs() >= cfg.thresholds[i], 3.0, -3.0).double()
+            g = read_stat(cfg.statistics[i], n).double()
+            ms.append(s0 - 1e5 * sig * (1 - sig) * g * d.double() > 0)
+            moved += int((ms[-1] != (s0 > 0)).sum())
+        want = b[n].float() + sum(m * d for m, d in zip(ms, ds)) / torch.stack([m.float() for m in ms]).sum(0).clamp(
+            min=1)
+        assert torch.allclose(merged[n].float(), want, atol=1e-7), n
+    assert moved > 0

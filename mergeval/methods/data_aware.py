@@ -23,7 +23,8 @@ import torch
 from mergeval.errors import UserError
 from mergeval.methods.registry import register_layer
 
-STATISTICS = {"fisher": "fisher", "regmean": "gram"}  # method -> the statistic it needs (calibration.KINDS)
+# method -> the statistic it needs from each expert's calibration data (calibration.KINDS)
+STATISTICS = {"fisher": "fisher", "regmean": "gram", "localize_stitch_trained": "localize"}
 
 
 @dataclass

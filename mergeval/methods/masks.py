@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods.registry import register
+from mergeval.methods.registry import register, register_layer
 
 
 @dataclass
@@ -127,5 +127,80 @@ def merge_localize_stitch(base: torch.Tensor, experts: list[torch.Tensor], cfg: 
                         "run through python -m mergeval or mergeval.merge, or set method.scope=tensor")
     else:
         masks = [d.abs() >= c for d, c in zip(deltas, cfg.thresholds)]
+    return stitch(b, deltas, masks)
+
+
+@dataclass
+class LocalizeStitchTrainedConfig:
+    """Localize-and-Stitch with the mask localized on calibration data (He et al. 2024; MergeBench's
+    "Localize-and-Stitch", merging_methods/localize_utils.py: one mask step)."""
+
+    name: str = "localize_stitch_trained"
+    sparsity: float = 0.1  # the initial mask: each expert's top share of |tau| over the model (merge.sh: 0.1)
+    sigmoid_bias: float = 3.0  # S0 = +bias inside the initial mask, -bias outside (prepare_args.py: 3)
+    lr: float = 1.0e8  # step on the mask logits (merge.sh: --lr 1e8, --n_epochs 1)
+    thresholds: list[float] | None = None  # each expert's initial cut, measured before merging
+    statistics: list[str] | None = None  # each expert's loss gradient at its soft-masked model (calibration data)
+
+
+def _validate_trained(cfg: LocalizeStitchTrainedConfig, n_experts: int) -> None:
+    _validate_stitch(LocalizeStitchConfig(sparsity=cfg.sparsity, thresholds=cfg.thresholds), n_experts)
+    for field in ("sigmoid_bias", "lr"):
+        value = getattr(cfg, field)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"method.{field}", f"must be a positive number, got {value}", f"set e.g. method.{field}="
+                            f"{LocalizeStitchTrainedConfig.__dataclass_fields__[field].default}")
+    if cfg.statistics is not None and len(cfg.statistics) != n_experts:
+        raise UserError("method.statistics", f"{len(cfg.statistics)} statistics directories for {n_experts} experts",
+                        "leave method.statistics null: it is filled from modelset.experts.<name>.calibration")
+
+
+def trained_mask(delta: torch.Tensor, grad: torch.Tensor, cut: float, bias: float, lr: float) -> torch.Tensor:
+    """m = S1 > 0, S1 = S0 - lr sigmoid'(S0) (g * tau), S0 = +bias where |tau| >= cut else -bias."""
+    s0 = torch.where(delta.abs() >= cut, bias, -bias).to(torch.float64)
+    slope = torch.sigmoid(torch.tensor(bias, dtype=torch.float64)) * torch.sigmoid(torch.tensor(-bias,
+                                                                                               dtype=torch.float64))
+    return s0 - lr * slope * (grad.double() * delta.double()) > 0
+
+
+def stitch(base: torch.Tensor, deltas: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+    """b + sum_t (m_t / max(1, sum_j m_j)) * tau_t."""
     count = torch.stack([m.to(torch.float32) for m in masks]).sum(0).clamp(min=1)
-    return b + sum(m * d for m, d in zip(masks, deltas)) / count
+    return base + sum(m * d for m, d in zip(masks, deltas)) / count
+
+
+@register_layer("localize_stitch_trained", LocalizeStitchTrainedConfig, _validate_trained)
+def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]],
+                                  cfg: LocalizeStitchTrainedConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Localize-and-Stitch, data-driven: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t`` with trained masks.
+
+    Localize: the mask logits start at ``S0 = +bias`` on expert t's top
+    ``sparsity`` share of ``|tau_t|`` over the model (as ``localize_stitch``) and
+    ``-bias`` elsewhere; one gradient step on the loss of the soft-masked model
+    ``b + sigmoid(S) * tau_t`` over t's calibration data gives
+    ``S1 = S0 - lr * sigmoid'(S0) * (g_t * tau_t)``, ``g_t = sum_x grad L_x`` at
+    ``S0`` (one forward and backward pass per example; ``L_x`` the mean
+    answer-token cross-entropy), and ``m_t = 1{S1 > 0}`` (``round(sigmoid(S1))``).
+    This is MergeBench's one-epoch procedure (lr 1e8, bias 3) with the gradient
+    taken at the fixed starting point (MergeBench's also trains the model
+    while accumulating it) and without its L1 term (0 by default there).
+    Stitch: overlapping regions averaged.
+    """
+    from mergeval.calibration import read_stat
+
+    if cfg.statistics is None or cfg.thresholds is None:
+        raise UserError("method.statistics", "localize_stitch_trained needs each expert's calibration gradient",
+                        "set modelset.experts.<name>.calibration for every expert (filled in before merging)")
+    out = {}
+    for name, b in base.items():
+        b = b.float()
+        deltas = [e[name].float() - b for e in experts]
+        masks = []
+        for i, d in enumerate(deltas):
+            g = read_stat(cfg.statistics[i], name)
+            if g is None or g.shape != d.shape:
+                raise UserError("method.statistics", f"expert {i}'s gradient lacks tensor {name} "
+                                f"({cfg.statistics[i]})", "recompute it: remove that directory")
+            masks.append(trained_mask(d, g, cfg.thresholds[i], cfg.sigmoid_bias, cfg.lr))
+        out[name] = stitch(b, deltas, masks)
+    return out

@@ -306,7 +306,7 @@ def _data_aware(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache
     import dataclasses
 
     for i, cand in enumerate(plan.candidates):
-        if cand.method.name in STATISTICS or cand.method.name == "localize_stitch":
+        if cand.method.name in STATISTICS or cand.method.name.startswith("localize_stitch"):
             config, _ = prepare_method(cfg, cand.method, cand.config, constituents, base_dir, cache, can_evaluate=False)
             plan.candidates[i] = dataclasses.replace(cand, config=config)
 

@@ -1,7 +1,7 @@
 """Calibration data and the data-aware / mask-based methods (issue 19): Fisher merging, RegMean, Consensus TA,
-Localize-and-Stitch. Property tests on random tensors, hand-worked masks, the calibration config's checks, the
-statistics cache, and Fisher / RegMean through the engine against an independent dense implementation on the
-two-layer tiny zoo model."""
+Localize-and-Stitch (data-free and trained). Property tests on random tensors, hand-worked masks, the calibration
+config's checks, the statistics cache, and Fisher / RegMean / both Localize-and-Stitch variants through the engine
+against independent dense implementations on the two-layer tiny zoo model."""
 
 from __future__ import annotations
 

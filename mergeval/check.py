@@ -90,7 +90,7 @@ def _print_calibration_cost(cfg: DictConfig, console) -> None:
     kind = STATISTICS.get(cfg.method.name)
     if kind is None or cfg.method.get("statistics") is not None:
         return
-    per = "forward + backward pass" if kind == "fisher" else "forward pass"
+    per = "forward pass" if kind == "gram" else "forward + backward pass"
     for name, expert in cfg.modelset.experts.items():
         cal = expert.get("calibration")
         if cal is not None:

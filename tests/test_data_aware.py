@@ -401,3 +401,27 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
             min=1)
         assert torch.allclose(merged[n].float(), want, atol=1e-7), n
     assert moved > 0
+
+
+def test_check_states_the_calibration_passes(cache):
+    import io
+
+    from hydra import compose, initialize_config_module
+    from rich.console import Console
+
+    from mergeval.check import _print_calibration_cost
+    from mergeval.config import register_configs
+
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        for method, kind, words in (("fisher", "fisher", "one forward + backward pass each"),
+                                    ("regmean", "gram", "one forward pass each"),
+                                    ("localize_stitch_trained", "localize", "one forward + backward pass each")):
+            out = io.StringIO()
+            _print_calibration_cost(compose("config", overrides=["+experiment=tiny", f"method={method}"]),
+                                    Console(file=out, width=300))
+            assert f"calibration: chem: {kind} statistics from 64 chem_count " \
+                   f"train items, {words}" in out.getvalue()
+        out = io.StringIO()
+        _print_calibration_cost(compose("config", overrides=["+experiment=tiny", "method=ties"]), Console(file=out))
+        assert out.getvalue() == ""

@@ -358,9 +358,26 @@ def kth_largest_delta(base_dir: Path, expert_dir: Path, k: int) -> float:
     return float(torch.tensor([value], dtype=torch.int32).view(torch.float32))
 
 
-def fill_thresholds(method_cfg, base_dir: Path, models):
+def magnitude_cut(base_dir: Path, base_fingerprint: str, expert_dir: Path, expert_fingerprint: str, k: int,
+                  cache: Path | None) -> float:
+    """``kth_largest_delta``, cached as ``<cache>/statistics/cut-<key>.json`` per (base, expert, k)."""
+    if cache is None:
+        return kth_largest_delta(base_dir, expert_dir, k)
+    from mergeval.paths import atomic_write_text
+
+    payload = {"kind": "cut", "base": base_fingerprint, "model": expert_fingerprint, "k": k, "version": STATS_VERSION}
+    path = cache / "statistics" / f"cut-{hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        return json.loads(path.read_text())["cut"]
+    cut = kth_largest_delta(base_dir, expert_dir, k)
+    atomic_write_text(path, json.dumps({**payload, "cut": cut}))
+    return cut
+
+
+def fill_thresholds(method_cfg, base_dir: Path, models, cache: Path | None = None):
     """localize_stitch with scope=model: each expert's cut, the ceil(sparsity n)-th largest |e - b| over the
-    model (n = its floating-point entries); returns (new config, details for result.json)."""
+    model (n = its floating-point entries; cached per base, expert and k); returns (new config, details for
+    result.json)."""
     import dataclasses
     import math
 
@@ -369,6 +386,7 @@ def fill_thresholds(method_cfg, base_dir: Path, models):
     reader = CheckpointReader(base_dir, "modelset.base")
     n = sum(math.prod(reader.shapes[t]) for t in reader.names() if reader.dtypes[t].is_floating_point)
     k = max(1, math.ceil(method_cfg.sparsity * n))
-    cuts = {m.role: kth_largest_delta(base_dir, Path(m.path), k) for m in models if m.role != "base"}
+    cuts = {m.role: magnitude_cut(base_dir, models[0].fingerprint, Path(m.path), m.fingerprint, k, cache)
+            for m in models if m.role != "base"}
     return (dataclasses.replace(method_cfg, thresholds=list(cuts.values())),
             {"thresholds": cuts, "kept_per_expert": k, "entries": n})

@@ -37,7 +37,7 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
             and method_cfg.thresholds is None:
         from mergeval.calibration import fill_thresholds
 
-        method_cfg, details = fill_thresholds(method_cfg, base_dir, models)
+        method_cfg, details = fill_thresholds(method_cfg, base_dir, models, cache)
         merge_info = {**merge_info, **details}
     if method.name in STATISTICS and method_cfg.statistics is None:  # each expert's, computed once and cached
         from mergeval.calibration import fill_statistics

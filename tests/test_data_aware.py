@@ -5,6 +5,7 @@ against independent dense implementations on the two-layer tiny zoo model."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -333,6 +334,14 @@ def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_l
         assert torch.allclose(merged[n].float(), want, atol=1e-7), n
     kept = sum(int((((es[0][n].float() - b[n].float()).abs()) >= cuts[0]).sum()) for n in names)
     assert kept == info["kept_per_expert"]  # random noise has no ties at the cut
+    # cached per (base, expert, k): a second request reads the file (a planted value proves it is not recomputed)
+    from mergeval.calibration import magnitude_cut
+
+    first = magnitude_cut(base, "fp-base", experts[0], "fp-e0", 7, cache)
+    assert first == torch.sort(flat[0], descending=True).values[6].item()
+    (written,) = [p for p in (cache / "statistics").glob("cut-*.json") if json.loads(p.read_text())["model"] == "fp-e0"]
+    written.write_text(json.dumps({**json.loads(written.read_text()), "cut": 123.0}))
+    assert magnitude_cut(base, "fp-base", experts[0], "fp-e0", 7, cache) == 123.0
 
 
 def test_pipeline_stages_refuse_what_needs_preparation():

@@ -26,9 +26,9 @@ from mergeval.models.checkpoint import load_tensors
 from mergeval.models.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo, Outcome
 from mergeval.paths import atomic_write_text, cache_root
-from mergeval.provenance import git_commit, package_versions
+from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
-from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers
+from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers, release_memory
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
@@ -48,7 +48,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     except BaseException as err:
         _record_end(store, run_id, err, release=True)
         raise
-    outcome.run_id, outcome.versions, outcome.git = run_id, versions, git
+    outcome.run_id, outcome.versions, outcome.git, outcome.hardware = run_id, versions, git, hardware()
     return outcome
 
 
@@ -56,7 +56,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
     from transformers import AutoTokenizer
 
-    from mergeval.engine import merge_tensors
+    from mergeval.engine.memory import merge_live
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
@@ -87,23 +87,38 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
     key = merge_key(inputs, method_cfg, cfg.seed, options)
     done = None if cfg.eval.force or cfg.save_merged else store.evaluated_merge(key, digests, settings, metrics)
+    merged_model = merged = None
     if done:  # merged and scored before with these inputs, method config and seed: do neither again
-        merged = None
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
-    else:
-        base_tensors = load_tensors(base_dir)
-        merged = merge_tensors(method, method_cfg, base_tensors, {n: load_tensors(p) for n, p in expert_dirs.items()},
-                               cfg.seed, vocab_policy=cfg.vocab_policy, dirs={"base": base_dir, **expert_dirs})
+    else:  # streamed into a live model: one model in memory, whatever the number of experts
+        merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy)
         models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
     record_models(store, models)
     lap("merge")
+    similarity_stats = None
+    if cfg.metric.similarity:  # parameter-space statistics of the task vectors (opt-in: SVDs, every model loaded)
+        from mergeval.metrics.composed import similarity
+
+        experts = {name: load_tensors(p) for name, p in expert_dirs.items()}
+        similarity_stats = similarity(load_tensors(base_dir), experts, merged)
+        lap("similarity")
+    if cfg.save_merged:  # written before evaluation casts the model to eval.dtype (model card included)
+        from mergeval.engine import save_merged
+        from mergeval.engine.card import merge_config
+
+        target = out_dir / "merged_model"
+        save_merged(merged, base_dir, target, method.name,
+                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]})
+        models[-1].path = str(target)
+        lap("save_merged")
 
     harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of entries to evaluate (usually all of them)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict]] = {t: {} for t in tasks}
-    for number, info in enumerate(models, start=1):
+    # The merge first, so it is released before each constituent is loaded: one model in memory at a time.
+    for number, info in enumerate([models[-1], *models[:-1]], start=1):
         # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
         # sweep jobs wait for the one evaluating a shared constituent.
         got = {} if cfg.eval.force else store.claim_or_scores(
@@ -119,8 +134,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             if tuple(entries) not in harnesses:
                 harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
             harness = harnesses[tuple(entries)]
-            path = base_dir if info.role == MERGED else Path(info.path)
-            model = load_model(path, merged if info.role == MERGED else None, dtype).to(cfg.eval.device)
+            model = (merged_model if info.role == MERGED else load_model(Path(info.path))).to(dtype)
+            model = model.to(cfg.eval.device).eval()
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)
             print(f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s",
@@ -133,6 +148,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                              samples_path=str(kept))
             got = {**got, **{t: s.as_dict() for t, s in result.items()}}
             del model
+        if info.role == MERGED:
+            merged_model = merged = None  # released before the constituents are loaded
+        release_memory()
         for task in tasks:
             scores[task][info.role] = got[task]
     lap("evaluate")
@@ -150,21 +168,12 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             aggregates["calibration"] = calibration(kept)
         if cfg.metric.consistency:  # the same items asked in two formats
             aggregates["consistency"] = consistency(kept, [list(pair) for pair in cfg.metric.consistency])
-    if cfg.metric.similarity:  # parameter-space statistics of the task vectors (SVDs: opt-in)
-        from mergeval.metrics.composed import similarity
+    if similarity_stats is not None:
+        aggregates["similarity"] = similarity_stats
+    if cfg.save_merged:  # the saved merge's model card gains the evaluation table
+        from mergeval.engine.card import add_evaluation
 
-        experts = {name: load_tensors(p) for name, p in expert_dirs.items()}
-        aggregates["similarity"] = similarity(load_tensors(base_dir), experts, merged)
-        lap("similarity")
-    if cfg.save_merged:  # the merge kept in memory, written with the streaming writer (model card included)
-        from mergeval.engine import save_merged
-        from mergeval.engine.card import merge_config
-
-        target = out_dir / "merged_model"
-        save_merged(merged, base_dir, target, method.name,
-                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]})
-        models[-1].path = str(target)
-        lap("save_merged")
+        add_evaluation(Path(models[-1].path) / "README.md", scores, [m.role for m in models])
     return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info, rows=rows)
 
 
@@ -189,6 +198,7 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "merge": outcome.merge_info,
         "timings_s": outcome.timings,
         "versions": outcome.versions,
+        "hardware": outcome.hardware,  # scores are bit-identical only where these agree (README: Reproducibility)
         "git": outcome.git,
     }
     path = out_dir / "result.json"

@@ -31,7 +31,7 @@ class TrainConfig:
 class CalibrationConfig:
     """An expert's calibration data for data-aware merges (fisher, regmean; mergeval/calibration.py)."""
 
-    task: str | None = None  # a generated domain (chem_count) or generated task (mergeval_chem_count)
+    task: str | None = None  # a generated domain (chem_count), generated task (mergeval_chem_count) or lm-eval task
     split: str = "train"  # train | validation; never test (the items the merge is scored on)
     n: int = 64  # items
 
@@ -103,7 +103,9 @@ class EvalConfig:
     batch_size: int = 32
     dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
     # "shared_prefix": each question's context computed once for all choices (eval/scorer.py);
-    # "hflm": lm-eval's HFLM as is (one sequence per choice). Same scores up to float rounding.
+    # "hflm": lm-eval's HFLM as is (one sequence per choice), as the lm_eval CLI runs it. In float32 the same
+    # scores up to float rounding; in bfloat16 HFLM takes the log-softmax in bfloat16 (shared_prefix: float32),
+    # which flips near-tied answers (53 of 600 on the tiny model, tests/test_scorer_bf16.py).
     # "vllm": lm-eval's vLLM backend (GPU; the model written once to a temporary directory).
     backend: str = "shared_prefix"
     device: str = "cpu"

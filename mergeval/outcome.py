@@ -37,6 +37,7 @@ class Outcome:
     run_id: str = ""  # the run's row in the results store (set by run())
     versions: dict = field(default_factory=dict)
     git: dict = field(default_factory=dict)
+    hardware: dict = field(default_factory=dict)  # provenance.hardware(): what kernels, hence rounding, ran
     # task -> {metric, higher_is_better, output_type, entry, counted}: what each row reports and whether the
     # aggregates count it
     rows: dict[str, dict] = field(default_factory=dict)

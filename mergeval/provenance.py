@@ -35,3 +35,53 @@ def git_commit() -> dict[str, str | bool | None]:
     commit = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
     return {"commit": commit, "dirty": dirty}
+
+
+# CPU flags that select different matmul/softmax kernels (oneDNN, MKL, torch's own), hence different rounding:
+# the same run gives bit-identical scores only on machines that agree on these and on the thread counts.
+KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+                "avx_vnni", "amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def hardware() -> dict:
+    """The machine as far as it can change a score: CPU model and the kernel-selecting ISA flags, core and
+    thread counts, torch's kernel settings, and the GPU if one is used."""
+    import os
+
+    import torch
+
+    model, flags = _cpu_info()
+    info = {
+        "machine": platform.machine(),
+        "cpu": model,
+        "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
+
+
+def _cpu_info() -> tuple[str | None, set[str]]:
+    """(model name, flags) from /proc/cpuinfo on Linux; (platform.processor(), empty) elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or None, set()
+    model, flags = None, set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model") and model is None:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return model or platform.processor() or None, flags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -73,3 +74,29 @@ def apply_offline(offline: bool) -> None:
         for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
             if hasattr(ds, name):
                 setattr(ds, name, offline)
+
+
+def release_memory() -> None:
+    """Give the memory of a released model back to the operating system.
+
+    Freed tensors go back to glibc's heap, not always to the OS: glibc raises its mmap threshold after large
+    frees, so the next model's tensors come from the heap and the freed space stays mapped. Without this, each
+    model evaluated in turn raised the run's peak (measured: +9% from 2 to 4 experts of a 309M model);
+    ``malloc_trim`` hands the free pages back (a no-op where glibc is not the allocator); on a GPU, torch's
+    caching allocator releases the model's device memory.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():  # the caching allocator keeps freed device memory too
+        torch.cuda.empty_cache()
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

@@ -47,7 +47,7 @@ def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor
 
 
 def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,
-                     expert_dirs: list[Path], seed: int = 0, vocab_policy: str = "error",
+                     expert_dirs: list[Path] | Mapping[str, Path], seed: int = 0, vocab_policy: str = "error",
                      progress: bool = False) -> torch.nn.Module:
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
@@ -55,10 +55,12 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
     runs in float32 per unit; results are cast on copy). vocab_policy=truncate
     changes shapes and needs a model of the truncated size: merge to disk instead.
     """
-    method.validate(cfg, len(expert_dirs))
-    check_compatible(Path(base_dir), {str(i): Path(p) for i, p in enumerate(expert_dirs)}, vocab_policy)
+    named = {str(k): Path(p) for k, p in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
+                                          else enumerate(expert_dirs))}
+    method.validate(cfg, len(named))
+    check_compatible(Path(base_dir), named, vocab_policy)
     base = CheckpointReader(base_dir, "modelset.base")
-    experts = [CheckpointReader(p, f"modelset.experts.{i}") for i, p in enumerate(expert_dirs)]
+    experts = [CheckpointReader(p, f"modelset.experts.{k}") for k, p in named.items()]
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
     plan = build_plan(method, cfg, base.dtypes)
     check_plan(method, plan, len(experts))
@@ -73,6 +75,34 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
         for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress):
             state[name].copy_(tensor)
     return model
+
+
+class CheckpointView(Mapping):
+    """A live model's weights as its checkpoint holds them: the checkpoint's tensor names (tied weights once)
+    and dtypes. Each tensor is cast when read, so hashing or writing the view never holds a second copy."""
+
+    def __init__(self, model: torch.nn.Module, dtypes: Mapping[str, torch.dtype]):
+        self.state, self.dtypes = model.state_dict(), dict(dtypes)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.state[name].detach().to(self.dtypes[name])
+
+    def __iter__(self):
+        return iter(self.dtypes)
+
+    def __len__(self) -> int:
+        return len(self.dtypes)
+
+
+def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mapping[str, Path], seed: int,
+               vocab_policy: str = "error") -> tuple[torch.nn.Module, CheckpointView]:
+    """The merge as a float32 model built from the base, each merged tensor streamed into its parameters
+    (memory: one model plus one unit's inputs, whatever the number of experts), and its checkpoint view."""
+    from mergeval.models.checkpoint import load_model
+
+    model = merge_into_model(load_model(Path(base_dir)), method, cfg, base_dir, expert_dirs, seed, vocab_policy,
+                             progress=True)
+    return model, CheckpointView(model, CheckpointReader(base_dir, "modelset.base").dtypes)
 
 
 def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: str, card: dict,

@@ -1,0 +1,126 @@
+"""Peak memory of a whole run (merge + evaluation) against the number of experts.
+
+Builds synthetic Llama checkpoints (random bf16 weights, the tiny zoo's tokenizer; a base and up to six
+experts = base + 1% noise) once, then runs ``python -m mergeval`` on the tiny benchmark with 2, 4 and 6 of the
+experts, each run a fresh process whose peak resident set size is read with ``wait4`` (this parent imports
+neither torch nor mergeval, so it adds only a few MB to the child's count). Each run gets a fresh cache and
+results store, so every model is really merged and evaluated.
+
+A run that holds one model at a time (the streamed merge into a live model, constituents loaded and released
+one by one) has a peak that is flat in the number of experts; one that loads every checkpoint first grows by
+one checkpoint per expert. ``--code DIR`` runs another checkout's mergeval (e.g. an older commit, via
+``git worktree add``) with the same models, for the side-by-side table.
+
+    python benchmarks/run_memory.py                      # ~0.27B parameters, 2/4/6 experts, a few minutes
+    python benchmarks/run_memory.py --code /tmp/old      # the same runs with another checkout's code too
+    python benchmarks/run_memory.py --layers 2 --hidden 256 --intermediate 512   # seconds (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+BUILD = """
+import json, shutil, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from merge_memory import llama_specs, write_checkpoint
+from mergeval.paths import cache_root
+from mergeval.zoo.tiny import zoo_dir
+
+work, experts, layers, hidden, intermediate = Path(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:7])
+tiny = zoo_dir("tiny", cache_root(str(work / "zoo-cache")))
+vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+config, shapes = llama_specs(layers, hidden, intermediate, vocab, heads=hidden // 64)
+for k, role in enumerate(["base"] + [f"e{i}" for i in range(experts)]):
+    out = work / role
+    write_checkpoint(out, config, shapes, torch.bfloat16, None if role == "base" else k)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+print(sum(t.numel() for t in [torch.empty(s, device="meta") for s in shapes.values()]))
+"""
+
+
+def modelset_yaml(work: Path, experts: int) -> Path:
+    """A config dir with modelset ``synthetic<experts>``: the base and the first ``experts`` experts, each
+    scored on one of the tiny benchmark's tasks in turn."""
+    tasks = ["mergeval_chem_count", "mergeval_unit_convert"]
+    lines = ["defaults:", "  - modelset_schema", "  - _self_", f"name: synthetic{experts}", f"base: {work / 'base'}",
+             "experts:"]
+    for i in range(experts):
+        lines += [f"  e{i}:", f"    source: {work / f'e{i}'}", f"    task: {tasks[i % len(tasks)]}"]
+    conf = work / "conf" / "modelset"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / f"synthetic{experts}.yaml").write_text("\n".join(lines) + "\n")
+    return work / "conf"
+
+
+def run(work: Path, experts: int, code: Path | None) -> dict:
+    """One run in a fresh process: its peak RSS (ru_maxrss from wait4, KiB on Linux) and wall time."""
+    fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
+    conf = modelset_yaml(work, experts)
+    cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
+           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", "eval.dtype=bfloat16", "eval.batch_size=8",
+           f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    began = time.perf_counter()
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - began
+    out, err = child.stdout.read(), child.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"run with {experts} experts failed:\n{err[-3000:]}")
+    shutil.rmtree(fresh, ignore_errors=True)
+    return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+            "wall_s": round(seconds, 1), "table": "Macro-Gain" in out}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", default="2,4,6")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--code", type=Path, help="also run this checkout's mergeval (PYTHONPATH) on the same models")
+    parser.add_argument("--work", type=Path, help="where to build the models (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.experts.split(",")]
+    work = args.work or Path(tempfile.mkdtemp(prefix="mergeval-run-memory-"))
+    try:
+        built = subprocess.run([sys.executable, "-c", BUILD, str(HERE), str(work), str(max(counts)), str(args.layers),
+                                str(args.hidden), str(args.intermediate)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(built.stderr[-3000:])
+        params = int(built.stdout.split()[-1])
+        size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
+        print(f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
+              f"evaluated in bfloat16 (one model in memory: {params * 2 / 2**20:.0f} MiB of weights)")
+        rows = []
+        for code in [None] + ([args.code] if args.code else []):
+            for n in counts:
+                rows.append(run(work, n, code))
+                print(json.dumps(rows[-1]) if args.json else
+                      f"{rows[-1]['code']:>20}  experts={n}  peak RSS {rows[-1]['peak_rss_mib']:>6} MiB  "
+                      f"({rows[-1]['peak_rss_mib'] * 2**20 / size:.2f} checkpoints)  {rows[-1]['wall_s']} s", flush=True)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

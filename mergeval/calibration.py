@@ -6,8 +6,10 @@ A modelset expert names its calibration data::
       chem: {domain: chem_count, task: mergeval_chem_count,
              calibration: {task: chem_count, split: train, n: 64}}
 
-``task`` is a generated domain (``chem_count``, ``unit_convert``) or a generated
-task (``mergeval_chem_count``, its lettered ``_mc`` twin asks the same items);
+``task`` is a generated domain (``chem_count``, ``unit_convert``), a generated
+task (``mergeval_chem_count``, its lettered ``_mc`` twin asks the same items),
+or any other lm-eval task (its own train / validation documents, never the split
+it is scored on: ``eval/calibration_docs.py``). For generated data
 ``split`` is ``train`` (the first ``n`` items of the domain's training stream:
 what a zoo expert with ``train.seed=0`` was fine-tuned on, disjoint from every
 evaluation item) or ``validation`` (the last ``n`` items of the task's held-out
@@ -56,8 +58,9 @@ STATS_FILE, META_FILE = "stats.safetensors", "meta.json"
 # ---------------------------------------------------------------- data
 
 
-def _domain_and_task(task: str, field: str) -> tuple[str | None, str]:
-    """(training domain or None, held-out task name) of a calibration task."""
+def _domain_and_task(task: str, field: str) -> tuple[str | None, str] | None:
+    """(training domain or None, held-out task name) of a generated calibration task; None for an lm-eval task
+    (any other name, loaded when its examples are drawn: eval/calibration_docs.py)."""
     from mergeval.eval.tasks import GENERATED, PREFIX, items_of
     from mergeval.zoo.domains import DOMAINS
 
@@ -67,9 +70,11 @@ def _domain_and_task(task: str, field: str) -> tuple[str | None, str]:
         cloze = items_of(task)
         domain = cloze.removeprefix(PREFIX)
         return (domain if domain in DOMAINS else None), cloze
+    if not task.startswith(PREFIX):
+        return None
     choices = sorted(DOMAINS) + sorted(GENERATED)
     raise UserError(f"{field}.task", f"unknown calibration task {task!r}",
-                    f"choose a generated domain or task: {', '.join(choices)}")
+                    f"choose a generated domain or task ({', '.join(choices)}) or an lm-eval task")
 
 
 def check_calibration(cal, field: str, n_test: int) -> None:
@@ -84,7 +89,10 @@ def check_calibration(cal, field: str, n_test: int) -> None:
     if cal.task is None:
         raise UserError(f"{field}.task", "no calibration task", f"set {field}.task to a generated domain, e.g. "
                         "chem_count")
-    domain, name = _domain_and_task(cal.task, field)
+    generated = _domain_and_task(cal.task, field)
+    if generated is None:  # an lm-eval task: its splits are checked when it is loaded
+        return
+    domain, name = generated
     if cal.split == "train" and domain is None:
         raise UserError(f"{field}.split", f"{cal.task} has no training split (its items are all held out)",
                         f"set {field}.split=validation")
@@ -96,10 +104,19 @@ def check_calibration(cal, field: str, n_test: int) -> None:
                             f"{n_test} test + {cal.n} validation", f"lower {field}.n or benchmark.n_items")
 
 
-def calibration_items(cal, field: str, n_test: int) -> list[dict]:
-    """The calibration items (module docstring); never the test split."""
+def calibration_items(cal, field: str, n_test: int, bench=None, eval_cfg=None, cache: Path | None = None) -> list[dict]:
+    """The calibration items (module docstring); never the test split. An lm-eval task (loaded with the run's
+    ``bench`` settings: include_path, data) gives ``{context, continuation}`` examples instead."""
     check_calibration(cal, field, n_test)
-    domain, name = _domain_and_task(cal.task, field)
+    generated = _domain_and_task(cal.task, field)
+    if generated is None:
+        if bench is None:
+            raise UserError(f"{field}.task", f"{cal.task} is not a generated domain or task",
+                            "name one of mergeval's generated domains")
+        from mergeval.eval.calibration_docs import registry_examples
+
+        return registry_examples(cal.task, cal.split, cal.n, bench, eval_cfg, cache, field)
+    domain, name = generated
     if cal.split == "train":
         from mergeval.zoo.domains import split_items
         from mergeval.zoo.experts import EVAL_POOL
@@ -114,6 +131,9 @@ def data_digest(items: list[dict]) -> str:
     """sha256 of the items as rendered for the model (prompt, answer), first 16 hex digits."""
     from mergeval.zoo.finetune import prompt
 
+    if items and "context" in items[0]:  # an lm-eval task's examples
+        rows = [[i["context"], i["continuation"]] for i in items]
+        return hashlib.sha256(json.dumps({"rows": rows, "format": "lm-eval-1"}).encode()).hexdigest()[:16]
     rows = [[prompt(i["question"]), i["choices"][i["answer"]]] for i in items]
     return hashlib.sha256(json.dumps({"rows": rows, "format": 1}).encode()).hexdigest()[:16]
 
@@ -163,9 +183,19 @@ def compute(kind: str, model_dir: Path, items: list[dict], point: dict | None = 
 
 
 def _example(tokenizer, item):
-    from mergeval.zoo.finetune import _batch  # the fine-tuning format: answer-only labels
+    """(ids, attention mask, labels) of one example, labels only on the answer tokens."""
+    if "context" not in item:
+        from mergeval.zoo.finetune import _batch  # the fine-tuning format: answer-only labels
 
-    return _batch(tokenizer, [item])
+        return _batch(tokenizer, [item])
+    import torch
+
+    start = len(tokenizer(item["context"])["input_ids"])  # lm-eval's loglikelihood: no end-of-sequence token
+    full = tokenizer(item["context"] + item["continuation"])["input_ids"]
+    ids = torch.tensor([full])
+    labels = torch.full_like(ids, -100)
+    labels[0, start:] = ids[0, start:]
+    return ids, torch.ones_like(ids), labels
 
 
 def answer_log_likelihood(model, ids, mask, labels):
@@ -309,7 +339,7 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
             raise UserError(field, f"method {method_name} needs calibration data for every expert",
                             f"set {field}={{task: {expert.get('domain') or '<generated domain>'}, split: train, "
                             "n: 64}")
-        items = calibration_items(cal, field, cfg.benchmark.n_items)
+        items = calibration_items(cal, field, cfg.benchmark.n_items, cfg.benchmark, cfg.eval, cache)
         point = None
         if kind == "localize":  # the gradient is taken at the expert's soft-masked model
             point = {"base": models[0].fingerprint, "base_dir": str(base_dir), "sigmoid_bias": method_cfg.sigmoid_bias,

@@ -146,7 +146,7 @@ def cal(task="chem_count", split="train", n=8):
     (dict(split="test"), "x.split", "never uses the test split"),
     (dict(split="dev"), "x.split", "unknown split"),
     (dict(n=0), "x.n", "positive"),
-    (dict(task="nope"), "x.task", "unknown calibration task"),
+    (dict(task="mergeval_nope"), "x.task", "unknown calibration task"),
     (dict(task="mergeval_general_facts"), "x.split", "no training split"),
     (dict(task="mergeval_chem_count", split="validation", n=400), "x.n", "fewer than"),
 ])
@@ -166,6 +166,45 @@ def test_calibration_items_never_touch_the_test_items():
     assert not test & {i["question"] for i in train} and not test & {i["question"] for i in valid}
     assert calibration_items(cal(n=64), "x", 200)[:8] == calibration_items(cal(n=8), "x", 200)  # a fixed stream
     assert data_digest(train) != data_digest(valid)
+
+
+def test_calibration_from_lm_eval_tasks_uses_their_own_splits_never_the_scored_one(tiny_dir, cache):
+    """hellaswag (shipped data) is scored on its validation split: train is allowed, validation refused;
+    medqa_4options is scored on test, so its validation split is allowed; gsm8k has no validation split;
+    examples are rendered by the task itself (its doc_to_text, gold choice after the target delimiter)."""
+    from omegaconf import OmegaConf
+
+    from mergeval.calibration import compute
+    from mergeval.config import BenchmarkConfig, EvalConfig
+
+    data = {"hellaswag": {"validation": "shipped:data/hellaswag/validation.jsonl",
+                          "train": "shipped:data/hellaswag/train.jsonl"},
+            "medqa_4options": {"test": "shipped:data/medqa_4options/test.jsonl",
+                               "validation": "shipped:data/medqa_4options/validation.jsonl",
+                               "train": "shipped:data/medqa_4options/train.jsonl"},
+            "gsm8k": {"test": "shipped:data/gsm8k/test.jsonl", "train": "shipped:data/gsm8k/train.jsonl"}}
+    bench = OmegaConf.structured(BenchmarkConfig(name="b", tasks=["hellaswag"], data=data))
+    ev = OmegaConf.structured(EvalConfig())
+    train = calibration_items(cal("hellaswag", "train", 3), "x", 200, bench, ev, cache)
+    first = json.loads(open(_shipped("hellaswag/train.jsonl")).readline())
+    assert len(train) == 3 and first["activity_label"] in train[0]["context"]
+    assert train[0]["continuation"].strip() in first["endings"][int(first["label"])]
+    with pytest.raises(UserError) as err:
+        calibration_items(cal("hellaswag", "validation", 3), "x", 200, bench, ev, cache)
+    assert err.value.field == "x.split" and "scored on" in err.value.problem
+    valid = calibration_items(cal("medqa_4options", "validation", 2), "x", 200, bench, ev, cache)
+    assert len(valid) == 2 and all(v["continuation"] in (" A", " B", " C", " D") for v in valid)
+    with pytest.raises(UserError) as err:
+        calibration_items(cal("gsm8k", "validation", 2), "x", 200, bench, ev, cache)
+    assert err.value.field == "x.split" and "no validation split" in err.value.problem
+    fisher, _ = compute("fisher", tiny_dir, train)
+    assert any(f.abs().max() > 0 for f in fisher.values()) and data_digest(train) != data_digest(valid)
+
+
+def _shipped(rel):
+    from mergeval.eval.suite import SHIPPED
+
+    return SHIPPED / "data" / rel
 
 
 # ---------------------------------------------------------------- against a dense implementation
@@ -373,7 +412,7 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
     base, experts, items, root = two_layer
     models = [ModelInfo("base", "", fingerprint(base), str(base))] + [
         ModelInfo(f"e{i}", "", fingerprint(e), str(e)) for i, e in enumerate(experts)]
-    run = SimpleNamespace(benchmark=SimpleNamespace(n_items=200), modelset=SimpleNamespace(experts={
+    run = SimpleNamespace(benchmark=SimpleNamespace(n_items=200), eval=None, modelset=SimpleNamespace(experts={
         "e0": {"calibration": cal("chem_count", "train", 4)}, "e1": {"calibration": cal("unit_convert", "validation", 4)}}))
     method = METHODS["localize_stitch_trained"]
     cfg, _ = fill_thresholds(method.config(sparsity=0.2, lr=1e5), base, models)

@@ -227,6 +227,25 @@ def test_a_file_size_limit_while_writing_the_merge(zoo, tmp_path):
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs (root with mount rights only; skipped elsewhere): a real full disk."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root with mount rights)")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_while_writing_the_merge(zoo, tmp_path, small_fs):
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={small_fs / 'out'}",
+              cwd=tmp_path)
+    assert_one_line(out, str(small_fs / "out"), "no space left")
+    assert not list(small_fs.iterdir()) and not leftovers(tmp_path)
+
+
 def test_cache_dir_below_a_file(zoo, tmp_path):
     (tmp_path / "afile").write_text("x")
     out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"cache_dir={tmp_path / 'afile'}",

@@ -26,20 +26,32 @@ def overrides(store: Path) -> list[str]:
             "eval.backend=hflm", "eval.batch_size=1", "eval.dtype=float32", f"store.path={store}"]
 
 
-@pytest.fixture(scope="module")
-def lm_eval_out(tiny_dir, cache, tmp_path_factory) -> Path:
-    """The lm_eval command line on the tiny model over mergeval's generated task (the files a run reads)."""
+def lm_eval_cli(model_dir: Path, cache: Path, out: Path) -> Path:
+    """The lm_eval command line on ``model_dir`` over mergeval's generated task (the files a run reads); the
+    results file it wrote."""
     from mergeval.eval.tasks import write_tasks
 
     tasks = write_tasks([TASK], 8, cache)
-    out = tmp_path_factory.mktemp("lm_eval")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={tiny_dir},dtype=float32", "--tasks", TASK, "--include_path", str(tasks),
+                           f"pretrained={model_dir},dtype=float32", "--tasks", TASK, "--include_path", str(tasks),
                            "--batch_size", "1", "--device", "cpu", "--output_path", str(out), "--log_samples"],
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return next(out.rglob("results_*.json"))
+
+
+@pytest.fixture(scope="module")
+def lm_eval_out(tiny_dir, cache, tmp_path_factory) -> Path:
+    return lm_eval_cli(tiny_dir, cache, tmp_path_factory.mktemp("lm_eval"))
+
+
+def test_the_saved_merge_scores_with_the_lm_eval_cli_as_the_run_recorded(imported_run, cache, tmp_path):
+    """The saved merge is what was scored: lm_eval's hf backend on the directory gives the run's numbers."""
+    merged = imported_run["outcome"].models[-1]
+    file = json.loads(lm_eval_cli(Path(merged.path), cache, tmp_path).read_text())["results"][TASK]
+    got = imported_run["outcome"].scores[TASK]["merged"]
+    assert (file["acc,none"], file["acc_stderr,none"]) == pytest.approx((got["value"], got["stderr"]), abs=1e-12)
 
 
 @pytest.fixture(scope="module")

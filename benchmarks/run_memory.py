@@ -2,9 +2,8 @@
 
 Builds synthetic Llama checkpoints (random bf16 weights, the tiny zoo's tokenizer; a base and up to six
 experts = base + 1% noise) once, then runs ``python -m mergeval`` on the tiny benchmark with 2, 4 and 6 of the
-experts, each run a fresh process whose peak resident set size is read with ``wait4`` (this parent imports
-neither torch nor mergeval, so it adds only a few MB to the child's count). Each run gets a fresh cache and
-results store, so every model is really merged and evaluated.
+experts, each run a fresh process whose peak resident set size (VmHWM) is polled from /proc every 50 ms
+(Linux only). Each run gets a fresh cache and results store, so every model is really merged and evaluated.
 
 A run that holds one model at a time (the streamed merge into a live model, constituents loaded and released
 one by one) has a peak that is flat in the number of experts; one that loads every checkpoint first grows by
@@ -68,7 +67,7 @@ def modelset_yaml(work: Path, experts: int) -> Path:
 
 
 def run(work: Path, experts: int, code: Path | None) -> dict:
-    """One run in a fresh process: its peak RSS (ru_maxrss from wait4, KiB on Linux) and wall time."""
+    """One run in a fresh process: its peak RSS (VmHWM polled, KiB) and wall time."""
     fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
     conf = modelset_yaml(work, experts)
     cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
@@ -78,15 +77,32 @@ def run(work: Path, experts: int, code: Path | None) -> dict:
     if code is not None:
         env["PYTHONPATH"] = str(code)
     began = time.perf_counter()
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(child.pid, 0)
+    logs = fresh / "out.txt"
+    with open(logs, "w") as log:
+        child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        peak_kib = 0
+        while child.poll() is None:  # VmHWM = max(high-water mark, current RSS) at each read
+            peak_kib = max(peak_kib, _vm_hwm_kib(child.pid))
+            time.sleep(0.05)
     seconds = time.perf_counter() - began
-    out, err = child.stdout.read(), child.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"run with {experts} experts failed:\n{err[-3000:]}")
+    out = logs.read_text()
+    if child.returncode != 0:
+        raise SystemExit(f"run with {experts} experts failed:\n{out[-3000:]}")
     shutil.rmtree(fresh, ignore_errors=True)
-    return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+    return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(peak_kib / 1024),
             "wall_s": round(seconds, 1), "table": "Macro-Gain" in out}
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    """The process's peak resident set so far (Linux). Polled rather than read from wait4's ru_maxrss: the
+    kernel updates the high-water mark lazily, and memory handed back with madvise (glibc's free and
+    malloc_trim) lowers the RSS without updating it, so ru_maxrss at exit missed peaks of 3 GB here."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return max((int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM:", "VmRSS:"))),
+               default=0)
 
 
 def main(argv=None) -> None:

@@ -95,3 +95,14 @@ def test_scores_of_older_result_files_are_read_as_acc():
 
     assert score_value({"value": 0.5}) == 0.5 and score_value({"acc": 0.25}) == 0.25
     assert score_metric({"acc": 0.25}) == "acc,none" and score_metric({"metric": "x,y", "value": 1}) == "x,y"
+
+
+def test_every_package_of_the_source_tree_is_installed():
+    """A wheel holds only the packages pyproject lists: a new subpackage missing there imports fine from a
+    checkout (editable install) and fails after `pip install .` (the README's commands)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "mergeval").rglob("__init__.py")}
+    assert found - {"mergeval.conf"} <= listed, sorted(found - listed)

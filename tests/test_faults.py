@@ -147,6 +147,18 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_expert_is_found_before_merging(case, zoo, tmp_path):
+    """Each kind of damage is a UserError naming the expert's field (the CLI's one line; checked in-process)."""
+    from mergeval.errors import UserError
+    from mergeval.models.checkpoint import check_compatible
+
+    damage, says = DAMAGE[case]
+    with pytest.raises(UserError) as err:
+        check_compatible(zoo["base"], {"units": damaged_copy(zoo, tmp_path, damage)})
+    assert err.value.field == "modelset.experts.units" and says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", ["truncated", "config.json not JSON", "attention layout"])
 def test_a_damaged_expert_is_one_line_and_leaves_nothing(case, zoo, tmp_path):
     damage, says = DAMAGE[case]
     bad = damaged_copy(zoo, tmp_path, damage)

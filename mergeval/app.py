@@ -22,7 +22,7 @@ from mergeval.interop import mergekit_config
 from mergeval.errors import UserError
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
-from mergeval.models.checkpoint import load_tensors
+from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo, Outcome
 from mergeval.paths import atomic_write_text, cache_root
@@ -54,7 +54,6 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
 
 def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
-    from transformers import AutoTokenizer
 
     from mergeval.engine.memory import merge_live
     from mergeval.eval.harness import Harness
@@ -76,6 +75,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     tasks = suite.names
     lap("load_tasks")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
+    tokenizer = load_tokenizer(base_dir)  # before minutes of merging: a damaged tokenizer fails here
     lap("resolve_models")
     method_cfg, merge_info = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
     if "validation_scores" in merge_info:
@@ -114,7 +114,6 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         lap("save_merged")
 
     harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of entries to evaluate (usually all of them)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict]] = {t: {} for t in tasks}
     # The merge first, so it is released before each constituent is loaded: one model in memory at a time.
@@ -134,7 +133,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             if tuple(entries) not in harnesses:
                 harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
             harness = harnesses[tuple(entries)]
-            model = (merged_model if info.role == MERGED else load_model(Path(info.path))).to(dtype)
+            label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
+            model = (merged_model if info.role == MERGED else load_model(Path(info.path), label=label)).to(dtype)
             model = model.to(cfg.eval.device).eval()
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)

@@ -179,6 +179,16 @@ def test_the_full_run_checks_a_damaged_base_before_anything(zoo, tmp_path):
     assert [r[0] for r in sqlite3.connect(tmp_path / "r.sqlite").execute("SELECT status FROM runs")] == ["failed"]
 
 
+def test_a_damaged_tokenizer_fails_before_merging(zoo, tmp_path):
+    bad = tmp_path / "base"
+    shutil.copytree(zoo["base"], bad)
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
+    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}",
+              cwd=tmp_path)
+    assert_one_line(out, "modelset.base", "transformers cannot load AutoTokenizer")
+    assert "evaluating" not in out.stdout and not leftovers(tmp_path)
+
+
 def test_nan_in_an_expert_names_the_same_field_and_directory_in_a_run_as_in_merge_only(zoo, tmp_path):
     def poison(tensors, _dst):
         tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")

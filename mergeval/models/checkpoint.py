@@ -136,13 +136,31 @@ def _check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dic
                         "use vocab_policy=truncate, or make the model with the largest vocabulary the base")
 
 
-def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32):
-    """The causal LM in ``model_dir``; with ``tensors`` (e.g. a merge kept in memory) loaded over its weights."""
+def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
+               label: str = "modelset"):
+    """The causal LM in ``model_dir``; with ``tensors`` (e.g. a merge kept in memory) loaded over its weights.
+    A directory transformers cannot load (a config it rejects, damaged files) is a one-line error for ``label``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = _transformers_load(AutoModelForCausalLM, model_dir, label, dtype=torch.float32)
     if tensors is not None:
         result = model.load_state_dict(tensors, strict=False)
         if result.unexpected_keys:
             raise ValueError(f"tensors not in {model_dir}'s architecture: {result.unexpected_keys[:3]}")
     return model.to(dtype).eval()
+
+
+def load_tokenizer(model_dir: Path, label: str = "modelset.base"):
+    """The tokenizer in ``model_dir``; a missing or damaged one is a one-line error for ``label``."""
+    from transformers import AutoTokenizer
+
+    return _transformers_load(AutoTokenizer, model_dir, label)
+
+
+def _transformers_load(auto, model_dir: Path, label: str, **kwargs):
+    try:
+        return auto.from_pretrained(model_dir, **kwargs)
+    except Exception as err:  # noqa: BLE001  transformers raises many types for a directory it cannot read
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UserError(label, f"transformers cannot load {auto.__name__} from '{model_dir}' "
+                        f"({type(err).__name__}: {first})", REFETCH) from err

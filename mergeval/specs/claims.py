@@ -28,8 +28,11 @@ Operands:
 
 A run operand may add ``where`` (overriding the claim's; keys in ``runs.py``)
 and ``over_runs: min | max | mean | range | std``, which reduces the operand
-over every matching run (``range`` and ``std`` need two or more runs; a
-reduced value has no stderr).
+over every matching run (``range`` and ``std`` need two or more runs). A
+reduced value keeps a stderr where one follows from the runs' own: ``min`` /
+``max`` the chosen run's, ``range`` = max - min that of a difference,
+sqrt(se_max^2 + se_min^2), ``mean`` sqrt(sum se_i^2) / n (runs scored
+independently); ``std`` has none.
 
 Which runs: run operands without ``over_runs`` are evaluated run by run. When
 they all select the same runs, the claim is checked once per matching run, the
@@ -438,16 +441,20 @@ def _value_in_run(op: Operand, run: Run, binding: Mapping[str, Any], metrics: Ma
     return Measured(float(node))
 
 
-def _reduce(how: str, values: list[float]) -> float:
+def _reduce(how: str, measured: list[Measured]) -> Measured:
+    """One value over runs, with the stderr that follows from the runs' own (module docstring)."""
+    values = [m.value for m in measured]
+    low = min(measured, key=lambda m: m.value)
+    high = max(measured, key=lambda m: m.value)
     if how == "min":
-        return min(values)
+        return Measured(low.value, low.stderr)
     if how == "max":
-        return max(values)
+        return Measured(high.value, high.stderr)
     if how == "mean":
-        return math.fsum(values) / len(values)
+        return Measured(math.fsum(values) / len(values), math.sqrt(math.fsum(m.stderr ** 2 for m in measured)) / len(values))
     if how == "range":
-        return max(values) - min(values)
-    return statistics.stdev(values)
+        return Measured(high.value - low.value, math.hypot(high.stderr, low.stderr))
+    return Measured(statistics.stdev(values))
 
 
 def _select(runs: list[Run], where: dict) -> list[Run]:
@@ -477,7 +484,7 @@ def _operand_value(op: Operand, claim: Claim, run: Run | None, runs: list[Run], 
     need = 2 if op.over_runs in ("range", "std") else 1
     if len(chosen) < need:
         raise NotRun(f"{op.over_runs} over runs {_describe(where)} needs {need}+ runs, {len(chosen)} match")
-    return Measured(_reduce(op.over_runs, [_value_in_run(op, r, binding, metrics).value for r in chosen]))
+    return _reduce(op.over_runs, [_value_in_run(op, r, binding, metrics) for r in chosen])
 
 
 def label(cid: str, parts: list[str]) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.paths import atomic_dir
-from mergeval.zoo.domains import Item, eval_items
+from mergeval.zoo.domains import DOMAINS, Item, eval_items
 from mergeval.zoo.experts import EVAL_POOL
 from mergeval.zoo.finetune import prompt
 
@@ -43,9 +43,13 @@ def _general(n: int) -> list[Item]:
     return general_items(0, n)
 
 
+def _domain(domain: str) -> Callable[[int], list[Item]]:
+    return lambda n: eval_items(domain, n)
+
+
+# One task per expert domain (mergeval_<domain>), plus general knowledge.
 _CLOZE: dict[str, Callable[[int], list[Item]]] = {
-    "mergeval_chem_count": lambda n: eval_items("chem_count", n),
-    "mergeval_unit_convert": lambda n: eval_items("unit_convert", n),
+    **{PREFIX + domain: _domain(domain) for domain in DOMAINS},
     "mergeval_general_facts": _general,
 }
 LETTERED = "_mc"  # suffix of the lettered multiple-choice format of a cloze task
@@ -66,7 +70,7 @@ def same_items(a: str, b: str) -> bool:
 
 
 # Held-out items per task: the domains' evaluation pool, or every general question there is.
-_CLOZE_POOL = {"mergeval_chem_count": EVAL_POOL, "mergeval_unit_convert": EVAL_POOL, "mergeval_general_facts": 351}
+_CLOZE_POOL = {**{PREFIX + domain: EVAL_POOL for domain in DOMAINS}, "mergeval_general_facts": 351}
 POOL = {name: _CLOZE_POOL[items_of(name)] for name in GENERATED}
 
 

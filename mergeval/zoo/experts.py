@@ -1,7 +1,7 @@
 """Domain experts that mergeval fine-tunes from a modelset's base and caches.
 
-An expert's cache key is the base's fingerprint, the domain, the data version
-and the training settings: change any and a new expert is built; otherwise the
+An expert's cache key is the base's fingerprint, the domain, the domain's data
+version (``DOMAIN_VERSION``) and the training settings: change any and a new expert is built; otherwise the
 cached one is reused. Building writes to a temporary directory renamed into
 place, so an interrupted build never leaves a half-written expert.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.paths import atomic_dir
-from mergeval.zoo.domains import DATA_VERSION, DOMAINS, split_items
+from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, split_items
 
 # The held-out evaluation items the training pool must avoid (the benchmark's n_items
 # never exceeds this; see eval/tasks.py).
@@ -22,7 +22,7 @@ EVAL_POOL = 500
 
 
 def expert_key(base_fingerprint: str, domain: str, train) -> str:
-    settings = dict(base=base_fingerprint, domain=domain, data=DATA_VERSION, steps=train.steps,
+    settings = dict(base=base_fingerprint, domain=domain, data=DOMAIN_VERSION[domain], steps=train.steps,
                     batch_size=train.batch_size, lr=train.lr, seed=train.seed)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -51,7 +51,7 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "mergeval-expert.json").write_text(json.dumps(
-            dict(base_fingerprint=base_fingerprint, domain=domain, data_version=DATA_VERSION,
+            dict(base_fingerprint=base_fingerprint, domain=domain, data_version=DOMAIN_VERSION[domain],
                  train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed),
                  first_loss=losses[0], last_loss=losses[-1]), indent=2))
     return target

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from mergeval.paths import atomic_dir
-from mergeval.zoo.domains import DOMAINS
+from mergeval.zoo.domains import DOMAINS, QUICKSTART_DOMAINS
 
 ZOO = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, seed=0)}
@@ -30,7 +30,9 @@ def zoo_dir(name: str, cache: Path) -> Path:
 def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
-    for make in DOMAINS.values():
+    # Only the original two domains: the tokenizer (and so every tiny-model test) must not change when
+    # domains are added.
+    for make in (DOMAINS[d] for d in QUICKSTART_DOMAINS):
         for _ in range(200):
             item = make(rng)
             lines.append(f"Question: {item['question']}\nAnswer: " + " ".join(item["choices"]))

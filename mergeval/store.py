@@ -6,7 +6,7 @@ processes, Slurm jobs on one node) read and write at once. Every write is one
 the whole write or none of it, and concurrent writers wait for each other
 (busy timeout) instead of failing or losing rows.
 
-Tables (schema v4; v1-v3 databases are migrated in place on open):
+Tables (schema v5; v1-v4 databases are migrated in place on open):
 
 - ``runs``: one row per run. ``start_run`` inserts it as ``running`` with its
   process (host, pid, start time); ``finish_run`` completes it exactly once
@@ -15,6 +15,8 @@ Tables (schema v4; v1-v3 databases are migrated in place on open):
   Ctrl-C). A run killed without a chance to say so (SIGKILL, power loss) stays
   ``running`` until the next process on its host opens the store and proves its
   process gone: then it becomes ``interrupted`` with a note. Never half finished.
+  ``config_hash`` (v5, nullable, indexed) identifies the run's configuration, so
+  a resumed sweep finds the configurations already finished (``finished_run``).
 - ``models``: content fingerprint -> source and architecture (from config.json).
 - ``evaluations``: (model fingerprint, task digest, settings hash) -> every
   metric the task reported (``{"acc_norm,none": [value, stderr], ...}``; a
@@ -54,7 +56,7 @@ from mergeval import proc
 from mergeval.errors import UserError
 from mergeval.paths import make_dirs
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
 CLAIM_TTL_S = 6 * 3600  # a claim from another host older than this is presumed dead (its evaluation never came)
 BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
@@ -127,6 +129,13 @@ _NEW_IN_V2 = [
         options TEXT NOT NULL,
         output_fingerprint TEXT NOT NULL,
         created REAL NOT NULL)""",
+]
+# v5: a run's configuration hash (resumable sweeps look finished configurations up by it) and a claim's
+# heartbeat (``renewed``: a claimant on another host is presumed dead once it stops renewing).
+_NEW_IN_V5 = [
+    "ALTER TABLE runs ADD COLUMN config_hash TEXT",
+    "CREATE INDEX runs_by_config_hash ON runs (config_hash)",
+    "ALTER TABLE claims ADD COLUMN renewed REAL",
 ]
 _JSON_COLUMNS = ("config", "versions", "git", "timings", "aggregates", "models", "scores")
 
@@ -263,15 +272,17 @@ class Store:
         with self._write() as db:  # re-read under the lock: another process may have just migrated
             version = self._version(db)
             if version == 0:
-                for statement in _CURRENT + _NEW_IN_V2:
+                for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5:
                     db.execute(statement)
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif version in (1, 2, 3):
+            elif version in (1, 2, 3, 4):
                 if version == 1:
                     _migrate_v1_to_v2(db)
                 if version <= 2:
                     _migrate_v2_to_v3(db)
-                _migrate_v3_to_v4(db)
+                if version <= 3:
+                    _migrate_v3_to_v4(db)
+                _migrate_v4_to_v5(db)
             elif version > SCHEMA_VERSION:
                 raise UserError("store.path", f"{self.path} has schema v{version}, newer than this mergeval "
                                 f"(v{SCHEMA_VERSION})", "upgrade mergeval or use another store.path")
@@ -320,8 +331,10 @@ class Store:
                 holder = db.execute("SELECT host, pid, since FROM claims WHERE model_fingerprint=? AND "
                                     "settings_hash=? AND tasks_key=?", (fingerprint, key, tasks)).fetchone()
                 if holder is None or not _claim_alive(*holder):
-                    db.execute("INSERT OR REPLACE INTO claims VALUES (?,?,?,?,?,?)",
-                               (fingerprint, key, tasks, socket.gethostname(), os.getpid(), time.time()))
+                    now = time.time()
+                    db.execute("INSERT OR REPLACE INTO claims (model_fingerprint, settings_hash, tasks_key, host, "
+                               "pid, since, renewed) VALUES (?,?,?,?,?,?,?)",
+                               (fingerprint, key, tasks, socket.gethostname(), os.getpid(), now, now))
                     return got
             if not waited and on_wait is not None:
                 on_wait()
@@ -413,14 +426,15 @@ class Store:
     # runs
 
     def start_run(self, run_id: str, *, experiment: str, method: str, config: Mapping, versions: Mapping,
-                  git: Mapping, job_dir: str | None = None) -> None:
-        """Insert the run as ``running``. Raises StoreError if the run id is already in the store."""
+                  git: Mapping, job_dir: str | None = None, config_hash: str | None = None) -> None:
+        """Insert the run as ``running``. Raises StoreError if the run id is already in the store.
+        ``config_hash`` identifies the configuration for ``finished_run`` (resumable sweeps)."""
         try:
             with self._write() as db:
                 db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, "
-                           "job_dir, host, pid, pid_start) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                           "job_dir, host, pid, pid_start, config_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                            (run_id, time.time(), "running", experiment, method, _dump(config),
-                            _dump(versions), _dump(git), job_dir, *proc.me()))
+                            _dump(versions), _dump(git), job_dir, *proc.me(), config_hash))
         except sqlite3.IntegrityError as err:
             raise StoreError(f"run {run_id} is already in the store") from err
 
@@ -497,6 +511,12 @@ class Store:
         found = self._select([("run_id=?", run_id)])
         return found[0] if found else None
 
+    def finished_run(self, config_hash: str) -> dict | None:
+        """The newest finished run with this configuration hash (as ``run`` returns it), or None: a resumed
+        sweep skips a configuration that has one."""
+        found = self._select([("config_hash=?", config_hash), ("status=?", "finished")])
+        return found[-1] if found else None
+
     def _select(self, filters: list[tuple[str, object]]) -> list[dict]:
         where = " WHERE " + " AND ".join(f for f, _ in filters) if filters else ""
         with self._read() as db:
@@ -551,6 +571,14 @@ def _migrate_v3_to_v4(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE runs")
     db.execute("ALTER TABLE runs_v4 RENAME TO runs")
     db.execute("CREATE INDEX IF NOT EXISTS runs_by_created ON runs (created)")
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+def _migrate_v4_to_v5(db: sqlite3.Connection) -> None:
+    """v4 -> v5 inside the caller's transaction: runs gain ``config_hash`` (NULL for the runs before: a resumed
+    sweep reruns them once), claims gain their heartbeat ``renewed`` (NULL: the claim's ``since`` stands in)."""
+    for statement in _NEW_IN_V5:
+        db.execute(statement)
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 

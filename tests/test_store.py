@@ -359,7 +359,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
                        (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
                         json.dumps({"macro_gain": 2.5})))
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 4
+    assert store.schema_version() == SCHEMA_VERSION == 5
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
     kept, gone = store.run("kept"), store.run("gone")
     assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0
@@ -394,7 +394,7 @@ def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
             db.execute("INSERT INTO evaluations VALUES ('fp',?,?,?,?,?,?,?,1.0,'/s.jsonl')",
                        (digest, settings_hash(SETTINGS), task, json.dumps(SETTINGS), s["value"], s["stderr"], s["n"]))
     store = Store(path)
-    assert store.schema_version() == 4 and integrity(path) == "ok"
+    assert store.schema_version() == SCHEMA_VERSION and integrity(path) == "ok"
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES
     assert store.samples_paths("fp", DIGESTS, SETTINGS) == {"a": "/s.jsonl", "b": "/s.jsonl"}
     assert store.get_scores("fp", DIGESTS, SETTINGS, metrics={"a": "acc_norm,none", "b": "acc,none"}) is None
@@ -419,7 +419,7 @@ def test_a_v3_store_keeps_its_runs_and_gains_interrupted(tmp_path):
                    "aggregates, models, scores, result_path, finished) VALUES ('old-done', 2.0, 'finished', 'e', "
                    "'m', '{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)")
     store = Store(path)
-    assert store.schema_version() == 4 and integrity(path) == "ok"
+    assert store.schema_version() == SCHEMA_VERSION and integrity(path) == "ok"
     assert store.run("old-running")["status"] == "running" and store.run("old-running")["pid"] is None
     assert store.run("old-done")["aggregates"] == {"macro_gain": 1.5} and store.run("old-done")["finished"] == 3.0
     start(store, "new")

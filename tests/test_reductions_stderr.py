@@ -1,6 +1,7 @@
-"""Reductions over runs keep the stderr that follows from the runs' own: min/max the chosen run's,
-range that of a difference of two runs, mean that of a mean of independent runs; std none. A claim
-such as "TA's score varies with lambda more than TIES's, by more than 1 stderr" needs them."""
+"""Stderrs of operands computed from several scores. Reductions over runs keep the stderr that follows
+from the runs' own: min/max the chosen run's, range that of a difference of two runs, mean that of a mean of
+independent runs; std none. Macro-Gain / Macro-OG carry the stderr of their linear form. Claims such as
+"TA's score varies with lambda more than TIES's, by more than 1 stderr" need them."""
 
 from __future__ import annotations
 
@@ -47,3 +48,23 @@ def test_a_range_claim_is_judged_against_its_stderr_margin():
     # range 0.5 with se hypot(0.04, 0.02) = 0.0447: passes "> 0.4" by 2 se (0.089), fails it by 3 se (0.134)
     assert reduced("range", margin=2, right=0.4).status == "pass"
     assert reduced("range", margin=3, right=0.4).status == "fail"
+
+
+def test_macro_gain_and_macro_og_carry_the_stderr_of_their_linear_form():
+    # two tasks, constituents a (avg 0.5) and b (avg 0.625: the best), scale percent: c/T = 50
+    scores = {t: {r: {"value": v, "stderr": s} for r, (v, s) in by_role.items()} for t, by_role in {
+        "t1": {"merged": (0.75, 0.03), "a": (0.5, 0.04), "b": (0.75, 0.02), "base": (0.25, 0.01)},
+        "t2": {"merged": (0.5, 0.04), "a": (0.5, 0.02), "b": (0.5, 0.03), "base": (0.25, 0.01)},
+    }.items()}
+    aggregates = {"scale": "percent", "constituents": ["a", "b"], "macro_gain": 6.25, "macro_og": 0.0, "excluded": {}}
+    run = Run("result.json", {"method": {"name": "ties"}, "modelset": {"name": "m", "experts": {"a": {}, "b": {}}}},
+              scores, [{"role": "merged", "task": None}], aggregates)
+    merged_var = 0.03**2 + 0.04**2
+    assert run.aggregate_stderr("macro_gain") == pytest.approx(
+        50 * math.sqrt(merged_var + 0.25 * (0.04**2 + 0.02**2 + 0.02**2 + 0.03**2)))
+    assert run.aggregate_stderr("macro_og") == pytest.approx(50 * math.sqrt(merged_var + 0.02**2 + 0.03**2))  # b only
+    assert run.aggregate_stderr("normalized_mean") == 0.0
+    [claim] = parse_claims([{"id": "gain", "says": "s", "left": {"metric": "macro_gain"}, "op": ">", "right": 0}],
+                           "claims", {}, {})
+    [result] = evaluate_claim(claim, [run], {}, {})
+    assert result.left.value == 6.25 and result.left.stderr == pytest.approx(run.aggregate_stderr("macro_gain"))

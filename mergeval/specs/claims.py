@@ -23,7 +23,8 @@ Operands:
   (a fraction), with its stderr
 - a run metric: ``{metric: M, role: R}``: a metric of the spec's ``metrics``
   (see ``runs.py``; ``role`` defaults to ``merged``), or an aggregate of the
-  run: ``macro_gain``, ``macro_og`` (in the run's ``metric.scale``),
+  run: ``macro_gain``, ``macro_og`` (in the run's ``metric.scale``, with the stderr that follows from
+  the task stderrs: ``Run.aggregate_stderr``),
   ``normalized_mean`` or ``normalized.<task>`` (no ``role``)
 
 A run operand may add ``where`` (overriding the claim's; keys in ``runs.py``)
@@ -438,7 +439,7 @@ def _value_in_run(op: Operand, run: Run, binding: Mapping[str, Any], metrics: Ma
         node = node[part]
     if node is None or isinstance(node, bool) or not isinstance(node, (int, float)):
         raise NotRun(f"{run.label}: aggregate '{name}' is undefined ({node!r})")
-    return Measured(float(node))
+    return Measured(float(node), run.aggregate_stderr(name))  # macro_gain / macro_og: from the task stderrs
 
 
 def _reduce(how: str, measured: list[Measured]) -> Measured:

@@ -91,6 +91,27 @@ class Run:
             raise NotRun(f"{self.label} has no score for role '{role}' on task '{task}'") from None
         return Measured(float(score_value(s)), float(s.get("stderr") or 0.0))
 
+    def aggregate_stderr(self, name: str) -> float:
+        """The stderr of ``macro_gain`` / ``macro_og`` from the task stderrs; 0 for any other aggregate.
+
+        Both are linear in the scores of the T aggregated tasks (the run's tasks but ``excluded``), with the
+        merge's weight c/T on each task (c = 100 for scale percent, else 1). Macro-Gain's constituents weigh
+        -c/(N T) each; Macro-OG's best constituent (argmax of the task averages, held fixed) weighs -c/T. With
+        independent scores: se = (c/T) sqrt(sum_t se_merged,t^2 + sum_i w_i^2 sum_t se_i,t^2), w_i = 1/N or 1.
+        """
+        agg = self.aggregates
+        if name not in ("macro_gain", "macro_og") or not agg.get("constituents"):
+            return 0.0
+        tasks = [t for t in self.scores if t not in (agg.get("excluded") or {})]
+        factor = (100.0 if agg.get("scale") == "percent" else 1.0) / len(tasks)
+        roles = list(agg["constituents"])
+        if name == "macro_og":
+            roles = [max(roles, key=lambda r: sum(self.score(t, r).value for t in tasks))]
+        weight = 1.0 / len(roles)
+        var = sum(self.score(t, "merged").stderr ** 2 for t in tasks)
+        var += sum((weight * self.score(t, r).stderr) ** 2 for r in roles for t in tasks)
+        return factor * math.sqrt(var)
+
 
 def load_runs(paths: list[str]) -> list[Run]:
     """Every result.json named, or found under a named directory (sorted); UserError if unusable."""

@@ -1,4 +1,5 @@
-"""``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...] [--strict]``
+"""``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...] [--strict]
+[--recorded NAME | --record NAME]``
 ``python -m mergeval.verify --all [--strict]``
 
 Checks a paper spec (a path, or a name on the spec search path: see
@@ -35,7 +36,14 @@ Checks a paper spec (a path, or a name on the spec search path: see
 
    Each claim, and each repetition of it, is "pass", "fail", "undetermined"
    (by rounding: the printed numbers allow it either way) or "not run" (the
-   runs given cannot evaluate it; the reason is printed).
+   runs given cannot evaluate it; the reason is printed). A claim on run
+   scores also prints its margin: how many combined stderrs it lies from its
+   verdict's threshold (positive: on the pass side; ``claims.stderr_units``).
+3. Recorded verdicts (``--recorded NAME``): each result the spec recorded
+   under ``verdicts: NAME`` is compared with this run's; a changed verdict
+   fails when it was recorded at least 1 stderr from its threshold, closer ones
+   are reported only (``mergeval/specs/recorded.py``). ``--record NAME``
+   prints the ``verdicts:`` block that records this run's results.
 
 ``--tag`` / ``--claim`` select the claims (published table checks always run).
 ``--all`` checks every spec on the search path: its tables and the claims
@@ -43,7 +51,8 @@ that need no run, one summary line per spec.
 
 Exit status:
   0  no derived cell disagrees (each agrees, is "not checkable", or is a matching
-     recorded discrepancy), and no selected claim fails; claims the runs given
+     recorded discrepancy), and no selected claim fails (with --recorded: no
+     enforced recorded verdict changed instead); claims the runs given
      cannot evaluate are listed as "not run", with what would run them, and do
      not count (without ``--run`` that is every claim about runs, so ``verify
      SPEC`` checks what the paper publishes); "undetermined" claims and "not
@@ -65,6 +74,7 @@ from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluat
                             load_spec)
 from mergeval.specs.load import found, search_path
 from mergeval.specs.numbers import show_interval
+from mergeval.specs.recorded import Comparison, compare_with, record_block, show_margin
 from mergeval.specs.tables import CellCheck
 
 STATUSES = ("pass", "fail", "undetermined", "not run")
@@ -88,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the specs on the search path and exit")
     p.add_argument("--strict", action="store_true",
                    help="a claim not run or undetermined by rounding, or a cell not checkable, fails")
+    p.add_argument("--recorded", metavar="NAME",
+                   help="compare with the verdicts the spec recorded as NAME; fail only when one recorded at "
+                        "least 1 stderr from its threshold changed")
+    p.add_argument("--record", metavar="NAME", help="print the verdicts: block that records this run's results")
     return p
 
 
@@ -170,8 +184,11 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     source = f"{len(runs)} run(s)" if runs_given else "no --run given"
     out.append(f"\nclaims: {len(results)} checks ({source})")
     if results:
-        out.append(_table(["claim", "verdict", "left", "op", "right", "detail"],
-                          [[r.id, r.status, _fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
+        margins = any(r.margin is not None for r in results)
+        out.append(_table(["claim", "verdict"] + (["margin (se)"] if margins else []) + ["left", "op", "right",
+                                                                                          "detail"],
+                          [[r.id, r.status] + ([show_margin(r.margin)] if margins else [])
+                           + [_fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     if not counts["not run"]:
         note = ""
@@ -183,6 +200,20 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     code = exit_status(checks, results, strict)
     out.append(f"\nverdict: {summary(checks, results)}{note} -> exit {code}")
     return "\n".join(out)
+
+
+def recorded_report(name: str, comparisons: list[Comparison]) -> str:
+    """The comparison with a record: one row per recorded result, then a summary line."""
+    rows = [[c.id, f"{c.recorded.verdict} {show_margin(c.recorded.margin)}",
+             "-" if c.now is None else f"{c.now.status} {show_margin(c.now.margin)}",
+             c.status + ("" if c.status == "same" else " (enforced)" if c.recorded.enforced else " (not enforced)")]
+            for c in comparisons]
+    changed = [c for c in comparisons if c.status != "same"]
+    enforced = [c for c in changed if c.counts]
+    return "\n".join([f"\nrecorded verdicts '{name}': {len(comparisons)} results",
+                      _table(["claim", "recorded (margin)", "now (margin)", "comparison"], rows),
+                      f"recorded '{name}': {len(comparisons) - len(changed)} same, {len(changed)} changed "
+                      f"({len(enforced)} enforced: recorded at least 1 stderr from the threshold)"])
 
 
 def _short(text: str, width: int = 40) -> str:
@@ -248,11 +279,22 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.run) if args.run is not None else None
         checks = spec.check_tables()
         results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
+        if args.recorded is not None and args.recorded not in spec.verdicts:
+            raise UserError("--recorded", f"spec {spec.name} records no verdicts named '{args.recorded}'",
+                            f"choose from {sorted(spec.verdicts)}, or record them with --record")
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
+    if args.record is not None:
+        print(record_block(args.record, " ".join(["python -m mergeval.verify", *(argv or sys.argv[1:])]), results))
+        return 0
     print(report(spec, checks, results, runs, args.strict))
-    return exit_status(checks, results, args.strict)
+    if args.recorded is None:
+        return exit_status(checks, results, args.strict)
+    comparisons = compare_with(spec.verdicts[args.recorded], results)
+    print(recorded_report(args.recorded, comparisons))
+    # Held to the record: a claim's own fail is expected when recorded so; what fails is an enforced change.
+    return 1 if any(c.failed for c in checks) or any(c.counts for c in comparisons) else 0
 
 
 if __name__ == "__main__":

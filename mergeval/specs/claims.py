@@ -152,9 +152,29 @@ class ClaimResult:
     right: Measured | None = None
     detail: str = ""
     uses_runs: bool = False
+    margin: float | None = None  # stderrs from the verdict's threshold (see stderr_units); None: no stderr
 
 
 # ---------------------------------------------------------------- verdict
+
+def stderr_units(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
+                 stderr_margin: float = 0.0) -> float | None:
+    """How far a relation on run scores is from its verdict's threshold, in combined stderrs ``se``.
+
+    For ``>``/``>=`` (``<``/``<=`` mirror it, d = r - l): ``(d - need) / se`` with d = l - r and
+    need = k*se - t, i.e. ``(d + t) / se - k``; for ``==``: ``(t + k*se - |l - r|) / se``. Positive on the
+    pass side, negative on the fail side; a result within 1 of 0 would flip with a one-stderr change in the
+    scores, which is why CI enforces only recorded verdicts at least 1 away (specs/recorded.py). None when
+    neither operand has a stderr (published cells, numbers): such a verdict does not move with sampling.
+    """
+    se = math.hypot(left.stderr, right.stderr)
+    if se == 0:
+        return None
+    if op == "==":
+        return (tolerance + stderr_margin * se - abs(left.value - right.value)) / se
+    d = left.value - right.value if op in (">", ">=") else right.value - left.value
+    return (d + tolerance) / se - stderr_margin
+
 
 def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
             stderr_margin: float = 0.0) -> tuple[str, str]:
@@ -561,7 +581,8 @@ def _judge(claim, cid, run, runs, binding, tables, metrics) -> ClaimResult:
     except NotRun as reason:
         return ClaimResult(cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs)
     status, detail = compare(left, claim.op, right, claim.tolerance, claim.stderr_margin)
-    return ClaimResult(cid, claim.says, status, claim.op, left, right, detail, claim.uses_runs)
+    return ClaimResult(cid, claim.says, status, claim.op, left, right, detail, claim.uses_runs,
+                       stderr_units(left, claim.op, right, claim.tolerance, claim.stderr_margin))
 
 
 def _judge_rank(claim: Claim, parts: list[str], binding: Mapping[str, Any],

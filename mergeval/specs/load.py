@@ -27,6 +27,7 @@ spec needs nothing else)::
     metrics: {..}                  # run metrics (runs.py)
     tables: {..}                   # published tables (tables.py)
     claims: [..]                   # claims (claims.py)
+    verdicts: {..}                 # recorded verdicts of the claims on named runs (recorded.py)
     notes: [..]
 
 The file is read with ``yamlload.StrictLoader``: a key given twice is an error
@@ -46,11 +47,12 @@ import yaml
 
 from mergeval.errors import UserError
 from mergeval.specs.claims import Claim, parse_claims
+from mergeval.specs.recorded import Record, parse_records
 from mergeval.specs.runs import RunMetric, parse_metrics
 from mergeval.specs.tables import CellCheck, Table, check_tables, parse_tables
 from mergeval.specs.yamlload import DuplicateKey, load_strict
 
-_TOP_KEYS = {"name", "title", "citation", "sources", "setups", "metrics", "tables", "claims", "notes"}
+_TOP_KEYS = {"name", "title", "citation", "sources", "setups", "metrics", "tables", "claims", "verdicts", "notes"}
 ENV = "MERGEVAL_SPECS_PATH"
 
 
@@ -66,6 +68,7 @@ class Spec:
     claims: list[Claim]
     notes: list[str] = field(default_factory=list)
     shown: str = ""  # the file as errors name it (``shown_as``)
+    verdicts: dict[str, Record] = field(default_factory=dict)  # recorded verdicts by record name
 
     def check_tables(self) -> list[CellCheck]:
         """Every derived cell's verdict (tables.check_tables), errors naming this file."""
@@ -178,5 +181,6 @@ def load_spec(name_or_path: str) -> Spec:
     tables = parse_tables(raw.get("tables"), f"{where}:tables")
     claims = parse_claims(raw.get("claims"), f"{where}:claims", tables, metrics)
     name = str(raw.get("name") or path.stem)
+    verdicts = parse_records(raw.get("verdicts"), f"{where}:verdicts")
     return Spec(name, str(path), str(raw.get("title") or name), dict(raw.get("citation") or {}), dict(setups),
-                metrics, tables, claims, [str(n) for n in raw.get("notes") or []], where)
+                metrics, tables, claims, [str(n) for n in raw.get("notes") or []], where, verdicts)

@@ -1,0 +1,123 @@
+"""Recorded verdicts: what a spec's claims gave on a named run, so a later run can be held to it.
+
+A spec may record, under ``verdicts:``, the verdict and margin of each claim
+result on a run it names::
+
+    verdicts:
+      mini:                                   # a record's name (verify --recorded mini)
+        run: "python -m mergeval +experiment=cmm_mini (2026-12-01, 2-core AMD EPYC)"
+        claims:
+          mini_curriculum_beats_reverse: pass +2.31
+          mini_cmm_beats_experts (expert=chem): fail -0.42
+          macro_og_at_most_macro_gain: pass    # no margin: the operands carry no stderr
+
+A claim result's id is as ``verify`` prints it (repetitions in brackets). The
+margin is ``ClaimResult.margin`` (``claims.stderr_units``): how many combined
+stderrs the result lies from its verdict's threshold, positive on the pass side.
+
+Comparing a new run with a record (``compare_with``): each recorded result is
+``same`` (the verdict did not change), ``changed`` or ``missing`` (the new run
+has no such result). A change counts (``enforced``) only when the recorded
+verdict held with a margin of at least ``ENFORCED_MARGIN`` stderr, or without
+stderr at all: scores move between CPU families by a stderr or so, so a verdict
+closer than that to its threshold may flip without anything being wrong. Closer
+ones are reported, not enforced. ``python -m mergeval.verify SPEC --run R
+--recorded NAME`` prints the comparison and exits 1 on an enforced change;
+``--record NAME`` prints the block to paste for a new record.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mergeval.errors import UserError
+from mergeval.specs.claims import ClaimResult
+
+ENFORCED_MARGIN = 1.0
+VERDICTS = ("pass", "fail", "undetermined", "not run")
+_ENTRY = re.compile(r"^(pass|fail|undetermined|not run)(?:\s+([+-]?\d+(?:\.\d*)?))?$")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    verdict: str
+    margin: float | None  # stderrs from the threshold when recorded; None: no stderr (exact)
+
+    @property
+    def enforced(self) -> bool:
+        return self.verdict != "not run" and (self.margin is None or abs(self.margin) >= ENFORCED_MARGIN)
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    run: str  # how the recorded run was made (command, date, machine)
+    claims: dict[str, Recorded]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    id: str
+    recorded: Recorded
+    now: ClaimResult | None
+
+    @property
+    def status(self) -> str:
+        if self.now is None:
+            return "missing"
+        return "same" if self.now.status == self.recorded.verdict else "changed"
+
+    @property
+    def counts(self) -> bool:
+        """A difference that fails the check: an enforced verdict changed or is no longer produced."""
+        return self.status != "same" and self.recorded.enforced
+
+
+def parse_records(raw, where: str) -> dict[str, Record]:
+    """The spec's ``verdicts:`` mapping; UserError naming the entry for anything malformed."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise UserError(where, "must map record names to {run: .., claims: {..}}",
+                        "write verdicts: {mini: {run: '<command>', claims: {<claim id>: pass +2.1}}}")
+    records = {}
+    for name, body in raw.items():
+        at = f"{where}.{name}"
+        if not isinstance(body, Mapping) or set(body) - {"run", "claims"} or not isinstance(body.get("claims"), Mapping):
+            raise UserError(at, "must be {run: <how the run was made>, claims: {<claim result id>: <verdict> [margin]}}",
+                            "see mergeval/specs/recorded.py")
+        claims = {}
+        for cid, entry in body["claims"].items():
+            match = _ENTRY.match(str(entry).strip())
+            if not match:
+                raise UserError(f"{at}.claims.{cid}", f"'{entry}' is not '<verdict> [margin]'",
+                                f"write one of {', '.join(VERDICTS)}, then the margin in stderrs if it has one "
+                                "(e.g. pass +2.31)")
+            claims[str(cid)] = Recorded(match.group(1), float(match.group(2)) if match.group(2) else None)
+        records[str(name)] = Record(str(name), str(body.get("run") or ""), claims)
+    return records
+
+
+def compare_with(record: Record, results: list[ClaimResult]) -> list[Comparison]:
+    """Each recorded result against the new results of the same id (recorded order)."""
+    now = {r.id: r for r in results}
+    return [Comparison(cid, rec, now.get(cid)) for cid, rec in record.claims.items()]
+
+
+def show_margin(margin: float | None) -> str:
+    return "-" if margin is None else f"{margin:+.2f}"
+
+
+def record_block(name: str, run: str, results: list[ClaimResult]) -> str:
+    """The YAML to paste under a spec's ``verdicts:`` to record these results as ``name``."""
+    lines = [f"  {name}:", f"    run: {_quote(run)}", "    claims:"]
+    for r in results:
+        entry = r.status + (f" {show_margin(r.margin)}" if r.margin is not None else "")
+        lines.append(f"      {_quote(r.id)}: {entry}")
+    return "\n".join(lines)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

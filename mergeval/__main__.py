@@ -21,13 +21,16 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
-    from mergeval import app
+    from mergeval import app, resume
     from mergeval.report.table import render
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
     with failing_cleanly(out_dir):
+        if resume.skip(cfg, out_dir, title):  # a resumed sweep's job whose configuration finished before
+            return
         outcome = app.run(cfg, out_dir)
-        render(outcome, title=f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}")
+        render(outcome, title=title)
         path = app.write_result(cfg, outcome, out_dir)
     print(f"result: {path}")
 

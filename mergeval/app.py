@@ -28,6 +28,7 @@ from mergeval.outcome import MERGED, ModelInfo, Outcome
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
+from mergeval.resume import config_hash
 from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers, release_memory
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
@@ -42,7 +43,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     run_id, versions, git = uuid.uuid4().hex, package_versions(), git_commit()
     store.start_run(run_id, experiment=cfg.modelset.name, method=cfg.method.name,
                     config=OmegaConf.to_container(cfg, resolve=True), versions=versions, git=git,
-                    job_dir=str(out_dir))
+                    job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
     try:
         outcome = _execute(cfg, out_dir, store)
     except BaseException as err:

@@ -50,6 +50,11 @@ def explain(ex: BaseException) -> str | None:
             group, name = found.groups()
             return f"{group}: unknown option '{name}'; choose one of: {', '.join(options) or '(none)'}"
         return str(ex).splitlines()[0]
+    # A submitit (Slurm) job that ended with mergeval's one-line error: submitit's report quotes its stderr.
+    if type(ex).__name__ in ("UncompletedJobError", "FailedJobError"):
+        found = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
+        if found:
+            return found[-1]
     if isinstance(ex, HydraException):
         lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
         return "; ".join(lines[:2])
@@ -122,6 +127,7 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
     signal.signal(signal.SIGTERM, _on_sigterm)
+    progress = None
     try:
         if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
             from mergeval.sweep_check import check_sweep
@@ -130,7 +136,15 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
             if problems:
                 print("\n".join(f"mergeval: error: {p}" for p in problems), file=sys.stderr)
                 sys.exit(2)
-        hydra_main()
+            if entry == "mergeval":  # jobs done / total, best so far, time left (mergeval/progress.py)
+                from mergeval.progress import watch
+
+                progress = watch(sys.argv[1:])
+        try:
+            hydra_main()
+        finally:
+            if progress is not None:
+                progress.stop(final=sys.exc_info()[0] is None)
     except KeyboardInterrupt as err:
         if full_error:
             raise

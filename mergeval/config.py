@@ -127,6 +127,18 @@ class StoreConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a multirun (``-m``) resumes and reports its progress (mergeval/resume.py, mergeval/progress.py).
+    None of it is part of a job's configuration hash."""
+
+    resume: bool = True  # skip a job whose configuration the results store has finished; false re-runs it
+    progress: bool = True  # print jobs done / total, the best so far and the time left as jobs finish
+    best: str = "macro_gain"  # the aggregate "best so far" ranks by: a key of result.json's aggregates (dots nest)
+    minimize: bool = False  # the best is the lowest value of ``best`` (e.g. forgetting.mean)
+    poll_s: float = 2.0  # how often the sweep's process reads the store for finished jobs
+
+
+@dataclass
 class StagedConfig:
     """A sweep evaluated in three stages (``python -m mergeval.staged``; see mergeval/staging)."""
 
@@ -150,6 +162,7 @@ class RunConfig:
     seed: int = 0
     cache_dir: str | None = None  # default: the user cache dir (or $MERGEVAL_CACHE)
     store: StoreConfig = field(default_factory=StoreConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     offline: bool = True  # hub ids resolve from the local Hugging Face cache only
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
     vocab_policy: str = "error"  # inputs with different vocabularies: error | truncate | union (mergeval.engine.vocab)

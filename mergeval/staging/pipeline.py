@@ -139,7 +139,7 @@ class Bench:
         return got, THIS_RUN, sum(harness.requests.values())
 
 
-def _choices(task_dir: Path, tasks: list[str], n: int) -> dict[str, list[int]]:
+def choices_per_item(task_dir: Path, tasks: list[str], n: int) -> dict[str, list[int]]:
     """Answer choices per item of the first ``n`` items of each task, read from the files lm-eval reads."""
     out = {}
     for task in tasks:
@@ -292,7 +292,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
         lap("full")
     texts = {t: len(s) for t, s in scorer.sequences.items()}
     outcome.cost = cost_table(len(outcome.candidates), texts, sum(texts[t] * len(r) for t, r in owners.items()),
-                              _choices(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
+                              choices_per_item(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
                               len(outcome.stage3))
     return outcome
 
@@ -323,12 +323,7 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
 
     print(f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates on "
           f"{sum(len(s) for s in scorer.sequences.values())} held-out texts of {', '.join(owners)}", flush=True)
-    for role, path in models.expert_dirs.items():
-        own = [t for t, roles in owners.items() if role in roles]
-        if own:
-            for task, ppl in scorer.perplexities(models.saved(path), own).items():
-                if task not in outcome.reference or ppl < outcome.reference[task]["perplexity"]:
-                    outcome.reference[task] = {"model": role, "perplexity": ppl}
+    outcome.reference = reference_perplexities(models, owners, scorer)
     reference = {t: r["perplexity"] for t, r in outcome.reference.items()}
     for cand in plan.candidates:
         tensors = models.merged(cand)
@@ -355,16 +350,38 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
                                  higher_is_better=False, excluded=degraded)
 
 
-def _constituents(bench: Bench, outcome: StagedOutcome, models: Models) -> None:
-    """The base's and experts' full benchmark scores (once per fingerprint and settings, via the store)."""
-    for info in outcome.constituents:
+def reference_perplexities(models: Models, owners: dict[str, list[str]], scorer: HeldOut) -> dict[str, dict]:
+    """Stage 1's reference: per task, the perplexity of its expert on the held-out answers (the best expert's when
+    several share the task), as ``{task: {model: role, perplexity}}``."""
+    reference: dict[str, dict] = {}
+    for role, path in models.expert_dirs.items():
+        own = [t for t, roles in owners.items() if role in roles]
+        if own:
+            for task, ppl in scorer.perplexities(models.saved(path), own).items():
+                if task not in reference or ppl < reference[task]["perplexity"]:
+                    reference[task] = {"model": role, "perplexity": ppl}
+    return reference
+
+
+def constituent_scores(bench: Bench, constituents: list[ModelInfo], models: Models) -> dict[str, dict[str, dict]]:
+    """The base's and experts' scores on ``bench`` as ``{task: {role: {value, stderr, n}}}`` (once per fingerprint
+    and settings, via the store); each ModelInfo's ``evaluated`` says whether this call ran it."""
+    scores: dict[str, dict[str, dict]] = {t: {} for t in bench.tasks}
+    for info in constituents:
         def load(path=Path(info.path), role=info.role):
-            print(f"mergeval: evaluating {role} on {len(outcome.tasks)} tasks", flush=True)
+            print(f"mergeval: evaluating {role} on {len(bench.tasks)} tasks", flush=True)
             return models.saved(path)
 
         got, info.evaluated, _ = bench.scores(info.fingerprint, load)
-        for task in outcome.tasks:
-            outcome.constituent_scores[task][info.role] = got[task]
+        for task in bench.tasks:
+            scores[task][info.role] = got[task]
+    return scores
+
+
+def _constituents(bench: Bench, outcome: StagedOutcome, models: Models) -> None:
+    """The base's and experts' full benchmark scores (once per fingerprint and settings, via the store)."""
+    for task, by_role in constituent_scores(bench, outcome.constituents, models).items():
+        outcome.constituent_scores[task].update(by_role)
 
 
 def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:

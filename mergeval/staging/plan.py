@@ -84,7 +84,15 @@ def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
         raise UserError(name_path, f"{method.name} needs run-time preparation that staged sweeps do not do",
                         "sweep it with python -m mergeval -m instead")
     params = {k: v for k, v in spec.items() if k != "name"}
-    node = OmegaConf.structured(method.config)
+    config = typed_config(path, method, params, n_experts)
+    label = method.name + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
+    return Candidate(label, method, config, params, path)
+
+
+def typed_config(path: str, method: MergeMethod, params: dict, n_experts: int, base=None):
+    """``base`` (default: the method's defaults) with ``params`` merged in, as the method's dataclass, validated;
+    errors name ``<path>.<field>``. Shared with ``python -m mergeval.search`` (its trials' recipes)."""
+    node = OmegaConf.structured(method.config) if base is None else OmegaConf.merge(method.config, base)
     for key, value in params.items():
         try:
             node = OmegaConf.merge(node, {key: value})
@@ -100,8 +108,7 @@ def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
     except UserError as err:
         field = err.field.removeprefix("method")
         raise UserError(f"{path}{field}", err.problem, err.fix.replace("method.", f"{path}.")) from None
-    label = method.name + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
-    return Candidate(label, method, config, params, path)
+    return config
 
 
 def make_plan(staged, n_experts: int) -> Plan:

@@ -1,0 +1,154 @@
+"""The Optuna study of a search: kept in the results store's database, so a search resumes where it stopped.
+
+Optuna's own tables (``studies``, ``trials``, ...) live beside the store's
+(``runs``, ``evaluations``, ...) in the same SQLite file, or in the same server
+database when ``store.url`` names one. A study is named by what it searches
+(method, modelset, benchmark, objective, space, validation items, evaluation
+settings) unless ``search.study`` names it; rerunning the same search loads
+it and runs only the trials still missing. A trial left ``RUNNING`` by a
+process that is provably gone (``mergeval.proc``) is marked ``FAIL`` first,
+and failed trials do not count towards ``search.n_trials``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import optuna
+from omegaconf import DictConfig, OmegaConf
+from optuna.trial import TrialState
+
+from mergeval import proc
+from mergeval.errors import UserError
+from mergeval.search.config import OBJECTIVES, PRUNERS, SAMPLERS
+
+DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trials
+
+
+def storage_url(cfg: DictConfig, cache: Path) -> str:
+    """SQLAlchemy URL of the results store's database: the server's (``store.url``) or the SQLite file's."""
+    from mergeval.store import open_store
+
+    url = OmegaConf.select(cfg, "store.url", default=None)
+    if url and "://" in str(url):
+        return str(url)
+    return "sqlite:///" + str(open_store(cfg, cache).path.resolve())  # opening creates / migrates the store
+
+
+def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:
+    """``search.study``, or ``<method>-<modelset>-<benchmark>-<objective>-<hash of the rest>``."""
+    if cfg.search.study:
+        return str(cfg.search.study)
+    s = cfg.search
+    identity = {"space": space_digest, "validation_items": s.validation_items, "settings": settings,
+                "tasks": list(cfg.benchmark.tasks), "n_items": cfg.benchmark.n_items, "seed": cfg.seed,
+                "sampler": s.sampler, "method": OmegaConf.to_container(cfg.method, resolve=True)}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"{cfg.method.name}-{cfg.modelset.name}-{cfg.benchmark.name}-{s.objective}-{digest}"
+
+
+def check_search(s) -> None:
+    """The ``search`` section's own values (the space is checked by ``space.parse_space``)."""
+    checks = [
+        ("objective", s.objective in OBJECTIVES, f"use one of: {', '.join(OBJECTIVES)}"),
+        ("sampler", s.sampler in SAMPLERS, f"use one of: {', '.join(SAMPLERS)}"),
+        ("pruner", s.pruner in PRUNERS, f"use one of: {', '.join(PRUNERS)}"),
+        ("n_trials", s.n_trials >= 1, "set e.g. search.n_trials=50"),
+        ("random_trials", s.random_trials >= 1, "set e.g. search.random_trials=10"),
+        ("validation_items", s.validation_items >= 2, "set e.g. search.validation_items=100"),
+        ("heldout_items", s.heldout_items >= 1, "set e.g. search.heldout_items=32"),
+        ("stage2_fraction", 0 < s.stage2_fraction < 1, "set e.g. search.stage2_fraction=0.25"),
+        ("keep_percent", 0 < s.keep_percent <= 100, "set e.g. search.keep_percent=50"),
+        ("startup_trials", s.startup_trials >= 1, "set e.g. search.startup_trials=5"),
+        ("degrade_threshold", s.degrade_threshold > 0, "set e.g. search.degrade_threshold=1.0"),
+    ]
+    for key, ok, fix in checks:
+        if not ok:
+            raise UserError(f"search.{key}", f"invalid value {s[key]!r}", fix)
+
+
+def sampler(s):
+    """TPE (multivariate: lambda and the weights act together), CMA-ES or random, seeded."""
+    if s.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=s.seed, n_startup_trials=s.random_trials, multivariate=True)
+    if s.sampler == "cmaes":
+        try:
+            import cmaes  # noqa: F401  (Optuna's CMA-ES sampler needs it)
+        except ImportError:
+            raise UserError("search.sampler", "cmaes needs the cmaes package", "pip install 'mergeval[cluster]'") \
+                from None
+        return optuna.samplers.CmaEsSampler(seed=s.seed, n_startup_trials=s.random_trials, warn_independent_sampling=False)
+    return optuna.samplers.RandomSampler(seed=s.seed)
+
+
+def open_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
+    """(the study ``name``, created or loaded, maximised; the numbers of its trials found orphaned and failed).
+    A study that searched another space or objective is refused."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    pruner = StagePruner(cfg.search.keep_percent, cfg.search.startup_trials) if cfg.search.pruner == "stages" \
+        else optuna.pruners.NopPruner()
+    storage = optuna.storages.RDBStorage(storage_url(cfg, cache))
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                sampler=sampler(cfg.search), pruner=pruner, load_if_exists=True)
+    identity = {"space": space_digest, "objective": cfg.search.objective}
+    known = study.user_attrs.get("identity")
+    if known is None:
+        study.set_user_attr("identity", identity)
+    elif known != identity:
+        raise UserError("search.study", f"study '{name}' searched {known}, this search {identity}",
+                        "name another study with search.study=..., or search what it searched")
+    return study, fail_orphans(study, storage)
+
+
+def fail_orphans(study, storage) -> list[int]:
+    """Mark ``FAIL`` every running trial whose process (host, pid, start time; the trial's ``owner``) is provably
+    gone, and return their numbers."""
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get("owner")
+        if owner and proc.gone(owner[0], owner[1], owner[2]):
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            failed.append(t.number)
+    return failed
+
+
+def done_trials(study) -> list:
+    return study.get_trials(deepcopy=False, states=tuple(getattr(TrialState, s) for s in DONE_STATES))
+
+
+class StagePruner(optuna.pruners.BasePruner):
+    """Prune a trial at a stage unless its value there is in the top ``keep_percent``% of all trials' at that stage.
+
+    Step 0 is stage 1 (minus the mean log-perplexity ratio), step 1 stage 2
+    (mean accuracy on the first validation items). Unlike Optuna's percentile
+    and median pruners, which compare a trial's best value over *all* its steps,
+    a trial is compared only at the step it just reported, since each stage has
+    its own measure. The population is every trial that reported that step
+    (completed, pruned or running, this one included), as a staged sweep ranks
+    all of a stage's candidates; no trial is pruned before ``startup_trials``
+    trials have completed. A trial is kept when ``v >= P_(100 - keep_percent)``,
+    the percentile of the population's values (linear interpolation).
+    """
+
+    def __init__(self, keep_percent: float, startup_trials: int):
+        self.keep_percent, self.startup_trials = keep_percent, startup_trials
+
+    def prune(self, study, trial) -> bool:
+        import numpy as np
+
+        step = trial.last_step
+        if step is None:
+            return False
+        trials = study.get_trials(deepcopy=False)
+        if sum(t.state == TrialState.COMPLETE for t in trials) < self.startup_trials:
+            return False
+        values = [t.intermediate_values[step] for t in trials
+                  if step in t.intermediate_values and t.state != TrialState.FAIL
+                  and math.isfinite(t.intermediate_values[step])]
+        value = trial.intermediate_values[step]
+        if not math.isfinite(value):
+            return True
+        return bool(value < np.percentile(values, 100 - self.keep_percent))

@@ -1,0 +1,263 @@
+"""Merge-recipe search (mergeval/search): the space's up-front checks, the stage pruner, and one search on the
+tiny zoo that runs end to end, never scores a test item while tuning, prunes, and resumes its stored study."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import optuna
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from mergeval.errors import UserError
+from mergeval.eval.tasks import task_items
+from mergeval.methods import get_method
+from mergeval.search.config import register_search_configs
+from mergeval.search.space import parse_space
+from mergeval.search.study import StagePruner
+
+register_search_configs()
+
+# A search small enough for the suite: 16 validation items per task, 4 held-out texts per expert task, a study of
+# 4 trials resumed to 6; the pruner keeps the top third once one trial has completed.
+SMALL = ["+experiment=tiny", "search.validation_items=16", "search.heldout_items=4", "search.random_trials=2",
+         "search.startup_trials=1", "search.keep_percent=34", "search.seed=1"]
+
+
+def compose_search(*overrides: str, config: str = "search_run"):
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        return compose(config, overrides=list(overrides))
+
+
+def test_the_search_config_is_the_run_config_plus_the_search_section():
+    """The search schema is merged after the run config: it must not reset any of the run's values."""
+    search = OmegaConf.to_container(compose_search("+experiment=tiny", "eval.batch_size=7"))
+    run = OmegaConf.to_container(compose_search("+experiment=tiny", "eval.batch_size=7", config="config"))
+    assert search.pop("search")["method"] == "task_arithmetic"
+    assert search == run
+
+
+def test_a_misspelt_search_key_fails_when_the_config_is_composed():
+    with pytest.raises(Exception, match="n_trails"):
+        compose_search("search.n_trails=3")
+
+
+# ---- the space, checked before any model loads ------------------------------------------------------------
+
+def _space(method: str, space: dict, n_experts: int = 2):
+    return parse_space(space, get_method(method), OmegaConf.structured(get_method(method).config), n_experts)
+
+
+@pytest.mark.parametrize("method, space, field, says", [
+    ("task_arithmetic", {}, "search.space", "empty"),
+    ("task_arithmetic", {"lambda": {"low": 0, "high": 1}}, "search.space.lambda", "no such field"),
+    ("task_arithmetic", {"lambda_": {"lo": 0, "high": 1}}, "search.space.lambda_.lo", "not a search setting"),
+    ("task_arithmetic", {"lambda_": {"low": 2, "high": 1}}, "search.space.lambda_", "not below"),
+    ("task_arithmetic", {"lambda_": {"low": 0, "high": 1, "log": True}}, "search.space.lambda_.low", "log"),
+    ("task_arithmetic", {"lambda_": 1.0}, "search.space.lambda_", "must be a mapping"),
+    ("task_arithmetic", {"weights": {"low": 0.1, "high": 1}}, "search.space.weights.per_expert", "one value per"),
+    ("task_arithmetic", {"lambda_": {"low": 0.1, "high": 1, "per_expert": True}},
+     "search.space.lambda_.per_expert", "no per-expert lambda_"),
+    ("ties", {"density": {"low": 0.1, "high": 1.5}}, "search.space.density", "1.5 is refused by ties"),
+    ("ties", {"sign_rule": {"choices": ["sum", "median"]}}, "search.space.sign_rule", "'median' is refused"),
+    ("ties", {"lambda_": {"low": 0.1, "high": 1, "depth": 1}}, "search.space.lambda_.depth", ">= 2"),
+    ("task_arithmetic", {"normalize": {"low": 0, "high": 1, "depth": 2}}, "search.space.normalize.depth",
+     "not a numeric parameter"),
+    ("ties", {"lambda_": {"low": 0.1, "high": 1, "match": "*mlp*"}}, "search.space.lambda_.match", "only with depth"),
+])
+def test_a_bad_space_is_one_line_naming_its_key(method, space, field, says):
+    with pytest.raises(UserError) as err:
+        _space(method, space)
+    assert err.value.field == field and says in err.value.problem
+
+
+def test_space_entries_become_the_method_fields_they_name():
+    space = _space("ties", {"lambda_": {"low": 0.5, "high": 2.0, "depth": 3, "match": "*mlp*"},
+                            "density": {"low": 0.1, "high": 1.0, "per_expert": True},
+                            "weights": {"low": 0.5, "high": 1.5, "per_expert": True},
+                            "sign_rule": {"choices": ["sum", "count"]}})
+    assert sorted(space.distributions()) == ["density[0]", "density[1]", "lambda_@0", "lambda_@1", "lambda_@2",
+                                             "sign_rule", "weights[0]", "weights[1]"]
+    params = {"lambda_@0": 0.5, "lambda_@1": 1.0, "lambda_@2": 2.0, "density[0]": 0.2, "density[1]": 0.9,
+              "weights[0]": 0.7, "weights[1]": 1.3, "sign_rule": "count"}
+    assert space.overrides(params) == {"rules": [{"match": "*mlp*", "lambda_": [0.5, 1.0, 2.0]}],
+                                       "per_expert": [{"density": 0.2}, {"density": 0.9}],
+                                       "weights": [0.7, 1.3], "sign_rule": "count"}
+    assert isinstance(_space("cmm", {"validation_items": {"low": 10, "high": 50}}).distributions()["validation_items"],
+                      optuna.distributions.IntDistribution)
+
+
+# ---- the stage pruner ---------------------------------------------------------------------------------------
+
+def _study_with(values_at_step0: list[float], completed: int):
+    study = optuna.create_study(direction="maximize", pruner=StagePruner(keep_percent=50, startup_trials=2))
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    for i, v in enumerate(values_at_step0):
+        state = optuna.trial.TrialState.COMPLETE if i < completed else optuna.trial.TrialState.PRUNED
+        study.add_trial(optuna.trial.create_trial(params={"x": 0.5}, distributions=dist, state=state,
+                                                  value=1.0 if i < completed else None,
+                                                  intermediate_values={0: v, 1: 100.0 + v}))
+    return study
+
+
+def test_the_stage_pruner_compares_a_trial_only_at_the_stage_it_reached():
+    study = _study_with([0.1, 0.2, 0.3, 0.4], completed=2)
+    low, high = study.ask(), study.ask()
+    low.report(0.15, 0)  # below the median of {0.1, 0.2, 0.3, 0.4, 0.15}
+    high.report(0.35, 0)
+    assert low.should_prune() and not high.should_prune()
+    # Optuna's own percentile pruner takes a trial's best value over all steps; here step 1's values (100+) never
+    # rescue a trial at step 0, and at step 1 the trial is ranked among step 1's values only
+    high.report(100.1, 1)
+    assert high.should_prune()
+
+
+def test_no_trial_is_pruned_before_the_startup_trials_complete():
+    study = _study_with([0.1, 0.2, 0.3], completed=1)
+    trial = study.ask()
+    trial.report(-5.0, 0)
+    assert not trial.should_prune()
+
+
+# ---- one search on the tiny zoo -----------------------------------------------------------------------------
+
+class Spy:
+    """The questions every lm-eval scoring call and the held-out text covered, by phase (tuning, then test)."""
+
+    def __init__(self):
+        self.phase, self.scored, self.heldout = "tuning", {"tuning": {}, "test": {}}, set()
+
+    def record(self, harness, samples):
+        for name, task in harness.task_dict["tasks"].items():
+            docs = list(task.eval_docs)
+            picked = [docs[i] for i in samples[name]] if samples else docs[:harness.limit or len(docs)]
+            self.scored[self.phase].setdefault(name, set()).update(d["question"] for d in picked)
+
+
+@pytest.fixture(scope="module")
+def searched(cache, tiny_dir, tmp_path_factory):
+    """A 4-trial search (tuning only), then the same search resumed to 6 trials after a trial was left running by
+    a dead process, with the test split scored after tuning; every scored question and printed line recorded."""
+    import contextlib
+    import io
+
+    from mergeval.eval.harness import Harness
+    from mergeval.search import run as search_run
+    from mergeval.search import study as studies
+    from mergeval.staging import heldout
+
+    store = tmp_path_factory.mktemp("search") / "results.sqlite"
+    cfg = compose_search(*SMALL, "search.n_trials=4", "search.test=false", f"cache_dir={cache}",
+                         f"store.path={store}")
+    spy, mp, printed = Spy(), pytest.MonkeyPatch(), io.StringIO()
+    score, test, draw = Harness.score, search_run._test, heldout.heldout_items
+
+    def scoring(self, model, tokenizer, samples=None):
+        spy.record(self, samples)
+        return score(self, model, tokenizer, samples=samples)
+
+    def test_phase(*args, **kwargs):
+        spy.phase = "test"
+        return test(*args, **kwargs)
+
+    def drawn(*args, **kwargs):
+        items = draw(*args, **kwargs)
+        spy.heldout |= {item["question"] for task_items_ in items.values() for item in task_items_}
+        return items
+
+    mp.setattr(Harness, "score", scoring)
+    mp.setattr(search_run, "_test", test_phase)
+    mp.setattr(heldout, "heldout_items", drawn)
+    try:
+        with contextlib.redirect_stdout(printed):
+            first = search_run.run_search(cfg)
+        # a trial left RUNNING by a process that is gone (a pid that has exited, on this host)
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+        study = optuna.load_study(study_name=first.study, storage=f"sqlite:///{store}")
+        orphan = study.ask()
+        orphan.set_user_attr("owner", [__import__("socket").gethostname(), int(gone.stdout), 0])
+        spy.phase = "tuning"
+        with contextlib.redirect_stdout(printed):
+            resumed = search_run.run_search(compose_search(*SMALL, "search.n_trials=6", f"cache_dir={cache}",
+                                                           f"store.path={store}"))
+    finally:
+        mp.undo()
+    study = optuna.load_study(study_name=first.study, storage=f"sqlite:///{store}")
+    return cfg, first, resumed, orphan.number, spy, study, printed.getvalue()
+
+
+def test_tuning_never_scores_a_test_item(searched):
+    cfg, first, resumed, _, spy, _, _ = searched
+    test_questions = {t: {item["question"] for item in task_items(t, cfg.benchmark.n_items)}
+                      for t in cfg.benchmark.tasks}
+    tuned = spy.scored["tuning"]
+    assert set(tuned) == set(cfg.benchmark.tasks)
+    for task, questions in tuned.items():
+        assert len(questions) == cfg.search.validation_items  # the whole validation split, and nothing else
+        assert not questions & test_questions[task]
+        assert not spy.heldout & test_questions[task]
+    # the spy sees test items where they are scored (after tuning), so the assertions above can fail
+    assert all(spy.scored["test"][t] == test_questions[t] for t in cfg.benchmark.tasks)
+
+
+def test_the_test_split_is_reported_apart_from_the_validation_split(searched):
+    cfg, first, resumed, _, _, _, _ = searched
+    assert first.test is None  # search.test=false: tuning only
+    for outcome in (first, resumed):
+        assert outcome.best is not None and outcome.baseline.value is not None
+        assert outcome.best.value == max(t["value"] for t in outcome.trials if t["state"] == "COMPLETE")
+        assert all(s["n"] == cfg.search.validation_items for s in outcome.best.scores.values())
+    for label in ("best", "default"):
+        scores = resumed.test[label]["scores"]
+        assert {t: s["n"] for t, s in scores.items()} == {t: cfg.benchmark.n_items for t in cfg.benchmark.tasks}
+    assert resumed.test["default"]["fingerprint"] == resumed.baseline.fingerprint
+
+
+def test_the_search_prunes_and_costs_less_than_scoring_every_trial(searched):
+    _, first, resumed, _, _, _, _ = searched
+    cost = resumed.cost
+    assert cost["pruned_at_stage1"] + cost["pruned_at_stage2"] >= 1
+    assert cost["complete"] + cost["pruned_at_stage1"] + cost["pruned_at_stage2"] == cost["trials"] == 6
+    assert cost["staged"]["forward_passes"] < cost["full"]["forward_passes"]
+    # a pruned trial stopped where it says: no validation scores beyond its stage
+    for t in resumed.trials:
+        assert (t["state"] == "PRUNED") == (t["stage"] < 3)
+        assert (t["stage2"] is None) == (t["stage"] == 1)
+
+
+def test_a_stored_study_resumes_where_it_stopped(searched):
+    _, first, resumed, orphan, _, study, _ = searched
+    assert len(first.trials) == 4 and first.resumed == 0
+    assert resumed.resumed == 4 and len(resumed.trials) == 6
+    assert [t["number"] for t in resumed.trials[:4]] == [t["number"] for t in first.trials]
+    assert resumed.orphans == [orphan]
+    assert study.trials[orphan].state == optuna.trial.TrialState.FAIL
+    assert json.dumps(resumed.cost)  # the report's cost is plain data
+
+
+def test_progress_lines_and_the_report(searched, tmp_path):
+    from mergeval.search import report
+
+    cfg, _, resumed, _, _, _, printed = searched
+    progress = [line for line in printed.splitlines() if line.startswith("search: trial ")]
+    assert [line.split()[2] for line in progress] == ["1/4", "2/4", "3/4", "4/4", "5/6", "6/6"]
+    assert all("best so far" in line and "left" in line for line in progress)
+    assert "resuming study" in printed
+    summary = "\n".join(report.lines(resumed))
+    assert "test split (scored once, after tuning)" in summary and "saved" in summary
+    written = json.loads(report.write(cfg, resumed, tmp_path).read_text())
+    assert written["resumed"] == 4 and written["cost"]["trials"] == 6 and written["test"]["best"]["scores"]
+
+
+def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mergeval.search", "+experiment=tiny",
+                          "search.space={lambda_: {low: 2, high: 1}}", f"hydra.run.dir={tmp_path}/job"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "mergeval: error: search.space.lambda_: low 2 is not below high 1; give low < high"]
+    assert not (tmp_path / "job").exists()

@@ -1,26 +1,35 @@
-"""Merge throughput: the same TIES merge by mergeval's streaming engine and by ``mergekit-yaml``, side by side.
+"""Merge throughput: the same merges by mergeval's streaming engine and by ``mergekit-yaml``, side by side.
 
-    python benchmarks/merge_throughput.py                        # the quickstart base + its two experts
-    python benchmarks/merge_throughput.py --cache /tmp/fresh5-cache --repeats 5 --json result.json
+    python benchmarks/merge_throughput.py                        # TIES on the quickstart base + its two experts
+    python benchmarks/merge_throughput.py --models quickstart synthetic-1b --method ties dare_ties \\
+        --cache /tmp/fresh5-cache --repeats 3 --synthetic-repeats 1 --json result.json
     python benchmarks/merge_throughput.py --smoke                # tiny synthetic models, a few seconds
 
-Both tools merge base + 2 experts with TIES (density 0.5 per expert, weight 1, lambda 1, disjoint
-mean: mergekit's ``ties`` with its defaults, mergeval's ``ties`` with weights_before_election=true),
-computing and writing in the base's dtype, tokenizer copied, model card written. Each run is a fresh
-child process (interpreter start and imports included, as a user pays them): mergeval calls
-``mergeval.engine.merge_to_disk``, mergekit runs its CLI ``mergekit-yaml CONFIG OUT --copy-tokenizer
---device cpu --no-lazy-unpickle --quiet`` (the inputs are safetensors, so lazy unpickling would not
-apply anyway). The order alternates between repeats; the input files are read once before timing so
-both tools start from a warm page cache. Like ``python -m mergeval.merge`` with a warm cache, the
-inputs' fingerprints for mergeval's model card are computed once, before timing.
+Model sets (``--models``, each base + 2 experts): the quickstart's SmolLM2-135M models (float32, from a
+mergeval cache), or a synthetic llama-layout model (``synthetic-1b``: TinyLlama-1.1B's shapes, 1.1B
+parameters; ``synthetic-0.5b``) written by this script into the work directory in ``--synthetic-dtype``
+(bfloat16 by default: 2.2 GB per 1B checkpoint) and removed after its cases. Methods (``--method``):
+``ties`` (density 0.5 per expert, weight 1, lambda 1, disjoint mean: mergekit's ``ties`` with its
+defaults, mergeval's ``ties`` with weights_before_election=true) and ``dare_ties`` (the same with DARE's
+random drop: mergeval's paper mode rescales kept entries by 1/density, mergekit's by the L1 norm, and the
+random draws differ, so the outputs agree only in scale). Both tools compute and write in the base's dtype,
+tokenizer copied, model card written. Each run is a fresh child process (interpreter start and imports
+included, as a user pays them): mergeval calls ``mergeval.engine.merge_to_disk``, mergekit runs its CLI
+``mergekit-yaml CONFIG OUT --copy-tokenizer --device cpu --no-lazy-unpickle --quiet`` (the inputs are
+safetensors, so lazy unpickling would not apply anyway). The order alternates between repeats; the input
+files are read once before timing so both tools start from a warm page cache. Like ``python -m
+mergeval.merge`` with a warm cache, the inputs' fingerprints for mergeval's model card are computed once,
+before timing.
 
-Reported per tool: median wall time over the repeats, and the peak resident memory of the process
-tree doing the work, measured two ways: ``ru_maxrss`` from wait4 (kernel-exact maximum over the child
-and any descendant it waited for) and the maximum of the summed RSS of the child and all its
-descendants, polled every 20 ms with psutil (catches workers running at the same time). The table
-shows the larger of the two. Then the wall-time ratio mergekit / mergeval (the speed-up), whether
-the target (mergeval >= 1.5x faster with no higher peak memory) is met, and the largest absolute
-difference between the two merged checkpoints, tensor by tensor.
+Reported per model set and method: median wall time per tool over the repeats, and the peak resident
+memory of the process tree doing the work, measured two ways: ``ru_maxrss`` from wait4 (kernel-exact maximum
+over the child and any descendant it waited for) and the maximum of the summed RSS of the child and all its
+descendants, polled every 20 ms with psutil (catches workers running at the same time). The table shows the
+larger of the two. Then the wall-time ratio mergekit / mergeval (the speed-up), mergeval's peak RSS as a
+share of mergekit's, the I/O floor (read every input once from the page cache and write one output-sized
+file: no merge can be faster), whether the target (>= 5x at <= a third of the memory) is met, and the
+largest absolute difference between the two merged checkpoints, tensor by tensor. The load average at the
+start and end says how busy the machine was.
 
 ``--startup`` also times each tool's start alone (``mergekit-yaml --help``; a Python that imports
 mergeval's engine and methods), the fixed cost included in every merge above, so the merge work
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -43,13 +53,13 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
 TOOLS = ("mergeval", "mergekit")
-METHOD = "ties"  # --method
 DENSITY, LAMBDA = 0.5, 1.0
-TARGET_SPEEDUP = 1.5
+TARGET_SPEEDUP, TARGET_MEMORY = 5.0, 1 / 3  # issue 13: >= 5x mergekit's speed at <= a third of its peak RSS
 POLL_S = 0.02
 MERGEKIT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -180,13 +190,13 @@ def warm_page_cache(dirs: list[Path]) -> None:
 # ---------------------------------------------------------------- the two commands
 
 
-def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str) -> list[str]:
+def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str, method: str) -> list[str]:
     import yaml
 
-    config = {"merge_method": METHOD, "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
+    config = {"merge_method": method, "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
               "parameters": {"normalize": True, "lambda": LAMBDA},
               "models": [{"model": str(e), "parameters": {"weight": 1.0, "density": DENSITY}} for e in experts]}
-    path = work / "mergekit.yaml"
+    path = work / f"mergekit-{method}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     exe = Path(sys.executable).with_name("mergekit-yaml")
     if not exe.exists():
@@ -202,9 +212,10 @@ def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
             for role, p in [("base", base), *((f"expert {i}", e) for i, e in enumerate(experts))]]
 
 
-def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict]) -> list[str]:
+def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict],
+                     method: str) -> list[str]:
     spec = {"base": str(base), "experts": [str(e) for e in experts], "out": str(out), "inputs": inputs,
-            "method": METHOD}
+            "method": method}
     path = work / f"mergeval-{out.name}.json"
     path.write_text(json.dumps(spec))
     return [sys.executable, str(Path(__file__).resolve()), "--child-mergeval", str(path)]
@@ -304,64 +315,98 @@ def max_abs_diff(a: Path, b: Path) -> dict:
 # ---------------------------------------------------------------- main
 
 
+def model_sets(args, work: Path) -> list[tuple[str, Callable[[], tuple[Path, list[Path]]], int]]:
+    """(label, a function making or finding base + experts, repeats) for each model set asked for, in order."""
+    sets = []
+    for name in args.models:
+        if name == "quickstart" and args.base:
+            sets.append(("given", lambda: (Path(args.base), [Path(e) for e in args.experts]), args.repeats))
+        elif name == "quickstart":
+            cache = Path(args.cache or os.environ.get("MERGEVAL_CACHE") or _default_cache())
+            sets.append(("quickstart", lambda: quickstart_models(cache), args.repeats))
+        elif name == "smoke":
+            sets.append(("smoke", lambda: smoke_models(work / "smoke"), args.repeats))
+        else:
+            size = name.removeprefix("synthetic-")
+            sets.append((name, lambda name=name, size=size: synthetic_models(work / name, size, args.synthetic_dtype),
+                         args.synthetic_repeats or args.repeats))
+    return sets
+
+
+def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: Path, env: dict, inputs: list[dict],
+             dtype: str) -> dict:
+    """Both tools on one model set with one method: each run timed in a fresh process, order alternating."""
+    runs: list[dict] = []
+    outputs: dict[str, Path] = {}
+    for repeat in range(repeats):
+        for tool in (TOOLS if repeat % 2 == 0 else TOOLS[::-1]):
+            out = work / f"{method}-{tool}-{repeat}"
+            cmd = (mergeval_command(base, experts, out, work, inputs, method) if tool == "mergeval"
+                   else mergekit_command(base, experts, out, work, dtype, method))
+            result = measure(cmd, work / f"{method}-{tool}-{repeat}.log", env)
+            runs.append({"tool": tool, "repeat": repeat, **result})
+            print(f"  {method:9s} run {repeat + 1}/{repeats} {tool:8s} {result['wall_s']:7.2f} s  "
+                  f"peak RSS {result['peak_rss_mib']:7.0f} MiB", flush=True)
+            if tool in outputs:  # keep only each tool's latest output for the comparison
+                shutil.rmtree(outputs[tool])
+            outputs[tool] = out
+    summary = {tool: {"median_wall_s": statistics.median(r["wall_s"] for r in runs if r["tool"] == tool),
+                      "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool)} for tool in TOOLS}
+    speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
+    memory = summary["mergeval"]["peak_rss_mib"] / summary["mergekit"]["peak_rss_mib"]
+    agreement = max_abs_diff(outputs["mergeval"], outputs["mergekit"])
+    for path in outputs.values():
+        shutil.rmtree(path)
+    return {"method": method, "merge": {"density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
+            "repeats": repeats, "runs": runs, "summary": summary, "speedup_mergekit_over_mergeval": speedup,
+            "memory_mergeval_over_mergekit": memory,
+            "target": {"speedup_at_least": TARGET_SPEEDUP, "memory_at_most": TARGET_MEMORY,
+                       "met": bool(speedup >= TARGET_SPEEDUP and memory <= TARGET_MEMORY)},
+            "agreement": agreement}
+
+
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="merge-throughput-", dir=args.workdir))
+    env = dict(os.environ)
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    report = {"cases": [], "threads": args.threads or "default",
+              "versions": {"mergeval": version("mergeval"), "mergekit": version("mergekit"), "torch": version("torch"),
+                           "python": platform.python_version()},
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "load_average_at_start": os.getloadavg()}}
     try:
-        if args.smoke:
-            base, experts = smoke_models(work / "models")
-        elif args.synthetic:
-            base, experts = synthetic_models(work / "models", args.synthetic)
-        elif args.base:
-            base, experts = Path(args.base), [Path(e) for e in args.experts]
-        else:
-            cache = Path(args.cache or os.environ.get("MERGEVAL_CACHE") or _default_cache())
-            base, experts = quickstart_models(cache)
-        dtype = base_dtype(base)
-        env = dict(os.environ)
-        if args.threads:
-            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-        inputs = card_inputs(base, experts)
-        warm_page_cache([base, *experts])
-        floor = statistics.median(io_floor(base, experts, work / "io-floor.bin") for _ in range(args.repeats))
-        runs: list[dict] = []
-        outputs: dict[str, Path] = {}
-        for repeat in range(args.repeats):
-            for tool in (TOOLS if repeat % 2 == 0 else TOOLS[::-1]):
-                out = work / f"{tool}-{repeat}"
-                cmd = (mergeval_command(base, experts, out, work, inputs) if tool == "mergeval"
-                       else mergekit_command(base, experts, out, work, dtype))
-                result = measure(cmd, work / f"{tool}-{repeat}.log", env)
-                runs.append({"tool": tool, "repeat": repeat, **result})
-                print(f"  run {repeat + 1}/{args.repeats} {tool:8s} {result['wall_s']:7.2f} s  "
-                      f"peak RSS {result['peak_rss_mib']:7.0f} MiB", flush=True)
-                if tool in outputs:  # keep only each tool's latest output for the comparison
-                    shutil.rmtree(outputs[tool])
-                outputs[tool] = out
-        summary = {tool: {"median_wall_s": statistics.median(r["wall_s"] for r in runs if r["tool"] == tool),
-                          "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool)}
-                   for tool in TOOLS}
+        for label, make, repeats in model_sets(args, work):
+            print(f"{label}: preparing the models", flush=True)
+            base, experts = make()
+            dtype = base_dtype(base)
+            inputs = card_inputs(base, experts)
+            warm_page_cache([base, *experts])
+            floor = statistics.median(io_floor(base, experts, work / "io-floor.bin") for _ in range(repeats))
+            models = {"label": label, "base": str(base), "experts": [str(e) for e in experts], "dtype": dtype,
+                      "parameters": parameter_count(base), "io_floor_s": floor}
+            for method in args.method:
+                case = run_case(base, experts, method, repeats, work, env, inputs, dtype)
+                report["cases"].append({"models": models, **case})
+            if label.startswith("synthetic"):  # gigabytes: gone before the next set is written
+                shutil.rmtree(base.parent, ignore_errors=True)
         if args.startup:
+            report["startup"] = {}
             for tool, cmd in startup_commands().items():
                 times = [measure(cmd, work / f"{tool}-startup-{i}.log", env) for i in range(args.repeats)]
-                summary[tool]["startup_median_wall_s"] = statistics.median(t["wall_s"] for t in times)
-                summary[tool]["startup_peak_rss_mib"] = max(t["peak_rss_mib"] for t in times)
-        speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
-        return {
-            "models": {"base": str(base), "experts": [str(e) for e in experts], "dtype": dtype, "smoke": args.smoke},
-            "io_floor_s": floor,
-            "merge": {"method": METHOD, "density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
-            "repeats": args.repeats, "threads": args.threads or "default", "runs": runs, "summary": summary,
-            "speedup_mergekit_over_mergeval": speedup,
-            "target": {"speedup_at_least": TARGET_SPEEDUP, "met": bool(
-                speedup >= TARGET_SPEEDUP
-                and summary["mergeval"]["peak_rss_mib"] <= summary["mergekit"]["peak_rss_mib"])},
-            "agreement": max_abs_diff(outputs["mergeval"], outputs["mergekit"]),
-            "versions": {"mergeval": version("mergeval"), "mergekit": version("mergekit"), "torch": version("torch"),
-                         "python": platform.python_version()},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        }
+                report["startup"][tool] = {"median_wall_s": statistics.median(t["wall_s"] for t in times),
+                                           "peak_rss_mib": max(t["peak_rss_mib"] for t in times)}
+        report["machine"]["load_average_at_end"] = os.getloadavg()
+        return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def parameter_count(model_dir: Path) -> int:
+    from mergeval.engine.reader import CheckpointReader
+
+    reader = CheckpointReader(model_dir, "base")
+    return sum(math.prod(s) for s in reader.shapes.values())
 
 
 def _default_cache() -> str:
@@ -371,54 +416,72 @@ def _default_cache() -> str:
 
 
 def print_table(report: dict) -> None:
-    s = report["summary"]
-    print(f"\n{report['merge']['method']} merge of {1 + len(report['models']['experts'])} models ({report['models']['dtype']}), "
-          f"median of {report['repeats']} runs each, order alternating")
-    print(f"{'tool':10s} {'median wall (s)':>16s} {'peak RSS (MiB)':>15s}")
-    for tool in TOOLS:
-        startup = (f"   (start alone: {s[tool]['startup_median_wall_s']:.2f} s, "
-                   f"{s[tool]['startup_peak_rss_mib']:.0f} MiB)" if "startup_median_wall_s" in s[tool] else "")
-        print(f"{tool:10s} {s[tool]['median_wall_s']:16.2f} {s[tool]['peak_rss_mib']:15.0f}{startup}")
-    print(f"{'I/O floor':10s} {report['io_floor_s']:16.2f}   (read every input, write one output-sized file)")
-    agreement = report["agreement"]
-    print(f"speed-up (mergekit / mergeval wall time): {report['speedup_mergekit_over_mergeval']:.2f}x   "
-          f"target >= {TARGET_SPEEDUP}x with no higher peak memory: {'met' if report['target']['met'] else 'NOT met'}")
-    print(f"max |mergeval - mergekit| over {agreement['compared']} tensors: {agreement['max_abs_diff']:.3g}"
-          + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"] else ""))
-    for side in ("only_mergeval", "only_mergekit"):
-        if agreement[side]:
-            print(f"tensors {side.replace('_', ' in ')}: {agreement[side][:5]}")
-    if report["models"]["smoke"]:
+    print(f"\nbase + 2 experts, density {DENSITY}, median wall time (process start included) and peak RSS; "
+          f"target: >= {TARGET_SPEEDUP:g}x mergekit's speed at <= {TARGET_MEMORY:.2f} of its peak RSS")
+    print(f"{'models':16s} {'dtype':9s} {'method':10s} {'runs':>4s} {'mergeval s':>10s} {'MiB':>6s} "
+          f"{'mergekit s':>10s} {'MiB':>6s} {'speed-up':>8s} {'memory':>6s} {'I/O floor s':>11s}  target")
+    for case in report["cases"]:
+        m, s = case["models"], case["summary"]
+        name = f"{m['label']} {m['parameters'] / 1e9:.2f}B"
+        print(f"{name:16s} {m['dtype']:9s} {case['method']:10s} {case['repeats']:4d} "
+              f"{s['mergeval']['median_wall_s']:10.2f} {s['mergeval']['peak_rss_mib']:6.0f} "
+              f"{s['mergekit']['median_wall_s']:10.2f} {s['mergekit']['peak_rss_mib']:6.0f} "
+              f"{case['speedup_mergekit_over_mergeval']:7.2f}x {case['memory_mergeval_over_mergekit']:6.2f} "
+              f"{m['io_floor_s']:11.2f}  {'met' if case['target']['met'] else 'NOT met'}")
+    for tool, start in report.get("startup", {}).items():
+        print(f"{tool} start alone (imports, no merge): {start['median_wall_s']:.2f} s, {start['peak_rss_mib']:.0f} MiB")
+    for case in report["cases"]:
+        agreement = case["agreement"]
+        note = " (random masks: different draws, compared for scale only)" if case["method"].startswith("dare") else ""
+        print(f"{case['models']['label']} {case['method']}: max |mergeval - mergekit| over {agreement['compared']} "
+              f"tensors: {agreement['max_abs_diff']:.3g}" + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"]
+                                                            else "") + note)
+        for side in ("only_mergeval", "only_mergekit"):
+            if agreement[side]:
+                print(f"  tensors {side.replace('_', ' in ')}: {agreement[side][:5]}")
+    load = report["machine"]
+    print(f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load['load_average_at_start'])}, "
+          f"at end {tuple(round(x, 2) for x in load['load_average_at_end'])}")
+    if any(c["models"]["label"] == "smoke" for c in report["cases"]):
         print("(smoke run on tiny models: checks the script; the figures say nothing about throughput)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["quickstart"],
+                        choices=["quickstart", "smoke", *(f"synthetic-{k}" for k in SYNTHETIC)],
+                        help="model sets, each base + 2 experts, run one after the other (default: quickstart)")
     parser.add_argument("--cache", help="mergeval cache with the quickstart models (default: $MERGEVAL_CACHE or "
                         "the user cache dir); only read")
     parser.add_argument("--base", help="base checkpoint directory (instead of the quickstart's)")
     parser.add_argument("--experts", nargs="+", help="expert checkpoint directories (with --base)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per tool (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per tool and method (default 3)")
+    parser.add_argument("--synthetic-repeats", type=int, help="runs per tool and method on the synthetic models "
+                        "(default: --repeats)")
+    parser.add_argument("--synthetic-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of the synthetic checkpoints (default bfloat16)")
     parser.add_argument("--threads", type=int, help="OMP/MKL threads for both tools (default: their defaults)")
-    parser.add_argument("--workdir", help="where outputs are written (default: the system temp dir)")
+    parser.add_argument("--workdir", help="where models and outputs are written (default: the system temp dir)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
-    parser.add_argument("--method", choices=("ties", "dare_ties"), default="ties",
-                        help="mergekit's and mergeval's method (default ties; both with density 0.5)")
-    parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random llama-layout bfloat16 base + 2 "
-                        "experts of this size, written under --workdir (instead of the quickstart's)")
-    parser.add_argument("--smoke", action="store_true", help="tiny synthetic models: checks the script in seconds")
+    parser.add_argument("--method", "--methods", nargs="+", choices=("ties", "dare_ties"), default=["ties"],
+                        help="mergekit's and mergeval's methods, each run on every model set (default ties; "
+                        "density 0.5)")
+    parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="same as --models synthetic-SIZE")
+    parser.add_argument("--smoke", action="store_true", help="same as --models smoke: checks the script in seconds")
     parser.add_argument("--startup", action="store_true", help="also time each tool's start alone (imports only)")
     parser.add_argument("--child-mergeval", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_mergeval:
         child_mergeval(args.child_mergeval)
         return
+    if args.smoke or args.synthetic:
+        args.models = ["smoke"] if args.smoke else [f"synthetic-{args.synthetic}"]
     if bool(args.base) != bool(args.experts):
         parser.error("--base and --experts go together")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    global METHOD
-    METHOD = args.method
+    if args.base and args.models != ["quickstart"]:
+        parser.error("--base and --experts replace the quickstart models; leave --models out")
+    if args.repeats < 1 or (args.synthetic_repeats is not None and args.synthetic_repeats < 1):
+        parser.error("repeats must be at least 1")
     report = run(args)
     print_table(report)
     if args.json:

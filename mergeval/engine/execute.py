@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,10 @@ from mergeval.engine.plan import Unit
 from mergeval.engine.vocab import align
 from mergeval.methods import MergeMethod
 
-WORKERS = 2  # reader threads, and merging threads for row blocks (the reference machine has 2 cores)
-WINDOW = 2  # units read (or row blocks merged) ahead of the consumer: memory about WINDOW + 1 units
+# merging threads, one per core (at least 2, so reading overlaps merging; at most 8: memory grows with
+# the units in flight)
+WORKERS = max(2, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2))
+WINDOW = WORKERS  # units (or row blocks) read and merged ahead of the consumer: memory about WINDOW + 1 units
 BLOCK_MIN = 1 << 22  # tensors of at least this many entries are merged in row blocks where the method allows
 BLOCK_ENTRIES = 1 << 20  # entries per row block
 
@@ -48,39 +51,44 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
              progress: bool = False, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
-    A reader thread reads up to WINDOW units ahead while this thread merges (torch's intra-op threads use
-    the cores) and the consumer writes, so reading, merging and writing overlap; units are merged one at
-    a time, in order. ``blocks=True`` (sources with ``get_rows``): a tensor of at least BLOCK_MIN entries
-    whose method has a row-chunked form is yielded as ``Blocks`` (its row blocks, read and merged by
-    WORKERS threads as the consumer iterates) instead of a tensor.
+    WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer,
+    which writes (or loads) the results in plan order: reading, merging and writing overlap, and every
+    core merges, also in the steps torch runs on one thread (selections, random draws, small tensors).
+    ``blocks=True`` (sources with ``get_rows``): a tensor of at least BLOCK_MIN entries whose method has a
+    row-chunked form is yielded as ``Blocks`` (its row blocks, read and merged by the workers as the
+    consumer iterates) instead of a tensor.
     """
     # disable=None: a bar only on a terminal, so piped stderr keeps errors on one line
     bar = tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        def read(unit: Unit):
+    with ThreadPoolExecutor(WORKERS, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        def work(unit: Unit):
             if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool)) is not None:
                 return found
-            return _read_unit(unit, base, experts, rows)
+            return _merge_unit(unit, method, _read_unit(unit, base, experts, rows), seed)
 
-        for unit, inputs in ordered(pool, read, bar):
-            if isinstance(inputs, Blocks):
-                yield unit.key, inputs
+        for unit, merged in ordered(pool, work, bar):
+            if isinstance(merged, Blocks):
+                yield unit.key, merged
             else:
-                yield from _merge_unit(unit, method, inputs, seed).items()
+                yield from merged.items()
 
 
 def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None) -> Iterator:
     """(item, fn(item)) in the order of ``items``, with up to ``window`` calls running ahead in ``pool``."""
     window = window or WINDOW
     pending: deque = deque()
-    for item in items:
-        pending.append((item, pool.submit(fn, item)))
-        if len(pending) > window:
+    try:
+        for item in items:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) > window:
+                head, future = pending.popleft()
+                yield head, future.result()
+        while pending:
             head, future = pending.popleft()
             yield head, future.result()
-    while pending:
-        head, future = pending.popleft()
-        yield head, future.result()
+    finally:  # an error or an abandoned iteration: work not yet started is not started
+        for _, future in pending:
+            future.cancel()
 
 
 def _read_unit(unit: Unit, base, experts: list, rows: dict[str, int]):
@@ -119,21 +127,29 @@ class Blocks:
     def __init__(self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool):
         self.merger, self.name, self.base, self.experts, self.spans, self.pool = \
             merger, name, base, experts, spans, pool
+        self.per_row = math.prod(base.shapes[name][1:])
 
-    def _read(self, span: tuple[int, int]):
+    def numels(self) -> list[int]:
+        """Entries in each block, in order."""
+        return [(r1 - r0) * self.per_row for r0, r1 in self.spans]
+
+    def read(self, span: tuple[int, int]):
         """(flat offset of the block, base rows, each expert's rows)."""
-        per_row = math.prod(self.base.shapes[self.name][1:])
-        return (span[0] * per_row, self.base.get_rows(self.name, *span),
+        return (span[0] * self.per_row, self.base.get_rows(self.name, *span),
                 [e.get_rows(self.name, *span) for e in self.experts])
 
+    def read_all(self) -> Iterator:
+        """``read`` of every block in order (a merger's passes; the reads are the page cache's)."""
+        return map(self.read, self.spans)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for _, block in ordered(self.pool, lambda span: self.merger.merge(*self._read(span)), self.spans):
+        for _, block in ordered(self.pool, lambda span: self.merger.merge(*self.read(span)), self.spans):
             yield block
 
 
 def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool):
     """The unit as ``Blocks`` when it is one large tensor, not vocab-aligned, whose method has a row-chunked
-    form for its config (its passes over the blocks run here); else None."""
+    form for its config (its ``prepare`` passes over the blocks run here); else None."""
     if unit.kind != "tensor" or method.rows is None or not hasattr(base, "get_rows"):
         return None
     (name,) = unit.names
@@ -146,12 +162,7 @@ def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, 
     if merger is None:
         return None
     blocks = Blocks(merger, name, base, experts, row_spans(shape, BLOCK_ENTRIES), pool)
-    p = 0
-    while p < merger.passes:  # a pass may ask for another (rows.TiesRows)
-        for span in blocks.spans:  # the block's reads are the page cache's
-            merger.observe(p, *blocks._read(span))
-        merger.end_pass(p)
-        p += 1
+    merger.prepare(blocks)
     return blocks
 
 

@@ -122,7 +122,8 @@ def _validate(cfg: CmmConfig, n_experts: int) -> None:
                         f"give {n_experts} scores in the modelset's order, or null to measure them")
 
 
-@register("cmm", CmmConfig, _validate)
+# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
+@register("cmm", CmmConfig, _validate, version=2)
 def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: torch.Generator) -> torch.Tensor:
     """Curriculum merge: theta_0 = b; theta_k = (1 - c_k) theta_{k-1} + c_k e_pi(k) (interpolate),
     theta_{k-1} + c_k d_pi(k) (additive) or TIES(b; [theta_{k-1}, e_pi(k)], [1 - c_k, c_k]) (ties_step);

@@ -73,6 +73,9 @@ class MergeMethod:
     # (cfg, n_experts, numel, gen) -> a row-chunked merge of one tensor (methods/rows.py), or None where the
     # config needs the whole tensor at once; the engine then streams large tensors in row blocks
     rows: Callable[..., Any] | None = None
+    # implementation version: raised whenever the method's output for the same inputs, config and seed
+    # changes, so a merge stored under an earlier version is not taken for this one's (store.merge_key)
+    version: int = 1
 
 
 PER_EXPERT = ("density", "gamma", "epsilon")  # besides weight: the per-model parameters mergekit also has
@@ -80,11 +83,12 @@ METHODS: dict[str, MergeMethod] = {}
 _DERIVED: dict[type, type] = {}  # method config -> its schema with rules (shared configs derive once)
 
 
-def register(name: str, config: type, validate: ValidateFn):
-    """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``."""
+def register(name: str, config: type, validate: ValidateFn, version: int = 1):
+    """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``;
+    ``version``: the implementation version (``MergeMethod.version``)."""
     def wrap(fn: MergeFn) -> MergeFn:
         METHODS[name] = MergeMethod(name, with_rules(config), fn, _validating_rules(validate),
-                                    (fn.__doc__ or "").strip())
+                                    (fn.__doc__ or "").strip(), version=version)
         return fn
 
     return wrap
@@ -287,4 +291,4 @@ def blame_rule(index: int, param: str, where: str):
 from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401
 from mergeval.methods import data_aware, masks  # noqa: E402,F401
 from mergeval.methods import pipeline  # noqa: E402,F401  (last: its stages name the others)
-from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked form of ties)
+from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked forms of ties and DARE)

@@ -1,20 +1,25 @@
-"""Row-chunked TIES: one large tensor merged a block of rows at a time, bit for bit.
+"""Row-chunked TIES and DARE: one large tensor merged a block of rows at a time, bit for bit.
 
-TIES' trim keeps the k largest |d_i| of the *whole* tensor, which is not a
-rowwise rule, so its chunked form makes two passes over the row blocks first
-(select.Threshold: a sample of |d_i|, then the count above the sampled bounds
-and the few entries between them) to find each expert's exact threshold tau_i;
-after that every step (trim, election, disjoint mean, cast) is elementwise and
-each block is merged on its own. (DARE-TIES has no row form yet: drawing
-expert i's uniforms block by block from a generator moved past the earlier
-experts' draws gave other bits than the whole-tensor draw on the quickstart's
-embedding, so DARE merges whole tensors.)
+The engine hands a merger the tensor's row blocks (``prepare``), then asks it
+for each block's merged rows (``merge``, on any thread, in any order); every
+block's output equals the same rows of the method's whole-tensor result.
 
-``plan(cfg, n_experts, numel, gen)`` returns None where the chunked form could
-differ from the method's whole-tensor result (compat=mergekit, rescale=l1:
-whole-tensor norms), and where the ties at a non-zero tau
-need torch.topk's order: a third pass then gathers that expert's whole |d_i| (one tensor, not one per
-input) for torch.topk, exactly as the whole-tensor trim.
+* TIES' trim keeps the k largest |d_i| of the *whole* tensor, which is not a
+  rowwise rule, so ``TiesRows.prepare`` makes two passes over the blocks
+  (select.Threshold: a sample of |d_i|, then the count above the sampled bounds
+  and the few entries between them) to find each expert's exact threshold
+  tau_i and how many entries equal to tau_i each block holds; the entries tied at
+  the cut are kept by position (trim_to_density), so each block then knows how
+  many of its own tied entries to keep, and every later step (trim, election,
+  disjoint mean, cast) is elementwise.
+* DARE draws one uniform per entry per expert, expert after expert, from the
+  tensor's generator. ``DareRows.prepare`` makes those draws in the same order,
+  block by block (torch's CPU generator gives the same numbers in pieces as in
+  one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
+  entry, a quarter of the uniforms); the blocks are then merged independently.
+
+The ``rows`` hooks return None where the chunked form could differ from the
+whole-tensor result (compat=mergekit, rescale=l1: whole-tensor norms).
 """
 
 from __future__ import annotations
@@ -26,60 +31,57 @@ import torch
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value
 from mergeval.methods.registry import METHODS
-from mergeval.methods.select import Threshold, keep_mask, keep_rule
+from mergeval.methods.select import Threshold, exact, first_ties_mask, tie_quotas
+from mergeval.methods.sparsify import _combine, _rescale, _rescaled
 from mergeval.methods.task_vector import disjoint_merge, kept_count
 
 
 class TiesRows:
-    """TIES (paper mode, rescale none): passes 0/1 find tau_i, then ``merge`` trims with {|d_i| > or >= tau_i}."""
+    """TIES (paper mode, rescale none): ``prepare`` finds each tau_i and each block's share of the tied entries."""
 
     def __init__(self, cfg, n_experts: int, numel: int):
         self.cfg, self.n = cfg, numel
         self.k = [kept_count(d, numel) if d < 1.0 else None
                   for d in (expert_value(cfg, "density", i) for i in range(n_experts))]
-        self.select = [Threshold(numel, k) if k is not None else None for k in self.k]
-        self.passes = 2 if any(self.select) else 0
-        self.rules: list[tuple[float, str] | None] = [None] * n_experts
-        self.masks: list[torch.Tensor | None] = [None] * n_experts  # topk's kept set where ties need its order
+        self.cut: list[tuple[float, dict[int, int]] | None] = [None] * n_experts  # (tau_i, offset -> tie quota)
 
-    def observe(self, p: int, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> None:
-        """Pass 0 samples |d_i| of this block, pass 1 counts it against the sampled bounds, pass 2 copies
-        it into the whole |d_i| of the experts whose ties need torch.topk (at flat ``offset``)."""
-        b = base.float()
-        for i, (sel, e) in enumerate(zip(self.select, experts)):
-            if sel is None or (p == 2 and self.masks[i] is None):
-                continue
-            a = (e.float() - b).abs()
-            if p == 2:
-                self.masks[i][offset:offset + a.numel()] = a.reshape(-1)
+    def prepare(self, blocks) -> None:
+        """Pass 0 samples |d_i| block by block, pass 1 counts each block against the sampled bounds."""
+        select = {i: Threshold(self.n, k) for i, k in enumerate(self.k) if k is not None}
+        if not select:
+            return
+        offsets = []
+        for p in (0, 1):
+            for offset, base, experts in blocks.read_all():
+                b = base.float()
+                for i, sel in select.items():
+                    a = (experts[i].float() - b).abs()
+                    sel.sample(a) if p == 0 else sel.count(a)
+                if p == 1:
+                    offsets.append(offset)
+        for i, sel in select.items():
+            found = sel.result()
+            if found is None:  # the sampled bounds missed (no known input does this): one more pass, exactly
+                found, chunk_ties = self._exact(blocks, i)
             else:
-                sel.sample(a) if p == 0 else sel.count(a)
+                chunk_ties = sel.chunk_ties
+            tau, c_gt, _ = found
+            quotas = tie_quotas(chunk_ties, self.k[i] - c_gt) if tau != 0 else [0] * len(offsets)
+            self.cut[i] = (tau, dict(zip(offsets, quotas)))
 
-    def end_pass(self, p: int) -> None:
-        """After pass 1: each expert's (tau_i, rule), or a third pass for its whole |d_i| (ties at a non-zero
-        tau need topk's order); after pass 2: those experts' kept sets by torch.topk, as trim_to_density."""
-        for i, (sel, k) in enumerate(zip(self.select, self.k)):
-            if sel is None:
-                continue
-            if p == 1:
-                found = sel.result()
-                rule = keep_rule(*found, k) if found else None
-                self.rules[i] = (found[0], rule) if rule else None
-                if rule is None:
-                    self.masks[i], self.passes = torch.empty(self.n), 3
-            elif p == 2 and self.masks[i] is not None:
-                keep = torch.zeros(self.n, dtype=torch.bool)
-                keep[self.masks[i].topk(k, sorted=False).indices] = True
-                self.masks[i] = keep
+    def _exact(self, blocks, i: int):
+        whole = torch.cat([(experts[i].float() - base.float()).abs().reshape(-1)
+                           for _, base, experts in blocks.read_all()])
+        tau, c_gt, c_eq = exact(whole, self.k[i])
+        ties = [int((chunk == tau).sum()) for chunk in whole.split([n for n in blocks.numels()])]
+        return (tau, c_gt, c_eq), ties
 
     def sparse(self, d: torch.Tensor, i: int, offset: int) -> torch.Tensor:
         """t_i = d_i where kept (trim_to_density's values), else 0."""
-        if self.masks[i] is not None:
-            keep = self.masks[i][offset:offset + d.numel()].view_as(d)
-        elif self.rules[i] is not None:
-            keep = keep_mask(d.abs(), *self.rules[i])
-        else:
+        if self.cut[i] is None:
             return d
+        tau, quotas = self.cut[i]
+        keep = first_ties_mask(d.abs(), tau, quotas[offset])
         return torch.where(keep, d, torch.zeros_like(d))
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
@@ -89,11 +91,57 @@ class TiesRows:
         return (b + self.cfg.lambda_ * disjoint_merge(torch.stack(sparse), self.cfg)).to(base.dtype)
 
 
+class DareRows:
+    """DARE (dare_ties, dare_linear; paper mode, rescale inverse_density or none): ``prepare`` draws the
+    keep masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
+
+    def __init__(self, cfg, n_experts: int, numel: int, gen: torch.Generator, elect: bool):
+        self.cfg, self.n, self.gen, self.elect = cfg, numel, gen, elect
+        self.density = [expert_value(cfg, "density", i) for i in range(n_experts)]
+        self.masks: list[torch.Tensor | None] = [None] * n_experts
+        self.rescale = _rescale(cfg)
+
+    def prepare(self, blocks) -> None:
+        """Expert after expert, block after block: m_i = [u < density_i] (dare_drop's draws, in its order)."""
+        for i, density in enumerate(self.density):
+            if density >= 1.0:  # dare_drop draws nothing for this expert
+                continue
+            mask = torch.empty(self.n, dtype=torch.bool)
+            start = 0
+            for n in blocks.numels():
+                torch.lt(torch.rand(n, generator=self.gen), density, out=mask[start:start + n])
+                start += n
+            self.masks[i] = mask
+
+    def _sparsify(self, offset: int):
+        def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
+            if self.masks[i] is None:
+                return d
+            keep = self.masks[i][offset:offset + d.numel()].view_as(d)
+            return _rescaled(d, torch.where(keep, d, torch.zeros_like(d)), self.rescale, self.density[i])
+        return sparsify
+
+    def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
+        return _combine(base, experts, self.cfg, None, self.elect, self._sparsify(offset))
+
+
+def _chunkable(cfg) -> bool:
+    """Paper mode without the L1 rescale: every step after the masks is elementwise."""
+    return not compat.is_mergekit(cfg) and _rescale(cfg) != "l1"
+
+
 def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | None:
     """TIES in row blocks, for paper mode without the L1 rescale (else None)."""
-    if compat.is_mergekit(cfg) or cfg.rescale == "l1":
-        return None
-    return TiesRows(cfg, n_experts, numel)
+    return TiesRows(cfg, n_experts, numel) if _chunkable(cfg) else None
+
+
+def dare_rows(elect: bool):
+    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | None:
+        """DARE in row blocks, for paper mode without the L1 rescale (else None)."""
+        return DareRows(cfg, n_experts, numel, gen, elect) if _chunkable(cfg) else None
+    return rows
 
 
 METHODS["ties"] = dataclasses.replace(METHODS["ties"], rows=ties_rows)
+METHODS["dare_ties"] = dataclasses.replace(METHODS["dare_ties"], rows=dare_rows(elect=True))
+METHODS["dare_linear"] = dataclasses.replace(METHODS["dare_linear"], rows=dare_rows(elect=False))

@@ -7,14 +7,22 @@ a strided sample (candidate bounds lo <= tau <= hi, verified by counting) and a
 chunks, seen twice (``sample`` on every chunk, then ``count`` on every chunk),
 so a tensor streamed in row blocks never has to be whole in memory.
 
-The kept set is then decided without any tie order when it is unambiguous:
+Two tie orders at the cut:
 
-    c_gt = #{a > tau}, c_eq = #{a == tau}, m = k - c_gt tied entries to keep
-    tau == 0:      keep a > tau   (the tied entries are zeros: kept or not, every value is the same)
-    m == c_eq:     keep a >= tau  (every tied entry is kept)
-    otherwise:     ambiguous: the caller uses its own tie order (torch.topk / argsort) instead
+* **by position** (``first_k_mask``, paper mode): of the entries equal to tau,
+  the m = k - #{a > tau} first in row-major order are kept, i.e. exactly the
+  first k of a *stable* descending sort. It needs only the count of tied
+  entries per chunk, so it is computed chunk by chunk, on any machine the same.
+* **a caller's sort order** (``top_k_mask``, compat=mergekit): the kept set is
+  decided without a tie order when it is unambiguous, and None otherwise, when
+  the caller must use its own sort (mergekit's argsort):
 
-so a mask from here equals, value for value, the one the caller's sort would give.
+      c_gt = #{a > tau}, c_eq = #{a == tau}, m = k - c_gt tied entries to keep
+      tau == 0:      keep a > tau   (the tied entries are zeros: kept or not, every value is the same)
+      m == c_eq:     keep a >= tau  (every tied entry is kept)
+      otherwise:     ambiguous: the caller uses its own tie order (torch.topk / argsort) instead
+
+  so a mask from there equals, value for value, the one the caller's sort would give.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class Threshold:
         self.lo = self.hi = None
         self.above = 0
         self._cands: list[torch.Tensor] = []
+        self.chunk_ties: list[int] = []  # after result(): #{a == tau} in each counted chunk, in order
 
     def sample(self, a: torch.Tensor) -> None:
         """Pass 1: keep about numel / stride values of this chunk at positions drawn from a fixed seed
@@ -49,13 +58,17 @@ class Threshold:
 
     def bounds(self) -> None:
         """lo/hi: sample ranks k/n of the way down, widened by 6 standard deviations of the rank (+8)."""
-        s = torch.cat(self._samples).sort(descending=True).values
+        s = torch.cat(self._samples)
         self._samples = []
         m = s.numel()
         centre = self.k / self.n * m
         margin = 6.0 * (m * (self.k / self.n) * (1 - self.k / self.n)) ** 0.5 + 8
-        self.hi = float(s[max(0, int(centre - margin))]) if centre - margin >= 1 else float("inf")
-        self.lo = float(s[min(m - 1, int(centre + margin))]) if centre + margin < m - 1 else float("-inf")
+
+        def descending(rank: int) -> float:  # s sorted descending, at 0-based rank (two selections, no sort)
+            return float(s.kthvalue(m - rank).values)
+
+        self.hi = descending(max(0, int(centre - margin))) if centre - margin >= 1 else float("inf")
+        self.lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
 
     def count(self, a: torch.Tensor) -> None:
         """Pass 2: count the values above hi and keep those in [lo, hi]."""
@@ -69,13 +82,42 @@ class Threshold:
 
     def result(self) -> tuple[float, int, int] | None:
         """(tau, c_gt, c_eq), or None if the k-th largest is not among the candidates."""
-        cands = torch.cat(self._cands)
-        self._cands = []
+        chunks, self._cands = self._cands, []
+        cands = torch.cat(chunks)
         r = self.k - self.above  # rank of tau among the candidates, 1 = largest
         if not 1 <= r <= cands.numel():
             return None
         tau = cands.kthvalue(cands.numel() - r + 1).values
-        return float(tau), self.above + int((cands > tau).sum()), int((cands == tau).sum())
+        self.chunk_ties = [int((c == tau).sum()) for c in chunks]
+        return float(tau), self.above + int((cands > tau).sum()), sum(self.chunk_ties)
+
+
+def tie_quotas(chunk_ties: list[int], wanted: int) -> list[int]:
+    """How many of each chunk's tied entries the first-by-position rule keeps: ``wanted`` in chunk order."""
+    quotas = []
+    for ties in chunk_ties:
+        quotas.append(min(ties, wanted))
+        wanted -= quotas[-1]
+    return quotas
+
+
+def first_ties_mask(a: torch.Tensor, tau: float, quota: int) -> torch.Tensor:
+    """{a > tau} plus the first ``quota`` entries equal to tau in row-major order."""
+    keep = a > tau
+    if quota:
+        flat = keep.view(-1)
+        tied = (a.reshape(-1) == tau).nonzero().view(-1)
+        flat[tied[:quota]] = True
+    return keep
+
+
+def first_k_mask(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the k largest of ``a`` (non-negative), ties at the cut by position: the first k of a stable
+    descending sort, without the sort."""
+    tau, c_gt, c_eq = kth_largest(a, k)
+    if tau == 0 or c_gt + c_eq == k:  # tied zeros: kept or dropped, every value is the same (as keep_rule)
+        return keep_mask(a, tau, keep_rule(tau, c_gt, c_eq, k))
+    return first_ties_mask(a, tau, k - c_gt)
 
 
 def exact(a: torch.Tensor, k: int) -> tuple[float, int, int]:

@@ -327,9 +327,11 @@ def _sparsifier(cfg, gen: torch.Generator) -> Callable[[torch.Tensor, int], torc
 MERGEKIT_NORMALIZE = {"ties": True, "della": True}  # mergekit's normalize default of each TIES variant (else false)
 
 
-def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Generator, elect: bool) -> torch.Tensor:
-    """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda."""
-    sparsify = _sparsifier(cfg, gen)
+def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Generator | None, elect: bool,
+             sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+    """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda.
+    ``sparsify``: the config's own sparsifier unless given (rows.DareRows: masks drawn beforehand)."""
+    sparsify = sparsify or _sparsifier(cfg, gen)
     if compat.is_mergekit(cfg):
         normalize = (compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
                      if elect else cfg.normalize)
@@ -375,7 +377,8 @@ def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConf
     return _combine(base, experts, cfg, gen, elect=True)
 
 
-@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs)
+# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
+@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=2)
 def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig,
                 gen: torch.Generator) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
@@ -388,7 +391,8 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs)
+# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
+@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=2)
 def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig,
                      gen: torch.Generator) -> torch.Tensor:
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).

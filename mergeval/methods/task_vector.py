@@ -20,7 +20,7 @@ from mergeval.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
-from mergeval.methods.select import top_k_mask
+from mergeval.methods.select import first_k_mask
 
 
 @dataclass
@@ -144,26 +144,25 @@ def kept_count(density: float, n: int) -> int:
 def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
     """Keep the k = ceil(density * numel) entries of largest magnitude, zero the rest.
 
-    The kept set is {|d| > tau} (+ the ties at tau when all of them fit), tau the k-th largest |d|
-    (select.py); only when the ties at a non-zero tau must be split does torch.topk's order decide.
+    The kept set is {|d| > tau} plus, of the entries with |d| == tau (tau the k-th largest |d|), the
+    first ones in row-major order until k are kept: the first k of a stable descending sort of |d|
+    (select.first_k_mask; found without sorting, and the same on every machine and in row blocks).
+    Before implementation version 2 the ties at a non-zero tau were split in torch.topk's order.
     """
     if density >= 1.0:
         return delta
     k = kept_count(density, delta.numel())
     flat = delta.flatten()
-    magnitude = flat.abs()
-    keep = top_k_mask(magnitude, k)
-    if keep is None:
-        keep = torch.zeros_like(flat, dtype=torch.bool)
-        keep[magnitude.topk(k, sorted=False).indices] = True
+    keep = first_k_mask(flat.abs(), k)
     return torch.where(keep, flat, torch.zeros_like(flat)).view_as(delta)
 
 
-@register("ties", TiesConfig, _validate_ties)
+# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
+@register("ties", TiesConfig, _validate_ties, version=2)
 def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: torch.Generator) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
 
-    t_i     = trim(d_i, density_i)                 keep the ceil(density_i n) largest |d_i|
+    t_i     = trim(d_i, density_i)                 keep the ceil(density_i n) largest |d_i| (ties by position)
                                                    (rescale=l1: then t_i * |d_i|_1 / |t_i|_1)
     gamma   = sign(sum_i t_i)                      sign_rule="sum" (the paper: total mass decides)
             = sign(sum_i sign(t_i))                sign_rule="count" (majority of experts)

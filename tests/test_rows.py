@@ -1,0 +1,120 @@
+"""Row-chunked merges (methods/rows.py) and the tie order of TIES' trim (methods/select.py).
+
+A tensor merged in row blocks must equal, bit for bit, the whole-tensor merge; the trim keeps the
+first k of a stable descending sort of |d|, whatever the number of tied entries at the cut.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from mergeval.engine import execute, merge_tensors, merge_to_disk
+from mergeval.engine.reader import CheckpointReader
+from mergeval.methods import get_method, select
+from mergeval.methods.select import Threshold, first_k_mask
+from mergeval.methods.task_vector import kept_count, trim_to_density
+from mergeval.models.checkpoint import load_tensors
+
+
+def stable_top_k(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference: the first k of a stable descending sort of a (ties by position)."""
+    keep = torch.zeros(a.numel(), dtype=torch.bool)
+    keep[torch.sort(a.reshape(-1), descending=True, stable=True).indices[:k]] = True
+    return keep.view_as(a)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 70_000), st.integers(1, 6), st.floats(0.01, 0.99), st.integers(0, 2**31 - 1))
+def test_first_k_mask_is_the_first_k_of_a_stable_sort(n, levels, density, seed):
+    # few distinct magnitudes: many entries tie at the cut; above SMALL entries the sampled threshold runs
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, levels + 1, (n,), generator=g).float() * 0.25
+    k = kept_count(density, n)
+    assert torch.equal(first_k_mask(a, k) | (a == 0), stable_top_k(a, k) | (a == 0))  # zeros: kept or not, same
+    assert int(first_k_mask(a, k).sum()) == k or float(a.reshape(-1).sort().values[-k]) == 0
+
+
+def test_trim_keeps_the_first_tied_entries_by_position():
+    delta = torch.tensor([1.0, -3.0, 2.0, 3.0, -3.0, 3.0])
+    assert trim_to_density(delta, 0.5).tolist() == [0.0, -3.0, 0.0, 3.0, -3.0, 0.0]
+
+
+def test_the_sampled_threshold_counts_ties_per_chunk():
+    a = torch.tensor([5.0, 2.0, 2.0, 1.0, 2.0, 2.0, 0.0, 2.0] * 8192)
+    chunks = a.split(10_000)
+    t = Threshold(a.numel(), 3 * 8192)
+    for c in chunks:
+        t.sample(c)
+    for c in chunks:
+        t.count(c)
+    tau, c_gt, c_eq = t.result()
+    assert (tau, c_gt, c_eq) == (2.0, 8192, 5 * 8192)
+    assert t.chunk_ties == [int((c == 2.0).sum()) for c in chunks]
+    assert select.tie_quotas(t.chunk_ties, 2 * 8192) == [min(max(0, 2 * 8192 - sum(t.chunk_ties[:i])), x)
+                                                          for i, x in enumerate(t.chunk_ties)]
+
+
+def test_torch_draws_the_same_uniforms_in_pieces_as_in_one_call():
+    whole = torch.rand(100_003, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    pieces = torch.cat([torch.rand(n, generator=g) for n in (1, 15, 17, 4096, 100_003 - 4129)])
+    assert torch.equal(whole, pieces)
+
+
+@pytest.fixture(scope="module")
+def tied_experts(tiny_dir, tmp_path_factory) -> list[Path]:
+    """Experts whose deltas take few distinct values, so every trim cut falls inside a run of ties."""
+    root = tmp_path_factory.mktemp("tied")
+    base = load_file(str(tiny_dir / "model.safetensors"))
+    out = []
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        tensors = {n: (t + 2.0 ** -7 * torch.randint(-2, 3, t.shape, generator=g).to(t.dtype)
+                       if t.is_floating_point() else t) for n, t in base.items()}
+        shutil.copytree(tiny_dir, root / f"e{i}")
+        save_file(tensors, str(root / f"e{i}" / "model.safetensors"), metadata={"format": "pt"})
+        out.append(root / f"e{i}")
+    return out
+
+
+@pytest.mark.parametrize("name,params", [
+    ("ties", {"density": 0.3}),
+    ("ties", {"density": 0.5, "sign_rule": "count", "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}),
+    ("dare_ties", {"density": 0.4}),
+    ("dare_ties", {"density": 0.6, "rescale": "none", "per_expert": [{}, {"density": 1.0}, {}]}),
+    ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25], "normalize": True}),
+])
+def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, tiny_dir, tied_experts, tmp_path,
+                                                              monkeypatch):
+    # every tensor of 2+ rows in blocks of about 300 entries: many blocks, ties split across blocks
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    method = get_method(name)
+    cfg = method.config(**params)
+    out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
+    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7)
+    reader = CheckpointReader(out, "out")
+    assert sorted(reader.names()) == sorted(whole)
+    for n in whole:
+        assert torch.equal(reader.get(n), whole[n]), n
+
+
+def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_experts, tmp_path, monkeypatch):
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    monkeypatch.setattr(Threshold, "result", lambda self: None)
+    method = get_method("ties")
+    cfg = method.config(density=0.3)
+    out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=0)
+    monkeypatch.undo()
+    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=0)
+    reader = CheckpointReader(out, "out")
+    for n in whole:
+        assert torch.equal(reader.get(n), whole[n]), n

@@ -121,9 +121,12 @@ class EvalConfig:
 
 @dataclass
 class StoreConfig:
-    """The SQLite results store shared by all runs (evaluations, merges, runs)."""
+    """The results store shared by all runs (evaluations, merges, runs): an SQLite file, or a PostgreSQL
+    server that many machines share (mergeval/store.py, mergeval/store_backends)."""
 
-    path: str | None = None  # default: <cache_dir>/results.sqlite
+    path: str | None = None  # an SQLite file; default: <cache_dir>/results.sqlite
+    url: str | None = None  # postgresql://USER[:PASSWORD]@HOST[:PORT]/DB, sqlite:///FILE or a file (not with path)
+    claim_timeout_s: float = 300.0  # another machine's evaluation claim not renewed this long is taken over
 
 
 @dataclass

@@ -19,6 +19,7 @@ from mergeval.errors import UserError
 from mergeval.outcome import score_value
 from mergeval.paths import cache_root
 from mergeval.store import STATUSES, Store
+from mergeval.store_backends import is_server_url, sqlite_path
 
 COLUMNS = ["created", "status", "run_id", "experiment", "method", "params", "macro_gain", "macro_og",
            "normalized_mean", "duration_s", "commit", "result_path", "error"]
@@ -72,11 +73,14 @@ def default_store_path() -> Path:
 
 
 def open_existing(path: str | None) -> Store:
-    """The store at ``path`` (default: the cache's), which must exist: listing never creates one."""
-    where = Path(path).expanduser() if path else default_store_path()
+    """The store at ``path`` (default: the cache's), which must exist: listing never creates one. A
+    ``postgresql://`` URL opens the server's store (mergeval/store_backends)."""
+    if is_server_url(path):
+        return Store(path, field="--store")
+    where = sqlite_path(path) if path else default_store_path()
     if not where.exists():
         raise UserError("--store", f"no results store at {where}", "run python -m mergeval first or pass --store PATH")
-    return Store(where)
+    return Store(where, field="--store")
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mergeval.results", description=__doc__.splitlines()[0])
-    parser.add_argument("--store", help="the SQLite results store (default: <cache>/results.sqlite)")
+    parser.add_argument("--store", help="the results store: an SQLite file (default: <cache>/results.sqlite) or "
+                                        "a postgresql:// URL")
     add_filters(parser)
     parser.add_argument("--csv", metavar="FILE", help="also write the rows to this CSV file")
     parser.add_argument("--parquet", metavar="FILE", help="also write the rows to this Parquet file")
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
-    print_table(found, f"{len(found)} run(s) in {store.path}")
+    print_table(found, f"{len(found)} run(s) in {store.location}")
     for flag, path, write in (("--csv", args.csv, write_csv), ("--parquet", args.parquet, write_parquet)):
         if path:
             try:

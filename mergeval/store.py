@@ -1,12 +1,14 @@
-"""The SQLite results store: runs, models, merges and evaluations, shared by every run and sweep.
+"""The results store: runs, models, merges and evaluations, shared by every run and sweep.
 
-One database file in WAL mode, so several sweep workers (the joblib launcher's
-processes, Slurm jobs on one node) read and write at once. Every write is one
-``BEGIN IMMEDIATE`` transaction: a process killed at any point leaves either
-the whole write or none of it, and concurrent writers wait for each other
-(busy timeout) instead of failing or losing rows.
+It lives in an SQLite file (the default, ``<cache_dir>/results.sqlite``: one
+machine, no setup) or on a PostgreSQL server (``store.url=postgresql://...``:
+many machines); ``mergeval.store_backends`` holds what differs between the
+two, this module every query. Every write is one transaction, one writer at a
+time: a process killed at any point leaves either the whole write or none of
+it, and concurrent writers wait for each other instead of failing or losing
+rows.
 
-Tables (schema v5; v1-v4 databases are migrated in place on open):
+Tables (schema v5, ``store_backends/schema.py``; v1-v4 SQLite files are migrated in place on open):
 
 - ``runs``: one row per run. ``start_run`` inserts it as ``running`` with its
   process (host, pid, start time); ``finish_run`` completes it exactly once
@@ -31,12 +33,16 @@ Tables (schema v5; v1-v4 databases are migrated in place on open):
   evaluated need not be redone.
 - ``claims``: which process is evaluating a model right now, so parallel
   sweep jobs that share a constituent evaluate it once (``claim_or_scores``).
+  The claimant renews its claims (``renewed``) from a background thread every
+  ``claim_timeout_s / 4``; a claim of another host not renewed for
+  ``claim_timeout_s`` is taken over (its machine died or lost the network), a
+  claim of this host as soon as its process is gone.
 
-Faults: opening checks that the file is a database, passes ``PRAGMA
-quick_check`` and can be written (once per process and path); an SQLite error
-later (a page corrupted mid-run, a full disk, a file made read-only) becomes a
-one-line ``UserError`` naming the file, raised after the transaction rolled
-back, so the store is never left half-written.
+Faults: opening checks that the database is a store and can be written (once
+per process and location; an SQLite file also passes ``PRAGMA quick_check``);
+a database error later (a damaged page, a full disk, a file made read-only, a
+lost server) becomes a one-line ``UserError`` naming the store's field, raised
+after the transaction rolled back, so the store is never left half-written.
 """
 
 from __future__ import annotations
@@ -46,111 +52,25 @@ import hashlib
 import json
 import os
 import socket
-import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 from mergeval import proc
 from mergeval.errors import UserError
-from mergeval.paths import make_dirs
+from mergeval.store_backends import is_server_url, open_backend, sqlalchemy_url, sqlite_path
+from mergeval.store_backends.schema import (_CURRENT, _EVALUATIONS, _NEW_IN_V2, _RUNS_V2,  # noqa: F401 (tests)
+                                            DEFAULT_METRIC, SCHEMA_VERSION, _canonical, _dump, create, migrate)
 
-SCHEMA_VERSION = 5
-DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
-CLAIM_TTL_S = 6 * 3600  # a claim from another host older than this is presumed dead (its evaluation never came)
-BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
+CLAIM_TIMEOUT_S = 300.0  # default store.claim_timeout_s: another host's claim not renewed this long is dead
 STATUSES = ("running", "finished", "failed", "interrupted")
-
-_RUNS_COLUMNS = """
-    run_id TEXT PRIMARY KEY,
-    created REAL NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ({statuses})),
-    experiment TEXT NOT NULL,
-    method TEXT NOT NULL,
-    config TEXT NOT NULL,
-    versions TEXT NOT NULL,
-    git TEXT NOT NULL,
-    job_dir TEXT,
-    timings TEXT,
-    aggregates TEXT,
-    models TEXT,
-    scores TEXT,
-    result_path TEXT,
-    finished REAL,
-    error TEXT,{owner}
-    CHECK (status = 'running' OR finished IS NOT NULL),
-    CHECK (status <> 'finished' OR (timings IS NOT NULL AND aggregates IS NOT NULL AND models IS NOT NULL
-                                    AND scores IS NOT NULL AND result_path IS NOT NULL))"""
-# v4 adds the 'interrupted' status and the owning process (host, pid, its start time), so a run whose process
-# was killed can be proven dead and marked interrupted by the next process that opens the store.
-_RUNS = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(
-    statuses="'running', 'finished', 'failed', 'interrupted'",
-    owner="\n    host TEXT,\n    pid INTEGER,\n    pid_start INTEGER,") + ")"
-_RUNS_V2 = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(statuses="'running', 'finished', 'failed'", owner="") + ")"
-_EVALUATIONS = """
-CREATE TABLE {name} (
-    model_fingerprint TEXT NOT NULL,
-    task_digest TEXT NOT NULL,
-    settings_hash TEXT NOT NULL,
-    task TEXT NOT NULL,
-    settings TEXT NOT NULL,
-    metrics TEXT NOT NULL,
-    n INTEGER NOT NULL,
-    created REAL NOT NULL,
-    samples_path TEXT,
-    PRIMARY KEY (model_fingerprint, task_digest, settings_hash))"""
-_CURRENT = [
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    _EVALUATIONS.format(name="evaluations"),
-    _RUNS.format(name="runs"),
-]
-_NEW_IN_V2 = [
-    "CREATE INDEX runs_by_created ON runs (created)",
-    """CREATE TABLE models (
-        fingerprint TEXT PRIMARY KEY,
-        source TEXT NOT NULL,
-        architecture TEXT,
-        path TEXT,
-        created REAL NOT NULL)""",
-    """CREATE TABLE claims (
-        model_fingerprint TEXT NOT NULL,
-        settings_hash TEXT NOT NULL,
-        tasks_key TEXT NOT NULL,
-        host TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        since REAL NOT NULL,
-        PRIMARY KEY (model_fingerprint, settings_hash, tasks_key))""",
-    """CREATE TABLE merges (
-        merge_key TEXT PRIMARY KEY,
-        inputs TEXT NOT NULL,
-        method TEXT NOT NULL,
-        seed INTEGER,
-        options TEXT NOT NULL,
-        output_fingerprint TEXT NOT NULL,
-        created REAL NOT NULL)""",
-]
-# v5: a run's configuration hash (resumable sweeps look finished configurations up by it) and a claim's
-# heartbeat (``renewed``: a claimant on another host is presumed dead once it stops renewing).
-_NEW_IN_V5 = [
-    "ALTER TABLE runs ADD COLUMN config_hash TEXT",
-    "CREATE INDEX runs_by_config_hash ON runs (config_hash)",
-    "ALTER TABLE claims ADD COLUMN renewed REAL",
-]
 _JSON_COLUMNS = ("config", "versions", "git", "timings", "aggregates", "models", "scores")
 
 
 class StoreError(RuntimeError):
     """A write the store's state forbids: starting a run id twice, finishing a run that is not running."""
-
-
-def _canonical(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _dump(value) -> str:
-    """JSON for a stored column: key order kept (tasks and config read as the run wrote them)."""
-    return json.dumps(value, separators=(",", ":"), default=str)
 
 
 def settings_hash(settings: Mapping) -> str:
@@ -190,80 +110,45 @@ def architecture_of(hf_config: Mapping) -> dict:
 
 
 class Store:
-    """The results store at ``path`` (created, or migrated to the current schema, on open).
+    """The results store at ``location`` (created, or migrated to the current schema, on open): an SQLite
+    file's path, or a ``postgresql://`` URL. ``field`` is the config field errors name (``store.path``,
+    ``store.url``, ``--store``); ``claim_timeout_s`` how long another host's claim lives without renewal.
 
     Every method opens its own short-lived connection, so a Store may be shared
     across threads and survives ``fork``; each write is one transaction.
     """
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        try:
-            make_dirs(self.path.parent)
-        except OSError as err:
-            raise UserError("store.path", f"cannot create {self.path} ({err.strerror}: {err.filename})",
-                            "point store.path at a writable location") from err
+    def __init__(self, location: Path | str, *, field: str | None = None,
+                 claim_timeout_s: float = CLAIM_TIMEOUT_S):
+        self._db = open_backend(location, field or ("store.url" if is_server_url(location) else "store.path"))
+        self.field = self._db.field
+        self.path: Path | None = getattr(self._db, "path", None)  # the SQLite file; None for a server
+        self.location: str = self._db.location  # what messages name (a server's password masked)
+        self.claim_timeout_s = float(claim_timeout_s)
+        self._heartbeat: _Heartbeat | None = None
         self._ensure_schema()
-        if self.path.resolve() not in _CHECKED:  # once per process: quick_check reads every page
-            self._check_health()
-            _CHECKED.add(self.path.resolve())
+        if self._db.identity() not in _CHECKED:  # once per process: SQLite's quick_check reads every page
+            self._db.check_health()
+            _CHECKED.add(self._db.identity())
         self.reap_dead_runs()
 
-    def _check_health(self) -> None:
-        """The file passes ``PRAGMA quick_check`` and accepts a write (a rolled-back one)."""
-        with self._read() as db:
-            found = [row[0] for row in db.execute("PRAGMA quick_check").fetchall()]
-        if found != ["ok"]:
-            raise UserError("store.path", f"{self.path} is damaged ({'; '.join(found[:2])})", _DAMAGED_FIX)
-        with self._faults(), closing(self._connect()) as db:  # a read-only file fails here, not mid-run
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute("UPDATE meta SET value=value WHERE key='schema_version'")
-            finally:
-                db.execute("ROLLBACK")
+    def sqlalchemy_url(self) -> str:
+        """This store's database as an SQLAlchemy URL (Optuna's study storage shares it)."""
+        return sqlalchemy_url(self.path if self.path is not None else self._db.url)
 
     # connections and transactions
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)  # we issue BEGIN ourselves
-        db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
-        db.execute("PRAGMA journal_mode=WAL")
-        return db
-
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; IMMEDIATE takes the write lock up front, so two writers never deadlock."""
-        with self._faults(), closing(self._connect()) as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-            except BaseException:
-                if db.in_transaction:
-                    try:
-                        db.execute("ROLLBACK")
-                    except sqlite3.Error:  # the failure already ended it (SQLite rolls back on some errors)
-                        pass
-                raise
-            db.execute("COMMIT")
-
-    @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        with self._faults(), closing(self._connect()) as db:
+    def _write(self) -> Iterator:
+        """One write transaction, no other writer in between (SQLite: BEGIN IMMEDIATE; PostgreSQL: the
+        store's advisory lock)."""
+        with self._db.write() as db:
             yield db
 
     @contextmanager
-    def _faults(self) -> Iterator[None]:
-        """An SQLite error the environment caused becomes one line naming the store; IntegrityError (a write
-        the schema forbids) and anything else stay as they are."""
-        try:
-            yield
-        except sqlite3.IntegrityError:
-            raise
-        except sqlite3.DatabaseError as err:
-            line = _store_fault(self.path, err)
-            if line is None:
-                raise
-            raise line from err
+    def _read(self) -> Iterator:
+        with self._db.read() as db:
+            yield db
 
     def _ensure_schema(self) -> None:
         with self._read() as db:
@@ -272,24 +157,15 @@ class Store:
         with self._write() as db:  # re-read under the lock: another process may have just migrated
             version = self._version(db)
             if version == 0:
-                for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5:
-                    db.execute(statement)
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif version in (1, 2, 3, 4):
-                if version == 1:
-                    _migrate_v1_to_v2(db)
-                if version <= 2:
-                    _migrate_v2_to_v3(db)
-                if version <= 3:
-                    _migrate_v3_to_v4(db)
-                _migrate_v4_to_v5(db)
+                create(db, self._db.ddl)
             elif version > SCHEMA_VERSION:
-                raise UserError("store.path", f"{self.path} has schema v{version}, newer than this mergeval "
-                                f"(v{SCHEMA_VERSION})", "upgrade mergeval or use another store.path")
+                raise UserError(self.field, f"{self.location} has schema v{version}, newer than this mergeval "
+                                f"(v{SCHEMA_VERSION})", f"upgrade mergeval or use another {self.field}")
+            elif version < SCHEMA_VERSION:
+                migrate(db, version)
 
-    @staticmethod
-    def _version(db: sqlite3.Connection) -> int:
-        if not db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
+    def _version(self, db) -> int:
+        if not self._db.table_exists(db, "meta"):
             return 0
         row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         return int(row[0]) if row else 0
@@ -316,8 +192,9 @@ class Store:
         A task is evaluated once per model, task digest and settings, whatever other tasks a run has.
         Parallel sweep workers share constituents: the first to ask claims the missing tasks; the others
         wait (``on_wait`` is called once) until their scores arrive, then reuse them. The claim ends with
-        ``put_scores`` of those tasks or ``release_claims``; a claim whose process is gone (same host, pid
-        not running) or that is older than CLAIM_TTL_S (another host) is taken over.
+        ``put_scores`` of those tasks or ``release_claims``; while it lasts, a background thread renews it
+        (``_Heartbeat``). A claim whose process is gone (same host, pid not running) or that another host
+        stopped renewing ``claim_timeout_s`` ago (by the database's clock) is taken over.
         """
         key = settings_hash(settings)
         waited = False
@@ -328,18 +205,40 @@ class Store:
                 if not missing:
                     return got
                 tasks = _tasks_key(missing)
-                holder = db.execute("SELECT host, pid, since FROM claims WHERE model_fingerprint=? AND "
+                holder = db.execute("SELECT host, pid, since, renewed FROM claims WHERE model_fingerprint=? AND "
                                     "settings_hash=? AND tasks_key=?", (fingerprint, key, tasks)).fetchone()
-                if holder is None or not _claim_alive(*holder):
-                    now = time.time()
-                    db.execute("INSERT OR REPLACE INTO claims (model_fingerprint, settings_hash, tasks_key, host, "
-                               "pid, since, renewed) VALUES (?,?,?,?,?,?,?)",
+                now = self._db.now(db)
+                if holder is None or not _claim_alive(*holder, now=now, timeout_s=self.claim_timeout_s):
+                    db.execute("INSERT INTO claims (model_fingerprint, settings_hash, tasks_key, host, pid, since, "
+                               "renewed) VALUES (?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, settings_hash, "
+                               "tasks_key) DO UPDATE SET host=excluded.host, pid=excluded.pid, "
+                               "since=excluded.since, renewed=excluded.renewed",
                                (fingerprint, key, tasks, socket.gethostname(), os.getpid(), now, now))
-                    return got
+                    claimed = True
+                else:
+                    claimed = False
+            if claimed:  # after the commit, so the heartbeat's first renewal sees the claim
+                self._keep_claims_alive()
+                return got
             if not waited and on_wait is not None:
                 on_wait()
             waited = True
             time.sleep(poll_s)
+
+    def _keep_claims_alive(self) -> None:
+        """Start this process's heartbeat unless it runs (one per Store and process; a forked child starts its
+        own)."""
+        with _HEARTBEAT_LOCK:
+            beat = self._heartbeat
+            if beat is None or beat.pid != os.getpid() or not beat.is_alive():
+                self._heartbeat = _Heartbeat(self)
+                self._heartbeat.start()
+
+    def renew_claims(self) -> int:
+        """Mark every claim of this process renewed now (the heartbeat's beat); returns how many it holds."""
+        with self._write() as db:
+            return db.execute("UPDATE claims SET renewed=? WHERE host=? AND pid=?",
+                              (self._db.now(db), socket.gethostname(), os.getpid())).rowcount
 
     def release_claims(self) -> None:
         """Drop every evaluation claim of this process (its run failed before scoring)."""
@@ -373,8 +272,10 @@ class Store:
         key, now = settings_hash(settings), time.time()
         with self._write() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, "
-                "metrics, n, created, samples_path) VALUES (?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, metrics, n, "
+                "created, samples_path) VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, task_digest, "
+                "settings_hash) DO UPDATE SET task=excluded.task, settings=excluded.settings, "
+                "metrics=excluded.metrics, n=excluded.n, created=excluded.created, samples_path=excluded.samples_path",
                 [(fingerprint, digests[task], key, task, _canonical(settings), _canonical(_all_metrics(s)), s["n"],
                   now, samples_path) for task, s in scores.items()])
             # this process's claims on the model end here (it may have evaluated more tasks than it claimed: a
@@ -435,7 +336,7 @@ class Store:
                            "job_dir, host, pid, pid_start, config_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                            (run_id, time.time(), "running", experiment, method, _dump(config),
                             _dump(versions), _dump(git), job_dir, *proc.me(), config_hash))
-        except sqlite3.IntegrityError as err:
+        except self._db.IntegrityError as err:
             raise StoreError(f"run {run_id} is already in the store") from err
 
     def finish_run(self, run_id: str, *, result_path: str, aggregates: Mapping, timings: Mapping,
@@ -526,94 +427,39 @@ class Store:
         return [{k: (json.loads(v) if k in _JSON_COLUMNS and v is not None else v) for k, v in zip(names, row)}
                 for row in rows]
 
-def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
-    """v1 -> v2 inside the caller's transaction: runs gain status/provenance/results columns, evaluations gain
-    samples_path, models and merges are new. v1 recorded only finished runs; their versions, commit, timings,
-    models and scores are taken from their result.json where it still exists, else left empty."""
-    old = db.execute("SELECT run_id, created, result_path, experiment, method, config, aggregates FROM runs")
-    rows = []
-    for run_id, created, result_path, experiment, method, config, aggregates in old.fetchall():
-        result = _read_json(Path(result_path))
-        rows.append((run_id, created, "finished", experiment, method, config,
-                     _dump(result.get("versions", {})), _dump(result.get("git", {})),
-                     str(Path(result_path).parent), _dump(result.get("timings_s", {})), aggregates,
-                     _dump(result.get("models", [])), _dump(result.get("scores", {})), result_path,
-                     created, None))
-    db.execute(_RUNS_V2.format(name="runs_v2"))
-    db.executemany(f"INSERT INTO runs_v2 VALUES ({','.join('?' * 16)})", rows)
-    db.execute("DROP TABLE runs")
-    db.execute("ALTER TABLE runs_v2 RENAME TO runs")
-    db.execute("ALTER TABLE evaluations ADD COLUMN samples_path TEXT")
-    for statement in _NEW_IN_V2:
-        db.execute(statement)
-    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+_CHECKED: set[str] = set()  # stores this process has health-checked
+_HEARTBEAT_LOCK = threading.Lock()  # a heartbeat's stop decision and a new claim's start never interleave
 
 
-def _migrate_v2_to_v3(db: sqlite3.Connection) -> None:
-    """v2 -> v3 inside the caller's transaction: an evaluation keeps every metric by name. v2 stored the
-    accuracy of generated tasks only, so each row becomes ``{"acc,none": [acc, stderr]}``."""
-    rows = db.execute("SELECT model_fingerprint, task_digest, settings_hash, task, settings, acc, stderr, n, "
-                      "created, samples_path FROM evaluations").fetchall()
-    db.execute(_EVALUATIONS.format(name="evaluations_v3"))
-    db.executemany("INSERT INTO evaluations_v3 VALUES (?,?,?,?,?,?,?,?,?)",
-                   [(*r[:5], _canonical({DEFAULT_METRIC: [r[5], r[6]]}), *r[7:]) for r in rows])
-    db.execute("DROP TABLE evaluations")
-    db.execute("ALTER TABLE evaluations_v3 RENAME TO evaluations")
-    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+class _Heartbeat(threading.Thread):
+    """Renews its process's claims every ``claim_timeout_s / 4`` while the process holds any, then ends (a
+    daemon thread: it dies with the process, and so do the renewals). A failed renewal (the server briefly
+    unreachable) is retried at the next beat; should they fail for ``claim_timeout_s``, another host may take
+    the claim and evaluate the model too: time lost, never a wrong row (scores of one model, task and
+    settings are the same whoever computes them)."""
 
+    def __init__(self, store: Store):
+        super().__init__(daemon=True, name="mergeval-claims-heartbeat")
+        self.store, self.pid = store, os.getpid()
 
-def _migrate_v3_to_v4(db: sqlite3.Connection) -> None:
-    """v3 -> v4 inside the caller's transaction: runs may be ``interrupted`` and record their process. Runs
-    from before have no process, so a stale ``running`` one among them is never reaped automatically."""
-    db.execute(_RUNS.format(name="runs_v4"))
-    columns = [row[1] for row in db.execute("PRAGMA table_info(runs)").fetchall()]
-    db.execute(f"INSERT INTO runs_v4 ({', '.join(columns)}) SELECT {', '.join(columns)} FROM runs")
-    db.execute("DROP TABLE runs")
-    db.execute("ALTER TABLE runs_v4 RENAME TO runs")
-    db.execute("CREATE INDEX IF NOT EXISTS runs_by_created ON runs (created)")
-    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-
-
-def _migrate_v4_to_v5(db: sqlite3.Connection) -> None:
-    """v4 -> v5 inside the caller's transaction: runs gain ``config_hash`` (NULL for the runs before: a resumed
-    sweep reruns them once), claims gain their heartbeat ``renewed`` (NULL: the claim's ``since`` stands in)."""
-    for statement in _NEW_IN_V5:
-        db.execute(statement)
-    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-
-
-_CHECKED: set[Path] = set()  # stores this process has health-checked
-_DAMAGED_FIX = ("move the file aside and rerun (evaluations are then recomputed), or recover what it holds "
-                "with `sqlite3 FILE .recover | sqlite3 NEW`")
-
-
-def _store_fault(path: Path, err: sqlite3.DatabaseError) -> UserError | None:
-    """The one-line error for an SQLite failure the environment caused, or None for any other."""
-    code = getattr(err, "sqlite_errorname", "") or ""
-    if code.startswith("SQLITE_READONLY") or "readonly database" in str(err):
-        return UserError("store.path", f"{path} is read-only ({err})",
-                         "make the file and its directory writable, or point store.path elsewhere")
-    if code in ("SQLITE_FULL",) or "disk is full" in str(err):
-        return UserError("store.path", f"no space left for {path} ({err})",
-                         "free some space there, or point store.path at another file system")
-    if code in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or code.startswith("SQLITE_CORRUPT") or \
-            "malformed" in str(err) or "not a database" in str(err):
-        return UserError("store.path", f"{path} is damaged or not a results store ({err})", _DAMAGED_FIX)
-    if code.startswith("SQLITE_CANTOPEN") or code.startswith("SQLITE_IOERR") or code.startswith("SQLITE_PERM"):
-        return UserError("store.path", f"cannot read or write {path} ({err})",
-                         "check the file's permissions and the device, or point store.path elsewhere")
-    if code.startswith("SQLITE_BUSY") or "database is locked" in str(err):
-        return UserError("store.path", f"{path} stayed locked by another process for over {BUSY_TIMEOUT_S} s",
-                         "wait for that process, or use another store.path (a network file system cannot "
-                         "hold an SQLite store safely)")
-    return None
+    def run(self) -> None:
+        while True:
+            time.sleep(self.store.claim_timeout_s / 4)
+            with _HEARTBEAT_LOCK:
+                try:
+                    held = self.store.renew_claims()
+                except Exception:  # noqa: BLE001 - any failure: try again at the next beat (docstring)
+                    continue
+                if held == 0:
+                    self.store._heartbeat = None
+                    return
 
 
 def _all_metrics(score: Mapping) -> dict:
     return dict(score.get("metrics") or {score["metric"]: [score["value"], score["stderr"]]})
 
 
-def _stored(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str,
+def _stored(db, fingerprint: str, digests: Mapping[str, str], key: str,
             metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
     """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model and settings (any
     subset); a task stored without the metric asked for counts as not stored."""
@@ -628,7 +474,7 @@ def _stored(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str]
     return out
 
 
-def _scores(db: sqlite3.Connection, fingerprint: str, digests: Mapping[str, str], key: str,
+def _scores(db, fingerprint: str, digests: Mapping[str, str], key: str,
             metrics: Mapping[str, str] | None = None) -> dict | None:
     got = _stored(db, fingerprint, digests, key, metrics)
     return got if set(got) == set(digests) else None
@@ -638,25 +484,34 @@ def _tasks_key(digests: Mapping[str, str]) -> str:
     return hashlib.sha256(_canonical(sorted(digests.values())).encode()).hexdigest()[:16]
 
 
-def _claim_alive(host: str, pid: int, since: float) -> bool:
+def _claim_alive(host: str, pid: int, since: float, renewed: float | None, *, now: float,
+                 timeout_s: float) -> bool:
     """Whether a claim's process may still be evaluating: on this host, unless its process is gone (this very
-    process's stale claims never block it); elsewhere, whether the claim is younger than CLAIM_TTL_S."""
+    process's stale claims never block it); elsewhere, whether it was renewed (or made, before any renewal)
+    less than ``timeout_s`` before ``now``."""
     if host != socket.gethostname():
-        return time.time() - since < CLAIM_TTL_S
+        return now - (since if renewed is None else renewed) < timeout_s
     return pid != os.getpid() and not proc.gone(host, pid)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def open_store(cfg, cache: Path) -> Store:
-    """The results store at ``store.path``, default ``<cache>/results.sqlite``."""
-    return Store(Path(cfg.store.path).expanduser() if cfg.store.path else cache / "results.sqlite")
+    """The results store of a run config: ``store.url`` (a PostgreSQL URL, an ``sqlite:///`` URL or a file
+    path) or ``store.path`` (a file), default ``<cache>/results.sqlite``; ``store.claim_timeout_s``."""
+    url, path = getattr(cfg.store, "url", None), cfg.store.path
+    timeout = float(getattr(cfg.store, "claim_timeout_s", CLAIM_TIMEOUT_S))
+    if not timeout > 0:
+        raise UserError("store.claim_timeout_s", f"must be positive, got {timeout}", "give seconds, e.g. 300")
+    if url and path:
+        raise UserError("store.url", "store.url and store.path are both set", "keep one of them (store.url "
+                        "also takes a file path)")
+    if url:
+        url = str(url)
+        if "://" in url and not is_server_url(url) and not url.startswith("sqlite:///"):
+            raise UserError("store.url", f"'{url.split('://')[0]}://' is not a store this mergeval can use",
+                            "give postgresql://USER@HOST:PORT/DB, sqlite:///FILE or a file path")
+        return Store(url if is_server_url(url) else sqlite_path(url), field="store.url", claim_timeout_s=timeout)
+    return Store(Path(path).expanduser() if path else cache / "results.sqlite", field="store.path",
+                 claim_timeout_s=timeout)
 
 
 def record_models(store: Store, models) -> None:

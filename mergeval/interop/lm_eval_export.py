@@ -107,7 +107,7 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
 def _finished_run(store, run_id: str) -> dict:
     runs = [r for r in store.runs() if r["run_id"].startswith(run_id)] if run_id else []
     if len(runs) != 1:
-        raise UserError("RUN_ID", f"{len(runs)} runs in {store.path} start with '{run_id}'",
+        raise UserError("RUN_ID", f"{len(runs)} runs in {store.location} start with '{run_id}'",
                         "give a run id (or an unambiguous prefix) that `python -m mergeval.results` lists")
     run = runs[0]
     if run["status"] != "finished":

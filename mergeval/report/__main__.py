@@ -110,13 +110,13 @@ def collect(args: argparse.Namespace) -> tuple[list[dict], str]:
     store = open_existing(args.store or None)
     runs = store.runs(args.experiment, args.method, "finished", since)
     results = [result_from_run(r) for r in runs if r["models"] and r["scores"]]  # runs migrated without scores
-    return results, f"{len(results)} finished run(s) from the results store {store.path}"
+    return results, f"{len(results)} finished run(s) from the results store {store.location}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mergeval.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", metavar="PATH", help="result.json files or directories to search")
-    parser.add_argument("--store", nargs="?", const="", default=None, metavar="FILE",
+    parser.add_argument("--store", nargs="?", const="", default=None, metavar="FILE_OR_URL",
                         help=f"report finished runs from the results store (default file: {default_store_path()}); "
                              "the default when no PATH is given")
     add_filters(parser, status=False)

@@ -110,7 +110,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
 
         target = out_dir / "merged_model"
         save_merged(merged, base_dir, target, method.name,
-                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]})
+                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype)
         models[-1].path = str(target)
         lap("save_merged")
 

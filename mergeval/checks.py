@@ -91,6 +91,9 @@ def validate(cfg: DictConfig):
     check_backend(cfg.eval.backend, cfg.eval.device)
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
+    if cfg.get("out_dtype") not in (None, "float32", "bfloat16", "float16"):
+        raise UserError("out_dtype", f"unknown dtype '{cfg.out_dtype}'",
+                        "use float32, bfloat16 or float16, or null for the base's")
     check_vocab_policy(cfg.vocab_policy)
     return method, method_cfg
 

@@ -170,6 +170,9 @@ class RunConfig:
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
     vocab_policy: str = "error"  # inputs with different vocabularies: error | truncate | union (mergeval.engine.vocab)
     output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
+    # dtype of the floating tensors a saved merge is written in (merge-only output, save_merged): float32 |
+    # bfloat16 | float16; null keeps each tensor's dtype in the base. Merging itself always runs in float32.
+    out_dtype: str | None = None
     staged: StagedConfig | None = None  # the sweep of python -m mergeval.staged (unused by python -m mergeval)
     verbose: bool = False  # also show lm-eval's and transformers' own progress bars and warnings
     mergekit: str | None = None  # a mergekit YAML: its method and models replace method and modelset (interop/)

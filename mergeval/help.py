@@ -20,6 +20,7 @@ OVERRIDES = """\
   eval.apply_chat_template=true            prompting (also system_instruction, gen_kwargs)
   offline=false                            let hub models and data sets download
   save_merged=true                         also write the merged model into the job directory
+  out_dtype=bfloat16                       the dtype a saved merge is written in (default: the base's)
   cache_dir=DIR store.path=FILE seed=0     where things are cached and stored; the merge seed
   -m method=ties,task_arithmetic method.lambda_=0.5,1.0    a sweep: one job directory per job
   --cfg job                                print the composed config and exit"""

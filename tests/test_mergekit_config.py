@@ -9,6 +9,7 @@ configuration mergeval exports for its merge is merged again by mergekit (same t
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -201,3 +202,30 @@ def test_merge_command_runs_a_mergekit_file_and_writes_mergekit_yaml(models, tmp
     done = subprocess.run([*cmd[:3], f"mergekit={bad}", f"output={tmp_path / 'no'}"], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "mergekit.slices" in done.stderr
+
+
+@requires_mergekit
+def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, tmp_path):
+    """mergekit writes in out_dtype (else dtype): so does mergeval, config.json says so, and the exported
+    mergekit.yaml carries it; the tensors are the float32 merge rounded once."""
+    doc = {**examples(models)["ties"], "out_dtype": "bfloat16"}
+    path = tmp_path / "ties.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "merged"
+    done = subprocess.run([sys.executable, "-m", "mergeval.merge", f"mergekit={path}", f"output={out}",
+                           f"cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ours = load_file(str(out / "model.safetensors"))
+    assert {t.dtype for t in ours.values()} == {torch.bfloat16}
+    config = json.loads((out / "config.json").read_text())
+    named = [config[k] for k in ("dtype", "torch_dtype") if k in config]
+    assert named and set(named) == {"bfloat16"}, config
+    full, *_ = mergeval_merge(examples(models)["ties"])
+    assert all(torch.equal(ours[k], full[k].to(torch.bfloat16)) for k in full)
+    exported = yaml.safe_load((out / "mergekit.yaml").read_text())
+    assert exported["out_dtype"] == "bfloat16"
+    theirs = mergekit_merge(exported, tmp_path)
+    assert {t.dtype for t in theirs.values()} == {torch.bfloat16}
+    for k in full:  # mergekit rounds its float32 result once too: at most one bfloat16 step apart
+        step = torch.finfo(torch.bfloat16).eps * full[k].abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+        assert ((theirs[k].float() - ours[k].float()).abs() <= step).all(), k

@@ -219,3 +219,23 @@ def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir,
     members = [scores["hellaswag"], scores["mmlu_high_school_chemistry"]]
     want = sum(m.metrics["acc,none"][0] * m.n for m in members) / sum(m.n for m in members)
     assert scores["my_group"].value == pytest.approx(want) and scores["my_group"].n == 16 + 12
+    # exported in lm-eval's shape, the group keeps its members: lm-eval's own table nests them under it
+    from lm_eval.utils import make_table
+
+    from mergeval.interop.lm_eval_export import group_subtasks, lm_eval_results
+
+    rows = {n: {"metric": r.metric, "higher_is_better": r.higher_is_better, "output_type": r.output_type,
+                "entry": r.entry, "counted": r.counted} for n, r in suite.rows.items()}
+    names = list(rows)
+    run = {"config": {"benchmark": {"limit": None}, "eval": OmegaConf.to_container(OmegaConf.structured(eval_cfg()))},
+           "result": {"tasks": names, "rows": rows, "task_digests": {n: suite.digests.get(n) for n in names}},
+           "scores": {n: {"base": scores[n].as_dict()} for n in names}, "created": "now",
+           "models": [{"role": "base", "path": str(tiny_dir), "source": "zoo:tiny", "fingerprint": "f"}],
+           "run_id": "r"}
+    members = ["hellaswag", "mmlu_high_school_chemistry"]
+    out = lm_eval_results(run, "base", {}, suite)
+    assert out["group_subtasks"] == {"my_group": members} and list(out["groups"]) == ["my_group"]
+    assert group_subtasks(names, rows) == {"my_group": members}  # from the stored rows alone, without the suite
+    table = make_table(out)
+    named = [line.split("|")[1].rstrip() for line in table.splitlines()[2:] if line.split("|")[1].strip()]
+    assert named == ["my_group", " - hellaswag", " - mmlu_high_school_chemistry"], table

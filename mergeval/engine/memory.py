@@ -20,7 +20,7 @@ from mergeval.engine.execute import output_shapes, run_plan
 from mergeval.engine.plan import build_plan, check_plan
 from mergeval.engine.reader import CheckpointReader, MemorySource
 from mergeval.engine.vocab import vocab_rows
-from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files
+from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files, output_specs
 from mergeval.errors import UserError
 from mergeval.methods import MergeMethod
 from mergeval.models.checkpoint import check_compatible
@@ -106,21 +106,22 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
 
 
 def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: str, card: dict,
-                shard_size: int = DEFAULT_SHARD_SIZE) -> Path:
+                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None) -> Path:
     """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
 
     ``card``: ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}`` for README.md.
+    ``out_dtype``: the dtype name floating tensors are written in (None: as they are).
     """
-    specs = {n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}
+    specs = output_specs({n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}, out_dtype)
     text = model_card(method, card.get("config", {}), card.get("inputs", []), "base")
     with atomic_dir(Path(out_dir)) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:
             for name in specs:
-                writer.write(name, tensors[name])
+                writer.write(name, tensors[name].to(specs[name][1]))
             writer.finish()
         finally:
             writer.close()
-        copy_model_files(tmp, Path(base_dir), Path(base_dir))
+        copy_model_files(tmp, Path(base_dir), Path(base_dir), out_dtype=out_dtype)
         (tmp / "README.md").write_text(text)
     return Path(out_dir)

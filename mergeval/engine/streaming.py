@@ -20,7 +20,7 @@ from mergeval.engine.execute import output_shapes, run_plan
 from mergeval.engine.plan import build_plan, check_plan
 from mergeval.engine.reader import CheckpointReader
 from mergeval.engine.vocab import vocab_rows
-from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files
+from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, cast_to, copy_model_files, output_specs
 from mergeval.errors import UserError
 from mergeval.methods import MergeMethod
 from mergeval.models.checkpoint import check_compatible, check_vocab_policy, read_config, vocab_size
@@ -29,7 +29,7 @@ from mergeval.paths import atomic_dir
 
 def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_dirs: list[Path] | Mapping[str, Path],
                   out_dir: Path, seed: int = 0, vocab_policy: str = "error", shard_size: int = DEFAULT_SHARD_SIZE,
-                  card: dict | None = None, progress: bool = False) -> Path:
+                  card: dict | None = None, progress: bool = False, out_dtype: str | None = None) -> Path:
     """Merge the checkpoints in ``base_dir`` and ``expert_dirs`` into a new directory ``out_dir``.
 
     ``expert_dirs``: a list, or a mapping name -> directory (the names appear in
@@ -37,6 +37,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     optional ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}``
     for the model card; by default the card records the method config, seed and
     vocab_policy, and the inputs' paths and fingerprints (computed here).
+    ``out_dtype``: the dtype name floating tensors are written in (None: the base's).
     Every check (config, rules at every tensor, shapes, vocabularies, the output
     path) runs before the first tensor is read.
     """
@@ -53,7 +54,8 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
     plan = build_plan(method, method_cfg, base.dtypes)
     check_plan(method, plan, len(experts))
-    specs = {n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()}
+    specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()},
+                         out_dtype)
     tokenizer_role, tokenizer_dir, out_vocab = tokenizer_source(base_dir, named, vocab_policy if rows else "error")
     card = card or {}
     config = card.get("config") or {"method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg)
@@ -64,11 +66,11 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
         writer = ShardWriter(tmp, specs, shard_size)
         try:
             for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
-                writer.write(name, tensor)
+                writer.write(name, cast_to(tensor, specs[name][1]))
             writer.finish()
         finally:
             writer.close()
-        copy_model_files(tmp, base_dir, tokenizer_dir, out_vocab)
+        copy_model_files(tmp, base_dir, tokenizer_dir, out_vocab, out_dtype)
         (tmp / "README.md").write_text(text)
     return out_dir
 

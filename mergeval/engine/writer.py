@@ -125,13 +125,32 @@ class ShardWriter:
             self._file = None
 
 
-def copy_model_files(out_dir: Path, base_dir: Path, tokenizer_dir: Path, vocab_size: int | None = None) -> None:
-    """config.json and generation_config.json from the base (vocab_size replaced when given), tokenizer files
-    from ``tokenizer_dir``."""
+def output_specs(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], out_dtype: str | None) -> dict:
+    """``specs`` with every floating tensor's dtype replaced by ``out_dtype`` (a torch dtype name; None: as is)."""
+    if out_dtype is None:
+        return dict(specs)
+    to = getattr(torch, out_dtype)
+    return {n: (shape, to if dtype.is_floating_point else dtype) for n, (shape, dtype) in specs.items()}
+
+
+def cast_to(tensor, dtype: torch.dtype):
+    """A tensor, or an iterable of its row blocks, cast to ``dtype`` (blocks lazily, one at a time)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.to(dtype)
+    return (block.to(dtype) for block in tensor)
+
+
+def copy_model_files(out_dir: Path, base_dir: Path, tokenizer_dir: Path, vocab_size: int | None = None,
+                     out_dtype: str | None = None) -> None:
+    """config.json and generation_config.json from the base (vocab_size replaced when given; the dtype it names
+    replaced by ``out_dtype`` when given), tokenizer files (chat template included) from ``tokenizer_dir``."""
     config = json.loads((base_dir / "config.json").read_text())
     if vocab_size is not None:
         holder = config if "vocab_size" in config or "text_config" not in config else config["text_config"]
         holder["vocab_size"] = vocab_size
+    if out_dtype is not None:  # transformers 5 writes "dtype", 4 "torch_dtype"; both read the latter
+        for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
+            config[key] = out_dtype
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (base_dir / "generation_config.json").exists():
         shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")

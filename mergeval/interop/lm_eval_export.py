@@ -9,6 +9,8 @@ each expert, merged), shaped as ``lm_eval --output_path`` writes them:
   model, task and the run's settings as ``"<metric>,<filter>": value`` and
   ``"<metric>_stderr,<filter>": stderr`` (``"N/A"`` where there is none), as
   lm-eval names them; at least the metric the run reported;
+- ``group_subtasks`` (each group row's members) and ``groups`` (the group rows again), as lm-eval
+  writes them for a benchmark entry that is a group;
 - ``versions``, ``n-shot``, ``configs`` (the task's ``dump_config()``):
   from the run's benchmark, rebuilt from its stored config, for each task whose
   digest is still the one evaluated (a task whose data or definition changed
@@ -59,9 +61,11 @@ def lm_eval_results(run: dict, role: str, metrics: dict[str, dict], suite=None) 
                                                                                   "effective": score["n"]}
     known = [t for t in tasks if suite is not None and suite.digests.get(t) == result["task_digests"].get(t)
              and t in suite.loaded["tasks"]]
+    subtasks = group_subtasks(tasks, result["rows"], suite)
     return {
         "results": results,
-        "group_subtasks": {},
+        **({"groups": {g: results[g] for g in subtasks if g in results}} if subtasks else {}),
+        "group_subtasks": subtasks,
         "configs": {t: suite.task(t).dump_config() for t in known},
         "versions": {t: (suite.task(t).get_config("metadata") or {}).get("version") for t in known},
         "n-shot": {t: suite.task(t).get_config("num_fewshot") or 0 for t in known},
@@ -80,6 +84,21 @@ def lm_eval_results(run: dict, role: str, metrics: dict[str, dict], suite=None) 
         "mergeval": {"run_id": run["run_id"], "role": role, "source": model["source"],
                      "fingerprint": model["fingerprint"], "task_digests": {t: result["task_digests"][t] for t in tasks}},
     }
+
+
+def group_subtasks(tasks: list[str], rows: dict, suite=None) -> dict[str, list[str]]:
+    """``{group: its direct members}`` for every group row among ``tasks``, as lm-eval's ``group_subtasks``
+    (its ``make_table`` indents members under their group). From the rebuilt benchmark's groups when there is one;
+    else from the run's rows: a group row (no output type) lists the other rows of its benchmark entry (nested
+    groups then appear flattened under the entry's group)."""
+    groups = suite.loaded["groups"] if suite is not None else {}
+    out = {}
+    for task in tasks:
+        if task in groups:
+            out[task] = list(groups[task].child_names)
+        elif rows.get(task, {}).get("output_type", "") is None:
+            out[task] = [t for t in tasks if t != task and rows.get(t, {}).get("entry") == rows[task].get("entry")]
+    return out
 
 
 def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[Path]:

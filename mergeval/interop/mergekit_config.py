@@ -17,8 +17,11 @@ replaces the run's method and modelset by the file's:
     filters [{filter: f, value: v}, ...]
                             rules {match: '*f*'}, listed in reverse so that the first matching
                             filter wins, as in mergekit; per-model ones carry ``expert: i``
-    dtype, out_dtype        accepted; mergeval merges in float32 and writes the base's dtype
-                            (a note says so when they are not float32)
+    out_dtype (else dtype)  out_dtype: the dtype the merged model is written in, as in mergekit
+                            (which writes in dtype when out_dtype is absent); float32, bfloat16,
+                            float16 and their short names. dtype, mergekit's working precision, is
+                            not applied: mergeval merges in float32 (a note says so when it is
+                            lower; mergekit's result then differs by its roundings)
     tokenizer_source        null or base (mergeval keeps the base's tokenizer)
 
 Anything else (slices, modules, passthrough and the methods mergeval lacks, tokenizer:,
@@ -147,10 +150,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     if tok not in (None, "base") and tok != base_ref:
         raise UserError(f"{where}.tokenizer_source", f"'{tok}': mergeval keeps the base model's tokenizer",
                         "remove tokenizer_source or set it to base")
-    for key in ("dtype", "out_dtype"):
-        if doc.get(key) not in (None, "float32", "fp32"):
-            notes.append(f"{where}.{key}={doc[key]}: mergeval merges in float32 and writes the base's dtype "
-                         "(mergekit rounds to it)")
+    if doc.get("dtype") not in (None, "float32", "fp32"):
+        notes.append(f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
+                     f"{doc['dtype']}, so its tensors differ by that rounding)")
 
     include_base = False
     if name == "linear" and base_ref is None:
@@ -221,6 +223,21 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     return cfg, modelset, notes
 
 
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def output_dtype(doc: dict, where: str = "mergekit") -> str | None:
+    """The dtype name mergekit would write the merge in: out_dtype, else dtype, else None (the inputs')."""
+    key = "out_dtype" if doc.get("out_dtype") is not None else "dtype"
+    value = doc.get(key)
+    if value is None:
+        return None
+    if value not in DTYPE_NAMES:
+        raise UserError(f"{where}.{key}", f"unknown dtype '{value}'", f"use one of: {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[value]
+
+
 def _expert_names(refs: list[tuple[str, str]]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for ref, field in refs:
@@ -242,20 +259,25 @@ def apply(cfg) -> None:
     path = cfg.get("mergekit")
     if not path:
         return
-    method_cfg, modelset, notes = from_mergekit(load(path))
+    doc = load(path)
+    method_cfg, modelset, notes = from_mergekit(doc)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     schema = get_method(method_cfg["name"]).config
+    written = output_dtype(doc)
     with open_dict(cfg):
         cfg.method = OmegaConf.merge(OmegaConf.structured(schema), method_cfg)
         cfg.modelset = OmegaConf.merge(OmegaConf.structured(ModelsetConfig), modelset)
+        if cfg.get("out_dtype") is None:  # an out_dtype given on the command line wins over the file's
+            cfg.out_dtype = written
 
 
 # ---------------------------------------------------------------- out
 
 
-def to_mergekit(method_cfg: Any, base: str, experts: list[str]) -> dict | None:
-    """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors."""
+def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> dict | None:
+    """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors.
+    ``out_dtype``: the dtype the merge is written in (None: the inputs')."""
     from mergeval.methods.registry import rule_items
 
     name = method_cfg.name
@@ -312,14 +334,16 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str]) -> dict | None:
     if name != "linear":
         doc["base_model"] = base
     doc.update({"models": models, "parameters": shared, "dtype": "float32"})
+    if out_dtype is not None:
+        doc["out_dtype"] = out_dtype
     return doc
 
 
-def write(path: Path, method_cfg: Any, base: str, experts: list[str]) -> Path | None:
+def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> Path | None:
     """Write ``to_mergekit``'s configuration as YAML at ``path`` (nothing when mergekit cannot express it)."""
     from mergeval.paths import atomic_write_text
 
-    doc = to_mergekit(method_cfg, base, experts)
+    doc = to_mergekit(method_cfg, base, experts, out_dtype)
     if doc is None:
         return None
     atomic_write_text(path, "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
@@ -335,4 +359,4 @@ def write_for_run(path: Path, cfg, models) -> Path | None:
     experts = [paths.get(name) for name in cfg.modelset.experts]
     if paths.get("base") is None or None in experts:
         return None
-    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts)
+    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts, cfg.get("out_dtype"))

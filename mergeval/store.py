@@ -436,22 +436,26 @@ class _Heartbeat(threading.Thread):
     daemon thread: it dies with the process, and so do the renewals). A failed renewal (the server briefly
     unreachable) is retried at the next beat; should they fail for ``claim_timeout_s``, another host may take
     the claim and evaluate the model too: time lost, never a wrong row (scores of one model, task and
-    settings are the same whoever computes them)."""
+    settings are the same whoever computes them). The heartbeat then ends: the lease is lost either way, and
+    a store that is gone for good (its file removed) is not knocked at forever."""
 
     def __init__(self, store: Store):
         super().__init__(daemon=True, name="mergeval-claims-heartbeat")
         self.store, self.pid = store, os.getpid()
 
     def run(self) -> None:
+        renewed = time.monotonic()
         while True:
             time.sleep(self.store.claim_timeout_s / 4)
-            with _HEARTBEAT_LOCK:
+            with _HEARTBEAT_LOCK:  # the decision to end and a new claim's check for a heartbeat never interleave
                 try:
                     held = self.store.renew_claims()
+                    renewed = time.monotonic()
                 except Exception:  # noqa: BLE001 - any failure: try again at the next beat (docstring)
-                    continue
-                if held == 0:
-                    self.store._heartbeat = None
+                    held = None
+                if held == 0 or time.monotonic() - renewed >= self.store.claim_timeout_s:
+                    if self.store._heartbeat is self:
+                        self.store._heartbeat = None
                     return
 
 

@@ -227,3 +227,25 @@ def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("mergeval: error: store.url: cannot reach the PostgreSQL server"), lines[0]
+
+
+def test_the_heartbeat_ends_with_the_last_claim_or_once_renewals_failed_for_the_timeout(tmp_path):
+    from mergeval.store import Store
+
+    store = Store(tmp_path / "r.sqlite", claim_timeout_s=0.2)
+    assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == {}
+    beat = store._heartbeat
+    assert beat.is_alive()
+    store.put_scores("fp", DIGESTS, SETTINGS, scores(1))  # the last claim ends: so does the heartbeat
+    beat.join()
+    assert store._heartbeat is None
+    assert store.claim_or_scores("fp2", DIGESTS, SETTINGS) == {}  # a new claim, a new heartbeat
+    failing = store._heartbeat
+    assert failing is not beat and failing.is_alive()
+
+    def unreachable() -> int:
+        raise OSError("the store is gone")
+
+    store.renew_claims = unreachable
+    failing.join()  # renewals failed for claim_timeout_s: the lease is lost, the heartbeat gives up
+    assert store._heartbeat is None

@@ -220,6 +220,12 @@ def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
     assert "authentication failed" in opened(pg_server.url(password="wrong"))
     assert "database does not exist" in opened(pg_server.url("no_such_db"))
     assert "cannot reach the PostgreSQL server" in opened(pg_server.url(port=free_port()))
+    foreign = pg_server.new_database()  # another application's database
+    import psycopg
+
+    with psycopg.connect(foreign, autocommit=True) as db:
+        db.execute("CREATE TABLE meta (name TEXT)")
+    assert "tables that are not a mergeval store's" in opened(foreign)
     # through the command line: one line, exit 2, before any model is loaded
     out = subprocess.run([sys.executable, "-m", "mergeval", f"store.url={pg_server.url(port=free_port())}",
                           f"cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, capture_output=True, text=True,

@@ -177,6 +177,9 @@ def server_fault(location: str, err: Exception, field: str) -> UserError | None:
         return UserError(field, f"{location} does not accept this user's writes ({why})",
                          "grant the user write rights on the store's tables, or point store.url at a "
                          "primary server (not a read-only replica)")
+    if state in ("42P01", "42703", "42804"):  # undefined_table / _column, datatype_mismatch: someone else's tables
+        return UserError(field, f"{location} holds tables that are not a mergeval store's ({why})",
+                         "point store.url at an empty database or one that mergeval created")
     if state == "55P03":  # lock_not_available
         return UserError(field, f"{location} stayed locked by another writer for over {LOCK_TIMEOUT_S} s",
                          "wait for that process, or check the server for a stuck session (pg_stat_activity)")

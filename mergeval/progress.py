@@ -142,7 +142,7 @@ def watch(argv: list[str]) -> SweepProgress | None:
     from mergeval.paths import cache_root
     from mergeval.resume import config_hash
     from mergeval.store import open_store
-    from mergeval.sweep_check import _CONFIG_FLAGS, expand
+    from mergeval.sweep_check import _CONFIG_FLAGS, COMPOSED, expand
 
     if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in argv):
         return None
@@ -151,8 +151,11 @@ def watch(argv: list[str]) -> SweepProgress | None:
     if not expanded:
         return None
     swept = [i for i in range(len(overrides)) if len({job[i] for job in expanded}) > 1]
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
-        configs = [compose("config", overrides=job) for job in expanded]
+    missing = [job for job in expanded if tuple(job) not in COMPOSED]  # check_sweep composed the others
+    if missing:
+        with initialize_config_module("mergeval.conf", version_base="1.3"):
+            COMPOSED.update({tuple(job): compose("config", overrides=job) for job in missing})
+    configs = [COMPOSED[tuple(job)] for job in expanded]
     first = configs[0]
     stores = {(c.store.path, c.cache_dir) for c in configs}
     if not first.sweep.progress or len(stores) > 1:

@@ -8,6 +8,9 @@ and adds no row to the store. A sweep killed at any point and run again thus
 ends with each configuration finished exactly once. ``sweep.resume=false``
 (or ``eval.force=true``, which redoes merges and evaluations) runs it again.
 A single run (no ``-m``) is never skipped: asking for one run is asking for it.
+A configuration that a live process of this machine is running (a worker of a
+sweep whose launching process was killed alone finishes its job) is skipped
+too, so it is not recorded twice; run the sweep again once that has ended.
 
 The hash is sha256 over the job's resolved config as canonical JSON, less what
 cannot change its results (``IGNORED``), plus the versions of the packages
@@ -21,6 +24,7 @@ finished on one node type is not redone on another.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -49,8 +53,6 @@ RESULT_PACKAGES = ("mergeval", "torch", "transformers", "lm_eval")
 def hashed_config(cfg: DictConfig) -> dict:
     """What ``config_hash`` hashes: the resolved config less ``IGNORED``, a mergekit file by its content, and
     the versions of ``RESULT_PACKAGES``."""
-    from mergeval.provenance import package_versions
-
     config = OmegaConf.to_container(cfg, resolve=True)
     for dotted in IGNORED:
         *parents, leaf = dotted.split(".")
@@ -62,9 +64,17 @@ def hashed_config(cfg: DictConfig) -> dict:
     if config.get("mergekit"):
         path = Path(config["mergekit"]).expanduser()
         config["mergekit"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)
-    versions = package_versions()
-    config["_versions"] = {name: versions.get(name) for name in RESULT_PACKAGES}
+    config["_versions"] = dict(_result_versions())
     return config
+
+
+@functools.cache
+def _result_versions() -> dict[str, str | None]:
+    """The installed versions of ``RESULT_PACKAGES`` (read once: a sweep's process hashes every job)."""
+    from mergeval.provenance import package_versions
+
+    versions = package_versions()
+    return {name: versions.get(name) for name in RESULT_PACKAGES}
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -81,12 +91,23 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def finished_before(cfg: DictConfig, store) -> dict | None:
-    """The store's finished run of this job's configuration when the job is to be skipped (a multirun job,
-    ``sweep.resume`` on, ``eval.force`` off), else None."""
-    if not (in_multirun() and cfg.sweep.resume) or cfg.eval.force:
-        return None
-    return store.finished_run(config_hash(cfg))
+def resumable(cfg: DictConfig) -> bool:
+    """Whether this job may be skipped: a multirun job, ``sweep.resume`` on, ``eval.force`` off."""
+    return in_multirun() and cfg.sweep.resume and not cfg.eval.force
+
+
+def running_here(store, config_hash: str) -> dict | None:
+    """A run of this configuration still running in a live process of this machine: a worker of a sweep whose
+    launching process was killed goes on with its job (joblib's workers do), and a second run of it would
+    record the configuration twice. Processes of other machines cannot be proven alive, so they never count."""
+    from mergeval import proc
+
+    host, me, _ = proc.me()
+    for run in store.runs(status="running"):
+        if run.get("config_hash") == config_hash and run.get("host") == host and run.get("pid") != me \
+                and not proc.gone(run["host"], run["pid"], run.get("pid_start")):
+            return run
+    return None
 
 
 def adopt(run: dict, out_dir: Path) -> dict | None:
@@ -111,15 +132,24 @@ def adopt(run: dict, out_dir: Path) -> dict | None:
 
 
 def skip(cfg: DictConfig, out_dir: Path, title: str) -> bool:
-    """At the start of a job: False to run it; True when it is skipped (``finished_before``), after showing the
-    earlier run's table under ``title`` and copying its result.json into ``out_dir``."""
+    """At the start of a job: False to run it; True when it is skipped (``resumable``, and its configuration
+    finished before or is ``running_here``). A finished one's table is shown under ``title`` and its
+    result.json copied into ``out_dir``."""
     from mergeval.paths import cache_root
     from mergeval.report.table import render
     from mergeval.store import open_store
 
-    run = finished_before(cfg, open_store(cfg, cache_root(cfg.cache_dir)))
-    if run is None:
+    if not resumable(cfg):
         return False
+    store, wanted = open_store(cfg, cache_root(cfg.cache_dir)), config_hash(cfg)
+    run = store.finished_run(wanted)
+    if run is None:
+        live = running_here(store, wanted)
+        if live is not None:
+            print(f"mergeval: skipped: this configuration is being run by process {live['pid']} on this machine "
+                  f"(a job of an earlier sweep, {live['job_dir']}); run the sweep again once it has ended",
+                  flush=True)
+        return live is not None
     result = adopt(run, out_dir)
     if result is not None:
         render(Outcome([ModelInfo(**m) for m in result["models"]], result["tasks"], result["scores"],

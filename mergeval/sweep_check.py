@@ -14,6 +14,8 @@ import itertools
 
 from mergeval.errors import UserError
 
+# Each checked job's composed config, by its overrides: the sweep's progress (progress.py) hashes them.
+COMPOSED: dict[tuple[str, ...], object] = {}
 # Flags that change which config is composed; with them the sweep is left to Hydra's own checks.
 _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
 
@@ -50,7 +52,8 @@ def check_sweep(argv: list[str]) -> list[str]:
     with initialize_config_module("mergeval.conf", version_base="1.3"):
         for number, job in enumerate(jobs, start=1):
             try:
-                validate(compose("config", overrides=job))
+                COMPOSED[tuple(job)] = cfg = compose("config", overrides=job)
+                validate(cfg)
             except UserError as err:
                 line = str(err)
             except Exception as ex:  # noqa: BLE001  a composition error: explain() words it, else Hydra will

@@ -200,16 +200,19 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     """
     w = expert_weights(cfg, sparse.shape[0])
     wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
-    voters = sparse * wt if compat.option(cfg, "weights_before_election", False, True) else sparse
+    unit = all(x == 1.0 for x in w)  # x * 1.0 == x exactly: the products by w are skipped, the bits are the same
+    weighted = sparse if unit else wt * sparse
+    voters = weighted if compat.option(cfg, "weights_before_election", False, True) else sparse
     if cfg.sign_rule == "sum":
         gamma = torch.sign(_sorted_sum(voters))
     else:
         gamma = torch.sign(torch.sign(voters).sum(0))
-    agree = (torch.sign(sparse) == gamma) & (sparse != 0)
-    tau = (wt * sparse * agree).sum(0)
+    # A_i as 1.0 / 0.0 once (what a product with the bool mask promotes it to), for both sums below
+    agree = ((torch.sign(sparse) == gamma) & (sparse != 0)).to(sparse.dtype)
+    tau = (weighted * agree).sum(0)
     if not compat.option(cfg, "normalize", True, True, (True, False)):
         return tau
-    mass = (wt * agree).sum(0)
+    mass = (agree if unit else wt * agree).sum(0)
     return tau / mass.where(mass != 0, torch.ones_like(mass))
 
 

@@ -388,6 +388,9 @@ def run(args) -> dict:
             for method in args.method:
                 case = run_case(base, experts, method, repeats, work, env, inputs, dtype)
                 report["cases"].append({"models": models, **case})
+                print_case(report["cases"][-1])  # as each case ends: a run cut short still tells what it measured
+                if args.json:
+                    Path(args.json).write_text(json.dumps(report, indent=2))
             if label.startswith("synthetic"):  # gigabytes: gone before the next set is written
                 shutil.rmtree(base.parent, ignore_errors=True)
         if args.startup:
@@ -413,6 +416,15 @@ def _default_cache() -> str:
     from mergeval.paths import cache_root
 
     return str(cache_root(None))
+
+
+def print_case(case: dict) -> None:
+    m, s = case["models"], case["summary"]
+    print(f"  {m['label']} {case['method']}: mergeval {s['mergeval']['median_wall_s']:.2f} s "
+          f"{s['mergeval']['peak_rss_mib']:.0f} MiB, mergekit {s['mergekit']['median_wall_s']:.2f} s "
+          f"{s['mergekit']['peak_rss_mib']:.0f} MiB: {case['speedup_mergekit_over_mergeval']:.2f}x at "
+          f"{case['memory_mergeval_over_mergekit']:.2f} of its memory; I/O floor {m['io_floor_s']:.2f} s; "
+          f"load average now {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def print_table(report: dict) -> None:

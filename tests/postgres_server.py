@@ -59,7 +59,9 @@ class Server:
 
     def __init__(self):
         self.bin = find_binaries()
-        self.root = Path(tempfile.mkdtemp(prefix="mergeval-pg-"))
+        # under /tmp: every user can reach it (the server's user must, when we are root), and the socket's path
+        # stays under the 107 bytes a unix socket allows, whatever $TMPDIR is
+        self.root = Path(tempfile.mkdtemp(prefix="mergeval-pg-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.data, self.port = self.root / "data", free_port()
         self.as_user: list[str] = []
         if os.geteuid() == 0:
@@ -71,15 +73,23 @@ class Server:
         (self.root / "pw").write_text(PASSWORD)
         if self.as_user:
             os.chown(self.root / "pw", entry.pw_uid, entry.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", USER, f"--pwfile={self.root / 'pw'}", "--auth-local=trust",
-                  "--auth-host=scram-sha-256", "--no-locale", "-E", "UTF8", "--no-sync")
         options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
                    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50")
-        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
+        try:
+            self._run("initdb", "-D", str(self.data), "-U", USER, f"--pwfile={self.root / 'pw'}",
+                      "--auth-local=trust", "--auth-host=scram-sha-256", "--no-locale", "-E", "UTF8", "--no-sync")
+            self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
 
     def _run(self, tool: str, *args: str) -> None:
-        subprocess.run([*self.as_user, str(self.bin / tool), *args], check=True, capture_output=True,
-                       cwd=self.root, env={**os.environ, "LC_ALL": "C"})
+        done = subprocess.run([*self.as_user, str(self.bin / tool), *args], capture_output=True, text=True,
+                              cwd=self.root, env={**os.environ, "LC_ALL": "C"})
+        if done.returncode != 0:
+            log = self.root / "log"
+            raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr[-2000:]}"
+                               + (f"\nserver log: {log.read_text()[-2000:]}" if log.exists() else ""))
 
     def url(self, database: str = "postgres", password: str = PASSWORD, port: int | None = None) -> str:
         return f"postgresql://{USER}:{password}@127.0.0.1:{port or self.port}/{database}"

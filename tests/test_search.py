@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
@@ -90,6 +91,32 @@ def test_space_entries_become_the_method_fields_they_name():
                       optuna.distributions.IntDistribution)
 
 
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "search").glob("*.yaml")))
+def test_every_search_preset_composes_and_its_space_passes_its_method(preset):
+    from mergeval.search.run import prepare
+
+    cfg = compose_search("+experiment=quickstart", f"search={preset}")
+    cfg.method = compose_search("+experiment=quickstart", f"method={cfg.search.method}").method
+    method, space = prepare(cfg)
+    assert method.name == cfg.search.method and space.distributions()
+
+
+def test_a_space_written_for_another_method_is_refused():
+    from mergeval.search.run import prepare
+
+    with pytest.raises(UserError) as err:
+        prepare(compose_search("+experiment=tiny", "search=ties"))
+    assert err.value.field == "search.method" and "method=ties" in err.value.fix
+
+
+def test_more_validation_items_than_the_pool_leaves_are_refused():
+    from mergeval.search.run import prepare
+
+    with pytest.raises(UserError) as err:
+        prepare(compose_search("+experiment=tiny", "search.validation_items=490"))
+    assert err.value.field == "search.validation_items"
+
+
 # ---- the stage pruner ---------------------------------------------------------------------------------------
 
 def _study_with(values_at_step0: list[float], completed: int):
@@ -146,7 +173,6 @@ def searched(cache, tiny_dir, tmp_path_factory):
 
     from mergeval.eval.harness import Harness
     from mergeval.search import run as search_run
-    from mergeval.search import study as studies
     from mergeval.staging import heldout
 
     store = tmp_path_factory.mktemp("search") / "results.sqlite"

@@ -28,3 +28,8 @@ class Progress:
         left = elapsed / self.done_here * (self.total - done)
         return (f"search: trial {done}/{self.total} (#{number}) {outcome} · best so far {best} · "
                 f"{duration(elapsed)} elapsed, about {duration(left)} left")
+
+
+def signed(value: float) -> str:
+    """``+1.234``; float noise around zero prints as ``+0.000``, not ``-0.000``."""
+    return f"{round(value, 3) + 0.0:+.3f}"

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergeval.paths import atomic_write_text
 from mergeval.search.run import SearchOutcome
+from mergeval.search.progress import signed
 from mergeval.search.space import describe
 
 
@@ -27,17 +28,17 @@ def lines(outcome: SearchOutcome) -> list[str]:
            f"{cost['pruned_at_stage1']} pruned at stage 1, {cost['pruned_at_stage2']} at stage 2), "
            f"objective {o.objective}"]
     out.append(f"validation split ({o.validation_items} items per task, disjoint from the test items):")
-    out.append(f"  default          {o.objective} {o.baseline.value:+.3f}   {_scores_line(o.baseline.scores)}")
+    out.append(f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores)}")
     if o.best is None:
         out.append("  no trial completed: nothing to report on the test split")
     else:
-        out.append(f"  best (trial #{o.best_number}) {o.objective} {o.best.value:+.3f}   {_scores_line(o.best.scores)}")
+        out.append(f"  best (trial #{o.best_number}) {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores)}")
         out.append(f"  best recipe: {describe(o.best.params)}")
     if o.test:
         out.append("test split (scored once, after tuning):")
         for label in ("default", "best"):
             t = o.test[label]
-            out.append(f"  {label:<16} {o.objective} {t['objective']:+.3f}   {_scores_line(t['scores'])}")
+            out.append(f"  {label:<16} {o.objective} {signed(t['objective'])}   {_scores_line(t['scores'])}")
     staged, full = cost["staged"], cost["full"]
     if cost["fraction_of_full"] is not None:
         out.append(f"cost: {staged['forward_passes']:,} forward passes ({staged['examples']:,} examples) staged, "

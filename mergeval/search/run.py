@@ -32,7 +32,7 @@ from mergeval.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks
 from mergeval.methods import get_method
 from mergeval.search import study as studies
-from mergeval.search.progress import Progress
+from mergeval.search.progress import Progress, signed
 from mergeval.search.space import Space, describe, parse_space
 from mergeval.search.trials import COMPLETE, PRUNED, Scored, Stages, objective, score
 from mergeval.staging.cost import Cost
@@ -135,7 +135,7 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
     baseline = score(stages, {}, {})
     outcome = SearchOutcome(name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline,
                             orphans=orphans)
-    print(f"search: default {s.objective} {baseline.value:+.3f} on the validation split", flush=True)
+    print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
     lap("baseline")
     _tune(study, space, stages, outcome)
     lap("trials")
@@ -187,7 +187,7 @@ def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
             ended = f"pruned at {res.reason}"
         else:
             study.tell(trial, res.value)
-            ended = f"{s.objective} {res.value:+.3f}"
+            ended = f"{s.objective} {signed(res.value)}"
         print(progress.line(trial.number, f"{ended} ({res.seconds:.1f} s; {describe(trial.params)})",
                             _best_line(study, s.objective)), flush=True)
     outcome.trials = [_trial_row(t) for t in studies.done_trials(study)]
@@ -209,7 +209,7 @@ def _best_line(study, objective_name: str) -> str:
         best = study.best_trial
     except ValueError:
         return "(none complete yet)"
-    return f"#{best.number} {objective_name} {best.value:+.3f}"
+    return f"#{best.number} {objective_name} {signed(best.value)}"
 
 
 def _best(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:

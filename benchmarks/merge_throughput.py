@@ -328,9 +328,20 @@ def model_sets(args, work: Path) -> list[tuple[str, Callable[[], tuple[Path, lis
             sets.append(("smoke", lambda: smoke_models(work / "smoke"), args.repeats))
         else:
             size = name.removeprefix("synthetic-")
-            sets.append((name, lambda name=name, size=size: synthetic_models(work / name, size, args.synthetic_dtype),
+            sets.append((name, lambda name=name, size=size: synthetic_set(work, name, size, args),
                          args.synthetic_repeats or args.repeats))
     return sets
+
+
+def synthetic_set(work: Path, name: str, size: str, args) -> tuple[Path, list[Path]]:
+    """The synthetic models under ``--synthetic-dir`` (kept; reused when a previous run finished writing them:
+    the last expert's config.json is written last), else written into the work directory (removed after use)."""
+    root = Path(args.synthetic_dir) / f"{name}-{args.synthetic_dtype}" if args.synthetic_dir else work / name
+    if (root / "expert1" / "config.json").exists():
+        return root / "base", [root / "expert0", root / "expert1"]
+    if root.exists():
+        shutil.rmtree(root)  # an earlier run stopped while writing them
+    return synthetic_models(root, size, args.synthetic_dtype)
 
 
 def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: Path, env: dict, inputs: list[dict],
@@ -391,7 +402,7 @@ def run(args) -> dict:
                 print_case(report["cases"][-1])  # as each case ends: a run cut short still tells what it measured
                 if args.json:
                     Path(args.json).write_text(json.dumps(report, indent=2))
-            if label.startswith("synthetic"):  # gigabytes: gone before the next set is written
+            if label.startswith("synthetic") and not args.synthetic_dir:  # gigabytes: gone before the next set
                 shutil.rmtree(base.parent, ignore_errors=True)
         if args.startup:
             report["startup"] = {}
@@ -472,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: --repeats)")
     parser.add_argument("--synthetic-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="dtype of the synthetic checkpoints (default bfloat16)")
+    parser.add_argument("--synthetic-dir", help="keep the synthetic models here and reuse them in later runs "
+                        "(default: written into the work directory and removed after their cases)")
     parser.add_argument("--threads", type=int, help="OMP/MKL threads for both tools (default: their defaults)")
     parser.add_argument("--workdir", help="where models and outputs are written (default: the system temp dir)")
     parser.add_argument("--json", help="also write the report as JSON to this file")

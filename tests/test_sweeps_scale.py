@@ -1,0 +1,245 @@
+"""Sweeps at scale: launcher presets (joblib, Ray, Slurm via submitit), resumable sweeps, progress.
+
+One 12-job sweep on the tiny zoo with two workers is killed (SIGKILL to its whole process group) at random
+points and resumed until it completes: every configuration ends finished exactly once in the store and the
+store passes its integrity check. The same sweep through a local Ray instance (two CPUs) into another store
+gives the same scores. The runs are shared by the assertions (module-scoped fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from mergeval.config import register_configs
+
+LAMBDAS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+SWEEP = ["+experiment=tiny", "benchmark.limit=8", "method=task_arithmetic,ties",
+         f"method.lambda_={','.join(map(str, LAMBDAS))}"]
+CONFIGS = {(m, lam) for m in ("task_arithmetic", "ties") for lam in LAMBDAS}
+SEED = 16  # the kill points: random, and the same every run of the suite
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mergeval", "-m", *args]
+
+
+def env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1")
+
+
+def finished_rows(store: Path) -> list[tuple]:
+    """(config_hash, method, lambda_, aggregates, scores) of every finished run, read without locking writers."""
+    with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=60) as db:
+        rows = db.execute("SELECT config_hash, config, aggregates, scores FROM runs WHERE status='finished'")
+        found = []
+        for config_hash, config, aggregates, scores in rows.fetchall():
+            method = json.loads(config)["method"]
+            found.append((config_hash, method["name"], method["lambda_"], json.loads(aggregates),
+                          json.loads(scores)))
+    return found
+
+
+def count_finished(store: Path) -> int:
+    if not store.exists():
+        return 0
+    try:
+        return len(finished_rows(store))
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def kill_after_progress(cmd: list[str], cwd: Path, store: Path, rng: random.Random, log: Path) -> int:
+    """Start the sweep, wait until one more job has finished, then a random 0-4 s (the kill lands anywhere:
+    mid-merge, mid-evaluation, mid-write), and SIGKILL its whole process group (launcher and workers)."""
+    before = count_finished(store)
+    with log.open("a") as out:
+        sweep = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        while count_finished(store) <= before and sweep.poll() is None:
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0, 4))
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+        return sweep.wait()
+
+
+@pytest.fixture(scope="module")
+def joblib_sweep(tmp_path_factory, cache, tiny_dir) -> dict:
+    """The 12-job sweep with the parallel (joblib) preset, two workers: killed three times, then run to the end."""
+    work = tmp_path_factory.mktemp("joblib-sweep")
+    store, log = work / "runs.sqlite", work / "killed.log"
+    cmd = command("hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"store.path={store}", *SWEEP)
+    rng = random.Random(SEED)
+    kills = [(kill_after_progress(cmd, work, store, rng, log), count_finished(store)) for _ in range(3)]
+    final = subprocess.run(cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=1800)
+    return {"store": store, "kills": kills, "final": final, "work": work}
+
+
+@pytest.fixture(scope="module")
+def ray_sweep(tmp_path_factory, cache, tiny_dir) -> dict:
+    """The same sweep on a local Ray instance with two CPUs (one job per CPU), into a store of its own."""
+    work = tmp_path_factory.mktemp("ray-sweep")
+    store = work / "runs.sqlite"
+    cmd = command("hydra/launcher=ray", "hydra.launcher.num_cpus=2", f"store.path={store}", *SWEEP)
+    done = subprocess.run(cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=1800)
+    return {"store": store, "out": done}
+
+
+def by_config(rows: list[tuple]) -> dict:
+    return {(method, lam): (aggregates, scores) for _, method, lam, aggregates, scores in rows}
+
+
+def test_a_sweep_killed_and_resumed_finishes_every_configuration_once(joblib_sweep):
+    final = joblib_sweep["final"]
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert all(code == -signal.SIGKILL for code, _ in joblib_sweep["kills"]), joblib_sweep["kills"]
+    finished_after_kill = [n for _, n in joblib_sweep["kills"]]
+    assert finished_after_kill == sorted(finished_after_kill) and 0 < finished_after_kill[-1] < 12
+    rows = finished_rows(joblib_sweep["store"])
+    hashes = [r[0] for r in rows]
+    assert len(rows) == 12 and len(set(hashes)) == 12 and None not in hashes
+    assert {(method, lam) for _, method, lam, _, _ in rows} == CONFIGS
+    from mergeval.store import Store
+
+    Store(joblib_sweep["store"])  # opens only after its health check (quick_check and a rolled-back write)
+    with sqlite3.connect(joblib_sweep["store"]) as db:
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        statuses = dict(db.execute("SELECT status, count(*) FROM runs GROUP BY status").fetchall())
+    assert "running" not in statuses  # the killed jobs' rows were found dead: interrupted
+    # the last run skipped what had finished, ran the rest, and said so
+    skipped = final.stdout.count("mergeval: skipped: this configuration finished before")
+    assert skipped == finished_after_kill[-1], final.stdout[-3000:]
+    assert f"({skipped} finished before)" in final.stdout and "mergeval: sweep 12/12 done" in final.stdout
+    results = list((joblib_sweep["work"] / "multirun").rglob("result.json"))
+    last = max({r.parent.parent for r in results}, key=lambda d: d.stat().st_mtime)
+    assert len(list(last.rglob("result.json"))) == 12  # skipped jobs carry their earlier result.json
+
+
+def test_the_config_hash_is_the_one_the_job_recorded(joblib_sweep):
+    """The sweep's process hashes each job's config as the job does (progress reads the store by it), and what
+    does not change a result (where it is stored, the cache, the sweep's own settings) leaves it as it is."""
+    from mergeval.resume import config_hash
+
+    register_configs()
+    recorded = {(method, lam): h for h, method, lam, _, _ in finished_rows(joblib_sweep["store"])}
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        base = ["+experiment=tiny", "benchmark.limit=8", "method=ties", "method.lambda_=1.5"]
+        cfg = compose("config", overrides=[*base, f"store.path={joblib_sweep['store']}"])
+        assert config_hash(cfg) == recorded[("ties", 1.5)]
+        same = compose("config", overrides=[*base, "store.path=/elsewhere.sqlite", "cache_dir=/tmp/c",
+                                            "sweep.resume=false", "verbose=true", "eval.force=true"])
+        assert config_hash(same) == config_hash(cfg)
+        for change in ("method.lambda_=1.4", "seed=1", "eval.dtype=bfloat16", "benchmark.limit=9",
+                       "save_merged=true"):
+            other = compose("config", overrides=[*base, change])
+            assert config_hash(other) != config_hash(cfg), change
+
+
+def test_ray_and_joblib_give_the_same_scores(joblib_sweep, ray_sweep):
+    out = ray_sweep["out"]
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    ray_rows = finished_rows(ray_sweep["store"])
+    assert len(ray_rows) == 12 and {(m, lam) for _, m, lam, _, _ in ray_rows} == CONFIGS
+    assert by_config(ray_rows) == by_config(finished_rows(joblib_sweep["store"]))
+    # the hashes agree too: the same configurations
+    assert {r[0] for r in ray_rows} == {r[0] for r in finished_rows(joblib_sweep["store"])}
+    assert "mergeval: sweep 12/12 done" in out.stdout and " left" in out.stdout
+
+
+def test_progress_counts_best_and_time_left(tmp_path):
+    """The progress line from a store's finished runs: done / total, those finished before, the best on the
+    chosen aggregate with its job's label, and the time left at the sweep's own rate."""
+    from mergeval.progress import SweepJob, SweepProgress
+
+    now = 1000.0
+    runs = {"a": {"finished": now - 50, "aggregates": {"macro_gain": 3.0}},  # before the sweep
+            "b": {"finished": now + 20, "aggregates": {"macro_gain": 7.5, "forgetting": {"mean": 0.1}}},
+            "c": {"finished": now + 40, "aggregates": {"macro_gain": -2.0, "forgetting": {"mean": -0.3}}}}
+
+    class Store:
+        def finished_run(self, config_hash):
+            return runs.get(config_hash)
+
+    jobs = [SweepJob(f"method.lambda_={h}", h) for h in "abcdef"]
+    progress = SweepProgress(jobs, Store(), poll_s=60)
+    progress.started = now
+    tally = progress.tally()
+    assert (tally.done, tally.before) == (3, 1)
+    # 2 jobs ran in 40 s, 3 are left: 60 s
+    assert progress.line(tally, now=now + 40) == (
+        "mergeval: sweep 3/6 done (1 finished before) · best macro_gain +7.50 (method.lambda_=b) · about 1m00s left")
+    least = SweepProgress(jobs, Store(), best="forgetting.mean", minimize=True)
+    least.started = now
+    assert least.tally().best == (-0.3, "method.lambda_=c")
+    rerun = SweepProgress(jobs, Store(), resumed=False)  # sweep.resume=false: what finished before is not done
+    rerun.started = now
+    assert (rerun.tally().done, rerun.tally().before) == (2, 0)
+
+
+def test_the_slurm_preset_composes_with_its_overrides():
+    """hydra/launcher=slurm is Hydra's submitit_slurm launcher with mergeval's defaults; partition, GPUs per
+    task, time and array parallelism are overrides."""
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+                                           "hydra.launcher.gpus_per_task=2", "hydra.launcher.timeout_min=30",
+                                           "hydra.launcher.array_parallelism=4"], return_hydra_config=True)
+        launcher = cfg.hydra.launcher
+        assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+        assert (launcher.partition, launcher.gpus_per_task, launcher.timeout_min, launcher.array_parallelism) == (
+            "gpu", 2, 30, 4)
+        ray = compose("config", overrides=["hydra/launcher=ray", "hydra.launcher.gpus_per_job=1"],
+                      return_hydra_config=True).hydra.launcher
+        assert ray._target_.endswith("mergeval_ray_launcher.ray_launcher.RayLauncher") and ray.gpus_per_job == 1
+        parallel = compose("config", overrides=["hydra/launcher=parallel"], return_hydra_config=True)
+        assert parallel.hydra.launcher.n_jobs == 2
+
+
+def test_submitit_local_runs_a_sweep_and_resumes_it(joblib_sweep, tmp_path):
+    """Slurm's launcher through submitit's local executor, on a copy of the finished sweep's store: two jobs
+    are skipped (found by their hash), a new one runs, the sweep's process prints the progress."""
+    store = tmp_path / "runs.sqlite"
+    with sqlite3.connect(f"file:{joblib_sweep['store']}?mode=ro", uri=True) as source, sqlite3.connect(store) as copy:
+        source.backup(copy)
+    out = subprocess.run(command("hydra/launcher=submitit_local", f"store.path={store}", "+experiment=tiny",
+                                 "benchmark.limit=8", "method=ties", "method.lambda_=1.0,2.0,3.0"),
+                         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "mergeval: sweep 2/3 done (2 finished before)" in out.stdout
+    assert "mergeval: sweep 3/3 done (2 finished before)" in out.stdout
+    rows = finished_rows(store)
+    assert len(rows) == 13 and ("ties", 3.0) in {(m, lam) for _, m, lam, _, _ in rows}
+    logs = "".join(p.read_text() for p in tmp_path.rglob("*_log.out"))
+    assert logs.count("mergeval: skipped: this configuration finished before") == 2, logs[-2000:]
+
+
+def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
+    """A worker of a sweep whose launching process was killed alone goes on with its job: while that process
+    lives, a resumed sweep leaves its configuration to it; once it is gone, the configuration runs again."""
+    from mergeval import proc
+    from mergeval.resume import running_here
+    from mergeval.store import Store
+
+    store = Store(tmp_path / "runs.sqlite")
+    store.start_run("r1", experiment="tiny", method="ties", config={}, versions={}, git={}, job_dir="j",
+                    config_hash="h1")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with sqlite3.connect(store.path) as db:  # the run belongs to that process
+            db.execute("UPDATE runs SET pid=?, pid_start=? WHERE run_id='r1'", (worker.pid, proc.start_time(worker.pid)))
+        assert running_here(store, "h1")["run_id"] == "r1" and running_here(store, "h2") is None
+    finally:
+        worker.kill()
+        worker.wait()
+    assert running_here(store, "h1") is None

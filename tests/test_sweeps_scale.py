@@ -243,3 +243,34 @@ def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
         worker.kill()
         worker.wait()
     assert running_here(store, "h1") is None
+
+
+def test_a_ray_job_that_exits_ends_the_sweep_with_its_code():
+    """The Ray launcher carries a job's sys.exit code back (mergeval's one-line errors exit 2) instead of
+    letting Ray report a crashed worker: the sweep ends with the first non-zero code once every job ended;
+    a job that exited 0 counts as completed."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra_plugins.mergeval_ray_launcher.ray_launcher import _Exited, _job_exit_code, _returns
+
+    done = JobReturn(overrides=["method=ties"], status=JobStatus.COMPLETED)
+    with pytest.raises(SystemExit) as ended:
+        _returns([done, _Exited(2), _Exited(3)], [["a"], ["b"], ["c"]])
+    assert ended.value.code == 2
+    returns = _returns([done, _Exited(0)], [["method=ties"], ["method=linear"]])
+    assert returns[0] is done and returns[1].status == JobStatus.COMPLETED and returns[1].overrides == [
+        "method=linear"]
+    assert [_job_exit_code(SystemExit(c)) for c in (None, 0, 2, "message")] == [0, 0, 2, 1]
+
+
+def test_a_slurm_job_that_failed_with_one_line_is_that_line():
+    """submitit reports a job that exited without a result with its stderr; mergeval's one line in it is what
+    the sweep prints (exit 2), not submitit's traceback."""
+    from submitit.core.utils import UncompletedJobError
+
+    from mergeval.cli import explain
+
+    report = UncompletedJobError("Job 12 (task: 0) with path /x/.submitit/12/12_0_result.pkl\nhas not produced "
+                                 "any output (state: FINISHED)\nError stream produced:\n-----\n[HYDRA] Launching\n"
+                                 "mergeval: error: modelset.base: no such model directory '/m'; point it at one\n")
+    assert explain(report) == "modelset.base: no such model directory '/m'; point it at one"
+    assert explain(UncompletedJobError("Job 12 has not produced any output (state: TIMEOUT)")) is None

@@ -22,11 +22,12 @@ mergeval.merge`` with a warm cache, the inputs' fingerprints for mergeval's mode
 before timing.
 
 Reported per model set and method: median wall time per tool over the repeats, and the peak resident
-memory of the process tree doing the work, measured two ways: ``ru_maxrss`` from wait4 (kernel-exact maximum
-over the child and any descendant it waited for) and the maximum of the summed RSS of the child and all its
-descendants, polled every 20 ms with psutil (catches workers running at the same time). The table shows the
-larger of the two. Then the wall-time ratio mergekit / mergeval (the speed-up), mergeval's peak RSS as a
-share of mergekit's, the I/O floor (read every input once from the page cache and write one output-sized
+memory of the process tree doing the work: the largest sum, over the child and all its descendants, of each
+process's high-water mark (VmHWM, or its RSS when larger), polled every 20 ms from /proc. wait4's
+``ru_maxrss`` is recorded in the JSON but not used: Linux carries the spawning process's high-water mark
+into the child's at exec (a child running ``pass`` reported 814 MiB after its parent had touched 800 MiB),
+so it gave this script's own peak, over 1 GB once it had compared two outputs. Then the wall-time ratio
+mergekit / mergeval (the speed-up), mergeval's peak RSS as a share of mergekit's, the I/O floor (read every input once from the page cache and write one output-sized
 file: no merge can be faster), whether the target (>= 5x at <= a third of the memory) is met, and the
 largest absolute difference between the two merged checkpoints, tensor by tensor. The load average at the
 start and end says how busy the machine was.
@@ -56,6 +57,8 @@ import zlib
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+
+from run_memory import _vm_hwm_kib  # benchmarks/ is on sys.path when this script runs
 
 TOOLS = ("mergeval", "mergekit")
 DENSITY, LAMBDA = 0.5, 1.0
@@ -244,7 +247,7 @@ def child_mergeval(spec_path: str) -> None:
 
 
 def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
-    """Wall time, ru_maxrss (wait4) and the polled peak of the summed RSS of the process tree."""
+    """Wall time, ru_maxrss (wait4) and the polled peak of the summed high-water marks of the process tree."""
     import psutil
 
     peak = [0]
@@ -262,10 +265,7 @@ def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
             total = 0
             try:
                 for p in [root, *root.children(recursive=True)]:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
+                    total += _vm_hwm_kib(p.pid) * 1024  # 0 once it is gone
             except psutil.NoSuchProcess:
                 break
             peak[0] = max(peak[0], total)
@@ -283,8 +283,7 @@ def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
                  + log.read_text()[-4000:])
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     maxrss = usage.ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
-    return {"wall_s": wall, "maxrss_mib": maxrss / 2**20, "polled_peak_mib": peak[0] / 2**20,
-            "peak_rss_mib": max(maxrss, peak[0]) / 2**20}
+    return {"wall_s": wall, "maxrss_mib": maxrss / 2**20, "peak_rss_mib": peak[0] / 2**20}
 
 
 # ---------------------------------------------------------------- comparing the outputs

@@ -125,11 +125,10 @@ class SweepProgress:
         return self
 
     def stop(self, final: bool) -> None:
-        """Stop reading; ``final``: the sweep ended normally, so print where it ended."""
+        """Stop reading; ``final``: the sweep ended normally, so print where it ended (unless just printed)."""
         self._stop.set()
         self._thread.join()
         if final:
-            self._last_done = -1
             self.report()
 
 

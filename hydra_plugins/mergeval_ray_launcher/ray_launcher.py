@@ -21,7 +21,9 @@ running ones get a KeyboardInterrupt, so they are recorded as interrupted.
 # dataclasses cannot resolve string annotations.
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -35,6 +37,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
+CANCEL_WAIT_S = 60  # how long an interrupted sweep waits for its cancelled jobs to record themselves
 
 
 @dataclass
@@ -70,6 +73,10 @@ def _job_exit_code(err: SystemExit) -> int:
     return err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
 
 
+def _cancelled(signum, frame) -> None:
+    raise KeyboardInterrupt("the sweep's cancel (Ctrl-C or SIGTERM)")  # the run's note: "interrupted by ..."
+
+
 def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
                  task_function: TaskFunction, singleton_state: Dict[Any, Any], cwd: str) -> JobReturn | _Exited:
     """One job inside a Ray worker: the sweep's working directory where it exists (relative job directories
@@ -77,6 +84,10 @@ def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext
     config, Hydra's ``run_job``."""
     if os.path.isdir(cwd):
         os.chdir(cwd)
+    if threading.current_thread() is threading.main_thread():
+        # ray.cancel interrupts a running task as a SIGINT would: a worker started from a sweep that runs in
+        # the background inherits SIGINT ignored, and then the cancelled job would run on to its end.
+        signal.signal(signal.SIGINT, _cancelled)
     setup_globals()
     Singleton.set_state(singleton_state)
     sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
@@ -116,9 +127,13 @@ class RayLauncher(Launcher):
         local = self.address is None
         if not sys.stdout.isatty():  # jobs' lines reach a log file or a pipe: no colour codes in their prefix
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        sigterm = signal.getsignal(signal.SIGTERM)
         ray.init(address=self.address, num_cpus=self.num_cpus if local else None,
                  num_gpus=self.num_gpus if local else None, include_dashboard=self.include_dashboard,
                  runtime_env=self.runtime_env or None, log_to_driver=True, logging_level=logging.WARNING)
+        # Ray's core worker installs a SIGTERM handler that aborts the process; the sweep's own (mergeval: like
+        # Ctrl-C) comes back, so SIGTERM cancels the jobs as Ctrl-C does.
+        signal.signal(signal.SIGTERM, sigterm)
         return True
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -142,10 +157,14 @@ class RayLauncher(Launcher):
             refs = [task.remote(initial_job_idx + idx, list(overrides), self.hydra_context, self.config,
                                 self.task_function, state, os.getcwd()) for idx, overrides in enumerate(job_overrides)]
             try:
+                pending = refs
+                while pending:  # short waits, so Ctrl-C / SIGTERM reach Python between them (not after a job)
+                    _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
                 results = ray.get(refs)
             except KeyboardInterrupt:
                 for ref in refs:  # running jobs get a KeyboardInterrupt: recorded interrupted, temporary files gone
                     ray.cancel(ref)
+                ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)  # let them clean up before shutdown
                 raise
         finally:
             if started:

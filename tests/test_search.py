@@ -23,8 +23,9 @@ from mergeval.search.study import StagePruner
 register_search_configs()
 
 # A search small enough for the suite: 16 validation items per task, 4 held-out texts per expert task, a study of
-# 4 trials resumed to 6; the pruner keeps the top third once one trial has completed.
-SMALL = ["+experiment=tiny", "search.validation_items=16", "search.heldout_items=4", "search.random_trials=2",
+# 4 trials resumed to 6 (all drawn at random: a resumed sampler must not replay the first process's draws); the
+# pruner keeps the top third once one trial has completed.
+SMALL = ["+experiment=tiny", "search.validation_items=16", "search.heldout_items=4", "search.random_trials=10",
          "search.startup_trials=1", "search.keep_percent=34", "search.seed=1"]
 
 
@@ -261,6 +262,8 @@ def test_a_stored_study_resumes_where_it_stopped(searched):
     assert resumed.resumed == 4 and len(resumed.trials) == 6
     assert [t["number"] for t in resumed.trials[:4]] == [t["number"] for t in first.trials]
     assert resumed.orphans == [orphan]
+    drawn = [tuple(sorted(t["params"].items())) for t in resumed.trials]
+    assert len(set(drawn)) == len(drawn)  # the resumed sampler drew new points
     assert study.trials[orphan].state == optuna.trial.TrialState.FAIL
     assert json.dumps(resumed.cost)  # the report's cost is plain data
 

@@ -70,18 +70,24 @@ def check_search(s) -> None:
             raise UserError(f"search.{key}", f"invalid value {s[key]!r}", fix)
 
 
-def sampler(s):
-    """TPE (multivariate: lambda and the weights act together), CMA-ES or random, seeded."""
+def sampler(s, offset: int = 0):
+    """TPE (multivariate: lambda and the weights act together), CMA-ES or random, seeded with ``seed + offset``.
+
+    A resumed study passes its number of trials as ``offset``: a sampler seeded as
+    in the first process would draw that process's random points again.
+    """
+    seed = s.seed + offset
     if s.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=s.seed, n_startup_trials=s.random_trials, multivariate=True)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.random_trials, multivariate=True)
     if s.sampler == "cmaes":
         try:
             import cmaes  # noqa: F401  (Optuna's CMA-ES sampler needs it)
         except ImportError:
             raise UserError("search.sampler", "cmaes needs the cmaes package", "pip install 'mergeval[cluster]'") \
                 from None
-        return optuna.samplers.CmaEsSampler(seed=s.seed, n_startup_trials=s.random_trials, warn_independent_sampling=False)
-    return optuna.samplers.RandomSampler(seed=s.seed)
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=s.random_trials,
+                                            warn_independent_sampling=False)
+    return optuna.samplers.RandomSampler(seed=seed)
 
 
 def open_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
@@ -93,6 +99,7 @@ def open_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
     storage = optuna.storages.RDBStorage(storage_url(cfg, cache))
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
                                 sampler=sampler(cfg.search), pruner=pruner, load_if_exists=True)
+    study.sampler = sampler(cfg.search, offset=len(study.trials))
     identity = {"space": space_digest, "objective": cfg.search.objective}
     known = study.user_attrs.get("identity")
     if known is None:

@@ -1,0 +1,76 @@
+"""The papers' mini reproductions, reduced, held to the verdicts their specs recorded.
+
+Every setup of a spec on the search path that has a ``reduced:`` entry is run
+here: ``python -m mergeval -m +experiment=<setup's experiment> <overrides>``,
+then ``python -m mergeval.verify <spec> --run <its sweep> --tag <tags>
+--recorded <verdicts>``. The test fails when a recorded verdict changes and it
+was recorded at least one stderr from its threshold (mergeval/specs/recorded.py);
+closer ones are printed only. Adding a paper is one ``reduced:`` entry in its
+spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
+
+    setups:
+      mini:
+        experiment: cmm_mini
+        reduced:
+          overrides: [benchmark.n_items=20, ...]   # what makes it small: fewer items, shorter expert training
+          tags: [mini]                              # the claims it checks
+          verdicts: ci                              # the record it must reproduce
+
+The reduced runs share one cache (the session's ``cache`` fixture), so experts
+built for one paper are reused by the next when their training settings match:
+every reduced setup trains its experts with ``modelset.train.steps=8
+modelset.train.batch_size=8`` (64 items, about an eighth of the full 30 x 16;
+building the five mini experts at full size would take CI's whole budget), so
+setups that use the same domains share them. The module's runs stay on one
+xdist worker (``--dist loadscope``), one after another.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mergeval.specs import available, load_spec
+
+
+def reduced_setups() -> list[tuple[str, str, dict]]:
+    """(spec, setup, its ``reduced`` entry) for every reduced mini setup on the spec search path."""
+    out = []
+    for name in available():
+        for setup_name, setup in load_spec(name).setups.items():
+            if isinstance(setup, dict) and setup.get("reduced"):
+                out.append((name, setup_name, setup))
+    return out
+
+
+CASES = reduced_setups()
+
+
+def test_every_reduced_setup_is_well_formed():
+    assert CASES, "no spec setup declares a reduced: entry"
+    for name, setup_name, setup in CASES:
+        reduced = setup["reduced"]
+        assert set(reduced) == {"overrides", "tags", "verdicts"}, (name, setup_name, reduced)
+        spec = load_spec(name)
+        assert reduced["verdicts"] in spec.verdicts, f"{name}: no verdicts: {reduced['verdicts']} record"
+        tagged = {c.id for c in spec.claims if set(c.tags) & set(reduced["tags"])}
+        recorded = {cid.split(" (")[0] for cid in spec.verdicts[reduced["verdicts"]].claims}
+        assert recorded == tagged, f"{name}: the record does not cover exactly the claims tagged {reduced['tags']}"
+
+
+@pytest.mark.parametrize("name,setup_name,setup", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
+def test_reduced_reproduction_keeps_its_recorded_verdicts(name, setup_name, setup, cache, tmp_path):
+    reduced = setup["reduced"]
+    sweep = tmp_path / "multirun"
+    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", f"+experiment={setup['experiment']}",
+                          *reduced["overrides"], f"hydra.sweep.dir={sweep}"],
+                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr[-3000:]
+    tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
+    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags,
+                            "--recorded", reduced["verdicts"]], capture_output=True, text=True)
+    print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
+    assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]

@@ -29,13 +29,11 @@ DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trial
 
 
 def storage_url(cfg: DictConfig, cache: Path) -> str:
-    """SQLAlchemy URL of the results store's database (opening the store creates or migrates it first)."""
+    """SQLAlchemy URL of the results store's database, SQLite file or server (opening the store creates or
+    migrates it first)."""
     from mergeval.store import open_store
 
-    store = open_store(cfg, cache)
-    # a store that can name its database (the server-store backends) says it; the SQLite file otherwise
-    named = getattr(store, "sqlalchemy_url", None)
-    return named() if named is not None else "sqlite:///" + str(store.path.resolve())
+    return open_store(cfg, cache).sqlalchemy_url()
 
 
 def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:

@@ -143,6 +143,16 @@ def test_the_stage_pruner_compares_a_trial_only_at_the_stage_it_reached():
     assert high.should_prune()
 
 
+def test_a_stage_left_out_of_prune_at_never_prunes_by_rank():
+    study = _study_with([0.1, 0.2, 0.3, 0.4], completed=2)
+    study.pruner = StagePruner(keep_percent=50, startup_trials=2, prune_at=[2])
+    trial = study.ask()
+    trial.report(-5.0, 0)
+    assert not trial.should_prune()
+    trial.report(0.0, 1)
+    assert trial.should_prune()
+
+
 def test_no_trial_is_pruned_before_the_startup_trials_complete():
     study = _study_with([0.1, 0.2, 0.3], completed=1)
     trial = study.ask()

@@ -39,6 +39,7 @@ class SearchConfig:
     stage2_fraction: float = 0.25  # stage 2: the share of the validation items scored before the rest
     pruner: str = "stages"  # stages: prune a trial behind at stage 1 or 2 | none: score every trial in full
     keep_percent: float = 50.0  # a trial goes on when it is in the top keep_percent% at its stage
+    prune_at: list[int] = field(default_factory=lambda: [1, 2])  # the stages whose ranking may prune (1, 2)
     startup_trials: int = 5  # trials completed before any is pruned
     degrade_threshold: float = 1.0  # pruned at stage 1 when its held-out perplexity exceeds the experts' by this
     test: bool = True  # after tuning, score the best recipe and the method's default on the test split

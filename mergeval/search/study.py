@@ -60,6 +60,7 @@ def check_search(s) -> None:
         ("heldout_items", s.heldout_items >= 1, "set e.g. search.heldout_items=32"),
         ("stage2_fraction", 0 < s.stage2_fraction < 1, "set e.g. search.stage2_fraction=0.25"),
         ("keep_percent", 0 < s.keep_percent <= 100, "set e.g. search.keep_percent=50"),
+        ("prune_at", set(s.prune_at) <= {1, 2}, "list stages 1 and/or 2, e.g. search.prune_at=[2]"),
         ("startup_trials", s.startup_trials >= 1, "set e.g. search.startup_trials=5"),
         ("degrade_threshold", s.degrade_threshold > 0, "set e.g. search.degrade_threshold=1.0"),
     ]
@@ -92,7 +93,8 @@ def open_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
     """(the study ``name``, created or loaded, maximised; the numbers of its trials found orphaned and failed).
     A study that searched another space or objective is refused."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    pruner = StagePruner(cfg.search.keep_percent, cfg.search.startup_trials) if cfg.search.pruner == "stages" \
+    s = cfg.search
+    pruner = StagePruner(s.keep_percent, s.startup_trials, s.prune_at) if s.pruner == "stages" \
         else optuna.pruners.NopPruner()
     storage = optuna.storages.RDBStorage(storage_url(cfg, cache))
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
@@ -135,17 +137,19 @@ class StagePruner(optuna.pruners.BasePruner):
     (completed, pruned or running, this one included), as a staged sweep ranks
     all of a stage's candidates; no trial is pruned before ``startup_trials``
     trials have completed. A trial is kept when ``v >= P_(100 - keep_percent)``,
-    the percentile of the population's values (linear interpolation).
+    the percentile of the population's values (linear interpolation). Only the
+    stages in ``prune_at`` rank (``[2]``: stage 1's perplexity, which sees only the
+    experts' own tasks, prunes nothing by rank; its degradation threshold still does).
     """
 
-    def __init__(self, keep_percent: float, startup_trials: int):
-        self.keep_percent, self.startup_trials = keep_percent, startup_trials
+    def __init__(self, keep_percent: float, startup_trials: int, prune_at=(1, 2)):
+        self.keep_percent, self.startup_trials, self.prune_at = keep_percent, startup_trials, set(prune_at)
 
     def prune(self, study, trial) -> bool:
         import numpy as np
 
         step = trial.last_step
-        if step is None:
+        if step is None or step + 1 not in self.prune_at:
             return False
         trials = study.get_trials(deepcopy=False)
         if sum(t.state == TrialState.COMPLETE for t in trials) < self.startup_trials:

@@ -16,9 +16,21 @@ settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "explore" else "mergeval")
 
 
+# What a cache holds that is costly to build and never changes once built: converted and zoo models, fine-tuned
+# experts. Under pytest-xdist (the suite runs with two workers, pyproject's addopts) the workers share these
+# (every build is an atomic rename, and two processes building the same one is tested in test_concurrency),
+# while each worker keeps its own results store, fingerprints and samples, so no test sees another's runs.
+SHARED_CACHE_PARTS = ("models", "experts")
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("mergeval-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "mergeval-shared-cache"
+        for part in SHARED_CACHE_PARTS:
+            (shared / part).mkdir(parents=True, exist_ok=True)
+            (path / part).symlink_to(shared / part, target_is_directory=True)
     os.environ["MERGEVAL_CACHE"] = str(path)  # subprocesses started by tests inherit it
     return path
 

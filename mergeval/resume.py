@@ -51,8 +51,8 @@ RESULT_PACKAGES = ("mergeval", "torch", "transformers", "lm_eval")
 
 
 def hashed_config(cfg: DictConfig) -> dict:
-    """What ``config_hash`` hashes: the resolved config less ``IGNORED``, a mergekit file by its content, and
-    the versions of ``RESULT_PACKAGES``."""
+    """What ``config_hash`` hashes: the resolved config less ``IGNORED``, a mergekit file by its content, the
+    versions of ``RESULT_PACKAGES`` and the method's implementation version when above 1."""
     config = OmegaConf.to_container(cfg, resolve=True)
     for dotted in IGNORED:
         *parents, leaf = dotted.split(".")
@@ -65,6 +65,13 @@ def hashed_config(cfg: DictConfig) -> dict:
         path = Path(config["mergekit"]).expanduser()
         config["mergekit"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)
     config["_versions"] = dict(_result_versions())
+    from mergeval.store import method_version
+
+    # mergeval's package version does not move with its code: a method whose output changed raises its own
+    # implementation version, and a finished run of the earlier implementation must not stand for this one
+    version = method_version((config.get("method") or {}).get("name"))
+    if version > 1:
+        config["_versions"]["method_implementation"] = version
     return config
 
 

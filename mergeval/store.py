@@ -87,11 +87,25 @@ def merge_key(input_fingerprints: Sequence[str], method_config, seed: int | None
     config includes its name; the seed is always part of the key, even for
     deterministic methods (a needless miss is cheap, a wrong hit is not);
     ``options`` holds run settings outside the method that change the output
-    (e.g. vocab_policy).
+    (e.g. vocab_policy). A method whose implementation version is above 1 adds
+    it (``MergeMethod.version``, raised when its output for the same inputs
+    changes), so a merge stored by an earlier implementation is never reused;
+    version-1 methods keep the keys they always had.
     """
-    payload = {"inputs": list(input_fingerprints), "method": _as_mapping(method_config), "seed": seed,
-               "options": dict(options or {})}
+    method = _as_mapping(method_config)
+    payload = {"inputs": list(input_fingerprints), "method": method, "seed": seed, "options": dict(options or {})}
+    version = method_version(method.get("name"))
+    if version > 1:
+        payload["implementation"] = version
     return hashlib.sha256(_canonical(payload).encode()).hexdigest()[:32]
+
+
+def method_version(name: str | None) -> int:
+    """The implementation version of the merge method ``name`` (1 for a name the registry does not know)."""
+    from mergeval.methods import METHODS
+
+    method = METHODS.get(name) if name else None
+    return method.version if method is not None else 1
 
 
 def _as_mapping(config) -> dict:

@@ -530,3 +530,27 @@ def test_a_task_is_evaluated_once_whatever_the_other_tasks_of_the_run(tmp_path):
     assert store.samples_paths("fp", DIGESTS, SETTINGS) == {"a": "/s/run1.jsonl", "b": "/s/run2.jsonl"}
     with sqlite3.connect(store.path) as db:
         assert db.execute("SELECT COUNT(*) FROM claims").fetchone() == (0,)
+
+
+def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch):
+    """A merge stored by an earlier implementation of a method is never reused for a later one; methods still
+    at version 1 keep the keys they always had (no stored merge is orphaned by adding the field)."""
+    import dataclasses
+
+    from mergeval.methods import METHODS
+    from mergeval.store import merge_key
+
+    ties, linear = METHODS["ties"], METHODS["linear"]
+    cfg_ties, cfg_linear = ties.config(), linear.config()
+    before = merge_key(["b", "e"], cfg_ties, 0)
+    unchanged = merge_key(["b", "e"], cfg_linear, 0)
+    monkeypatch.setitem(METHODS, "ties", dataclasses.replace(ties, version=ties.version + 1))
+    monkeypatch.setitem(METHODS, "linear", dataclasses.replace(linear, version=1))
+    assert merge_key(["b", "e"], cfg_ties, 0) != before
+    assert merge_key(["b", "e"], cfg_linear, 0) == unchanged
+    payload = {"inputs": ["b", "e"], "method": dataclasses.asdict(cfg_linear), "seed": 0, "options": {}}
+    import hashlib
+    import json
+
+    assert unchanged == hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
+                                                  default=str).encode()).hexdigest()[:32]

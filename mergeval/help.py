@@ -22,7 +22,10 @@ OVERRIDES = """\
   save_merged=true                         also write the merged model into the job directory
   out_dtype=bfloat16                       the dtype a saved merge is written in (default: the base's)
   cache_dir=DIR store.path=FILE seed=0     where things are cached and stored; the merge seed
+  store.url=postgresql://HOST/DB           a shared results store for many machines (default: SQLite)
   -m method=ties,task_arithmetic method.lambda_=0.5,1.0    a sweep: one job directory per job
+  -m hydra/launcher=parallel|ray|slurm ...  run a sweep's jobs in parallel, on Ray or on Slurm
+  sweep.resume=false sweep.best=macro_gain  re-run finished configurations; the aggregate progress ranks by
   --cfg job                                print the composed config and exit"""
 
 ENTRY_POINTS = """\
@@ -30,6 +33,7 @@ ENTRY_POINTS = """\
   python -m mergeval.check      what a run needs (models, data), what is missing, what it costs
   python -m mergeval.merge      merge only, streamed to disk: output=DIR
   python -m mergeval.staged     a sweep evaluated in three stages (+experiment=quickstart_staged)
+  python -m mergeval.search     tune a method's coefficients with Optuna on a validation split (search=NAME)
   python -m mergeval.report     table, report.md and plots of runs: DIR or --store
   python -m mergeval.results    list, filter and export the runs in the results store
   python -m mergeval.verify     check a paper spec's tables and claims: SPEC [--run result.json]"""
@@ -52,7 +56,7 @@ def help_text(entry: str, summary: str) -> str:
         lines.append(f"  {group:<{width}}" + _wrap(", ".join(names), 2 + width))
     lines += ["", "Main overrides:", OVERRIDES, "", "Entry points:", ENTRY_POINTS, "",
               "Results: each run writes outputs/<date>/<time>/result.json (a sweep: multirun/<date>/<time>/<n>/) and",
-              "a row in the SQLite results store (default <cache_dir>/results.sqlite; cache_dir defaults to",
+              "a row in the results store (default the SQLite file <cache_dir>/results.sqlite; cache_dir defaults to",
               "$MERGEVAL_CACHE or your user cache directory). Errors you can fix end in one line and exit status 2.",
               "", "Hydra's own options: --hydra-help. More: README.md."]
     return "\n".join(lines)

@@ -23,6 +23,17 @@ settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "exp
 SHARED_CACHE_PARTS = ("models", "experts")
 
 
+# The modules that take minutes, started first so that the two workers share out the short ones around them
+# (xdist hands out modules in collection order: long ones collected last would run alone at the end).
+SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
+                "test_quickstart_e2e.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a module is kept
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("mergeval-cache")

@@ -168,17 +168,22 @@ def test_report_of_a_sweep_directory_writes_the_table_markdown_and_plots(tmp_pat
     assert "7 run(s)" in shown and "ti10b" in shown and f"wrote {out / 'report.md'}" in shown
 
 
-def test_report_from_the_store_and_with_filters(tmp_path, capsys):
-    from mergeval.store import Store
-
-    store = Store(tmp_path / "r.sqlite")
+def fill_store(store) -> None:
+    """The sweep's runs, finished, in ``store``, plus one run still running (which reports leave out)."""
     for r in sweep():
         store.start_run(r["run_id"], experiment="quickstart", method=r["config"]["method"]["name"],
                         config=r["config"], versions=r["versions"], git=r["git"])
         store.finish_run(r["run_id"], result_path="/x/result.json", aggregates=r["aggregates"],
                          timings=r["timings_s"], models=r["models"], scores=r["scores"])
     store.start_run("running", experiment="quickstart", method="ties", config={"method": {"name": "ties"}},
-                    versions={}, git={})  # not finished: not reported
+                    versions={}, git={})
+
+
+def test_report_from_the_store_and_with_filters(tmp_path, capsys):
+    from mergeval.store import Store
+
+    store = Store(tmp_path / "r.sqlite")
+    fill_store(store)  # the running one: not reported
     out = tmp_path / "ties"
     assert report_main(["--store", str(store.path), "--method", "ties", "--param", "density", "--out", str(out)]) == 0
     text = (out / "report.md").read_text()

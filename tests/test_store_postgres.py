@@ -180,17 +180,11 @@ def test_a_dead_claimant_of_another_host_is_taken_over_after_the_timeout(store_l
 def test_results_and_report_read_a_server_store(pg_server, tmp_path, capsys):
     from mergeval import results
     from mergeval.store import Store
-    from tests.test_report import is_png, report_main, sweep
+    from tests.test_report import fill_store, is_png, report_main
 
     url = pg_server.new_database()
     store = Store(url)
-    for r in sweep():
-        store.start_run(r["run_id"], experiment="quickstart", method=r["config"]["method"]["name"],
-                        config=r["config"], versions=r["versions"], git=r["git"])
-        store.finish_run(r["run_id"], result_path="/x/result.json", aggregates=r["aggregates"],
-                         timings=r["timings_s"], models=r["models"], scores=r["scores"])
-    store.start_run("running", experiment="quickstart", method="ties", config={"method": {"name": "ties"}},
-                    versions={}, git={})
+    fill_store(store)
     assert results.main(["--store", url, "--method", "ties", "--status", "finished", "--csv",
                          str(tmp_path / "t.csv")]) == 0
     rows = list(csv.DictReader((tmp_path / "t.csv").open()))

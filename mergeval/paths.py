@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import tempfile
@@ -33,9 +34,10 @@ def atomic_dir(final: Path):
     """
     make_dirs(final.parent)
     remove_orphans(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(final.name), dir=final.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only; the result is an ordinary directory
-    try:
+    prefix = tmp_prefix(final.name)  # carries this process's identity: only our own directories match it
+    try:  # from the directory's creation on: an interrupt right after mkdtemp must not leave it behind
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only; the result is an ordinary directory
         yield tmp
         if final.exists():  # built concurrently by another process: keep theirs
             shutil.rmtree(tmp)
@@ -48,7 +50,8 @@ def atomic_dir(final: Path):
                 shutil.rmtree(tmp)
             fsync_dir(final.parent)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for ours in final.parent.glob(glob.escape(prefix) + "*"):  # ``tmp`` may not be bound yet
+            shutil.rmtree(ours, ignore_errors=True)
         _name_the_place(err, final)
         raise
 

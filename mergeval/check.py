@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from mergeval.cli import discard_job_dir, run_cli
 from mergeval.config import register_configs
 from mergeval.errors import UserError
-from mergeval.paths import dir_size
+from mergeval.paths import cache_root, dir_size
 
 register_configs()
 
@@ -54,7 +54,7 @@ def check(cfg: DictConfig, console=None) -> list[str]:
     models = model_needs(cfg)
     dirs = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True)
             for i, p in enumerate(cfg.benchmark.include_path)]
-    data = data_needs(cfg.benchmark, dirs)
+    data = data_needs(cfg.benchmark, dirs, cache_root(cfg.cache_dir))
     table = Table(title=f"what {cfg.modelset.name} · {cfg.benchmark.name} needs", title_justify="left")
     for name in ("kind", "name", "source", "present", "where", "size"):
         table.add_column(name, no_wrap=name != "where")

@@ -107,12 +107,17 @@ def _umask() -> int:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all, and durably: the data is fsynced before the rename and the directory
     after it, so a crash or power loss leaves the old file or the new one, never a torn or empty one."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``atomic_write_text`` for bytes."""
     make_dirs(path.parent)
     remove_orphans(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

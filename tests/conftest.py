@@ -17,10 +17,10 @@ settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "exp
 
 
 # What a cache holds that is costly to build and never changes once built: converted and zoo models, fine-tuned
-# experts. Under pytest-xdist (the suite runs with two workers, pyproject's addopts) the workers share these
+# experts, lm-eval's registry index. Under pytest-xdist (the suite runs with two workers, pyproject's addopts) the workers share these
 # (every build is an atomic rename, and two processes building the same one is tested in test_concurrency),
 # while each worker keeps its own results store, fingerprints and samples, so no test sees another's runs.
-SHARED_CACHE_PARTS = ("models", "experts")
+SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 
 
 # The modules that take minutes, started first so that the two workers share out the short ones around them

@@ -53,11 +53,11 @@ def eval_cfg(**over):
 
 
 @pytest.fixture(scope="module")
-def cli(tiny_dir, tmp_path_factory) -> dict:
+def cli(tiny_dir, cache, tmp_path_factory) -> dict:
     """The lm_eval command line on the tiny model: results and per-sample outputs per task."""
-    from lm_eval.tasks import TaskManager
+    from mergeval.eval.task_index import task_manager
 
-    registry = TaskManager()
+    registry = task_manager(None, include_defaults=True, cache=cache)
     inc = tmp_path_factory.mktemp("include")
     for task in TASKS:
         cfg = {"include": str(registry.task_index[task].yaml_path), "task": task, "tag": None, "dataset_path": "json",
@@ -166,15 +166,15 @@ def test_smollm2_batched_generation_gives_the_command_lines_greedy_text(cache, t
     """The same check on a real model (SmolLM2-135M-Instruct, float32), whose answers differ item to item:
     gsm8k's 5-shot prompts, 4 items, our batch of 4 against the command line's batches of 1."""
     from transformers import AutoTokenizer
-    from lm_eval.tasks import TaskManager
 
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
+    from mergeval.eval.task_index import task_manager
     from mergeval.models.checkpoint import load_model
     from mergeval.models.smollm2 import smollm2_dir
 
     model_dir, limit = smollm2_dir(cache, "test"), 4
-    cfg = {"include": str(TaskManager().task_index["gsm8k"].yaml_path), "task": "gsm8k", "tag": None,
+    cfg = {"include": str(task_manager(None, True, cache).task_index["gsm8k"].yaml_path), "task": "gsm8k", "tag": None,
            "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": _files("gsm8k")}}
     (tmp_path / "inc").mkdir()
     (tmp_path / "inc" / "gsm8k.yaml").write_text(json.dumps(cfg))

@@ -2,8 +2,10 @@
 
 One 12-job sweep on the tiny zoo with two workers is killed (SIGKILL to its whole process group) at random
 points and resumed until it completes: every configuration ends finished exactly once in the store and the
-store passes its integrity check. The same sweep through a local Ray instance (two CPUs) into another store
-gives the same scores. The runs are shared by the assertions (module-scoped fixtures).
+store passes its integrity check. Four of its configurations through a local Ray instance (two CPUs) into
+another store give the same scores (four, not twelve: starting Ray and its workers is most of the cost, and
+what Ray could get wrong is already there with four). The runs are shared by the assertions (module-scoped
+fixtures).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ LAMBDAS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 SWEEP = ["+experiment=tiny", "benchmark.limit=8", "method=task_arithmetic,ties",
          f"method.lambda_={','.join(map(str, LAMBDAS))}"]
 CONFIGS = {(m, lam) for m in ("task_arithmetic", "ties") for lam in LAMBDAS}
+RAY_LAMBDAS = (0.5, 2.0)
+RAY_SWEEP = [*SWEEP[:-1], f"method.lambda_={','.join(map(str, RAY_LAMBDAS))}"]
+RAY_CONFIGS = {(m, lam) for m in ("task_arithmetic", "ties") for lam in RAY_LAMBDAS}
+KILLS = 2
 SEED = 16  # the kill points: random, and the same every run of the suite
 
 
@@ -76,22 +82,22 @@ def kill_after_progress(cmd: list[str], cwd: Path, store: Path, rng: random.Rand
 
 @pytest.fixture(scope="module")
 def joblib_sweep(tmp_path_factory, cache, tiny_dir) -> dict:
-    """The 12-job sweep with the parallel (joblib) preset, two workers: killed three times, then run to the end."""
+    """The 12-job sweep with the parallel (joblib) preset, two workers: killed twice, then run to the end."""
     work = tmp_path_factory.mktemp("joblib-sweep")
     store, log = work / "runs.sqlite", work / "killed.log"
     cmd = command("hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"store.path={store}", *SWEEP)
     rng = random.Random(SEED)
-    kills = [(kill_after_progress(cmd, work, store, rng, log), count_finished(store)) for _ in range(3)]
+    kills = [(kill_after_progress(cmd, work, store, rng, log), count_finished(store)) for _ in range(KILLS)]
     final = subprocess.run(cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=1800)
     return {"store": store, "kills": kills, "final": final, "work": work}
 
 
 @pytest.fixture(scope="module")
 def ray_sweep(tmp_path_factory, cache, tiny_dir) -> dict:
-    """The same sweep on a local Ray instance with two CPUs (one job per CPU), into a store of its own."""
+    """Four of the sweep's jobs on a local Ray instance with two CPUs (one job per CPU), into a store of its own."""
     work = tmp_path_factory.mktemp("ray-sweep")
     store = work / "runs.sqlite"
-    cmd = command("hydra/launcher=ray", "hydra.launcher.num_cpus=2", f"store.path={store}", *SWEEP)
+    cmd = command("hydra/launcher=ray", "hydra.launcher.num_cpus=2", f"store.path={store}", *RAY_SWEEP)
     done = subprocess.run(cmd, cwd=work, env=env(), capture_output=True, text=True, timeout=1800)
     return {"store": store, "out": done}
 
@@ -150,11 +156,12 @@ def test_ray_and_joblib_give_the_same_scores(joblib_sweep, ray_sweep):
     out = ray_sweep["out"]
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     ray_rows = finished_rows(ray_sweep["store"])
-    assert len(ray_rows) == 12 and {(m, lam) for _, m, lam, _, _ in ray_rows} == CONFIGS
-    assert by_config(ray_rows) == by_config(finished_rows(joblib_sweep["store"]))
+    assert len(ray_rows) == 4 and {(m, lam) for _, m, lam, _, _ in ray_rows} == RAY_CONFIGS
+    joblib_rows = [r for r in finished_rows(joblib_sweep["store"]) if (r[1], r[2]) in RAY_CONFIGS]
+    assert by_config(ray_rows) == by_config(joblib_rows)
     # the hashes agree too: the same configurations
-    assert {r[0] for r in ray_rows} == {r[0] for r in finished_rows(joblib_sweep["store"])}
-    assert "mergeval: sweep 12/12 done" in out.stdout and " left" in out.stdout
+    assert {r[0] for r in ray_rows} == {r[0] for r in joblib_rows}
+    assert "mergeval: sweep 4/4 done" in out.stdout and " left" in out.stdout
 
 
 def test_progress_counts_best_and_time_left(tmp_path):

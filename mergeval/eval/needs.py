@@ -29,12 +29,12 @@ class DataNeed:
     unsafe_code: bool = False  # the task executes generated code (needs eval.allow_code_execution)
 
 
-def data_needs(bench, include_dirs: list[Path]) -> list[DataNeed]:
+def data_needs(bench, include_dirs: list[Path], cache: Path | None = None) -> list[DataNeed]:
     """One DataNeed per leaf task of every entry (UserError for a name no index knows)."""
-    from lm_eval.tasks import TaskManager
+    from mergeval.eval.task_index import task_manager
 
     names = [t for t in bench.tasks if t not in GENERATED]
-    manager = TaskManager(include_path=[str(p) for p in include_dirs] or None, include_defaults=bool(names))
+    manager = task_manager([str(p) for p in include_dirs] or None, include_defaults=bool(names), cache=cache)
     index = manager.task_index
     out = []
     for entry in bench.tasks:

@@ -129,7 +129,7 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
                         "give method.validation_scores or set method.order=given")
     paths += [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
     _quiet_lm_eval()
-    manager = _manager(paths, others + list(bench.data or {}))
+    manager = _manager(paths, others + list(bench.data or {}), cache)
     unknown = [t for t in others if t not in manager.all_tasks]
     if unknown:
         near = difflib.get_close_matches(unknown[0], manager.all_tasks + list(GENERATED), n=3)
@@ -138,7 +138,7 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
                         "see `lm_eval ls tasks`, or add a directory of task YAMLs to benchmark.include_path")
     _check_data_keys(bench, manager)
     if bench.data:  # the overriding YAMLs shadow the registry's by name, so groups use them too
-        manager = _manager(paths + [_write_overrides(bench, manager, cache)], others + list(bench.data))
+        manager = _manager(paths + [_write_overrides(bench, manager, cache)], others + list(bench.data), cache)
     loaded = {"tasks": {}, "groups": {}, "group_map": {}, "members": {}}
     for entry in entries:
         _load_entry(manager, entry, bench, loaded, bool(eval_cfg.allow_code_execution))
@@ -163,15 +163,16 @@ def _quiet_lm_eval() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _manager(paths: list[Path], others: list[str]):
+def _manager(paths: list[Path], others: list[str], cache: Path):
     """lm-eval's task index: only mergeval's and the user's directories when they hold every name (fast),
-    else lm-eval's registry too (indexing ~14k YAMLs takes seconds). Later directories shadow earlier names."""
-    from lm_eval.tasks import TaskManager
+    else lm-eval's registry too (its index cached, eval/task_index.py). Later directories shadow earlier names."""
+    from mergeval.eval.task_index import task_manager
 
-    local = TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=False)
+    include = [str(p) for p in paths] or None
+    local = task_manager(include, include_defaults=False, cache=cache)
     if all(t in local.all_subtasks for t in others):  # a group's members may live in the registry
         return local
-    return TaskManager(include_path=[str(p) for p in paths] or None, include_defaults=True)
+    return task_manager(include, include_defaults=True, cache=cache)
 
 
 def _check_data_keys(bench, manager) -> None:

@@ -129,7 +129,9 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     progress = None
     try:
-        if any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):
+        from mergeval.sweep_check import might_sweep
+
+        if might_sweep(sys.argv[1:]):  # -m, or an experiment that sets hydra.mode=MULTIRUN
             from mergeval.sweep_check import check_sweep
 
             problems = check_sweep(sys.argv[1:])

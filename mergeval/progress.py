@@ -141,15 +141,12 @@ def watch(argv: list[str]) -> SweepProgress | None:
     from mergeval.paths import cache_root
     from mergeval.resume import config_hash
     from mergeval.store import open_store
-    from mergeval.sweep_check import _CONFIG_FLAGS, COMPOSED, expand
+    from mergeval.sweep_check import COMPOSED, jobs_of, swept_positions
 
-    if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in argv):
-        return None
-    overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
-    expanded = expand(overrides)
+    expanded = jobs_of(argv)
     if not expanded:
         return None
-    swept = [i for i in range(len(overrides)) if len({job[i] for job in expanded}) > 1]
+    swept = swept_positions(expanded)
     missing = [job for job in expanded if tuple(job) not in COMPOSED]  # check_sweep composed the others
     if missing:
         with initialize_config_module("mergeval.conf", version_base="1.3"):

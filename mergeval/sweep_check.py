@@ -10,6 +10,7 @@ data (``checks.validate``); every failing job is one line.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from mergeval.errors import UserError
@@ -20,18 +21,81 @@ COMPOSED: dict[tuple[str, ...], object] = {}
 _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
 
 
-def expand(overrides: list[str]) -> list[list[str]] | None:
-    """Each job's overrides (Hydra's basic sweeper's order), or None when the sweep cannot be expanded here
-    (a parse error or a glob sweep: Hydra reports or expands those itself)."""
+def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] | None:
+    """Each job's overrides as Hydra's basic sweeper makes them: the config's ``hydra.sweeper.params`` first,
+    then the command line's overrides (a key in both takes the command line's values in the config's place);
+    None when the sweep cannot be expanded here (a parse error or a glob sweep: Hydra reports or expands
+    those itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    lines = [f"{key}={value}" for key, value in (params or {}).items()] + list(overrides)
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                   else [o.input_line] for o in parsed]
+        by_key: dict[str, list[str]] = {}
+        for o in OverridesParser.create().parse_overrides(lines):
+            key = o.get_key_element()
+            by_key[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                           else [f"{key}={o.get_value_element_as_str()}"])
     except Exception:  # noqa: BLE001  anything Hydra cannot parse, it reports in its own words when it runs
         return None
-    return [list(job) for job in itertools.product(*choices)]
+    return [list(job) for job in itertools.product(*by_key.values())]
+
+
+def task_overrides(argv: list[str]) -> list[str]:
+    """The overrides of ``argv`` that the sweeper expands (Hydra's own ``hydra.*`` ones are not a job's)."""
+    return [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+
+
+def jobs_of(argv: list[str]) -> list[list[str]] | None:
+    """``sweep_jobs(argv)``, composed once per process (the check and the progress both need it)."""
+    jobs = _sweep_jobs(tuple(argv))
+    return None if jobs is None else [list(job) for job in jobs]
+
+
+def might_sweep(argv: list[str]) -> bool:
+    """Whether ``argv`` can start a multirun: ``-m``, or an experiment or ``hydra.mode`` that may set it."""
+    return any(arg in ("-m", "--multirun") for arg in argv) or any(
+        a.lstrip("+~").startswith(("experiment=", "hydra.mode=")) for a in argv)
+
+
+@functools.lru_cache(maxsize=4)
+def _sweep_jobs(argv: tuple[str, ...]) -> tuple[tuple[str, ...], ...] | None:
+    jobs = sweep_jobs(list(argv))
+    return None if jobs is None else tuple(map(tuple, jobs))
+
+
+def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
+    """Each job's overrides of the multirun that ``argv`` starts, with ``-m`` or with ``hydra.mode=MULTIRUN``
+    in the composed config (an experiment such as cmm_mini sets it and lists its sweep in
+    ``hydra.sweeper.params``); None when ``argv`` starts no multirun that can be expanded here (config flags,
+    another sweeper, a parse error)."""
+    if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in argv):
+        return None
+    multirun = any(arg in ("-m", "--multirun") for arg in argv)
+    if not might_sweep(argv):
+        return None
+    hydra_cfg = _hydra_config([a for a in argv if not a.startswith("-")])
+    if hydra_cfg is None:  # not composable here: the command line's own sweep, as far as it goes
+        return expand(task_overrides(argv)) if multirun else None
+    if not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
+        return None
+    if "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
+        return None
+    params = hydra_cfg.sweeper.get("params") or {}
+    return expand(task_overrides(argv), {str(k): str(v) for k, v in params.items()})
+
+
+def _hydra_config(overrides: list[str]):
+    """The ``hydra`` node composed with ``overrides`` (each swept override at its first value), or None."""
+    from hydra import compose, initialize_config_module
+
+    first = expand(overrides)
+    if first is None:
+        return None
+    try:
+        with initialize_config_module("mergeval.conf", version_base="1.3"):
+            return compose("config", overrides=first[0], return_hydra_config=True).hydra
+    except Exception:  # noqa: BLE001  a bad override: check_sweep or Hydra itself says so
+        return None
 
 
 def check_sweep(argv: list[str]) -> list[str]:
@@ -41,13 +105,10 @@ def check_sweep(argv: list[str]) -> list[str]:
     from mergeval.checks import validate
     from mergeval.cli import explain
 
-    if any(arg.split("=")[0] in _CONFIG_FLAGS for arg in argv):
-        return []
-    overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
-    jobs = expand(overrides)
+    jobs = jobs_of(argv)
     if jobs is None or len(jobs) < 2:
         return []
-    swept = [i for i in range(len(overrides)) if len({job[i] for job in jobs}) > 1]
+    swept = swept_positions(jobs)
     problems = []
     with initialize_config_module("mergeval.conf", version_base="1.3"):
         for number, job in enumerate(jobs, start=1):
@@ -68,3 +129,8 @@ def check_sweep(argv: list[str]) -> list[str]:
         problems.append(f"{len(problems)} of {len(jobs)} jobs are invalid; no job was started: fix the swept "
                         "values and run the sweep again")
     return problems
+
+
+def swept_positions(jobs: list[list[str]]) -> list[int]:
+    """The positions of the overrides whose value differs between jobs (what labels a job)."""
+    return [i for i in range(len(jobs[0])) if len({job[i] for job in jobs}) > 1]

@@ -194,6 +194,27 @@ def test_progress_counts_best_and_time_left(tmp_path):
     assert (rerun.tally().done, rerun.tally().before) == (2, 0)
 
 
+def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m():
+    """An experiment with hydra.mode=MULTIRUN sweeps its hydra.sweeper.params: the check and the progress
+    expand them as Hydra's basic sweeper does (the config's params, then the command line's, a key on both
+    taking the command line's values), with or without -m."""
+    from mergeval.sweep_check import sweep_jobs
+
+    register_configs()
+    methods = ["cmm", "cmm_reverse", "cmm_constant", "cmm_task_arithmetic"]
+    jobs = sweep_jobs(["+experiment=cmm_mini", "benchmark.n_items=20"])
+    assert jobs == [[f"method={m}", "+experiment=cmm_mini", "benchmark.n_items=20"] for m in methods]
+    assert sweep_jobs(["-m", "+experiment=cmm_mini", "benchmark.n_items=20"]) == jobs
+    assert sweep_jobs(["+experiment=cmm_mini", "method=cmm,cmm_reverse"]) == [
+        ["method=cmm", "+experiment=cmm_mini"], ["method=cmm_reverse", "+experiment=cmm_mini"]]
+    cpt = sweep_jobs(["+experiment=cpt_finance_mini", "method.lambda_=0.5,1.5", "hydra.sweep.dir=/x"])
+    assert len(cpt) == 4 * 2 * 2 and cpt[0][-1] == "+experiment=cpt_finance_mini"
+    assert sweep_jobs(["+experiment=quickstart"]) is None  # a plain run
+    assert sweep_jobs(["+experiment=quickstart", "hydra.mode=MULTIRUN", "seed=0,1"]) == [
+        ["+experiment=quickstart", "seed=0"], ["+experiment=quickstart", "seed=1"]]
+    assert sweep_jobs(["method=ties", "seed=0,1"]) is None  # no -m: Hydra runs one job (and rejects the sweep)
+
+
 def test_the_slurm_preset_composes_with_its_overrides():
     """hydra/launcher=slurm is Hydra's submitit_slurm launcher with mergeval's defaults; partition, GPUs per
     task, time and array parallelism are overrides."""

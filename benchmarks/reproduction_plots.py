@@ -1,7 +1,13 @@
-"""The README's plots of two mini reproductions (issue 17), drawn from a sweep's result.json files.
+"""The README's plots of the mini reproductions (issue 17), drawn from a sweep's result.json files.
 
+    python benchmarks/reproduction_plots.py cmm_chem     multirun/<date>/<time> docs/cmm_mini_pareto.png
+    python benchmarks/reproduction_plots.py mergebench   multirun/<date>/<time> docs/mergebench_mini_normalized.png
     python benchmarks/reproduction_plots.py medical_hier multirun/<date>/<time> docs/medical_hier_mini.png
     python benchmarks/reproduction_plots.py cpt_finance  multirun/<date>/<time> docs/cpt_finance_mini.png
+
+cmm_chem: each merge's accuracy on the two competing unit tasks (unit_convert against unit_reduce), the
+experts and the base as stars. mergebench: per expert task, each method's normalized score
+(merged - base) / (expert - base) as grouped bars.
 
 medical_hier: per task, each method's merged accuracy +- stderr as grouped bars, the base and each parent as
 horizontal marks (the paper's Table IV as a picture). cpt_finance: per merge (each pair and the triple),
@@ -21,7 +27,18 @@ from matplotlib.figure import Figure
 
 
 def load(sweep: Path) -> list[dict]:
-    runs = [json.loads(p.read_text()) for p in sorted(sweep.rglob("result.json"))]
+    """Each job's result.json in job order, with ``choice``: the method option the sweep chose (its
+    ``.hydra/hydra.yaml``; e.g. cmm_reverse, mergebench_soup), else the method's name."""
+    import yaml
+
+    paths = sorted(sweep.rglob("result.json"), key=lambda p: [int(x) if x.isdigit() else x for x in p.parts])
+    runs = []
+    for path in paths:
+        run = json.loads(path.read_text())
+        hydra = path.parent / ".hydra" / "hydra.yaml"
+        choices = yaml.safe_load(hydra.read_text())["hydra"]["runtime"]["choices"] if hydra.exists() else {}
+        run["choice"] = choices.get("method") or run["config"]["method"]["name"]
+        runs.append(run)
     if not runs:
         raise SystemExit(f"reproduction_plots: no result.json under {sweep}")
     return runs
@@ -95,13 +112,65 @@ def plot_cpt(runs: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120, format="png", bbox_inches="tight")
 
 
+def plot_cmm(runs: list[dict], path: Path) -> None:
+    x_task, y_task = "mergeval_unit_convert", "mergeval_unit_reduce"
+    fig = Figure(figsize=(5.5, 4.6))
+    ax = fig.add_subplot()
+    first = runs[0]["scores"]
+    for role in [m["role"] for m in runs[0]["models"] if m["role"] != "merged"]:
+        ax.scatter(first[x_task][role]["value"], first[y_task][role]["value"], marker="*", s=140, color="gray")
+        ax.annotate(role, (first[x_task][role]["value"], first[y_task][role]["value"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    for run in runs:
+        x, y = run["scores"][x_task]["merged"], run["scores"][y_task]["merged"]
+        ax.errorbar(x["value"], y["value"], xerr=x["stderr"], yerr=y["stderr"], marker="o", capsize=3,
+                    label=run["choice"])
+    ax.set_xlabel(f"{short(x_task)} accuracy")
+    ax.set_ylabel(f"{short(y_task)} accuracy")
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("cmm mini: the two competing unit skills per merge (stars: base, experts)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, format="png", bbox_inches="tight")
+
+
+def normalized(run: dict, task: str, expert: str) -> float:
+    """(merged - base) / (expert - base) on ``task``; nan when the expert does not beat the base."""
+    s = run["scores"][task]
+    gap = s[expert]["value"] - s["base"]["value"]
+    return (s["merged"]["value"] - s["base"]["value"]) / gap if gap > 0 else float("nan")
+
+
+def plot_mergebench(runs: list[dict], path: Path) -> None:
+    experts = {m["role"]: m for m in runs[0]["models"] if m["role"] not in ("base", "merged")}
+    owned = [(role, runs[0]["config"]["modelset"]["experts"][role]["task"]) for role in experts]
+    fig = Figure(figsize=(11, 4.2))
+    ax = fig.add_subplot()
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(owned))]
+        ax.bar(xs, [normalized(run, task, role) for role, task in owned], width=width, label=run["choice"])
+    ax.axhline(0, color="gray", linewidth=1)
+    ax.axhline(1, color="black", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(owned)), [f"{short(task)}\n({role})" for role, task in owned])
+    ax.set_ylabel("normalized score (0 = base, 1 = expert)")
+    ax.set_title("mergebench mini: each method's normalized score per expert task", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=120, format="png", bbox_inches="tight")
+
+
+PLOTS = {"cmm_chem": plot_cmm, "mergebench": plot_mergebench, "medical_hier": plot_medical, "cpt_finance": plot_cpt}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paper", choices=["medical_hier", "cpt_finance"])
+    parser.add_argument("paper", choices=sorted(PLOTS))
     parser.add_argument("sweep", type=Path, help="the mini reproduction's multirun directory")
     parser.add_argument("out", type=Path, help="the PNG to write")
     args = parser.parse_args(argv)
-    (plot_medical if args.paper == "medical_hier" else plot_cpt)(load(args.sweep), args.out)
+    PLOTS[args.paper](load(args.sweep), args.out)
     print(args.out)
     return 0
 

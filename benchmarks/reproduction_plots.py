@@ -31,9 +31,10 @@ def load(sweep: Path) -> list[dict]:
     ``.hydra/hydra.yaml``; e.g. cmm_reverse, mergebench_soup), else the method's name."""
     import yaml
 
-    paths = sorted(sweep.rglob("result.json"), key=lambda p: [int(x) if x.isdigit() else x for x in p.parts])
+    from mergeval.paths import result_files_below
+
     runs = []
-    for path in paths:
+    for path in result_files_below(sweep):
         run = json.loads(path.read_text())
         hydra = path.parent / ".hydra" / "hydra.yaml"
         choices = yaml.safe_load(hydra.read_text())["hydra"]["runtime"]["choices"] if hydra.exists() else {}

@@ -23,6 +23,16 @@ def cache_root(cache_dir: str | None) -> Path:
     return path
 
 
+def result_files_below(directory: Path) -> list[Path]:
+    """Every result.json below ``directory`` in job order: a sweep's job directories 0, 1, ..., 9, 10, ...
+    sorted as numbers (as strings, job 10 would come before job 2 and a run's index would depend on the
+    sweep's size)."""
+    def key(path: Path) -> list:
+        return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.relative_to(directory).parts]
+
+    return sorted(directory.rglob("result.json"), key=key)
+
+
 @contextmanager
 def atomic_dir(final: Path):
     """Yield a temporary sibling directory; rename it to ``final`` only if the block succeeds.

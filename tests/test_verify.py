@@ -576,3 +576,14 @@ def test_the_discrepancy_tolerance_on_both_sides(by, status):
                  "discrepancies": [{"at": ["r", "avg"], "by": by, "note": "typo in the paper"}]}}
     (check,) = check_tables(parse_tables(raw, "tables"))
     assert check.status == status
+
+
+def test_a_sweeps_runs_are_numbered_in_job_order(tmp_path):
+    """Run indices (the per-run claims' labels, "run 10: ...") follow the sweep's job numbers, not their
+    string order: with 12 jobs, job 10 is run 10, not run 2."""
+    sweep = tmp_path / "sweep"
+    for job in range(12):
+        write_run(sweep, str(job), SCORES, params={"lambda_": job / 10})
+    runs = load_runs([str(sweep)])
+    assert [run.index for run in runs] == list(range(12))
+    assert [run.config["method"]["lambda_"] for run in runs] == [job / 10 for job in range(12)]

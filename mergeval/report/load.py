@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.paths import result_files_below
 
 REQUIRED = ("run_id", "created", "config", "models", "tasks", "scores", "aggregates")
 
@@ -16,7 +17,7 @@ def result_files(paths: list[str]) -> list[Path]:
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(p.rglob("result.json"))
+            found += result_files_below(p)
         elif p.is_file():
             found.append(p)
         else:

@@ -28,13 +28,13 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from mergeval.outcome import score_value
 from pathlib import Path
 from typing import Any
 
 from mergeval.errors import UserError
 from mergeval.metrics.groups import forgetting, group_mean
+from mergeval.outcome import score_value
+from mergeval.paths import result_files_below
 
 NON_EXPERT_ROLES = ("base", "merged")
 _SHORTHANDS = {"method": ("method", "name"), "modelset": ("modelset", "name"), "benchmark": ("benchmark", "name")}
@@ -114,12 +114,12 @@ class Run:
 
 
 def load_runs(paths: list[str]) -> list[Run]:
-    """Every result.json named, or found under a named directory (sorted); UserError if unusable."""
+    """Every result.json named, or found under a named directory (in job order); UserError if unusable."""
     files: list[Path] = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
-            found = sorted(path.rglob("result.json"))
+            found = result_files_below(path)
             if not found:
                 raise UserError("--run", f"no result.json under {given}", "give a run's result.json or its directory")
             files += found

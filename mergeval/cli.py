@@ -19,7 +19,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from mergeval.errors import UserError, from_os_error
+from mergeval.errors import UserError, from_os_error, os_error_in
 
 
 def explain(ex: BaseException) -> str | None:
@@ -88,9 +88,8 @@ def user_failure(err: BaseException) -> UserError | None:
     """The one-line error for a failure the user or the environment caused, else None (a bug)."""
     if isinstance(err, UserError):
         return err
-    if isinstance(err, OSError):
-        return from_os_error(err)
-    return None
+    os_error = os_error_in(err)  # a native library's full disk too (safetensors' SafetensorError)
+    return None if os_error is None else from_os_error(os_error)
 
 
 @contextmanager

@@ -7,6 +7,8 @@ Anything else that escapes is a bug in mergeval and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
     def __init__(self, field: str, problem: str, fix: str):
@@ -34,6 +36,25 @@ _ENVIRONMENT = {
     "ELOOP": ("too many symbolic links", "fix the symbolic links on that path"),
     "EIO": ("input/output error", "check the device (a failing disk or network file system?)"),
 }
+
+
+# A native library's own exception type around an operating-system error: safetensors' Rust writer raises
+# SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)").
+_NATIVE_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """``err`` if it is an OSError; the OSError a native library reported inside its own exception type
+    (module comment); else None."""
+    if isinstance(err, OSError):
+        return err
+    found = _NATIVE_OS_ERROR.search(str(err)) if isinstance(err, Exception) else None
+    if found is None:
+        return None
+    import os
+
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def from_os_error(err: OSError) -> UserError | None:

@@ -68,9 +68,12 @@ def atomic_dir(final: Path):
 
 def _name_the_place(err: BaseException, target: Path) -> None:
     """A write that failed without naming its file (a full disk, a file-size limit) names what was being
-    written, so the one-line error says where."""
-    if isinstance(err, OSError) and err.filename is None:
-        raise OSError(err.errno, err.strerror, str(target)) from err
+    written, so the one-line error says where (also when a native library wrapped it: errors.os_error_in)."""
+    from mergeval.errors import os_error_in
+
+    os_error = os_error_in(err)
+    if os_error is not None and os_error.filename is None:
+        raise OSError(os_error.errno, os_error.strerror, str(target)) from err
 
 
 def make_dirs(directory: Path) -> None:

@@ -268,6 +268,29 @@ def test_a_full_disk_while_writing_the_merge(zoo, tmp_path, small_fs):
     assert not list(small_fs.iterdir()) and not leftovers(tmp_path)
 
 
+def test_a_full_disk_under_a_native_writer_is_one_line_naming_the_directory(zoo, small_fs):
+    """transformers' save_pretrained writes through safetensors' Rust code, whose full disk is a SafetensorError
+    ("... (os error 28)"), not an OSError: an expert built into a full cache is still one line naming the
+    directory being written, and nothing half-written stays."""
+    from mergeval.cli import user_failure
+    from mergeval.models.checkpoint import load_model
+    from mergeval.paths import atomic_dir
+
+    model = load_model(zoo["e0"])
+    with pytest.raises(OSError) as raised:
+        with atomic_dir(small_fs / "expert") as tmp:
+            model.save_pretrained(tmp)
+    assert type(raised.value.__cause__).__name__ == "SafetensorError"  # the native library's own type
+    line = user_failure(raised.value).line()
+    assert line.startswith(f"mergeval: error: {small_fs / 'expert'}: no space left on the device"), line
+    assert not list(small_fs.iterdir())
+    from safetensors import SafetensorError  # raised where no atomic_dir names the place: still one line
+
+    assert user_failure(SafetensorError("I/O error: No space left on device (os error 28)")).line().startswith(
+        "mergeval: error: disk: no space left on the device")
+    assert user_failure(SafetensorError("header too large")) is None  # not the environment: a bug, traceback
+
+
 def test_cache_dir_below_a_file(zoo, tmp_path):
     (tmp_path / "afile").write_text("x")
     out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"cache_dir={tmp_path / 'afile'}",

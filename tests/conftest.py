@@ -24,7 +24,8 @@ SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 
 
 # The modules that take minutes, started first so that the two workers share out the short ones around them
-# (xdist hands out modules in collection order: long ones collected last would run alone at the end).
+# (xdist hands out modules in collection order with pyproject's --no-loadscope-reorder: long ones collected
+# last would run alone at the end).
 SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
                 "test_quickstart_e2e.py")
 

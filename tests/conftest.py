@@ -23,8 +23,8 @@ settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "exp
 SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 
 
-# The modules that take minutes, collected first (run with -p xdist --no-loadscope-reorder to start them
-# first; the default hands out modules by their number of tests, see pyproject's addopts).
+# The modules that take minutes, collected first (with --no-loadscope-reorder they also start first; by
+# default xdist hands out modules by their number of tests, which measured faster: see pyproject's addopts).
 SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
                 "test_quickstart_e2e.py")
 

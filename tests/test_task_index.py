@@ -10,8 +10,10 @@ def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks import _index
 
+    from mergeval.eval import task_index
     from mergeval.eval.task_index import task_manager
 
+    task_index._LOADED.clear()
     mine = tmp_path / "mine"  # a user's directory shadowing a registry task and adding one
     mine.mkdir()
     (mine / "hellaswag.yaml").write_text(json.dumps({"task": "hellaswag", "dataset_path": "json",
@@ -27,6 +29,7 @@ def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path
         lambda paths, **kw: built.append([str(p) for p in paths]) or plain_build(paths, **kw)))
     first = task_manager(include, include_defaults=True, cache=cache)
     assert len(built) == 2 and built[1] == include  # the registry, then the user's directory
+    task_index._LOADED.clear()  # as a new process: from the cache on disk
     second = task_manager(include, include_defaults=True, cache=cache)
     assert built[2:] == [include]  # the registry came from the cache
     assert len(list((cache / "lm_eval_index").glob("*.pickle"))) == 1
@@ -36,10 +39,15 @@ def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path
                                                                    theirs.all_tags)
     assert second.task_index["hellaswag"].yaml_path == mine / "hellaswag.yaml"
     assert second.task_index["my_task"].cfg["doc_to_choice"] == ["a", "b"]  # its include resolved
+    (stored,) = (cache / "lm_eval_index").glob("*.pickle")
+    stored.unlink()
+    task_manager(include, include_defaults=True, cache=cache)  # the same process: neither built nor read again
+    assert built[3:] == [include] and not stored.exists()
 
 
 def test_the_key_changes_when_a_yaml_changes_and_a_damaged_file_is_rebuilt(tmp_path):
-    from mergeval.eval.task_index import _registry_index, _registry_key
+    from mergeval.eval.task_index import _load_or_build as _registry_index
+    from mergeval.eval.task_index import _registry_key
 
     reg = tmp_path / "registry"
     (reg / "a").mkdir(parents=True)

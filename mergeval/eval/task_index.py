@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 
 _SWAP = threading.Lock()  # the index class is swapped module-wide while one manager is built
+_LOADED: dict[Path, dict] = {}  # the registry's index once loaded in this process (a sweep's jobs, data overrides)
 
 
 def task_manager(include_path: list[str] | None, include_defaults: bool, cache: Path | None):
@@ -62,6 +63,13 @@ def task_manager(include_path: list[str] | None, include_defaults: bool, cache: 
 
 
 def _registry_index(registry: Path, cache: Path) -> dict:
+    """The registry's index: from this process's memory, else the cache, else built (and cached)."""
+    if registry not in _LOADED:
+        _LOADED[registry] = _load_or_build(registry, cache)
+    return _LOADED[registry]
+
+
+def _load_or_build(registry: Path, cache: Path) -> dict:
     from lm_eval.tasks._index import TaskIndex
 
     from mergeval.paths import atomic_write_bytes

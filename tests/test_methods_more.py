@@ -161,6 +161,31 @@ def test_breadcrumbs_keeps_exactly_the_intended_entries():
     assert torch.equal(breadcrumbs_mask(delta, 0.2, 0.05), torch.tensor([0.0, -5.0] + [0.0] * 7 + [6.0]))
 
 
+def test_breadcrumbs_outliers_tied_at_the_cut_go_by_position():
+    # n = 10, gamma 0.2: two of the three tied 6s are outliers, the first two by position; density 0.2 keeps
+    # the next two: the third 6, then the first of the tied 3s
+    delta = torch.tensor([1.0, 6.0, -3.0, -6.0, 3.0, 0.5, 6.0, 2.0, 0.1, -0.2])
+    expected = torch.tensor([0.0, 0.0, -3.0, 0.0, 0.0, 0.0, 6.0, 0.0, 0.0, 0.0])
+    assert torch.equal(breadcrumbs_mask(delta, 0.2, 0.2), expected)
+
+
+@SETTINGS
+@given(st.lists(st.integers(-3, 3), min_size=2, max_size=40), st.floats(0.05, 0.95), st.floats(0.0, 0.5))
+def test_breadcrumbs_equals_a_stable_sort_of_the_magnitudes(values, density, gamma):
+    """Many ties (small integers): the kept band is positions n_top .. n_top + k of a stable descending sort."""
+    delta = torch.tensor(values, dtype=torch.float32)
+    n = delta.numel()
+    n_top = int(gamma * n + 1e-9)
+    density = min(density, 1 - gamma)
+    order = torch.sort(delta.abs(), descending=True, stable=True).indices
+    rest = delta.clone()
+    rest[order[:n_top]] = 0
+    reference = torch.zeros_like(delta)
+    band = torch.sort(rest.abs(), descending=True, stable=True).indices[:max(1, math.ceil(density * n))]
+    reference[band] = rest[band]
+    assert torch.equal(breadcrumbs_mask(delta, density, gamma), reference)
+
+
 @SETTINGS
 @given(tensors(), st.floats(0.05, 0.95), st.floats(0.0, 0.5))
 def test_breadcrumbs_keeps_a_middle_band_of_magnitudes(data, density, gamma):
@@ -243,6 +268,23 @@ def test_sce_by_hand():
     # variances [1, 2.25, 4, 0]: the top half keeps entries 2 and 1; energies 13, 2
     out = merge("sce", base, [a, b], select_topk=0.5, lambda_=2.0)
     assert torch.allclose(out, 2.0 * torch.tensor([0.0, -26 / 15, 39 / 15, 0.0]))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2)), min_size=2, max_size=40),
+       st.floats(0.05, 0.95))
+def test_sce_selects_the_first_of_a_stable_variance_sort(pairs, fraction):
+    """Small integers: tied variances everywhere, zero variance where both experts moved alike (kept or not,
+    by position, matters there); the selection is the first k of a stable descending sort of the variances."""
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    base = torch.zeros_like(a)
+    k = max(1, math.ceil(fraction * a.numel()))
+    variance = torch.stack([a, b]).sort(0).values.var(0, unbiased=False)
+    keep = torch.zeros_like(a, dtype=torch.bool)
+    keep[torch.sort(variance, descending=True, stable=True).indices[:k]] = True
+    selected = merge("sce", base, [a * keep, b * keep], select_topk=1.0)
+    assert torch.equal(merge("sce", base, [a, b], select_topk=fraction), selected)
 
 
 # ---------------------------------------------------------------- SLERP

@@ -246,7 +246,10 @@ def test_the_test_split_is_reported_apart_from_the_validation_split(searched):
     assert first.test is None  # search.test=false: tuning only
     for outcome in (first, resumed):
         assert outcome.best is not None and outcome.baseline.value is not None
-        assert outcome.best.value == max(t["value"] for t in outcome.trials if t["state"] == "COMPLETE")
+        # the seeded default is a trial too: the best is the default or a sampled trial at least as good
+        best = max([t["value"] for t in outcome.trials if t["state"] == "COMPLETE"] + [outcome.baseline.value])
+        assert outcome.best.value == best
+        assert outcome.best_is_default == (outcome.best.fingerprint == outcome.baseline.fingerprint)
         assert all(s["n"] == cfg.search.validation_items for s in outcome.best.scores.values())
     for label in ("best", "default"):
         scores = resumed.test[label]["scores"]
@@ -276,6 +279,35 @@ def test_a_stored_study_resumes_where_it_stopped(searched):
     assert len(set(drawn)) == len(drawn)  # the resumed sampler drew new points
     assert study.trials[orphan].state == optuna.trial.TrialState.FAIL
     assert json.dumps(resumed.cost)  # the report's cost is plain data
+
+
+def test_the_default_seeds_the_study_once_as_a_free_trial(searched):
+    cfg, first, resumed, _, _, study, printed = searched
+    seeded = [t for t in study.trials if t.user_attrs.get("default")]
+    assert len(seeded) == 1 and seeded[0].number == 0  # seeded before the first draw, not again on resuming
+    assert seeded[0].value == first.baseline.value == resumed.baseline.value
+    # the tiny experiment's default (lambda 1, weights null), as the preset's space names it
+    assert seeded[0].params == {"lambda_": 1.0, **{f"weights[{i}]": 1.0 for i in range(len(cfg.modelset.experts))}}
+    assert seeded[0].intermediate_values[0] == pytest.approx(-first.baseline.log_ratio)
+    assert seeded[0].number not in [t["number"] for t in resumed.trials]  # not counted in search.n_trials
+    assert printed.count("seeded as a trial the sampler starts from") == 1
+
+
+def test_the_default_recipe_as_the_space_names_it():
+    both = {"lambda_": {"low": 0.3, "high": 2.0}, "weights": {"low": 0.3, "high": 1.7, "per_expert": True}}
+    space = _space("task_arithmetic", both)
+    assert space.default_params({"lambda_": 1.0, "weights": None}) == {
+        "lambda_": 1.0, "weights[0]": 1.0, "weights[1]": 1.0}
+    assert space.default_params({"lambda_": 1.0, "weights": [0.5, 1.5]})["weights[1]"] == 1.5
+    assert space.default_params({"lambda_": 2.5, "weights": None}) is None  # outside the range
+    ties = _space("ties", {"density": {"low": 0.1, "high": 0.9, "per_expert": True},
+                           "sign_rule": {"choices": ["sum", "count"]}})
+    config = {"density": 0.2, "sign_rule": "count", "per_expert": [{"density": 0.7}, None], "weights": None}
+    assert ties.default_params(config) == {"density[0]": 0.7, "density[1]": 0.2, "sign_rule": "count"}
+    assert ties.default_params({**config, "sign_rule": "other"}) is None
+    depth = _space("ties", {"density": {"low": 0.1, "high": 0.9, "depth": 3}})
+    assert depth.default_params({"density": 0.5, "rules": []}) == {f"density@{j}": 0.5 for j in range(3)}
+    assert depth.default_params({"density": 0.5, "rules": [{"match": "*mlp*", "density": 0.3}]}) is None
 
 
 def test_progress_lines_and_the_report(searched, tmp_path):

@@ -39,6 +39,7 @@ from mergeval.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
+from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
 from mergeval.methods.task_vector import (_check_lambda, _check_weights, check_ties_options, disjoint_merge,
                                           kept_count, trim_to_density)
 
@@ -254,13 +255,13 @@ def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch
     """Model Breadcrumbs (Davari & Belilovsky, 2023): drop the outliers and the small entries.
 
     Sort the entries by |delta|; zero the n_top = floor(gamma * n) largest (the outliers), keep the
-    next k = max(1, ceil(density * n)) (trim_to_density's count, as in ties), zero the rest.
+    next k = max(1, ceil(density * n)) (trim_to_density's count, as in ties), zero the rest. Ties at
+    either cut go by position (the first of a stable descending sort; found without sorting).
+    Before implementation version 3 the outliers' ties were split in torch.topk's order.
     """
     n_top = int(gamma * delta.numel() + 1e-9)
     if n_top > 0:
-        flat = delta.flatten().clone()
-        flat[flat.abs().topk(n_top, sorted=False).indices] = 0
-        delta = flat.view_as(delta)
+        delta = delta.masked_fill(first_k_mask(delta.abs().reshape(-1), n_top).view_as(delta), 0)
     # The zeroed outliers now rank last, so trimming keeps the k largest of the rest.
     return trim_to_density(delta, density)
 
@@ -377,8 +378,8 @@ def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConf
     return _combine(base, experts, cfg, gen, elect=True)
 
 
-# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
-@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=2)
+# version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
+@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=3)
 def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig,
                 gen: torch.Generator) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
@@ -391,8 +392,8 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
-@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=2)
+# version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
+@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=3)
 def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig,
                      gen: torch.Generator) -> torch.Tensor:
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).
@@ -456,10 +457,10 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: to
         n = b.numel()
         k = kept_count(cfg.select_topk, n)
         variance = ordered.var(0, unbiased=False).flatten()
-        top = torch.sort(variance, descending=True, stable=True).indices[:k]
-        keep = torch.zeros(n, dtype=torch.bool, device=b.device)
-        keep[top] = True
-        keep = keep.view_as(b)
+        # the first k of a stable descending sort, without the sort; tied zero variances by position too
+        # (an entry every expert moved alike has variance 0 and a non-zero delta: keeping it matters)
+        tau, c_gt, _ = kth_largest(variance, k)
+        keep = first_ties_mask(variance, tau, k - c_gt).view_as(b)
         deltas = deltas * keep
         ordered = ordered * keep
     energy = [float(d.double().square().mean()) for d in deltas]

@@ -42,6 +42,7 @@ class SearchConfig:
     prune_at: list[int] = field(default_factory=lambda: [1, 2])  # the stages whose ranking may prune (1, 2)
     startup_trials: int = 5  # trials completed before any is pruned
     degrade_threshold: float = 1.0  # pruned at stage 1 when its held-out perplexity exceeds the experts' by this
+    start_from_default: bool = True  # the default recipe, already scored, seeds the study as a free trial
     test: bool = True  # after tuning, score the best recipe and the method's default on the test split
 
 

@@ -32,8 +32,10 @@ def lines(outcome: SearchOutcome) -> list[str]:
     if o.best is None:
         out.append("  no trial completed: nothing to report on the test split")
     else:
-        out.append(f"  best (trial #{o.best_number}) {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores)}")
-        out.append(f"  best recipe: {describe(o.best.params)}")
+        label = f"best (trial #{o.best_number})"
+        out.append(f"  {label:<16} {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores)}")
+        out.append(f"  best recipe: {describe(o.best.params)}"
+                   + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else ""))
     if o.test:
         out.append("test split (scored once, after tuning):")
         for label in ("default", "best"):

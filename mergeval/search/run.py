@@ -21,6 +21,7 @@ and held-out text outside every task's evaluation pool.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,10 @@ class SearchOutcome:
     validation_items: int
     stage2_items: int
     baseline: Scored  # the method's default recipe on the validation split
-    trials: list[dict] = field(default_factory=list)  # every finished trial of the study, in order
+    trials: list[dict] = field(default_factory=list)  # every finished sampled trial of the study, in order
     best: Scored | None = None  # the best complete trial, re-read on the validation split
     best_number: int | None = None
+    best_is_default: bool = False  # the best trial is the seeded default (no sampled recipe beat it)
     test: dict | None = None  # {"best"|"default": {scores, aggregates, fingerprint}, "constituents": ...}
     cost: dict = field(default_factory=dict)
     resumed: int = 0  # finished trials the study held before this process
@@ -136,6 +138,8 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
     outcome = SearchOutcome(name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline,
                             orphans=orphans)
     print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
+    if s.start_from_default:
+        _seed_default(study, space, baseline)
     lap("baseline")
     _tune(study, space, stages, outcome)
     lap("trials")
@@ -161,11 +165,25 @@ def _searched(cfg: DictConfig, space: Space) -> dict:
     return {e.key: OmegaConf.select(cfg.method, e.key) for e in space.entries}
 
 
+def _seed_default(study, space: Space, baseline: Scored) -> None:
+    """The default recipe as the study's first (free) trial, where the space can express it."""
+    params = space.default_params(baseline.config)
+    if params is None:
+        print("search: the default recipe lies outside search.space; the sampler starts without it", flush=True)
+        return
+    stage_values = {0: -baseline.log_ratio if math.isfinite(baseline.log_ratio) else -1e9}
+    if baseline.stage2 is not None:
+        stage_values[1] = baseline.stage2
+    attrs = {**_attrs(baseline), "cost": dataclasses.asdict(Cost()), "ran": 0}
+    if studies.seed_default(study, space.distributions(), params, baseline.value, stage_values, attrs):
+        print(f"search: the default ({describe(params)}) seeded as a trial the sampler starts from", flush=True)
+
+
 def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
     from optuna.trial import TrialState
 
     s = stages.cfg.search
-    done = len(studies.done_trials(study))
+    done = len(studies.sampled_trials(study))
     outcome.resumed = done
     if done:
         print(f"search: resuming study '{outcome.study}' with {done} finished trial(s)"
@@ -190,7 +208,7 @@ def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
             ended = f"{s.objective} {signed(res.value)}"
         print(progress.line(trial.number, f"{ended} ({res.seconds:.1f} s; {describe(trial.params)})",
                             _best_line(study, s.objective)), flush=True)
-    outcome.trials = [_trial_row(t) for t in studies.done_trials(study)]
+    outcome.trials = [_trial_row(t) for t in studies.sampled_trials(study)]
 
 
 def _attrs(res: Scored) -> dict:
@@ -219,12 +237,13 @@ def _best(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
     except ValueError:
         return
     outcome.best_number = best.number
+    outcome.best_is_default = bool(best.user_attrs.get("default"))
     outcome.best = score(stages, best.params, space.overrides(best.params))
 
 
 def _cost(study, stages: Stages, reference_texts: int) -> dict:
     """The trials' staged cost next to scoring every finished trial on the whole validation split."""
-    trials = studies.done_trials(study)
+    trials = studies.sampled_trials(study)
     staged = Cost(reference_texts, reference_texts)
     for t in trials:
         staged = staged + Cost(**t.user_attrs.get("cost", {}))

@@ -73,10 +73,43 @@ class Space:
                     entry[e.key] = value
         return out
 
+    def default_params(self, config: dict) -> dict[str, Any] | None:
+        """The parameters that reproduce the method config ``config`` (the run's default recipe), or None when
+        some searched value of it lies outside the space (or varies over depth where the space has knots)."""
+        out: dict[str, Any] = {}
+        for e in self.entries:
+            if e.kind == "depth" and any(e.key in rule for rule in config.get("rules") or []):
+                return None
+            for i, name in enumerate(e.names):
+                value = _default_value(config, e, i)
+                try:
+                    inside = value is not None and e.distribution._contains(e.distribution.to_internal_repr(value))
+                except (ValueError, TypeError):
+                    inside = False
+                if not inside:
+                    return None
+                out[name] = value
+        return out
+
     def digest(self) -> str:
         """Identifies the space (part of a study's identity: a resumed study must search the same space)."""
         rows = [[e.key, e.kind, list(e.names), repr(e.distribution), e.match] for e in self.entries]
         return hashlib.sha256(json.dumps([self.method.name, rows]).encode()).hexdigest()[:12]
+
+
+def _default_value(config: dict, e: Entry, i: int) -> Any:
+    """Expert ``i``'s (or knot ``i``'s) value of ``e.key`` in ``config``, as the merge reads it
+    (``methods.compat.expert_value``: an expert's own value, else the shared one; a null weight is 1)."""
+    if e.kind != "per_expert":
+        return config.get(e.key)
+    own = config.get("per_expert") or []
+    name = "weight" if e.key == "weights" else e.key
+    if i < len(own) and own[i] and own[i].get(name) is not None:
+        return own[i][name]
+    if e.key == "weights":
+        weights = config.get("weights")
+        return weights[i] if weights is not None else 1.0
+    return config.get(e.key)
 
 
 def describe(params: dict[str, Any]) -> str:

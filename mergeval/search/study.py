@@ -126,6 +126,24 @@ def done_trials(study) -> list:
     return study.get_trials(deepcopy=False, states=tuple(getattr(TrialState, s) for s in DONE_STATES))
 
 
+def sampled_trials(study) -> list:
+    """The finished trials the sampler drew (the seeded default is not one: it costs nothing and is not counted
+    in ``search.n_trials``)."""
+    return [t for t in done_trials(study) if not t.user_attrs.get("default")]
+
+
+def seed_default(study, distributions: dict, params: dict, value: float, stage_values: dict[int, float],
+                 attrs: dict) -> bool:
+    """Add the default recipe, already scored, as a complete trial (once per study), so the sampler starts from
+    what it must beat and the pruner ranks against it; False when the study holds it already."""
+    if any(t.user_attrs.get("default") for t in study.get_trials(deepcopy=False)):
+        return False
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
+                                              intermediate_values=stage_values,
+                                              user_attrs={**attrs, "default": True}))
+    return True
+
+
 class StagePruner(optuna.pruners.BasePruner):
     """Prune a trial at a stage unless its value there is in the top ``keep_percent``% of all trials' at that stage.
 

@@ -31,10 +31,13 @@ one model in memory at a time:
              number of tokens: one forward pass per example (forward hooks).
              Linear layers fed the very same tensor (q/k/v, gate/up) share one
              matrix, stored once (``aliases``).
+    localize g[p] = sum_x d/dp (-log p(answer_x | prompt_x) / |answer_x|) at the
+             soft-masked model (Localize-and-Stitch's mask step; ``localize_gradient``),
+             ``BATCH`` examples per forward and backward pass.
 
 Each is cached under ``<cache>/statistics/<kind>-<key>/`` (``stats.safetensors``
 and ``meta.json``, written atomically) with ``key`` = sha256 of (kind, model
-fingerprint, data digest, n, STATS_VERSION): later runs and sweeps reuse it.
+fingerprint, data digest, n, STATS_VERSION[kind]): later runs and sweeps reuse it.
 The merge reads it one tensor at a time (``read_stat``), so memory stays
 bounded by one layer's statistics per expert.
 """
@@ -49,7 +52,10 @@ from pathlib import Path
 from mergeval.errors import UserError
 from mergeval.paths import atomic_dir
 
-STATS_VERSION = 1
+# A statistic's implementation version, part of its cache key: raised when the same model and data give other
+# numbers. localize 2: examples batched (the same sum, another float summation order).
+STATS_VERSION = {"fisher": 1, "gram": 1, "localize": 2}
+BATCH = 16  # examples per forward + backward where a statistic sums over them (localize)
 KINDS = ("fisher", "gram", "localize")
 SPLITS = ("train", "validation")
 STATS_FILE, META_FILE = "stats.safetensors", "meta.json"
@@ -142,7 +148,7 @@ def data_digest(items: list[dict]) -> str:
 
 
 def stats_key(kind: str, fingerprint: str, digest: str, n: int, point: dict | None = None) -> str:
-    payload = {"kind": kind, "model": fingerprint, "data": digest, "n": n, "version": STATS_VERSION}
+    payload = {"kind": kind, "model": fingerprint, "data": digest, "n": n, "version": STATS_VERSION[kind]}
     if point:  # localize: where the gradient is taken (base fingerprint, magnitude cut, sigmoid bias)
         payload["point"] = {k: v for k, v in point.items() if k != "base_dir"}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -163,7 +169,7 @@ def statistics_dir(kind: str, model_dir: Path, fingerprint: str, items: list[dic
     with atomic_dir(target) as tmp:
         save_file(tensors, str(tmp / STATS_FILE), metadata={"format": "pt"})
         (tmp / META_FILE).write_text(json.dumps({"kind": kind, "model": fingerprint, "data": digest,
-                                                 "n": len(items), "version": STATS_VERSION, **meta}, indent=1))
+                                                 "n": len(items), "version": STATS_VERSION[kind], **meta}, indent=1))
     return target, True
 
 
@@ -198,8 +204,9 @@ def _example(tokenizer, item):
     return ids, torch.ones_like(ids), labels
 
 
-def answer_log_likelihood(model, ids, mask, labels):
-    """sum over the answer tokens of log p(token | preceding tokens). As in fine-tuning (zoo/finetune.py), the
+def answer_log_likelihood(model, ids, mask, labels, per_example_mean: bool = False):
+    """sum over the answer tokens of log p(token | preceding tokens); ``per_example_mean``: the sum over the
+    batch's rows of each row's mean over its own answer tokens. As in fine-tuning (zoo/finetune.py), the
     LM head runs only at the answer positions when the model exposes its trunk (``model.model``): the
     vocabulary projection is the costliest layer of a small model."""
     import torch
@@ -212,7 +219,11 @@ def answer_log_likelihood(model, ids, mask, labels):
         logits = head(hidden[:, :-1][scored]).float()
     else:
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][scored].float()
-    return -torch.nn.functional.cross_entropy(logits, targets[scored], reduction="sum")
+    if not per_example_mean:
+        return -torch.nn.functional.cross_entropy(logits, targets[scored], reduction="sum")
+    nll = torch.nn.functional.cross_entropy(logits, targets[scored], reduction="none")
+    rows = scored.nonzero()[:, 0]  # each scored token's row, in the order boolean indexing flattens them
+    return -(nll / scored.sum(1)[rows]).sum()
 
 
 def _progress(examples, desc: str):
@@ -254,15 +265,32 @@ def localize_gradient(model, base_dir: Path, cut: float, bias: float, examples) 
             tau = p - b
             p.copy_(b + torch.where(tau.abs() >= cut, inside, outside) * tau)
     acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
-    for ids, mask, labels in _progress(examples, "localize (forward + backward per item)"):
+    # The gradient of a sum is the sum of the gradients: BATCH examples per backward pass, each example's
+    # loss still divided by its own answer tokens (per_example_mean).
+    for ids, mask, labels in _progress(padded_batches(examples, BATCH), "localize (forward + backward per batch)"):
         model.zero_grad(set_to_none=True)
-        tokens = int((labels[:, 1:] != -100).sum())
-        (-answer_log_likelihood(model, ids, mask, labels) / tokens).backward()
+        answer_log_likelihood(model, ids, mask, labels, per_example_mean=True).neg().backward()
         for n, p in params.items():
             if p.grad is not None:
                 acc[n].add_(p.grad.float())
     model.zero_grad(set_to_none=True)
     return {n: a.contiguous() for n, a in acc.items()}, {"cut": cut, "sigmoid_bias": bias}
+
+
+def padded_batches(examples, size: int):
+    """Examples (ids, mask, labels; one row each) in right-padded batches of ``size``: a causal model's real
+    tokens never see the padding after them, so each row scores as it does alone (up to float rounding)."""
+    import torch
+
+    for start in range(0, len(examples), size):
+        chunk = examples[start:start + size]
+        width = max(ids.shape[1] for ids, _, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=chunk[0][0].dtype)
+        mask = torch.zeros((len(chunk), width), dtype=chunk[0][1].dtype)
+        labels = torch.full((len(chunk), width), -100, dtype=chunk[0][2].dtype)
+        for row, (i, m, lab) in enumerate(chunk):
+            ids[row, :i.shape[1]], mask[row, :m.shape[1]], labels[row, :lab.shape[1]] = i[0], m[0], lab[0]
+        yield ids, mask, labels
 
 
 def gram(model, examples) -> tuple[dict, dict]:

@@ -473,3 +473,23 @@ def test_check_states_the_calibration_passes(cache):
         out = io.StringIO()
         _print_calibration_cost(compose("config", overrides=["+experiment=tiny", "method=ties"]), Console(file=out))
         assert out.getvalue() == ""
+
+
+def test_a_padded_batch_scores_each_example_as_it_scores_alone(two_layer):
+    """localize's batches: the per-example mean answer log-likelihood of a right-padded batch equals the
+    examples' own, one by one (examples of different lengths, so the padding is exercised)."""
+    from transformers import AutoTokenizer
+
+    from mergeval.calibration import _example, answer_log_likelihood, padded_batches
+    from mergeval.models.checkpoint import load_model
+
+    base, _, items, _ = two_layer
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = load_model(base, dtype=torch.float32)
+    examples = [_example(tokenizer, item) for item in items[0] + items[1]]
+    assert len({ids.shape[1] for ids, _, _ in examples}) > 1
+    alone = sum(answer_log_likelihood(model, *ex) / int((ex[2][:, 1:] != -100).sum()) for ex in examples)
+    batches = list(padded_batches(examples, 3))
+    assert [b[0].shape[0] for b in batches] == [3, 3, 2]
+    together = sum(answer_log_likelihood(model, *b, per_example_mean=True) for b in batches)
+    assert torch.allclose(together, alone, rtol=1e-5, atol=1e-5)

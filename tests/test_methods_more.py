@@ -397,3 +397,22 @@ def test_defaults_are_valid():
         method.validate(method.config(), 2)
         assert method.config().name == name
     get_method("slerp").validate(get_method("slerp").config(), 1)
+
+
+# ---------------------------------------------------------------- TIES' sign vote
+
+
+@SETTINGS
+@given(st.integers(3, 6), st.lists(st.sampled_from([0.0, 1.0, -1.0, 3.0, -3.0, 1e-7, -1e-7, 1e8, -1e8,
+                                                    0.1, -0.1, 0.3, -0.2]), min_size=6, max_size=240),
+       st.randoms(use_true_random=False))
+def test_the_sign_vote_is_the_sorted_sums_sign_without_sorting_everything(n, values, rng):
+    """sign_of_sum sorts only where a rounding-level sum could flip: it must equal the sign of the sorted
+    sum everywhere, on values built to cancel (x, -x, big + tiny) and in every expert order."""
+    from mergeval.methods.task_vector import _sorted_sum, sign_of_sum
+
+    voters = torch.tensor(values[: len(values) // n * n] or [0.0] * n, dtype=torch.float32).view(n, -1)
+    order = list(range(n))
+    rng.shuffle(order)
+    for v in (voters, voters[order]):
+        assert torch.equal(sign_of_sum(v), torch.sign(_sorted_sum(voters)))

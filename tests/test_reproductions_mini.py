@@ -19,8 +19,7 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
 The reduced runs share one cache (the session's ``cache`` fixture), so experts
 built for one paper are reused by the next when their training settings match:
 every reduced setup trains its experts with ``modelset.train.steps=8
-modelset.train.batch_size=8`` (64 items, about an eighth of the full 30 x 16;
-building the five mini experts at full size would take CI's whole budget), so
+modelset.train.batch_size=8`` (64 items, a third of the full 12 x 16), so
 setups that use the same domains share them. The module's runs stay on one
 xdist worker (``--dist loadscope``), one after another.
 """

@@ -55,6 +55,7 @@ from mergeval.paths import atomic_dir
 # A statistic's implementation version, part of its cache key: raised when the same model and data give other
 # numbers. localize 2: examples batched (the same sum, another float summation order).
 STATS_VERSION = {"fisher": 1, "gram": 1, "localize": 2}
+CUT_VERSION = 1  # the cached magnitude cuts (``magnitude_cut``)
 BATCH = 16  # examples per forward + backward where a statistic sums over them (localize)
 KINDS = ("fisher", "gram", "localize")
 SPLITS = ("train", "validation")
@@ -423,7 +424,7 @@ def magnitude_cut(base_dir: Path, base_fingerprint: str, expert_dir: Path, exper
         return kth_largest_delta(base_dir, expert_dir, k)
     from mergeval.paths import atomic_write_text
 
-    payload = {"kind": "cut", "base": base_fingerprint, "model": expert_fingerprint, "k": k, "version": STATS_VERSION}
+    payload = {"kind": "cut", "base": base_fingerprint, "model": expert_fingerprint, "k": k, "version": CUT_VERSION}
     path = cache / "statistics" / f"cut-{hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())["cut"]

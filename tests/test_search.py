@@ -332,3 +332,11 @@ def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: search.space.lambda_: low 2 is not below high 1; give low < high"]
     assert not (tmp_path / "job").exists()
+
+
+def test_the_report_lists_scores_in_the_benchmarks_task_order():
+    from mergeval.search.report import _scores_line
+
+    read_back = {"mergeval_unit_convert": {"value": 0.94}, "mergeval_chem_count": {"value": 0.975}}
+    assert _scores_line(read_back, ["mergeval_chem_count", "mergeval_unit_convert"]) == \
+        "chem_count 0.975  unit_convert 0.940"

@@ -14,10 +14,12 @@ from mergeval.search.progress import signed
 from mergeval.search.space import describe
 
 
-def _scores_line(scores: dict | None) -> str:
+def _scores_line(scores: dict | None, tasks: list[str] | None = None) -> str:
+    """Each task's score, in the benchmark's task order (a score read back from the store may come in another)."""
     if not scores:
         return "-"
-    return "  ".join(f"{t.removeprefix('mergeval_')} {s['value']:.3f}" for t, s in scores.items())
+    order = [t for t in (tasks or []) if t in scores] + [t for t in scores if t not in (tasks or [])]
+    return "  ".join(f"{t.removeprefix('mergeval_')} {scores[t]['value']:.3f}" for t in order)
 
 
 def lines(outcome: SearchOutcome) -> list[str]:
@@ -28,19 +30,19 @@ def lines(outcome: SearchOutcome) -> list[str]:
            f"{cost['pruned_at_stage1']} pruned at stage 1, {cost['pruned_at_stage2']} at stage 2), "
            f"objective {o.objective}"]
     out.append(f"validation split ({o.validation_items} items per task, disjoint from the test items):")
-    out.append(f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores)}")
+    out.append(f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores, o.tasks)}")
     if o.best is None:
         out.append("  no trial completed: nothing to report on the test split")
     else:
         label = f"best (trial #{o.best_number})"
-        out.append(f"  {label:<16} {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores)}")
+        out.append(f"  {label:<16} {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores, o.tasks)}")
         out.append(f"  best recipe: {describe(o.best.params)}"
                    + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else ""))
     if o.test:
         out.append("test split (scored once, after tuning):")
         for label in ("default", "best"):
             t = o.test[label]
-            out.append(f"  {label:<16} {o.objective} {signed(t['objective'])}   {_scores_line(t['scores'])}")
+            out.append(f"  {label:<16} {o.objective} {signed(t['objective'])}   {_scores_line(t['scores'], o.tasks)}")
     staged, full = cost["staged"], cost["full"]
     if cost["fraction_of_full"] is not None:
         out.append(f"cost: {staged['forward_passes']:,} forward passes ({staged['examples']:,} examples) staged, "

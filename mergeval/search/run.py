@@ -21,7 +21,6 @@ and held-out text outside every task's evaluation pool.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from mergeval.methods import get_method
 from mergeval.search import study as studies
 from mergeval.search.progress import Progress, signed
 from mergeval.search.space import Space, describe, parse_space
-from mergeval.search.trials import COMPLETE, PRUNED, Scored, Stages, objective, score
+from mergeval.search.trials import COMPLETE, PRUNED, Scored, Stages, objective, score, stage1_value
 from mergeval.staging.cost import Cost
 from mergeval.staging.plan import stage2_limit
 
@@ -171,7 +170,7 @@ def _seed_default(study, space: Space, baseline: Scored) -> None:
     if params is None:
         print("search: the default recipe lies outside search.space; the sampler starts without it", flush=True)
         return
-    stage_values = {0: -baseline.log_ratio if math.isfinite(baseline.log_ratio) else -1e9}
+    stage_values = {0: stage1_value(baseline)}
     if baseline.stage2 is not None:
         stage_values[1] = baseline.stage2
     attrs = {**_attrs(baseline), "cost": dataclasses.asdict(Cost()), "ran": 0}

@@ -148,7 +148,7 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
     degraded = not out.degradation <= s.degrade_threshold
     why = (f"stage 1: perplexity x{out.degradation + 1:.3g} of the experts' (threshold x{s.degrade_threshold + 1:g})"
            if degraded and s.pruner != "none" else "")
-    if halt(0, -out.log_ratio if math.isfinite(out.log_ratio) else -1e9, why):
+    if halt(0, stage1_value(out), why):
         return _done(out, started)
 
     first, _, ran = stages.validation.scores(out.fingerprint, lambda: model, (0, stages.n_stage2))
@@ -166,6 +166,11 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
                                           stages.cfg.metric)
     out.stage = 3
     return _done(out, started)
+
+
+def stage1_value(res: Scored) -> float:
+    """What stage 1 reports to Optuna: minus the mean log-perplexity ratio (higher is better; -1e9 if infinite)."""
+    return -res.log_ratio if math.isfinite(res.log_ratio) else -1e9
 
 
 def _done(out: Scored, started: float) -> Scored:

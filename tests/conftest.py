@@ -16,6 +16,26 @@ settings.register_profile("explore", deadline=None, max_examples=1000)
 settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "explore" else "mergeval")
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker (and every process a test starts, which inherits the environment) gets
+    its share of the cores as torch's thread count. torch otherwise starts one OpenMP thread per core in every
+    process, and two workers' processes on two cores then spin-wait for each other: two forced re-evaluations
+    at once took 253 s with 2 threads each against 108 s with 1 each (one alone: about 65 s). joblib's and
+    Ray's launchers do the same for their jobs. A thread count the user set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    share = str(max(1, (os.cpu_count() or 1) // workers))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = share
+    import sys
+    if "torch" in sys.modules:  # already imported by a plugin: its pool is sized, resize it
+        sys.modules["torch"].set_num_threads(int(share))
+
+
+_share_the_cores()
+
+
 # What a cache holds that is costly to build and never changes once built: converted and zoo models, fine-tuned
 # experts, lm-eval's registry index. Under pytest-xdist (the suite runs with two workers, pyproject's addopts) the workers share these
 # (every build is an atomic rename, and two processes building the same one is tested in test_concurrency),
@@ -23,8 +43,8 @@ settings.load_profile("explore" if os.environ.get("MERGEVAL_HYPOTHESIS") == "exp
 SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 
 
-# The modules that take minutes, collected first (with --no-loadscope-reorder they also start first; by
-# default xdist hands out modules by their number of tests, which measured faster: see pyproject's addopts).
+# The modules that take minutes, collected first; with pyproject's --no-loadscope-reorder they also start first,
+# so the longest (the reproductions) overlaps the rest of the suite on the other worker.
 SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
                 "test_quickstart_e2e.py")
 

@@ -15,6 +15,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from mergeval.methods import METHODS
+from mergeval.precision import register_resolver
+
+register_resolver()  # the dtype defaults below interpolate it
 
 
 @dataclass
@@ -25,6 +28,9 @@ class TrainConfig:
     batch_size: int = 16
     lr: float = 5e-5
     seed: int = 0
+    # compute precision of the fine-tuning's matrix products: bfloat16 (autocast) where the CPU runs it natively,
+    # else float32 (mergeval/precision.py); part of the expert's cache key when not bfloat16
+    dtype: str = "${mergeval_dtype:cpu}"
 
 
 @dataclass
@@ -101,7 +107,9 @@ class MetricConfig:
 @dataclass
 class EvalConfig:
     batch_size: int = 32
-    dtype: str = "bfloat16"  # evaluation precision; merging always runs in float32
+    # evaluation precision (merging always runs in float32): by default bfloat16 where the device runs it
+    # natively, else float32 (mergeval/precision.py); set bfloat16 or float32 to force one
+    dtype: str = "${mergeval_dtype:${.device}}"
     # "shared_prefix": each question's context computed once for all choices (eval/scorer.py);
     # "hflm": lm-eval's HFLM as is (one sequence per choice), as the lm_eval CLI runs it. In float32 the same
     # scores up to float rounding; in bfloat16 HFLM takes the log-softmax in bfloat16 (shared_prefix: float32),
@@ -173,7 +181,8 @@ class RunConfig:
     # dtype of the floating tensors a saved merge is written in (merge-only output, save_merged): float32 |
     # bfloat16 | float16; null keeps each tensor's dtype in the base. Merging itself always runs in float32.
     out_dtype: str | None = None
-    staged: StagedConfig | None = None  # the sweep of python -m mergeval.staged (unused by python -m mergeval)
+    # the sweep of python -m mergeval.staged and of -m hydra/sweeper=staged (unused by a plain run)
+    staged: StagedConfig | None = field(default_factory=StagedConfig)
     verbose: bool = False  # also show lm-eval's and transformers' own progress bars and warnings
     mergekit: str | None = None  # a mergekit YAML: its method and models replace method and modelset (interop/)
 

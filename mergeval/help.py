@@ -16,7 +16,8 @@ OVERRIDES = """\
   benchmark.tasks=[hellaswag,gsm8k]        lm-eval task/group names, include_path tasks, mergeval_* tasks
   benchmark.limit=50                       only the first 50 items of each task
   '+benchmark.metrics.gsm8k="exact_match,strict-match"'   the metric a task reports
-  eval.device=cuda eval.dtype=float32      where and in which precision models are evaluated
+  eval.device=cuda eval.dtype=float32      where and in which precision models are evaluated (default:
+                                           bfloat16 where the device runs it natively, else float32)
   eval.apply_chat_template=true            prompting (also system_instruction, gen_kwargs)
   offline=false                            let hub models and data sets download
   save_merged=true                         also write the merged model into the job directory
@@ -25,6 +26,7 @@ OVERRIDES = """\
   store.url=postgresql://HOST/DB           a shared results store for many machines (default: SQLite)
   -m method=ties,task_arithmetic method.lambda_=0.5,1.0    a sweep: one job directory per job
   -m hydra/launcher=parallel|ray|slurm ...  run a sweep's jobs in parallel, on Ray or on Slurm
+  -m hydra/sweeper=staged method.lambda_=0.5,1.0,2.0   evaluate a sweep's merges in stages (staged.* sizes)
   sweep.resume=false sweep.best=macro_gain  re-run finished configurations; the aggregate progress ranks by
   --cfg job                                print the composed config and exit"""
 

@@ -50,6 +50,8 @@ def hardware() -> dict:
 
     import torch
 
+    from mergeval.precision import bf16_native
+
     model, flags = _cpu_info()
     info = {
         "machine": platform.machine(),
@@ -60,6 +62,7 @@ def hardware() -> dict:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkldnn": torch.backends.mkldnn.is_available(),
+        "bf16_native": bf16_native("cpu"),  # what eval.dtype / modelset.train.dtype default to (precision.py)
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "matmul_precision": torch.get_float32_matmul_precision(),
     }

@@ -26,7 +26,7 @@ def digest(obj) -> str:
                                               ("unit_convert", "c122b81e7b05a213", "c62889da09b2faea")])
 def test_quickstart_domains_keep_their_items_and_expert_keys(domain, items, key):
     assert digest(list(split_items(domain, 0, 480, 500))) == items
-    train = SimpleNamespace(steps=30, batch_size=16, lr=5e-5, seed=0)
+    train = SimpleNamespace(steps=30, batch_size=16, lr=5e-5, seed=0, dtype="bfloat16")  # bf16 autocast
     assert expert_key("e9bbcdac5085b7d65c7873f55f4770aa", domain, train) == key
     assert domain in QUICKSTART_DOMAINS
 

@@ -360,3 +360,76 @@ def test_a_bad_candidate_is_one_line_and_exit_2(override, line, cache, tmp_path)
 def test_a_config_without_a_staged_section_says_which_experiment_to_use():
     with pytest.raises(UserError, match="^staged: no staged section.*quickstart_staged"):
         make_plan(None, 2)
+
+
+# ---- a plain -m sweep evaluated in stages (hydra/sweeper=staged) ------------------------------------------
+
+NO_GRID = ["~staged.grid.task_arithmetic", "~staged.grid.ties"]  # tiny_staged's own grid
+
+
+def sweep_configs(*jobs: list[str]):
+    return [compose_staged(*job, *NO_GRID) for job in jobs]
+
+
+def test_each_job_of_a_sweep_is_one_candidate_named_by_what_was_swept():
+    from mergeval.staging.from_sweep import staged_config
+
+    jobs = [["method=task_arithmetic", "method.lambda_=1.0"], ["method=task_arithmetic", "method.lambda_=2.0"],
+            ["method=ties", "method.lambda_=1.0", "method.density=0.3"]]
+    cfg = staged_config(sweep_configs(*jobs), ["a", "b", "c"])
+    plan = make_plan(cfg.staged, 2)
+    # lambda_=1.0 is the default, but it was swept, so it names the candidate; density differs from ties' default
+    assert [c.label for c in plan.candidates] == ["task_arithmetic(lambda_=1.0)", "task_arithmetic(lambda_=2.0)",
+                                                  "ties(density=0.3)"]
+    assert plan.candidates[2].config.density == 0.3 and plan.stage1_keep == 4  # the experiment's stage sizes
+
+
+@pytest.mark.parametrize("jobs,line", [
+    ([["method.lambda_=1.0"], ["method.lambda_=2.0", "seed=1"]], "seed: differs between the sweep's jobs (a / b)"),
+    ([["method.lambda_=1.0"], ["method.lambda_=2.0", "eval.batch_size=8"]], "eval.batch_size: differs"),
+    ([["method=ties", "method.density=1.5"]], "method.density: "),
+    ([["method.lambda_=1.0"], ["method.lambda_=1"]], "method: sweep jobs a and b are the same merge"),
+])
+def test_a_sweep_that_is_not_a_set_of_merges_is_one_user_error(jobs, line):
+    from mergeval.staging.from_sweep import staged_config
+
+    with pytest.raises(UserError) as err:
+        make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][:len(jobs)]).staged, 2)
+    assert str(err.value).startswith(line), str(err.value)
+
+
+def test_a_sweep_and_a_staged_grid_together_are_one_user_error():
+    from mergeval.staging.from_sweep import staged_config
+
+    with pytest.raises(UserError, match="^staged.grid: with hydra/sweeper=staged the sweep's jobs are the candidates"):
+        staged_config([compose_staged("method.lambda_=2.0")], ["a"])
+
+
+def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cache, tmp_path):
+    """The same candidates through ``-m hydra/sweeper=staged``: the same stages, scores and pick (the benchmark
+    evaluations come from the results store the in-process sweep filled; stage 1 runs again)."""
+    _, out = known
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *KNOWN,
+         "~staged.grid.task_arithmetic", "method=task_arithmetic", "method.lambda_=0.0,1.0,8.0", "staged.stage1_keep=2",
+         "staged.stage3_keep=1", "staged.full=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads((tmp_path / "sweep" / "staged.json").read_text())
+    assert (tmp_path / "sweep" / "multirun.yaml").is_file()
+    assert [c["label"] for c in data["candidates"]] == [c.label for c in out.candidates]
+    assert data["pick"] == out.pick and data["stage2"] == out.stage2 and data["stage3"] == out.stage3
+    for mine, theirs in zip(data["candidates"], out.candidates):
+        assert mine["fingerprint"] == theirs.fingerprint
+        assert mine["log_ratio"] == pytest.approx(theirs.log_ratio, abs=1e-9)
+
+
+def test_a_bad_swept_value_under_the_staged_sweeper_is_one_line_and_exit_2(cache, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged",
+                          *NO_GRID, "method=ties", "method.density=0.5,1.5"], cwd=tmp_path,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mergeval: error: method.density:"), run.stderr
+    assert "method.density=1.5" in lines[0] and not list(tmp_path.rglob("staged.json"))

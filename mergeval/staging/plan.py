@@ -125,7 +125,8 @@ def make_plan(staged, n_experts: int) -> Plan:
         seen[key] = cand.label
         candidates.append(cand)
     if not candidates:
-        raise UserError("staged", "no candidates", "set staged.grid (method: {field: [values]}) or staged.candidates")
+        raise UserError("staged", "no candidates", "set staged.grid (method: {field: [values]}) or staged.candidates "
+                        "(e.g. +experiment=quickstart_staged), or sweep with python -m mergeval -m hydra/sweeper=staged")
     checks = [
         ("staged.heldout_items", staged.heldout_items >= 1, "set e.g. staged.heldout_items=64"),
         ("staged.stage1_keep", staged.stage1_keep >= 1, "set e.g. staged.stage1_keep=4"),

@@ -21,9 +21,18 @@ from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, split_items
 EVAL_POOL = 500
 
 
+def train_dtype(train) -> str:
+    """The fine-tuning's compute precision: ``train.dtype``, or the machine's default when the settings have none."""
+    from mergeval.precision import auto_dtype
+
+    return getattr(train, "dtype", None) or auto_dtype("cpu")
+
+
 def expert_key(base_fingerprint: str, domain: str, train) -> str:
     settings = dict(base=base_fingerprint, domain=domain, data=DOMAIN_VERSION[domain], steps=train.steps,
                     batch_size=train.batch_size, lr=train.lr, seed=train.seed)
+    if train_dtype(train) != "bfloat16":  # bfloat16 autocast is how every expert was trained before: same keys
+        settings["dtype"] = train_dtype(train)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -32,6 +41,8 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
         raise UserError(field, f"unknown training domain '{domain}'", f"choose one of: {', '.join(sorted(DOMAINS))}")
     if train.steps < 1 or train.batch_size < 1 or not train.lr > 0:
         raise UserError("modelset.train", "steps, batch_size and lr must be positive", "fix modelset.train")
+    if train_dtype(train) not in ("bfloat16", "float32"):
+        raise UserError("modelset.train.dtype", f"unknown dtype '{train_dtype(train)}'", "use bfloat16 or float32")
     target = cache / "experts" / f"{domain}-{expert_key(base_fingerprint, domain, train)}"
     if target.exists():
         return target
@@ -46,12 +57,13 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = load_model(base_dir, dtype=torch.float32)
     losses = finetune(model, tokenizer, train_items, train.steps, train.batch_size, train.lr, train.seed,
-                      desc=f"building expert '{domain}'")
+                      desc=f"building expert '{domain}'", dtype=train_dtype(train))
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "mergeval-expert.json").write_text(json.dumps(
             dict(base_fingerprint=base_fingerprint, domain=domain, data_version=DOMAIN_VERSION[domain],
-                 train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed),
+                 train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed,
+                            dtype=train_dtype(train)),
                  first_loss=losses[0], last_loss=losses[-1]), indent=2))
     return target

@@ -3,11 +3,15 @@
 Only the answer tokens (and the end-of-sequence token) carry loss, and the LM
 head is applied only at those positions: the vocabulary projection is the
 costliest layer of a small model, and skipping it elsewhere roughly halves a
-step on the CPU. Matrix products run in bfloat16 autocast; the weights and the
-optimizer state stay float32, so the task vectors keep their small deltas.
+step on the CPU. Matrix products run in bfloat16 autocast where the CPU has
+bfloat16 kernels, else in float32 (``dtype``; mergeval/precision.py); the
+weights and the optimizer state stay float32, so the task vectors keep their
+small deltas.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from tqdm.auto import tqdm
@@ -39,8 +43,9 @@ def _batch(tokenizer, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def finetune(model, tokenizer, items: list[Item], steps: int, batch_size: int, lr: float, seed: int,
-             desc: str = "fine-tuning") -> list[float]:
-    """Train ``model`` in place for ``steps`` AdamW steps; returns the loss of each step."""
+             desc: str = "fine-tuning", dtype: str = "bfloat16") -> list[float]:
+    """Train ``model`` in place for ``steps`` AdamW steps, matrix products in ``dtype`` (bfloat16: autocast;
+    float32: none); returns the loss of each step."""
     torch.manual_seed(seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -48,7 +53,7 @@ def finetune(model, tokenizer, items: list[Item], steps: int, batch_size: int, l
     bar = tqdm(range(steps), desc=desc, unit="step")
     for step in bar:
         ids, mask, labels = _batch(tokenizer, items[step * batch_size:(step + 1) * batch_size])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
             targets = labels[:, 1:]
             scored = targets != -100

@@ -28,6 +28,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+from mergeval.precision import auto_dtype  # noqa: E402
+
+# evaluated in mergeval's default precision here: bfloat16 where the CPU runs it natively, else float32 (where
+# bfloat16 products are many times slower; mergeval/precision.py). float32 doubles the live model's bytes.
+DTYPE = auto_dtype("cpu")
 
 BUILD = """
 import json, shutil, sys
@@ -71,7 +77,7 @@ def run(work: Path, experts: int, code: Path | None) -> dict:
     fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
     conf = modelset_yaml(work, experts)
     cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
-           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", "eval.dtype=bfloat16", "eval.batch_size=8",
+           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={DTYPE}", "eval.batch_size=8",
            f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if code is not None:
@@ -125,7 +131,8 @@ def main(argv=None) -> None:
         params = int(built.stdout.split()[-1])
         size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
         print(f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
-              f"evaluated in bfloat16 (one model in memory: {params * 2 / 2**20:.0f} MiB of weights)")
+              f"evaluated in {DTYPE} (one model in memory: {params * (2 if DTYPE == 'bfloat16' else 4) / 2**20:.0f} "
+              "MiB of weights)")
         rows = []
         for code in [None] + ([args.code] if args.code else []):
             for n in counts:

@@ -16,15 +16,17 @@ side on this machine:
     first configuration.
 
 Both sides evaluate the same task files (mergeval's generated tasks), in
-bfloat16 with batch size 32, on the CPU, with the log-softmax in float32 (the
-``lm_eval`` side gets ``softmax_dtype=float32``, which mergeval's scorer always
-uses; lm-eval's default would round log-probabilities to bfloat16). The experts
+mergeval's default precision for this CPU (bfloat16 where it runs natively,
+else float32: mergeval/precision.py) with batch size 32, on the CPU, with the
+log-softmax in float32 (the ``lm_eval`` side gets ``softmax_dtype=float32``,
+which mergeval's scorer always uses; lm-eval's default would round
+log-probabilities to bfloat16). The experts
 must already exist in the given mergeval cache (run the quickstart once); they
 are linked, not rebuilt.
 
 Both sides must also get the same accuracies: every (model, task) pair's
 accuracy from mergeval's cold sweep is compared with the ``lm_eval`` command
-line's, within the scorer's stated bfloat16 tolerance
+line's, within the scorer's stated tolerance for that precision
 (``mergeval.eval.scorer.ACCURACY_TOLERANCE``); the script exits 1 naming every
 pair that differs by more (after writing its report), so a speed-up is never
 reported for work that computed something else.
@@ -47,11 +49,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from mergeval.eval.scorer import ACCURACY_TOLERANCE  # noqa: E402
+from mergeval.precision import auto_dtype  # noqa: E402
 
 TASKS = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts"]
 METHODS = ["task_arithmetic", "ties"]
 EXPERTS = {"chem": "chem_count", "units": "unit_convert"}  # role -> domain, as conf/modelset/quickstart.yaml
-DTYPE = "bfloat16"
+DTYPE = auto_dtype("cpu")  # what a mergeval run here computes in by default (both sides use it)
 
 
 BIN = Path(sys.executable).parent  # mergekit-yaml and lm_eval live beside this interpreter (a venv's bin/)
@@ -68,6 +71,8 @@ def timed(cmd: list[str], log: Path, **kw) -> float:
 
 def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
     """The quickstart base and experts inside a mergeval cache (built there first if missing)."""
+    from omegaconf import OmegaConf
+
     from mergeval.config import TrainConfig
     from mergeval.models.fingerprint import fingerprint
     from mergeval.models.smollm2 import smollm2_dir
@@ -75,7 +80,7 @@ def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
 
     base = smollm2_dir(cache, "--cache")
     base_fp = fingerprint(base, cache / "fingerprints.json")
-    return base, {role: expert_dir(base, base_fp, domain, TrainConfig(), cache, "--cache")
+    return base, {role: expert_dir(base, base_fp, domain, OmegaConf.structured(TrainConfig), cache, "--cache")
                   for role, domain in EXPERTS.items()}
 
 

@@ -73,7 +73,9 @@ def test_pairs_scored_by_one_side_or_under_another_metric_are_mismatches(sweep_c
         "chem / t1: only mergeval scored it"]
 
 
-def test_the_benchmark_compares_in_bfloat16_with_the_scorers_tolerance(sweep_cost):
-    assert sweep_cost.DTYPE == "bfloat16" and ACCURACY_TOLERANCE["bfloat16"] == 0.01
+def test_the_benchmark_compares_in_mergevals_precision_with_the_scorers_tolerance(sweep_cost):
+    from mergeval.precision import auto_dtype
+
+    assert sweep_cost.DTYPE == auto_dtype("cpu") and ACCURACY_TOLERANCE["bfloat16"] == 0.01
     cmd = sweep_cost.lm_eval_cmd(Path("/m"), Path("/tasks"), Path("/out"))
-    assert "pretrained=/m,dtype=bfloat16,softmax_dtype=float32" in cmd  # the log-softmax our scorer takes
+    assert f"pretrained=/m,dtype={sweep_cost.DTYPE},softmax_dtype=float32" in cmd  # the log-softmax our scorer takes

@@ -15,6 +15,9 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
           overrides: [benchmark.n_items=20, ...]   # what makes it small: fewer items, shorter expert training
           tags: [mini]                              # the claims it checks
           verdicts: ci                              # the record it must reproduce
+          # or one record per precision the run computes in (mergeval/precision.py: bfloat16 where the CPU
+          # runs it natively, else float32), since the two give different experts and scores:
+          # verdicts: {bfloat16: ci, float32: ci_float32}
 
 The reduced runs share one cache (the session's ``cache`` fixture), so experts
 built for one paper are reused by the next when their training settings match:
@@ -26,6 +29,7 @@ xdist worker (``--dist loadscope``), one after another.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,16 +52,35 @@ def reduced_setups() -> list[tuple[str, str, dict]]:
 CASES = reduced_setups()
 
 
+def records(reduced: dict) -> dict[str | None, str]:
+    """precision -> the record a reduced run in that precision must keep (None: any precision)."""
+    named = reduced["verdicts"]
+    return {None: named} if isinstance(named, str) else dict(named)
+
+
+def record_for(reduced: dict, sweep) -> str:
+    """The record for the precision the reduced run computed in (read from its first job's result.json)."""
+    by_dtype = records(reduced)
+    if None in by_dtype:
+        return by_dtype[None]
+    first = min(sweep.glob("*/result.json"))
+    dtype = json.loads(first.read_text())["config"]["eval"]["dtype"]
+    assert dtype in by_dtype, f"no verdicts recorded for runs in {dtype}: record them with verify --record"
+    return by_dtype[dtype]
+
+
 def test_every_reduced_setup_is_well_formed():
     assert CASES, "no spec setup declares a reduced: entry"
     for name, setup_name, setup in CASES:
         reduced = setup["reduced"]
         assert set(reduced) == {"overrides", "tags", "verdicts"}, (name, setup_name, reduced)
         spec = load_spec(name)
-        assert reduced["verdicts"] in spec.verdicts, f"{name}: no verdicts: {reduced['verdicts']} record"
-        tagged = {c.id for c in spec.claims if set(c.tags) & set(reduced["tags"])}
-        recorded = {cid.split(" (")[0] for cid in spec.verdicts[reduced["verdicts"]].claims}
-        assert recorded == tagged, f"{name}: the record does not cover exactly the claims tagged {reduced['tags']}"
+        assert set(records(reduced)) <= {None, "bfloat16", "float32"}, (name, reduced["verdicts"])
+        for record in records(reduced).values():
+            assert record in spec.verdicts, f"{name}: no verdicts: {record} record"
+            tagged = {c.id for c in spec.claims if set(c.tags) & set(reduced["tags"])}
+            recorded = {cid.split(" (")[0] for cid in spec.verdicts[record].claims}
+            assert recorded == tagged, f"{name}: {record} does not cover exactly the claims tagged {reduced['tags']}"
 
 
 @pytest.mark.parametrize("name,setup_name,setup", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
@@ -70,6 +93,6 @@ def test_reduced_reproduction_keeps_its_recorded_verdicts(name, setup_name, setu
     assert run.returncode == 0, run.stderr[-3000:]
     tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
     check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags,
-                            "--recorded", reduced["verdicts"]], capture_output=True, text=True)
+                            "--recorded", record_for(reduced, sweep)], capture_output=True, text=True)
     print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
     assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]

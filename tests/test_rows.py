@@ -30,6 +30,17 @@ def stable_top_k(a: torch.Tensor, k: int) -> torch.Tensor:
     return keep.view_as(a)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 50), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       st.data())
+def test_kth_smallest_is_torchs_kthvalue(n, levels, dtype, data):
+    # NumPy's introselect on the CPU: the same order statistic, ties and repeated values included
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    a = (torch.randint(-levels, levels + 1, (n,), generator=g).double() * torch.rand(1, generator=g).item()).to(dtype)
+    k = data.draw(st.integers(1, n))
+    assert select.kth_smallest(a, k) == float(a.kthvalue(k).values)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 70_000), st.integers(1, 6), st.floats(0.01, 0.99), st.integers(0, 2**31 - 1))
 def test_first_k_mask_is_the_first_k_of_a_stable_sort(n, levels, density, seed):

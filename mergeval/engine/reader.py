@@ -42,6 +42,9 @@ class CheckpointReader:
             raise NotImplementedError("reading safetensors on a big-endian machine")
         self.dir, self.label = Path(model_dir), label
         self._where: dict[str, tuple[Path, int, dict]] = {}
+        # row ranges already checked for NaN/Inf: a merger that reads a tensor in several passes (TIES' threshold
+        # passes) checks each range once (a set of tuples; adding is atomic under the GIL, workers share it)
+        self._finite: set[tuple[str, int, int]] = set()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         for path in shard_files(self.dir, label):
@@ -78,7 +81,10 @@ class CheckpointReader:
                     raise UserError(self.label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
                 got += n
         tensor = torch.frombuffer(buf, dtype=dtype).reshape(shape)
-        return check_finite(tensor, self.label, name, f" in {self.dir}")
+        if (name, r0, r1) not in self._finite:
+            check_finite(tensor, self.label, name, f" in {self.dir}")
+            self._finite.add((name, r0, r1))
+        return tensor
 
 
 class MemorySource:

@@ -27,7 +27,19 @@ Two tie orders at the cut:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+def kth_smallest(a: torch.Tensor, k: int) -> float:
+    """The k-th smallest (1-based) of the finite values ``a``, as ``a.reshape(-1).kthvalue(k)`` gives it.
+
+    On the CPU by NumPy's introselect: the same order statistic, about ten times faster than torch's
+    ``kthvalue`` here (80K float32 values: 0.22 against 2.17 ms), which was a twentieth of a TIES merge."""
+    flat = a.reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
+        return float(flat.kthvalue(k).values)
+    return float(np.partition(flat.numpy(), k - 1)[k - 1])
+
 
 SAMPLE = 1 << 16  # sample size that bounds tau; the candidate window holds about 12 / sqrt(SAMPLE) of the entries
 SMALL = 1 << 15  # below this many entries kthvalue over everything is cheaper than sampling
@@ -65,7 +77,7 @@ class Threshold:
         margin = 6.0 * (m * (self.k / self.n) * (1 - self.k / self.n)) ** 0.5 + 8
 
         def descending(rank: int) -> float:  # s sorted descending, at 0-based rank (two selections, no sort)
-            return float(s.kthvalue(m - rank).values)
+            return kth_smallest(s, m - rank)
 
         self.hi = descending(max(0, int(centre - margin))) if centre - margin >= 1 else float("inf")
         self.lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
@@ -87,7 +99,7 @@ class Threshold:
         r = self.k - self.above  # rank of tau among the candidates, 1 = largest
         if not 1 <= r <= cands.numel():
             return None
-        tau = cands.kthvalue(cands.numel() - r + 1).values
+        tau = kth_smallest(cands, cands.numel() - r + 1)
         self.chunk_ties = [int((c == tau).sum()) for c in chunks]
         return float(tau), self.above + int((cands > tau).sum()), sum(self.chunk_ties)
 
@@ -123,8 +135,8 @@ def first_k_mask(a: torch.Tensor, k: int) -> torch.Tensor:
 def exact(a: torch.Tensor, k: int) -> tuple[float, int, int]:
     """(tau, c_gt, c_eq) of the k largest of ``a`` by kthvalue over all of it."""
     flat = a.reshape(-1)
-    tau = flat.kthvalue(flat.numel() - k + 1).values
-    return float(tau), int((flat > tau).sum()), int((flat == tau).sum())
+    tau = kth_smallest(flat, flat.numel() - k + 1)
+    return tau, int((flat > tau).sum()), int((flat == tau).sum())
 
 
 def kth_largest(a: torch.Tensor, k: int) -> tuple[float, int, int]:

@@ -71,7 +71,8 @@ class CheckpointReader:
         shape = (r1 - r0, *shape[1:]) if shape else shape
         if end == begin:
             return torch.empty(shape, dtype=dtype)
-        buf = bytearray(end - begin)
+        raw = torch.empty(end - begin, dtype=torch.uint8)  # uninitialised: every byte is read into it below
+        buf = raw.numpy()
         with open(path, "rb", buffering=0) as f:
             f.seek(start + begin)
             view, got = memoryview(buf), 0
@@ -80,7 +81,7 @@ class CheckpointReader:
                 if not n:
                     raise UserError(self.label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
                 got += n
-        tensor = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        tensor = raw.view(dtype).reshape(shape)
         if (name, r0, r1) not in self._finite:
             check_finite(tensor, self.label, name, f" in {self.dir}")
             self._finite.add((name, r0, r1))

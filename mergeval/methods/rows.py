@@ -46,19 +46,22 @@ class TiesRows:
         self.cut: list[tuple[float, dict[int, int]] | None] = [None] * n_experts  # (tau_i, offset -> tie quota)
 
     def prepare(self, blocks) -> None:
-        """Pass 0 samples |d_i| block by block, pass 1 counts each block against the sampled bounds."""
+        """Pass 0 samples |d_i| block by block (computed at the sampled positions only), pass 1 counts each block
+        against the sampled bounds."""
         select = {i: Threshold(self.n, k) for i, k in enumerate(self.k) if k is not None}
         if not select:
             return
         offsets = []
-        for p in (0, 1):
-            for offset, base, experts in blocks.read_all():
-                b = base.float()
-                for i, sel in select.items():
-                    a = (experts[i].float() - b).abs()
-                    sel.sample(a) if p == 0 else sel.count(a)
-                if p == 1:
-                    offsets.append(offset)
+        for offset, base, experts in blocks.read_all():  # pass 0: |d_i| only where it is sampled
+            b = base.reshape(-1)
+            for i, sel in select.items():
+                at = sel.positions(b.numel())
+                sel.add_sample((experts[i].reshape(-1)[at].float() - b[at].float()).abs())
+        for offset, base, experts in blocks.read_all():
+            b = base.float()
+            for i, sel in select.items():
+                sel.count((experts[i].float() - b).abs())
+            offsets.append(offset)
         for i, sel in select.items():
             found = sel.result()
             if found is None:  # the sampled bounds missed (no known input does this): one more pass, exactly

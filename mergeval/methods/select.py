@@ -60,13 +60,20 @@ class Threshold:
         self._cands: list[torch.Tensor] = []
         self.chunk_ties: list[int] = []  # after result(): #{a == tau} in each counted chunk, in order
 
+    def positions(self, numel: int) -> torch.Tensor:
+        """Where pass 1 samples the next chunk of ``numel`` values: about numel / stride flat positions drawn
+        from a fixed seed (a regular stride would follow the columns of a matrix, whose scales differ)."""
+        count = -(-numel // self.stride)
+        return torch.randint(0, numel, (count,), generator=torch.Generator().manual_seed(len(self._samples)))
+
+    def add_sample(self, values: torch.Tensor) -> None:
+        """Pass 1: the chunk's values at ``positions`` (a caller may compute only those)."""
+        self._samples.append(values.reshape(-1))
+
     def sample(self, a: torch.Tensor) -> None:
-        """Pass 1: keep about numel / stride values of this chunk at positions drawn from a fixed seed
-        (a regular stride would follow the columns of a matrix, whose scales differ)."""
+        """Pass 1 on a whole chunk: its values at ``positions``."""
         flat = a.reshape(-1)
-        count = -(-flat.numel() // self.stride)
-        at = torch.randint(0, flat.numel(), (count,), generator=torch.Generator().manual_seed(len(self._samples)))
-        self._samples.append(flat[at])
+        self.add_sample(flat[self.positions(flat.numel())])
 
     def bounds(self) -> None:
         """lo/hi: sample ranks k/n of the way down, widened by 6 standard deviations of the rank (+8)."""

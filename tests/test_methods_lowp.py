@@ -188,3 +188,13 @@ def test_low_precision_checkpoint_merges_match_float64(tiny_dir, dtype):
                 magnitude = b.double().abs() + lam * sum(w * d.abs() for w, d in zip(weights, ds))
             assert got.dtype == dtype, tensor_name
             assert ((got.double() - ref).abs() <= tolerance(dtype, ref, magnitude)).all(), (name, tensor_name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1.0, -2.5, 3e38, -3e38, float("inf"), -float("inf")]),
+                min_size=2, max_size=40), st.sampled_from([-1.0, -0.0, 0.0, 1.0]))
+def test_the_agreement_product_is_the_sign_comparison(values, gamma):
+    """disjoint_merge's A_i = [s_i * gamma > 0] equals [sign(s_i) == gamma and s_i != 0] for gamma in {-1, 0, +1}."""
+    s = torch.tensor(values, dtype=torch.float32)
+    g = torch.tensor(gamma, dtype=torch.float32)
+    assert torch.equal((s * g) > 0, (torch.sign(s) == g) & (s != 0))

@@ -207,8 +207,10 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
         gamma = sign_of_sum(voters)
     else:
         gamma = torch.sign(torch.sign(voters).sum(0))
-    # A_i as 1.0 / 0.0 once (what a product with the bool mask promotes it to), for both sums below
-    agree = ((torch.sign(sparse) == gamma) & (sparse != 0)).to(sparse.dtype)
+    # A_i as 1.0 / 0.0 once (what a product with the bool mask promotes it to), for both sums below.
+    # s_i * gamma > 0 is [sign(s_i) == gamma and s_i != 0] in two passes instead of four: gamma is -1, 0 or +1,
+    # so the product is exact, and it is positive exactly when both are non-zero with the same sign.
+    agree = ((sparse * gamma) > 0).to(sparse.dtype)
     tau = (weighted * agree).sum(0)
     if not compat.option(cfg, "normalize", True, True, (True, False)):
         return tau

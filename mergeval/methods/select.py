@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def kth_smallest(a: torch.Tensor, k: int) -> float:
     """The k-th smallest (1-based) of the finite values ``a``, as ``a.reshape(-1).kthvalue(k)`` gives it.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import os
 import shutil
@@ -64,6 +65,29 @@ def atomic_dir(final: Path):
             shutil.rmtree(ours, ignore_errors=True)
         _name_the_place(err, final)
         raise
+
+
+@contextmanager
+def one_builder(final: Path, what: str):
+    """Build ``final`` in one process at a time: yields True when this process should build it, False when
+    another process built it while this one waited.
+
+    Two sweep jobs (or test workers) that need the same expert used to train it twice, each keeping the CPU
+    busy for minutes to throw one copy away; now the second waits for the first and reuses its copy. The
+    lock is an ``flock`` on a hidden file beside ``final`` (``.<name>.lock``, left in place: empty); the
+    kernel releases it when its holder exits, however it ends, so a killed builder never blocks the next.
+    Where the filesystem has no locks the build goes ahead unlocked, and ``atomic_dir`` still keeps one
+    valid copy."""
+    make_dirs(final.parent)
+    with open(final.parent / f".{final.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mergeval: waiting for another process building {what}", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # no locks on this filesystem (some network mounts): build unlocked
+            pass
+        yield not final.exists()
 
 
 def _name_the_place(err: BaseException, target: Path) -> None:

@@ -1,7 +1,8 @@
 """Concurrent builds of one cached model and writers killed mid-write (real processes, real signals).
 
 Two processes asked for the same zoo model and the same generated expert at once must both succeed and
-leave one valid copy in the cache. A writer of ``atomic_write_text`` / ``atomic_dir`` killed with SIGKILL at
+leave one valid copy in the cache, even where the build lock is unavailable (the race is forced with it off);
+with the lock, the second waits for the first and builds nothing. A writer of ``atomic_write_text`` / ``atomic_dir`` killed with SIGKILL at
 random points must leave, at every final path, either the old complete content or the new one.
 
 The interleavings are forced, not hoped for: each child is held at a gate after writing its copy and before
@@ -60,6 +61,7 @@ CHILD = textwrap.dedent("""
         (sync / f"done-{me}-{stage}").touch()
 
     tiny.atomic_dir = experts.atomic_dir = gated
+    experts.one_builder = lambda final, what: contextlib.nullcontext(True)  # no build lock: both really build
     model = tiny.zoo_dir("tiny", cache)
     train = type("Train", (), dict(steps=1, batch_size=2, lr=1e-3, seed=0))
     expert = experts.expert_dir(model, "fp-test", "chem_count", train, cache, "modelset.experts.chem")
@@ -90,12 +92,60 @@ def test_two_processes_building_the_same_model_and_expert_both_succeed_with_one_
     assert paths[0] == paths[1]
     for stage in ("models", "experts"):  # both built their own copy: the race really happened
         assert (tmp_path / "sync" / f"built-{stage}-0").exists() and (tmp_path / "sync" / f"built-{stage}-1").exists()
-        entries = sorted(p.name for p in (cache / stage).iterdir())
+        entries = sorted(p.name for p in (cache / stage).iterdir() if not p.name.endswith(".lock"))
         assert entries == [Path(paths[0]["model" if stage == "models" else "expert"]).name], entries
     model, expert = Path(paths[0]["model"]), Path(paths[0]["expert"])
     assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
     assert set(load_tensors(model)) == set(load_tensors(expert))
     assert json.loads((expert / "mergeval-expert.json").read_text())["domain"] == "chem_count"
+
+
+# The child for the build lock: builds a one-step expert of the tiny zoo model; child 0 holds its build (the
+# lock taken) until the file "go" exists. argv: cache, sync directory, "0" | "1".
+LOCKED = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import mergeval.zoo.experts as experts, mergeval.zoo.tiny as tiny
+
+    cache, sync, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    real_build = experts._build
+
+    def build(*args):
+        (sync / f"building-{me}").touch()
+        while me == "0" and not (sync / "go").exists():
+            time.sleep(0.005)
+        real_build(*args)
+
+    experts._build = build
+    model = tiny.zoo_dir("tiny", cache)
+    train = type("Train", (), dict(steps=1, batch_size=2, lr=1e-3, seed=0))
+    print(json.dumps(str(experts.expert_dir(model, "fp-test", "chem_count", train, cache, "modelset.experts.chem"))))
+""")
+
+
+def test_a_second_builder_waits_for_the_first_and_builds_nothing(tmp_path):
+    cache, sync = tmp_path / "cache", tmp_path / "sync"
+    sync.mkdir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+
+    def start(me: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", LOCKED, str(cache), str(sync), me], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start("0")
+    while not (sync / "building-0").exists():  # the first holds the lock, inside its build
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.01)
+    second = start("1")
+    waiting = second.stdout.readline()  # blocks until the second reports that it waits
+    (sync / "go").touch()
+    outs = [first.communicate(), second.communicate()]
+    assert [first.returncode, second.returncode] == [0, 0], [err[-2000:] for _, err in outs]
+    assert waiting.startswith("mergeval: waiting for another process building expert 'chem_count'"), waiting
+    assert not (sync / "building-1").exists()  # the second reused the first's expert
+    paths = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert paths[0] == paths[1]
+    assert [p.name for p in (cache / "experts").iterdir() if not p.name.startswith(".")] == [Path(paths[0]).name]
 
 
 ATOMIC_DIR_PAIR = textwrap.dedent("""

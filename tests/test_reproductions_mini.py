@@ -19,12 +19,16 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
           # runs it natively, else float32), since the two give different experts and scores:
           # verdicts: {bfloat16: ci, float32: ci_float32}
 
-The reduced runs share one cache (the session's ``cache`` fixture), so experts
-built for one paper are reused by the next when their training settings match:
-every reduced setup trains its experts with ``modelset.train.steps=8
+Every reduced setup trains its experts with ``modelset.train.steps=8
 modelset.train.batch_size=8`` (64 items, a third of the full 12 x 16), so
-setups that use the same domains share them. The module's runs stay on one
-xdist worker (``--dist loadscope``), one after another.
+setups that use the same domains share them: the xdist workers share the
+experts' cache (conftest.py), and the reduced runs share one results store, so
+a base or expert evaluated for one paper on the same items is reused by the
+next. Each setup is a test class of its own, so ``--dist loadscope`` spreads
+the setups over the workers: they run side by side, the second builder of an
+expert waits for the first (``mergeval.paths.one_builder``) and the second
+evaluator of a model for the first (the store's claims), so nothing is
+computed twice.
 """
 
 from __future__ import annotations
@@ -69,6 +73,45 @@ def record_for(reduced: dict, sweep) -> str:
     return by_dtype[dtype]
 
 
+@pytest.fixture(scope="session")
+def reproductions_store(cache, tmp_path_factory) -> str:
+    """One results store for every reduced run of the session, whichever worker runs it."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    return str(shared / "reproductions-results.sqlite")
+
+
+def run_reduced(name: str, setup: dict, tmp_path, store: str) -> None:
+    reduced = setup["reduced"]
+    sweep = tmp_path / "multirun"
+    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", f"+experiment={setup['experiment']}",
+                          *reduced["overrides"], f"store.path={store}", f"hydra.sweep.dir={sweep}"],
+                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr[-3000:]
+    tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
+    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags,
+                            "--recorded", record_for(reduced, sweep)], capture_output=True, text=True)
+    print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
+    assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]
+
+
+def _setup_class(name: str, setup_name: str, setup: dict) -> type:
+    """A test class for one reduced setup: under ``--dist loadscope`` a class is a unit of work of its own,
+    so the setups are spread over the workers instead of running one after another on one."""
+    def test_reduced_reproduction_keeps_its_recorded_verdicts(self, cache, tmp_path, reproductions_store):
+        run_reduced(name, setup, tmp_path, reproductions_store)
+
+    cls_name = "TestReduced_" + "".join(part.title() for part in f"{name}_{setup_name}".split("_"))
+    return type(cls_name, (), {"test_reduced_reproduction_keeps_its_recorded_verdicts":
+                               test_reduced_reproduction_keeps_its_recorded_verdicts, "__module__": __name__})
+
+
+for _case in CASES:
+    _cls = _setup_class(*_case)
+    globals()[_cls.__name__] = _cls
+
+
+# After the setups' classes: the first units of work xdist hands out are the long runs.
 def test_every_reduced_setup_is_well_formed():
     assert CASES, "no spec setup declares a reduced: entry"
     for name, setup_name, setup in CASES:
@@ -81,18 +124,3 @@ def test_every_reduced_setup_is_well_formed():
             tagged = {c.id for c in spec.claims if set(c.tags) & set(reduced["tags"])}
             recorded = {cid.split(" (")[0] for cid in spec.verdicts[record].claims}
             assert recorded == tagged, f"{name}: {record} does not cover exactly the claims tagged {reduced['tags']}"
-
-
-@pytest.mark.parametrize("name,setup_name,setup", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
-def test_reduced_reproduction_keeps_its_recorded_verdicts(name, setup_name, setup, cache, tmp_path):
-    reduced = setup["reduced"]
-    sweep = tmp_path / "multirun"
-    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", f"+experiment={setup['experiment']}",
-                          *reduced["overrides"], f"hydra.sweep.dir={sweep}"],
-                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ))
-    assert run.returncode == 0, run.stderr[-3000:]
-    tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
-    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags,
-                            "--recorded", record_for(reduced, sweep)], capture_output=True, text=True)
-    print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
-    assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]

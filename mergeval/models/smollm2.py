@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 from mergeval.errors import UserError
-from mergeval.paths import atomic_dir
+from mergeval.paths import atomic_dir, one_builder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,6 +37,13 @@ def smollm2_dir(cache: Path, field: str) -> Path:
     target = cache / "models" / f"smollm2-135m-instruct-q4_1-{gguf.stat().st_size}"
     if target.exists():
         return target
+    with one_builder(target, f"the converted {gguf.name}") as build:
+        if build:
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -51,4 +58,3 @@ def smollm2_dir(cache: Path, field: str) -> Path:
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return target

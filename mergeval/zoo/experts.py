@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from mergeval.errors import UserError
-from mergeval.paths import atomic_dir
+from mergeval.paths import atomic_dir, one_builder
 from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, split_items
 
 # The held-out evaluation items the training pool must avoid (the benchmark's n_items
@@ -46,6 +46,13 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
     target = cache / "experts" / f"{domain}-{expert_key(base_fingerprint, domain, train)}"
     if target.exists():
         return target
+    with one_builder(target, f"expert '{domain}'") as build:
+        if build:
+            _build(base_dir, base_fingerprint, domain, train, target)
+    return target
+
+
+def _build(base_dir: Path, base_fingerprint: str, domain: str, train, target: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
@@ -66,4 +73,3 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
                  train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed,
                             dtype=train_dtype(train)),
                  first_loss=losses[0], last_loss=losses[-1]), indent=2))
-    return target

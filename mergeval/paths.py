@@ -8,7 +8,7 @@ import glob
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from platformdirs import user_cache_dir
@@ -79,9 +79,14 @@ def one_builder(final: Path, what: str):
     Where the filesystem has no locks the build goes ahead unlocked, and ``atomic_dir`` still keeps one
     valid copy."""
     make_dirs(final.parent)
-    with open(final.parent / f".{final.name}.lock", "a") as handle:
+    try:
+        handle = open(final.parent / f".{final.name}.lock", "a")
+    except OSError:  # a read-only or full cache: no lock; the build's atomic_dir names the place if it fails
+        handle = None
+    with handle or nullcontext():
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"mergeval: waiting for another process building {what}", flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)

@@ -22,12 +22,15 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
 Every reduced setup trains its experts with ``modelset.train.steps=8
 modelset.train.batch_size=8`` (64 items, a third of the full 12 x 16), so
 setups that use the same domains share them: the xdist workers share the
-experts' cache (conftest.py), and the reduced runs share one results store, so
+experts' cache (conftest.py) and the reduced runs share one results store, so
 a base or expert evaluated for one paper on the same items is reused by the
-next. Each setup is a test class of its own, so ``--dist loadscope`` spreads
-the setups over the workers: they run side by side, the second builder of an
-expert waits for the first (``mergeval.paths.one_builder``) and the second
-evaluator of a model for the first (the store's claims), so nothing is
+next. Setups whose experiments use the same modelset run one after another in
+one test class (the second reuses all the first built and evaluated); each
+class is a unit of work of its own under ``--dist loadscope``, so the groups
+run on both workers: the largest group first, the others after the other slow
+modules (conftest.py), by when the first has built the experts they share. A
+second builder of an expert waits for the first (``mergeval.paths.one_builder``),
+a second evaluator of a model for the first (the store's claims): nothing is
 computed twice.
 """
 
@@ -37,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,19 +99,43 @@ def run_reduced(name: str, setup: dict, tmp_path, store: str) -> None:
     assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]
 
 
-def _setup_class(name: str, setup_name: str, setup: dict) -> type:
-    """A test class for one reduced setup: under ``--dist loadscope`` a class is a unit of work of its own,
-    so the setups are spread over the workers instead of running one after another on one."""
-    def test_reduced_reproduction_keeps_its_recorded_verdicts(self, cache, tmp_path, reproductions_store):
+def modelset_of(setup: dict) -> str:
+    """The modelset the setup's experiment selects (its YAML's ``override /modelset``)."""
+    import yaml
+
+    import mergeval
+
+    path = Path(mergeval.__file__).parent / "conf" / "experiment" / f"{setup['experiment']}.yaml"
+    for entry in yaml.safe_load(path.read_text()).get("defaults", []):
+        if isinstance(entry, dict) and "override /modelset" in entry:
+            return entry["override /modelset"]
+    return "default"
+
+
+def groups(cases: list[tuple[str, str, dict]]) -> list[tuple[str, list]]:
+    """(modelset, its setups) for the reduced setups, the group with the most setups first."""
+    by_modelset: dict[str, list] = {}
+    for case in cases:
+        by_modelset.setdefault(modelset_of(case[2]), []).append(case)
+    return sorted(by_modelset.items(), key=lambda kv: -len(kv[1]))
+
+
+def _group_class(modelset: str, cases: list, first: bool) -> type:
+    """A test class running the setups of one modelset in turn: one unit of work under ``--dist loadscope``.
+    ``first``: conftest.py schedules it at the start, the others after the other slow modules."""
+    @pytest.mark.parametrize("name,setup_name,setup", cases, ids=[f"{n}-{s}" for n, s, _ in cases])
+    def test_reduced_reproduction_keeps_its_recorded_verdicts(self, name, setup_name, setup, cache, tmp_path,
+                                                               reproductions_store):
         run_reduced(name, setup, tmp_path, reproductions_store)
 
-    cls_name = "TestReduced_" + "".join(part.title() for part in f"{name}_{setup_name}".split("_"))
+    cls_name = "TestReduced_" + "".join(part.title() for part in modelset.split("_"))
     return type(cls_name, (), {"test_reduced_reproduction_keeps_its_recorded_verdicts":
-                               test_reduced_reproduction_keeps_its_recorded_verdicts, "__module__": __name__})
+                               test_reduced_reproduction_keeps_its_recorded_verdicts, "first": first,
+                               "__module__": __name__})
 
 
-for _case in CASES:
-    _cls = _setup_class(*_case)
+for _i, (_modelset, _cases) in enumerate(groups(CASES)):
+    _cls = _group_class(_modelset, _cases, first=_i == 0)
     globals()[_cls.__name__] = _cls
 
 

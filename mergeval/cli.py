@@ -84,6 +84,29 @@ def _on_sigterm(signum, frame) -> None:
     raise Interrupted("SIGTERM")
 
 
+def _redeliver_swallowed_sigterm(unraisable) -> None:
+    """``sys.unraisablehook``: Python discards an exception raised where nothing can catch it (a weakref
+    callback, ``__del__``). A SIGTERM whose handler ran there was lost: the suite once saw it raised inside
+    importlib's module-lock callback during an import, and the run went on to finish with status 0. So the
+    signal is sent again, and handled in the code that can stop; anything else goes to
+    Python's own hook."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        import threading
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        # From another thread, a moment later: sent from here, the handler would run inside this hook, where
+        # its exception would be discarded again. If it lands in another such place, this runs once more.
+        threading.Timer(0.05, signal.raise_signal, (signal.SIGTERM,)).start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def handle_sigterm() -> None:
+    """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread, never lost on the way."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.unraisablehook = _redeliver_swallowed_sigterm
+
+
 def user_failure(err: BaseException) -> UserError | None:
     """The one-line error for a failure the user or the environment caused, else None (a bug)."""
     if isinstance(err, UserError):
@@ -125,7 +148,7 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("MERGEVAL_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    handle_sigterm()
     progress = None
     try:
         from mergeval.sweep_check import might_sweep

@@ -483,6 +483,43 @@ def test_sigterm_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes
     assert [s for s, _ in statuses(store)] == ["interrupted", "finished"]
 
 
+# SIGTERM's handler runs inside a weakref callback (as it once did inside importlib's module-lock callback during
+# an import): Python discards the exception raised there; mergeval must deliver the interruption again.
+SWALLOWED_SIGTERM = """
+import os, signal, time, weakref
+from mergeval.cli import handle_sigterm
+
+handle_sigterm()
+
+
+class Held:
+    pass
+
+
+def callback(_):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # the handler runs here, where its exception is discarded
+        pass
+
+
+held = Held()
+ref = weakref.ref(held, callback)
+try:
+    del held
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pass
+    print("not interrupted")
+except KeyboardInterrupt as err:
+    print("interrupted", type(err).__name__)
+"""
+
+
+def test_a_sigterm_whose_exception_python_discards_still_interrupts():
+    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM], capture_output=True, text=True, env=child_env())
+    assert out.stdout.strip() == "interrupted Interrupted", out.stdout + out.stderr[-2000:]
+
+
 def test_sigkill_leaves_running_until_the_next_process_proves_it_dead(zoo, tmp_path):
     store = tmp_path / "r.sqlite"
     proc = evaluating(zoo, store, tmp_path)

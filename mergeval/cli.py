@@ -88,21 +88,24 @@ def _redeliver_swallowed_sigterm(unraisable) -> None:
     """``sys.unraisablehook``: Python discards an exception raised where nothing can catch it (a weakref
     callback, ``__del__``). A SIGTERM whose handler ran there was lost: the suite once saw it raised inside
     importlib's module-lock callback during an import, and the run went on to finish with status 0. So the
-    signal is sent again, and handled in the code that can stop; anything else goes to
-    Python's own hook."""
-    if isinstance(unraisable.exc_value, Interrupted):
+    signal is sent again, and handled in the code that can stop. Ctrl-C's KeyboardInterrupt can be lost the
+    same way and is re-sent the same way; anything else goes to Python's own hook."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
         import threading
 
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signum = signal.SIGTERM if isinstance(unraisable.exc_value, Interrupted) else signal.SIGINT
+        if signum == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, _on_sigterm)
         # From another thread, a moment later: sent from here, the handler would run inside this hook, where
         # its exception would be discarded again. If it lands in another such place, this runs once more.
-        threading.Timer(0.05, signal.raise_signal, (signal.SIGTERM,)).start()
+        threading.Timer(0.05, signal.raise_signal, (signum,)).start()
         return
     sys.__unraisablehook__(unraisable)
 
 
 def handle_sigterm() -> None:
-    """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread, never lost on the way."""
+    """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread; neither it nor Ctrl-C is lost
+    on the way."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.unraisablehook = _redeliver_swallowed_sigterm
 

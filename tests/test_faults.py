@@ -483,10 +483,10 @@ def test_sigterm_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes
     assert [s for s, _ in statuses(store)] == ["interrupted", "finished"]
 
 
-# SIGTERM's handler runs inside a weakref callback (as it once did inside importlib's module-lock callback during
-# an import): Python discards the exception raised there; mergeval must deliver the interruption again.
+# SIGTERM's handler (or Ctrl-C's) runs inside a weakref callback (as SIGTERM's once did inside importlib's module-lock
+# callback during an import): Python discards the exception raised there; mergeval must deliver it again.
 SWALLOWED_SIGTERM = """
-import os, signal, time, weakref
+import os, signal, sys, time, weakref
 from mergeval.cli import handle_sigterm
 
 handle_sigterm()
@@ -497,7 +497,7 @@ class Held:
 
 
 def callback(_):
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     for _ in range(1000):  # the handler runs here, where its exception is discarded
         pass
 
@@ -515,9 +515,11 @@ except KeyboardInterrupt as err:
 """
 
 
-def test_a_sigterm_whose_exception_python_discards_still_interrupts():
-    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM], capture_output=True, text=True, env=child_env())
-    assert out.stdout.strip() == "interrupted Interrupted", out.stdout + out.stderr[-2000:]
+@pytest.mark.parametrize("signame,raised", [("SIGTERM", "Interrupted"), ("SIGINT", "KeyboardInterrupt")])
+def test_an_interruption_whose_exception_python_discards_still_interrupts(signame, raised):
+    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, signame], capture_output=True, text=True,
+                         env=child_env(), preexec_fn=default_signals)
+    assert out.stdout.strip() == f"interrupted {raised}", out.stdout + out.stderr[-2000:]
 
 
 def test_sigkill_leaves_running_until_the_next_process_proves_it_dead(zoo, tmp_path):

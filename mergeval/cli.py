@@ -84,7 +84,7 @@ def _on_sigterm(signum, frame) -> None:
     raise Interrupted("SIGTERM")
 
 
-def _redeliver_swallowed_sigterm(unraisable) -> None:
+def _redeliver_swallowed_interrupt(unraisable) -> None:
     """``sys.unraisablehook``: Python discards an exception raised where nothing can catch it (a weakref
     callback, ``__del__``). A SIGTERM whose handler ran there was lost: the suite once saw it raised inside
     importlib's module-lock callback during an import, and the run went on to finish with status 0. So the
@@ -107,7 +107,7 @@ def handle_sigterm() -> None:
     """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread; neither it nor Ctrl-C is lost
     on the way."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    sys.unraisablehook = _redeliver_swallowed_sigterm
+    sys.unraisablehook = _redeliver_swallowed_interrupt
 
 
 def user_failure(err: BaseException) -> UserError | None:

@@ -78,7 +78,7 @@ def record_for(reduced: dict, sweep) -> str:
 
 
 @pytest.fixture(scope="session")
-def reproductions_store(cache, tmp_path_factory) -> str:
+def reproductions_store(tmp_path_factory) -> str:
     """One results store for every reduced run of the session, whichever worker runs it."""
     root = tmp_path_factory.getbasetemp()
     shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root

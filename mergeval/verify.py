@@ -1,5 +1,5 @@
 """``python -m mergeval.verify SPEC [--run RESULT ...] [--tag T ...] [--claim ID ...] [--strict]
-[--recorded NAME | --record NAME]``
+[--recorded NAME ... | --record NAME]``
 ``python -m mergeval.verify --all [--strict]``
 
 Checks a paper spec (a path, or a name on the spec search path: see
@@ -42,7 +42,9 @@ Checks a paper spec (a path, or a name on the spec search path: see
 3. Recorded verdicts (``--recorded NAME``): each result the spec recorded
    under ``verdicts: NAME`` is compared with this run's; a changed verdict
    fails when it was recorded at least 1 stderr from its threshold, closer ones
-   are reported only (``mergeval/specs/recorded.py``). ``--record NAME``
+   are reported only (``mergeval/specs/recorded.py``). Given several times
+   (records of the same runs on other machines), only the results every record
+   holds with the same verdict that far from the threshold are enforced. ``--record NAME``
    prints the ``verdicts:`` block that records this run's results.
 
 ``--tag`` / ``--claim`` select the claims (published table checks always run).
@@ -74,7 +76,7 @@ from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluat
                             load_spec)
 from mergeval.specs.load import found, search_path
 from mergeval.specs.numbers import show_interval
-from mergeval.specs.recorded import Comparison, compare_with, record_block, show_margin
+from mergeval.specs.recorded import Comparison, combine, compare_with, record_block, show_margin
 from mergeval.specs.tables import CellCheck
 
 STATUSES = ("pass", "fail", "undetermined", "not run")
@@ -98,9 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the specs on the search path and exit")
     p.add_argument("--strict", action="store_true",
                    help="a claim not run or undetermined by rounding, or a cell not checkable, fails")
-    p.add_argument("--recorded", metavar="NAME",
+    p.add_argument("--recorded", metavar="NAME", action="append",
                    help="compare with the verdicts the spec recorded as NAME; fail only when one recorded at "
-                        "least 1 stderr from its threshold changed")
+                        "least 1 stderr from its threshold changed (repeatable: records of the same runs on "
+                        "other machines; only what they all hold that far from the threshold is enforced)")
     p.add_argument("--record", metavar="NAME", help="print the verdicts: block that records this run's results")
     return p
 
@@ -279,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.run) if args.run is not None else None
         checks = spec.check_tables()
         results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
-        if args.recorded is not None and args.recorded not in spec.verdicts:
-            raise UserError("--recorded", f"spec {spec.name} records no verdicts named '{args.recorded}'",
-                            f"choose from {sorted(spec.verdicts)}, or record them with --record")
+        for name in args.recorded or []:
+            if name not in spec.verdicts:
+                raise UserError("--recorded", f"spec {spec.name} records no verdicts named '{name}'",
+                                f"choose from {sorted(spec.verdicts)}, or record them with --record")
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
@@ -291,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(spec, checks, results, runs, args.strict))
     if args.recorded is None:
         return exit_status(checks, results, args.strict)
-    comparisons = compare_with(spec.verdicts[args.recorded], results)
-    print(recorded_report(args.recorded, comparisons))
+    record = combine([spec.verdicts[name] for name in args.recorded])
+    comparisons = compare_with(record, results)
+    print(recorded_report(record.name, comparisons))
     # Held to the record: a claim's own fail is expected when recorded so; what fails is an enforced change.
     return 1 if any(c.failed for c in checks) or any(c.counts for c in comparisons) else 0
 

@@ -15,7 +15,7 @@ from mergeval import verify
 from mergeval.errors import UserError
 from mergeval.specs import Measured, compare
 from mergeval.specs.claims import stderr_units
-from mergeval.specs.recorded import Recorded, parse_records
+from mergeval.specs.recorded import Record, Recorded, combine, parse_records
 from tests.test_verify import EXPERT_CLAIM, SCORES, outcomes, spec_file, write_run
 
 
@@ -129,3 +129,52 @@ def test_spec_without_verdicts_still_loads(tmp_path):
 
     assert load_spec(spec_file(tmp_path, EXPERT_CLAIM)).verdicts == {}
     assert set(load_spec(spec_file(tmp_path, EXPERT_CLAIM, RECORDED)).verdicts) == {"full"}
+
+
+def _record(name: str, **claims: str):
+    return parse_records({name: {"run": f"{name}'s machine", "claims": claims}}, "verdicts")[name]
+
+
+def test_several_records_enforce_only_what_each_holds_a_stderr_from_the_threshold():
+    a = _record("a", same="pass +2.50", near="pass +1.10", split="pass +1.03", lone="fail -3.00", exact="pass")
+    b = _record("b", same="pass +1.40", near="pass +0.60", split="fail -0.63", exact="pass")
+    both = combine([a, b])
+    assert both.name == "a + b" and list(both.claims) == ["same", "near", "split", "lone", "exact"]
+    assert both.claims["same"] == Recorded("pass", 1.40) and both.claims["same"].enforced  # the smaller margin
+    assert both.claims["near"] == Recorded("pass", 0.60) and not both.claims["near"].enforced
+    split = both.claims["split"]
+    assert split.verdict == "fail / pass" and not split.enforced and split.allows("fail") and split.allows("pass")
+    assert not split.allows("undetermined")
+    assert not both.claims["lone"].enforced  # b has no such result: nothing to agree on
+    assert both.claims["exact"] == Recorded("pass", None) and both.claims["exact"].enforced
+    assert combine([a]) is a
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pass", "fail"]), st.floats(-5, 5)), min_size=1, max_size=4))
+def test_a_combined_record_is_never_more_enforced_than_any_of_its_records(entries):
+    records = [Record(f"r{i}", "", {"c": Recorded(v, m)}) for i, (v, m) in enumerate(entries)]
+    combined = combine(records).claims["c"]
+    assert combined.enforced <= all(r.claims["c"].enforced for r in records)
+    assert all(combined.allows(r.claims["c"].verdict) for r in records)
+
+
+def test_verify_holds_a_run_to_what_two_records_agree_on(tmp_path, capsys):
+    # b's result differs between the two machines' records: its change is reported, not enforced
+    other = RECORDED + """\
+  other:
+    run: "the same run on another machine"
+    claims:
+      expert_beats_base (expert=a): pass +3.00
+      expert_beats_base (expert=b): pass +1.50
+"""
+    spec = spec_file(tmp_path, EXPERT_CLAIM, other)
+    flipped = write_run(tmp_path, "flip", {**SCORES, "task_b": {**SCORES["task_b"], "b": (0.6, 0.05)}})
+    assert verify.main([spec, "--run", str(flipped), "--recorded", "full"]) == 1  # one record alone enforces it
+    capsys.readouterr()
+    assert verify.main([spec, "--run", str(flipped), "--recorded", "full", "--recorded", "other"]) == 0
+    out = capsys.readouterr().out
+    assert "recorded verdicts 'full + other'" in out and "fail / pass" in out
+    # a's result both records hold far from the threshold stays enforced
+    lost = write_run(tmp_path, "lost", {**SCORES, "task_a": {**SCORES["task_a"], "a": (0.4, 0.05)}})
+    assert verify.main([spec, "--run", str(lost), "--recorded", "full", "--recorded", "other"]) == 1
+    assert "changed (enforced)" in capsys.readouterr().out

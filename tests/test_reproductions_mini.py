@@ -60,14 +60,16 @@ def reduced_setups() -> list[tuple[str, str, dict]]:
 CASES = reduced_setups()
 
 
-def records(reduced: dict) -> dict[str | None, str]:
-    """precision -> the record a reduced run in that precision must keep (None: any precision)."""
+def records(reduced: dict) -> dict[str | None, list[str]]:
+    """precision -> the records a reduced run in that precision must keep (None: any precision). Several
+    records are the same runs on different machines: the run is held to what they agree on (recorded.combine)."""
     named = reduced["verdicts"]
-    return {None: named} if isinstance(named, str) else dict(named)
+    by_dtype = dict(named) if isinstance(named, dict) else {None: named}
+    return {dtype: [names] if isinstance(names, str) else list(names) for dtype, names in by_dtype.items()}
 
 
-def record_for(reduced: dict, sweep) -> str:
-    """The record for the precision the reduced run computed in (read from its first job's result.json)."""
+def record_for(reduced: dict, sweep) -> list[str]:
+    """The records for the precision the reduced run computed in (read from its first job's result.json)."""
     by_dtype = records(reduced)
     if None in by_dtype:
         return by_dtype[None]
@@ -93,8 +95,9 @@ def run_reduced(name: str, setup: dict, tmp_path, store: str) -> None:
                          cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ))
     assert run.returncode == 0, run.stderr[-3000:]
     tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
-    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags,
-                            "--recorded", record_for(reduced, sweep)], capture_output=True, text=True)
+    held_to = [arg for record in record_for(reduced, sweep) for arg in ("--recorded", record)]
+    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags, *held_to],
+                           capture_output=True, text=True)
     print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
     assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]
 
@@ -147,7 +150,7 @@ def test_every_reduced_setup_is_well_formed():
         assert set(reduced) == {"overrides", "tags", "verdicts"}, (name, setup_name, reduced)
         spec = load_spec(name)
         assert set(records(reduced)) <= {None, "bfloat16", "float32"}, (name, reduced["verdicts"])
-        for record in records(reduced).values():
+        for record in {r for names in records(reduced).values() for r in names}:
             assert record in spec.verdicts, f"{name}: no verdicts: {record} record"
             tagged = {c.id for c in spec.claims if set(c.tags) & set(reduced["tags"])}
             recorded = {cid.split(" (")[0] for cid in spec.verdicts[record].claims}

@@ -24,6 +24,16 @@ closer than that to its threshold may flip without anything being wrong. Closer
 ones are reported, not enforced. ``python -m mergeval.verify SPEC --run R
 --recorded NAME`` prints the comparison and exits 1 on an enforced change;
 ``--record NAME`` prints the block to paste for a new record.
+
+Several records of the same runs on different machines (``--recorded A
+--recorded B``; ``combine``) hold a new run to what they agree on: a result
+is enforced only when every record has it with the same verdict, each at
+least ``ENFORCED_MARGIN`` stderr from the threshold (the smallest margin is
+shown); where they disagree the result is reported as, e.g., ``fail / pass``
+and any of those verdicts counts as the same. One machine's margin is not a
+promise about another's: the CMM mini's reduced run ranks two experts one
+validation item apart, and another CPU family swapped them, which moved
+every CMM margin by up to 1.8 stderr (README "Reproductions at small scale").
 """
 
 from __future__ import annotations
@@ -42,12 +52,17 @@ _ENTRY = re.compile(r"^(pass|fail|undetermined|not run)(?:\s+([+-]?\d+(?:\.\d*)?
 
 @dataclass(frozen=True)
 class Recorded:
-    verdict: str
+    verdict: str  # several records that disagree: their verdicts joined by " / " (``combine``)
     margin: float | None  # stderrs from the threshold when recorded; None: no stderr (exact)
+    agreed: bool = True  # False: combined from records that disagree, or that do not all have this result
 
     @property
     def enforced(self) -> bool:
-        return self.verdict != "not run" and (self.margin is None or abs(self.margin) >= ENFORCED_MARGIN)
+        return (self.agreed and self.verdict != "not run"
+                and (self.margin is None or abs(self.margin) >= ENFORCED_MARGIN))
+
+    def allows(self, verdict: str) -> bool:
+        return verdict in self.verdict.split(" / ")
 
 
 @dataclass(frozen=True)
@@ -67,7 +82,7 @@ class Comparison:
     def status(self) -> str:
         if self.now is None:
             return "missing"
-        return "same" if self.now.status == self.recorded.verdict else "changed"
+        return "same" if self.recorded.allows(self.now.status) else "changed"
 
     @property
     def counts(self) -> bool:
@@ -98,6 +113,22 @@ def parse_records(raw, where: str) -> dict[str, Record]:
             claims[str(cid)] = Recorded(match.group(1), float(match.group(2)) if match.group(2) else None)
         records[str(name)] = Record(str(name), str(body.get("run") or ""), claims)
     return records
+
+
+def combine(records: list[Record]) -> Record:
+    """One record holding what ``records`` (the same runs on other machines) agree on (module docstring)."""
+    if len(records) == 1:
+        return records[0]
+    ids = list(dict.fromkeys(cid for r in records for cid in r.claims))
+    claims = {}
+    for cid in ids:
+        entries = [r.claims.get(cid) for r in records]
+        verdicts = sorted({e.verdict for e in entries if e is not None})
+        margins = [e.margin for e in entries if e is not None and e.margin is not None]
+        margin = min(margins, key=abs) if margins else None
+        agreed = len(verdicts) == 1 and None not in entries
+        claims[cid] = Recorded(" / ".join(verdicts), margin if agreed else None, agreed)
+    return Record(" + ".join(r.name for r in records), "; ".join(r.run for r in records), claims)
 
 
 def compare_with(record: Record, results: list[ClaimResult]) -> list[Comparison]:

@@ -554,3 +554,21 @@ def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch
 
     assert unchanged == hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
                                                   default=str).encode()).hexdigest()[:32]
+
+
+def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tmp_path, cache, monkeypatch):
+    """release_memory (a full gc.collect: about 0.3 s per call in a MergeBench mini sweep) runs for a model built
+    and evaluated, and for the merge, not for each constituent a later sweep job finds in the store."""
+    from mergeval import app
+    from mergeval.interop.lm_eval_import import compose_run_config
+
+    calls = []
+    monkeypatch.setattr(app, "release_memory", lambda: calls.append(1))
+    settings = ["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1", "eval.dtype=float32",
+                f"store.path={tmp_path / 'store.sqlite'}"]
+    first = app.run(compose_run_config(settings), tmp_path / "first")
+    assert [m.evaluated for m in first.models] == ["this run"] * 4 and len(calls) == 4
+    calls.clear()
+    again = app.run(compose_run_config(settings + ["method.lambda_=0.5"]), tmp_path / "again")
+    assert [m.evaluated for m in again.models] == ["reused from the results store"] * 3 + ["this run"]
+    assert len(calls) == 1  # the merge only

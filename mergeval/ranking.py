@@ -13,6 +13,7 @@ own task (``rank_by=own_task``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -83,6 +84,34 @@ def expert_score(accuracies: dict[str, float], rank_by: str, own_task: str | Non
     return accuracies[own_task]
 
 
+def score_stderr(stderrs: dict[str, float | None], rank_by: str, own_task: str | None) -> float | None:
+    """The stderr of ``expert_score``: sqrt(sum_t se_t^2) / T for the mean over T tasks (tasks independent),
+    se_{own task} for rank_by=own_task; None where a task reports none."""
+    if rank_by == "own_task":
+        return stderrs[own_task]
+    if any(se is None for se in stderrs.values()):
+        return None
+    return math.sqrt(sum(se * se for se in stderrs.values())) / len(stderrs)
+
+
+def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]) -> list[dict]:
+    """Neighbours in the ranking whose scores differ by less than one combined stderr,
+    |s_a - s_b| < sqrt(se_a^2 + se_b^2): the validation data do not settle their order (another machine, seed
+    or sample of items may swap them, and with them the whole curriculum). Ascending order, ties by position
+    as ``curriculum.merge_order``; each entry names the pair, both scores and the gap in stderrs."""
+    ranked = sorted(range(len(names)), key=lambda i: (scores[i], i))
+    out = []
+    for a, b in zip(ranked, ranked[1:]):
+        if stderrs[a] is None or stderrs[b] is None:  # no stderr: nothing to compare the gap with
+            continue
+        se = math.hypot(stderrs[a], stderrs[b])
+        gap = scores[b] - scores[a]
+        if gap < se or se == 0 and gap == 0:
+            out.append({"experts": [names[a], names[b]], "scores": [scores[a], scores[b]],
+                        "gap_in_stderrs": None if se == 0 else gap / se})
+    return out
+
+
 def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     """Fill method_cfg.validation_scores from validation evaluations; returns (new cfg, details for result.json)."""
     import torch
@@ -102,7 +131,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     settings = {**eval_settings(cfg), "limit": None}  # validation always uses its whole split
     store = open_store(cfg, cache)
     harness, tokenizer = None, None
-    scores, per_task = [], {}
+    scores, stderrs, per_task = [], [], {}
     for info in models:
         if info.role == "base":
             continue
@@ -121,7 +150,15 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
         per_task[info.role] = got
         scores.append(expert_score({t: got[t]["value"] for t in tasks}, method_cfg.rank_by, info.task,
                                    f"modelset.experts.{info.role}.task"))
+        stderrs.append(score_stderr({t: got[t]["stderr"] for t in tasks}, method_cfg.rank_by, info.task))
+    names = [m.role for m in models if m.role != "base"]
+    ties = near_ties(names, scores, stderrs)
+    for tie in ties:
+        (a, b), (sa, sb) = tie["experts"], tie["scores"]
+        apart = "no" if tie["gap_in_stderrs"] is None else f"{tie['gap_in_stderrs']:.2f}"
+        print(f"mergeval: ranking: {a} and {b} are {apart} stderr apart on the validation split ({sa:.3f}, "
+              f"{sb:.3f}): the data do not settle their order; more method.validation_items would", flush=True)
     details = {"validation_items": method_cfg.validation_items, "validation_digests": digests,
-               "validation_scores": dict(zip([m.role for m in models if m.role != "base"], scores)),
-               "validation_per_task": per_task}
+               "validation_scores": dict(zip(names, scores)), "validation_stderrs": dict(zip(names, stderrs)),
+               "validation_near_ties": ties, "validation_per_task": per_task}
     return dataclasses.replace(method_cfg, validation_scores=scores), details

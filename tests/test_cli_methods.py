@@ -17,8 +17,8 @@ def result_of(out, tmp_path: Path) -> dict:
 
 
 def test_cmm_ranks_experts_on_the_validation_split_and_records_the_order(tmp_path, tiny_dir):
-    result = result_of(mergeval("+experiment=tiny", "method=cmm", "method.validation_items=20", cwd=tmp_path),
-                       tmp_path)
+    out = mergeval("+experiment=tiny", "method=cmm", "method.validation_items=20", cwd=tmp_path)
+    result = result_of(out, tmp_path)
     merge = result["merge"]
     scores = merge["validation_scores"]
     assert set(scores) == {"chem", "units"}
@@ -27,6 +27,13 @@ def test_cmm_ranks_experts_on_the_validation_split_and_records_the_order(tmp_pat
     test_digests = set(result["task_digests"].values())
     assert not test_digests & set(merge["validation_digests"].values())  # validation data is not test data
     assert all(v["n"] == 20 for per in merge["validation_per_task"].values() for v in per.values())
+    # each near tie (neighbours less than a combined stderr apart) is in result.json and printed
+    stderrs = merge["validation_stderrs"]
+    assert set(stderrs) == {"chem", "units"} and all(se > 0 for se in stderrs.values())
+    a, b = merge["order"]
+    tied = abs(scores[a] - scores[b]) < (stderrs[a] ** 2 + stderrs[b] ** 2) ** 0.5
+    assert [t["experts"] for t in merge["validation_near_ties"]] == ([[a, b]] if tied else [])
+    assert (f"mergeval: ranking: {a} and {b} are " in out.stdout) == tied
 
 
 def test_cmm_order_changes_the_merged_model(tmp_path, tiny_dir):

@@ -14,6 +14,7 @@ from mergeval.methods import get_method
 from mergeval.methods.curriculum import CmmConfig, merge_order, schedule
 from mergeval.methods.pipeline import PipelineConfig, StageConfig
 from mergeval.methods.task_vector import TaskArithmeticConfig, TiesConfig
+from mergeval.ranking import near_ties, score_stderr
 
 GEN = torch.Generator().manual_seed(0)
 cmm = get_method("cmm")
@@ -231,3 +232,35 @@ def test_an_earlier_experts_alignment_falls_as_later_experts_merge():
         sar.append(subspace_alignment_ratio(experts[0] - base, merged - base))
     assert sar[0] == pytest.approx(1.0, abs=1e-4)
     assert all(later <= earlier + 1e-6 for earlier, later in zip(sar, sar[1:])) and sar[-1] < sar[0], sar
+
+
+# ---------------------------------------------------------------- near ties in the validation ranking
+
+
+def test_score_stderr_of_the_mean_and_of_the_own_task():
+    assert score_stderr({"a": 0.3, "b": 0.4}, "mean", None) == pytest.approx(0.25)  # sqrt(0.09 + 0.16) / 2
+    assert score_stderr({"a": 0.3, "b": 0.4}, "own_task", "b") == 0.4
+    assert score_stderr({"a": 0.3, "b": None}, "mean", None) is None
+
+
+def test_near_ties_are_neighbours_closer_than_one_combined_stderr():
+    # ranked: c 0.20, a 0.50, b 0.53, d 0.90; se 0.03 each -> a/b 0.03 apart = 0.71 combined se
+    got = near_ties(["a", "b", "c", "d"], [0.50, 0.53, 0.20, 0.90], [0.03] * 4)
+    assert [t["experts"] for t in got] == [["a", "b"]]
+    assert got[0]["scores"] == [0.50, 0.53] and got[0]["gap_in_stderrs"] == pytest.approx(0.03 / (0.03 * 2 ** 0.5))
+    assert near_ties(["a", "b"], [0.5, 0.5], [0.0, 0.0]) == [{"experts": ["a", "b"], "scores": [0.5, 0.5],
+                                                              "gap_in_stderrs": None}]  # an exact tie
+    assert near_ties(["a", "b"], [0.5, 0.6], [0.0, 0.0]) == []
+    assert near_ties(["a", "b"], [0.5, 0.5], [None, 0.1]) == []  # no stderr: not judged
+
+
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 0.2)), min_size=1, max_size=6))
+def test_near_ties_follow_the_merge_order_and_each_gap_is_under_one_stderr(experts):
+    names = [f"e{i}" for i in range(len(experts))]
+    scores, ses = [s for s, _ in experts], [se for _, se in experts]
+    order = [names[i] for i in merge_order("ranked", scores, len(names))]
+    for tie in near_ties(names, scores, ses):
+        a, b = tie["experts"]
+        assert order.index(b) == order.index(a) + 1  # neighbours in the curriculum, weakest first
+        if tie["gap_in_stderrs"] is not None:
+            assert 0 <= tie["gap_in_stderrs"] < 1

@@ -231,6 +231,36 @@ def test_della_keep_probabilities_span_the_band_by_magnitude(data, density, frac
     assert p.mean().item() == pytest.approx(density, abs=1e-5)
 
 
+def sorted_ranks(delta: torch.Tensor, rank_scope: str) -> torch.Tensor:
+    """The reference ranks: positions of a stable ascending sort of |delta| per row (ties by position), / (n - 1)."""
+    rows = delta.reshape(delta.shape[0], -1) if rank_scope == "row" and delta.dim() >= 2 else delta.reshape(1, -1)
+    n = rows.shape[1]
+    rank = torch.empty(rows.shape)
+    rank.scatter_(1, torch.sort(rows.abs(), dim=1, stable=True).indices,
+                  (torch.arange(n, dtype=torch.float32) / (n - 1)).expand(rows.shape[0], n).contiguous())
+    return rank.view_as(delta)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 6), st.sampled_from(["tensor", "row"]),
+       st.sampled_from([None, "finite", "infinite"]), st.integers(0, 2**31 - 1))
+def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, extreme, seed):
+    # few distinct magnitudes of both signs and zeros of both signs: many ties, kept by position; the int64-key
+    # sort (sparsify._rank_by_keys) must give torch's stable sort's ranks, and so the same probabilities
+    g = torch.Generator().manual_seed(seed)
+    delta = torch.randint(-levels, levels + 1, shape, generator=g).float() * 0.375
+    if extreme:  # subnormals, the largest finite float and -0.0 order by their bits; an infinity: torch's sort
+        flat = delta.view(-1)
+        big = float("inf") if extreme == "infinite" else 3.4e38
+        flat[::4] = torch.tensor([1e-45, -3.4e38, big, -0.0, 5e-39])[torch.arange(flat[::4].numel()) % 5]
+    p = della_keep_prob(delta, 0.5, 0.25, rank_scope)
+    row_length = delta[0].numel() if rank_scope == "row" and delta.dim() >= 2 else delta.numel()
+    if row_length == 1:  # one entry per group: p = density
+        assert torch.equal(p, torch.full_like(delta, 0.5))
+    else:
+        assert torch.equal(p, (0.5 - 0.25) + 2.0 * 0.25 * sorted_ranks(delta, rank_scope))
+
+
 @settings(max_examples=20, deadline=None)
 @given(tensors(max_experts=1, shapes=((8, 8),)), st.floats(0.3, 0.7), st.integers(0, 2**31 - 1))
 def test_della_is_unbiased(data, density, seed):

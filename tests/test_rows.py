@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from mergeval.engine import execute, merge_tensors, merge_to_disk
+from mergeval.engine.memory import merge_into_model
 from mergeval.engine.reader import CheckpointReader
 from mergeval.methods import get_method, select
 from mergeval.methods.select import Threshold, first_k_mask
 from mergeval.methods.task_vector import kept_count, trim_to_density
-from mergeval.models.checkpoint import load_tensors
+from mergeval.models.checkpoint import load_model, load_tensors
 
 
 def stable_top_k(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -115,6 +116,10 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, tiny_
     assert sorted(reader.names()) == sorted(whole)
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n
+    # a run's merge into the live model takes the same row blocks
+    live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, tied_experts, seed=7).state_dict()
+    for n in whole:
+        assert torch.equal(live[n], whole[n].to(live[n].dtype)), n
 
 
 def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_experts, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mergeval.engine.card import model_card
-from mergeval.engine.execute import output_shapes, run_plan
+from mergeval.engine.execute import Blocks, output_shapes, run_plan
 from mergeval.engine.plan import build_plan, check_plan
 from mergeval.engine.reader import CheckpointReader, MemorySource
 from mergeval.engine.vocab import vocab_rows
@@ -72,8 +72,13 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
             raise UserError("vocab_policy", f"the merge gives {name} shape {list(shape)} but the live model has "
                             f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate")
     with torch.no_grad():
-        for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress):
-            state[name].copy_(tensor)
+        for name, merged in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
+            if isinstance(merged, Blocks):  # a large tensor merged a row block at a time: each block into its rows
+                target = state[name].view(state[name].shape[0], -1)
+                for (r0, r1), block in zip(merged.spans, merged):
+                    target[r0:r1].copy_(block.reshape(r1 - r0, -1))
+            else:
+                state[name].copy_(merged)
     return model
 
 

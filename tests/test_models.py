@@ -79,3 +79,24 @@ def test_load_model_with_merged_tensors(tiny_dir):
     tensors = {k: v * 0 for k, v in load_tensors(tiny_dir).items()}
     model = load_model(tiny_dir, tensors)
     assert all(float(p.detach().abs().sum()) == 0 for p in model.parameters())
+
+
+def test_the_smollm2_conversion_gives_the_pinned_weights(cache):
+    # Every expert, score and verdict record was made from these weights: a change in transformers' or gguf's
+    # dequantisation, or in how the conversion shares their parsing (smollm2._parsed_once), shows here first.
+    from mergeval.models.smollm2 import smollm2_dir
+
+    assert fingerprint(smollm2_dir(cache, "modelset.base")) == "e9bbcdac5085b7d65c7873f55f4770aa"
+
+
+def test_the_conversion_shares_gguf_parsing_only_inside_its_block():
+    import gguf
+
+    from mergeval.models.smollm2 import _parsed_once
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with _parsed_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.GGUFReader is not reader
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)

@@ -8,6 +8,8 @@ in the cache; every later run loads that directory in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -43,18 +45,47 @@ def smollm2_dir(cache: Path, field: str) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _parsed_once():
+    """Within the block, gguf's reader and tensor-name table are built once per argument.
+
+    transformers parses the whole GGUF file for the config, the tokenizer and the weights (about 4 s each
+    here: the 49,152-token vocabulary field by field) and rebuilds gguf's tensor-name table for every module
+    of the model (about 8 s). Both are pure functions of their arguments and their results are only read,
+    so sharing them gives the same tensors and tokenizer (tests/test_models.py pins the converted bytes)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def shared_reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     print(f"mergeval: converting {gguf.name} to safetensors (once) -> {target}", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     settings = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         settings.pop(key, None)
-    model = LlamaForCausalLM(LlamaConfig(**settings))
-    model.load_state_dict(gguf_model.state_dict())
+    with torch.device("meta"):  # no random initialisation: every weight comes from the GGUF's state dict
+        model = LlamaForCausalLM(LlamaConfig(**settings))
+    model.load_state_dict(gguf_model.state_dict(), assign=True)
+    model.tie_weights()
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -66,9 +66,10 @@ def _validate_stitch(cfg: LocalizeStitchConfig, n_experts: int) -> None:
                         "leave method.thresholds null: they are measured from the experts before merging")
 
 
-def tall_masks(deltas: list[torch.Tensor], tall_lambda: float, strict: bool = False) -> list[torch.Tensor]:
-    """m_t = |tau_t| >= lambda |tau_MTL - tau_t| (``>`` when strict), tau_MTL = sum_t tau_t."""
-    mtl = torch.stack(deltas).sum(0)
+def tall_masks(deltas: list[torch.Tensor], tall_lambda: float, strict: bool = False,
+               mtl: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """m_t = |tau_t| >= lambda |tau_MTL - tau_t| (``>`` when strict), tau_MTL = sum_t tau_t (``mtl`` if given)."""
+    mtl = torch.stack(deltas).sum(0) if mtl is None else mtl
     cmp = torch.gt if strict else torch.ge
     return [cmp(d.abs(), tall_lambda * (mtl - d).abs()) for d in deltas]
 
@@ -87,8 +88,8 @@ def merge_consensus(base: torch.Tensor, experts: list[torch.Tensor], cfg: Consen
     """
     b = base.float()
     deltas = [e.float() - b for e in experts]
-    votes = torch.stack([m.to(torch.int32) for m in tall_masks(deltas, cfg.tall_lambda, cfg.strict)]).sum(0)
     mtl = torch.stack(deltas).sum(0)
+    votes = torch.stack([m.to(torch.int32) for m in tall_masks(deltas, cfg.tall_lambda, cfg.strict, mtl)]).sum(0)
     return b + cfg.lambda_ * torch.where(votes >= cfg.k, mtl, torch.zeros_like(mtl))
 
 

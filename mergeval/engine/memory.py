@@ -51,7 +51,9 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
                      progress: bool = False) -> torch.nn.Module:
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
-    Memory: the model plus one unit's inputs. The model keeps its dtype (merging
+    Memory: the model plus one unit's inputs, or for a large tensor of a method with a row-chunked form
+    (TIES, DARE) a few row blocks of each input (benchmarks/live_merge.py: five-expert TIES of SmolLM2-135M
+    peaks at 1056 MiB against 3840 MiB merged a tensor at a time). The model keeps its dtype (merging
     runs in float32 per unit; results are cast on copy). vocab_policy=truncate
     changes shapes and needs a model of the truncated size: merge to disk instead.
     """

@@ -134,3 +134,24 @@ def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_exper
     reader = CheckpointReader(out, "out")
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n
+
+
+def test_the_live_merge_benchmark_reports_the_merge_a_run_makes(tiny_dir, tied_experts):
+    # benchmarks/live_merge.py compares checkouts by the fingerprint it prints: it must be the live model's
+    import re
+    import subprocess
+    import sys
+
+    from mergeval.models.fingerprint import fingerprint_state_dict
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "live_merge.py"
+    out = subprocess.run([sys.executable, str(script), "--base", str(tiny_dir), "--experts", *map(str, tied_experts),
+                          "--method", "ties:density=0.3", "dare_ties:density=0.5,rescale=none", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = dict(re.findall(r"^(\S+): median .* fingerprint (\w+);", out.stdout, re.M))
+    for text, name, params in (("ties:density=0.3", "ties", {"density": 0.3}),
+                               ("dare_ties:density=0.5,rescale=none", "dare_ties", {"density": 0.5, "rescale": "none"})):
+        method = get_method(name)
+        live = merge_into_model(load_model(tiny_dir), method, method.config(**params), tiny_dir, tied_experts, seed=0)
+        assert printed[text] == fingerprint_state_dict(dict(live.state_dict())), text

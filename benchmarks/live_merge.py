@@ -67,7 +67,7 @@ def main() -> None:
             began = time.perf_counter()
             merge_into_model(model, method, cfg, base, experts, seed=args.seed)
             times.append(time.perf_counter() - began)
-            digest = fingerprint_state_dict({k: v for k, v in model.state_dict().items()})
+            digest = fingerprint_state_dict(model.state_dict())
             del model
         print(f"{text}: median {statistics.median(times):.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}); "
               f"merged state dict fingerprint {digest}; process peak RSS so far "

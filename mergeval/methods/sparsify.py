@@ -281,9 +281,10 @@ def della_keep_prob(delta: torch.Tensor, density: float, epsilon: float, rank_sc
     if n == 1:
         return torch.full_like(delta, density)
     positions = torch.arange(n, dtype=torch.float32, device=delta.device) / (n - 1)
-    rank = _rank_by_keys(rows.abs(), positions)
+    magnitudes = rows.abs()
+    rank = _rank_by_keys(magnitudes, positions)
     if rank is None:
-        order = torch.sort(rows.abs(), dim=1, stable=True).indices
+        order = torch.sort(magnitudes, dim=1, stable=True).indices
         rank = torch.empty(rows.shape, dtype=torch.float32, device=delta.device)
         rank.scatter_(1, order, positions.expand(rows.shape[0], n).contiguous())
     return ((density - epsilon) + 2.0 * epsilon * rank).view_as(delta)
@@ -293,7 +294,8 @@ def _rank_by_keys(magnitudes: torch.Tensor, positions: torch.Tensor) -> torch.Te
     """positions[rank of each entry in its row] (rank: stable ascending sort, ties by position), or None where
     this way does not apply (not a finite float32 CPU tensor, or the keys need more than 63 bits).
 
-    The same ranks as ``torch.sort(stable=True)``, about six times faster: each entry becomes one int64 key
+    The same ranks as ``torch.sort(stable=True)``, 2.6 times faster on SmolLM2's 28M-entry embedding (2.46 s
+    against 6.44 s, one thread; the sort itself about six times): each entry becomes one int64 key
     ``row | float bits | column`` (the bits of a non-negative finite float32 order as its value), and the
     keys are all distinct, so one plain NumPy sort (vectorised) puts every row's entries in stable order."""
     if magnitudes.device.type != "cpu" or magnitudes.dtype != torch.float32:

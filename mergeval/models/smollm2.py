@@ -52,7 +52,8 @@ def _parsed_once():
     transformers parses the whole GGUF file for the config, the tokenizer and the weights (about 4 s each
     here: the 49,152-token vocabulary field by field) and rebuilds gguf's tensor-name table for every module
     of the model (about 8 s). Both are pure functions of their arguments and their results are only read,
-    so sharing them gives the same tensors and tokenizer (tests/test_models.py pins the converted bytes)."""
+    so sharing them gives the same tensors and tokenizer (tests/test_models.py pins the converted weights'
+    fingerprint)."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -15,7 +15,7 @@ block's output equals the same rows of the method's whole-tensor result.
 * DARE draws one uniform per entry per expert, expert after expert, from the
   tensor's generator. ``DareRows.prepare`` makes those draws in the same order,
   block by block (torch's CPU generator gives the same numbers in pieces as in
-  one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
+  one call: tests/test_rows.py), and keeps each expert's drop mask (one byte per
   entry, a quarter of the uniforms); the blocks are then merged independently.
 
 The ``rows`` hooks return None where the chunked form could differ from the
@@ -31,8 +31,8 @@ import torch
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value
 from mergeval.methods.registry import METHODS
-from mergeval.methods.select import Threshold, exact, first_ties_mask, tie_quotas
-from mergeval.methods.sparsify import _combine, _rescale, _rescaled
+from mergeval.methods.select import Threshold, exact, first_ties_drop, tie_quotas
+from mergeval.methods.sparsify import _combine, _rescale
 from mergeval.methods.task_vector import disjoint_merge, kept_count
 
 
@@ -59,8 +59,9 @@ class TiesRows:
                 sel.add_sample((experts[i].reshape(-1)[at].float() - b[at].float()).abs())
         for offset, base, experts in blocks.read_all():
             b = base.float()
+            work = torch.empty_like(b)  # |d_i| of this block, one expert after another
             for i, sel in select.items():
-                sel.count((experts[i].float() - b).abs())
+                sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
             offsets.append(offset)
         for i, sel in select.items():
             found = sel.result()
@@ -79,24 +80,26 @@ class TiesRows:
         ties = [int((chunk == tau).sum()) for chunk in whole.split([n for n in blocks.numels()])]
         return (tau, c_gt, c_eq), ties
 
-    def sparse(self, d: torch.Tensor, i: int, offset: int) -> torch.Tensor:
-        """t_i = d_i where kept (trim_to_density's values), else 0."""
-        if self.cut[i] is None:
-            return d
-        tau, quotas = self.cut[i]
-        keep = first_ties_mask(d.abs(), tau, quotas[offset])
-        return torch.where(keep, d, torch.zeros_like(d))
+    def trim_(self, d: torch.Tensor, i: int, offset: int) -> torch.Tensor:
+        """d_i trimmed in place: t_i = d_i where kept (trim_to_density's values), else 0."""
+        if self.cut[i] is not None:
+            tau, quotas = self.cut[i]
+            d.masked_fill_(first_ties_drop(d.abs(), tau, quotas[offset]), 0.0)
+        return d
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
-        """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties())."""
+        """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties()); each t_i is computed
+        in its row of one preallocated stack (the same values as stacking them, without N temporaries)."""
         b = base.float()
-        sparse = [self.sparse(e.float() - b, i, offset) for i, e in enumerate(experts)]
-        return (b + self.cfg.lambda_ * disjoint_merge(torch.stack(sparse), self.cfg)).to(base.dtype)
+        stacked = torch.empty((len(experts), *b.shape), dtype=torch.float32)
+        for i, e in enumerate(experts):
+            self.trim_(torch.sub(e.float(), b, out=stacked[i]), i, offset)
+        return (b + self.cfg.lambda_ * disjoint_merge(stacked, self.cfg)).to(base.dtype)
 
 
 class DareRows:
     """DARE (dare_ties, dare_linear; paper mode, rescale inverse_density or none): ``prepare`` draws the
-    keep masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
+    drop masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
 
     def __init__(self, cfg, n_experts: int, numel: int, gen: torch.Generator, elect: bool):
         self.cfg, self.n, self.gen, self.elect = cfg, numel, gen, elect
@@ -105,23 +108,25 @@ class DareRows:
         self.rescale = _rescale(cfg)
 
     def prepare(self, blocks) -> None:
-        """Expert after expert, block after block: m_i = [u < density_i] (dare_drop's draws, in its order)."""
+        """Expert after expert, block after block: the dropped entries [u >= density_i], the complement of
+        dare_drop's keep mask [u < density_i] (the uniforms are finite), from its draws in its order."""
         for i, density in enumerate(self.density):
             if density >= 1.0:  # dare_drop draws nothing for this expert
                 continue
             mask = torch.empty(self.n, dtype=torch.bool)
             start = 0
             for n in blocks.numels():
-                torch.lt(torch.rand(n, generator=self.gen), density, out=mask[start:start + n])
+                torch.ge(torch.rand(n, generator=self.gen), density, out=mask[start:start + n])
                 start += n
             self.masks[i] = mask
 
     def _sparsify(self, offset: int):
         def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
+            """dare_drop's s_i, in d_i's own storage (zeroing the dropped entries is where(keep, d, 0))."""
             if self.masks[i] is None:
                 return d
-            keep = self.masks[i][offset:offset + d.numel()].view_as(d)
-            return _rescaled(d, torch.where(keep, d, torch.zeros_like(d)), self.rescale, self.density[i])
+            d.masked_fill_(self.masks[i][offset:offset + d.numel()].view_as(d), 0.0)
+            return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
         return sparsify
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:

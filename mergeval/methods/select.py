@@ -91,14 +91,19 @@ class Threshold:
         self.lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
 
     def count(self, a: torch.Tensor) -> None:
-        """Pass 2: count the values above hi and keep those in [lo, hi]."""
+        """Pass 2: count the values above hi and keep those in [lo, hi] (in order)."""
         if self.hi is None:
             self.bounds()
         flat = a.reshape(-1)
-        if self.hi != float("inf"):
-            self.above += int((flat > self.hi).sum())
-        inside = (flat >= self.lo) & (flat <= self.hi)
-        self._cands.append(flat[inside])
+        # one pass over all values (>= lo), the rest over those alone: about k/n of them. A copy either way: the
+        # candidates outlive ``a``, which a caller may reuse as a buffer
+        upper = flat[flat >= self.lo] if self.lo != float("-inf") else flat.clone()
+        if self.hi == float("inf"):
+            self._cands.append(upper)
+            return
+        below = upper <= self.hi
+        self.above += upper.numel() - int(below.sum())
+        self._cands.append(upper[below])
 
     def result(self) -> tuple[float, int, int] | None:
         """(tau, c_gt, c_eq), or None if the k-th largest is not among the candidates."""
@@ -129,6 +134,16 @@ def first_ties_mask(a: torch.Tensor, tau: float, quota: int) -> torch.Tensor:
         tied = (a.reshape(-1) == tau).nonzero().view(-1)
         flat[tied[:quota]] = True
     return keep
+
+
+def first_ties_drop(a: torch.Tensor, tau: float, quota: int) -> torch.Tensor:
+    """The complement of ``first_ties_mask``: {a <= tau} less the first ``quota`` entries equal to tau
+    (one comparison pass where the mask and its negation take two)."""
+    drop = a <= tau
+    if quota:
+        tied = (a.reshape(-1) == tau).nonzero().view(-1)
+        drop.view(-1)[tied[:quota]] = False
+    return drop
 
 
 def first_k_mask(a: torch.Tensor, k: int) -> torch.Tensor:

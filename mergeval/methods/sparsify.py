@@ -42,7 +42,7 @@ from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
 from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
 from mergeval.methods.task_vector import (_check_lambda, _check_weights, check_ties_options, disjoint_merge,
-                                          kept_count, trim_to_density)
+                                          kept_count, trim_to_density, weighted_sum)
 
 RESCALES_DARE = ("inverse_density", "l1", "none")
 RESCALES_DELLA = ("inverse_prob", "l1", "none")
@@ -372,15 +372,21 @@ def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Ge
         return compat.gta(base, experts, cfg, sparsify, _rescale(cfg) == "l1", cfg.sign_rule if elect else None,
                           normalize)
     b = base.float()
-    sparse = [sparsify(e.float() - b, i) for i, e in enumerate(experts)]
+    # each s_i in its row of one stack (a sparsifier may work in place on d_i, else its result is copied in)
+    sparse = torch.empty((len(experts), *b.shape), dtype=torch.float32, device=b.device)
+    for i, e in enumerate(experts):
+        d = torch.sub(e.float(), b, out=sparse[i])
+        s = sparsify(d, i)
+        if s is not d:
+            d.copy_(s)
     if elect:
-        tau = disjoint_merge(torch.stack(sparse), cfg)
+        tau = disjoint_merge(sparse, cfg)
     else:
         w = expert_weights(cfg, len(experts))
-        tau = sum(wi * s for wi, s in zip(w, sparse))
+        tau = weighted_sum(sparse, w, b)
         if cfg.normalize and abs(sum(w)) >= 1e-8:
-            tau = tau / sum(w)
-    return (b + cfg.lambda_ * tau).to(base.dtype)
+            tau = tau.div_(sum(w))
+    return tau.mul_(cfg.lambda_).add_(b).to(base.dtype)  # b + lambda * tau (x + y == y + x exactly)
 
 
 # ---------------------------------------------------------------- methods

@@ -12,6 +12,7 @@ difference).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -130,10 +131,20 @@ def task_arithmetic(base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskAr
         return compat.gta(base, experts, cfg, None, False, None, cfg.normalize)
     b = base.float()
     w = expert_weights(cfg, len(experts))
-    delta = sum(wi * (e.float() - b) for wi, e in zip(w, experts))
+    term = torch.empty_like(b)  # each d_i in turn, in one buffer
+    delta = weighted_sum((torch.sub(e.float(), b, out=term) for e in experts), w, b)
     if cfg.normalize and abs(sum(w)) >= 1e-8:
-        delta = delta / sum(w)
-    return (b + cfg.lambda_ * delta).to(base.dtype)
+        delta = delta.div_(sum(w))
+    return delta.mul_(cfg.lambda_).add_(b).to(base.dtype)  # b + lambda * delta (x + y == y + x exactly)
+
+
+def weighted_sum(terms: Iterable[torch.Tensor], w: list[float], like: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * t_i, bit for bit as Python's ``sum(w_i * t_i ...)`` (0 + w_1 t_1 + ... in order), accumulated in
+    place: one accumulator whatever N, and each t_i with w_i != 1 is scaled in its own storage (it is consumed)."""
+    total = torch.zeros_like(like)
+    for wi, t in zip(w, terms):
+        total.add_(t if wi == 1.0 else t.mul_(wi))  # x * 1.0 == x exactly
+    return total
 
 
 def kept_count(density: float, n: int) -> int:
@@ -210,12 +221,14 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     # A_i as 1.0 / 0.0 once (what a product with the bool mask promotes it to), for both sums below.
     # s_i * gamma > 0 is [sign(s_i) == gamma and s_i != 0] in two passes instead of four: gamma is -1, 0 or +1,
     # so the product is exact, and it is positive exactly when both are non-zero with the same sign.
-    agree = ((sparse * gamma) > 0).to(sparse.dtype)
-    tau = (weighted * agree).sum(0)
-    if not compat.option(cfg, "normalize", True, True, (True, False)):
+    agree = torch.mul(sparse, gamma).gt_(0).to(sparse.dtype)
+    normalize = compat.option(cfg, "normalize", True, True, (True, False))
+    mass = (agree if unit else wt * agree).sum(0) if normalize else None
+    # A_i w_i s_i in agree's own storage (x * y == y * x exactly): no N-sized temporary per product
+    tau = agree.mul_(weighted).sum(0)
+    if not normalize:
         return tau
-    mass = (agree if unit else wt * agree).sum(0)
-    return tau / mass.where(mass != 0, torch.ones_like(mass))
+    return tau.div_(mass.masked_fill_(mass == 0, 1.0))
 
 
 def _sorted_sum(voters: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The in-place forms of the merge kernels give the bits of the plain formulas they replaced.
+
+weighted_sum, disjoint_merge and TIES' row-block trim reuse buffers instead of allocating a temporary
+per product; each is checked here against the straightforward expression (Python's ``sum``, the
+``where``-based mask) on values chosen to catch an order or sign-of-zero change: -0.0, subnormals,
+ties at the cut, weights of 1 and not 1.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mergeval.methods.select import Threshold, exact, first_ties_drop, first_ties_mask
+from mergeval.methods.task_vector import disjoint_merge, sign_of_sum, weighted_sum
+
+VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.75, 3.0, 1e-40, -1e-40, 2.0 ** -20, 1e30, -7.25])
+WEIGHTS = st.sampled_from([1.0, 0.5, -0.25, 2.0, 1.0, 1.0])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@st.composite
+def stacks(draw, max_n: int = 6):
+    n = draw(st.integers(1, max_n))
+    m = draw(st.integers(1, 40))
+    data = draw(st.lists(VALUES, min_size=n * m, max_size=n * m))
+    return torch.tensor(data, dtype=torch.float32).view(n, m)
+
+
+@given(stacks(), st.lists(WEIGHTS, min_size=6, max_size=6))
+def test_weighted_sum_is_pythons_sum_bit_for_bit(terms, w):
+    w = w[:terms.shape[0]]
+    expected = sum(wi * t for wi, t in zip(w, terms.clone()))
+    got = weighted_sum(list(terms.clone()), w, terms[0])
+    assert torch.equal(bits(got), bits(expected + torch.zeros_like(terms[0])))  # sum([]) is 0: a tensor here
+
+
+def reference_disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
+    """disjoint_merge as it was written before the in-place form (paper mode)."""
+    w = cfg.weights or [1.0] * sparse.shape[0]
+    wt = torch.tensor(w, dtype=torch.float32).view(-1, *([1] * (sparse.dim() - 1)))
+    unit = all(x == 1.0 for x in w)
+    weighted = sparse if unit else wt * sparse
+    voters = weighted if cfg.weights_before_election else sparse
+    gamma = sign_of_sum(voters) if cfg.sign_rule == "sum" else torch.sign(torch.sign(voters).sum(0))
+    agree = ((sparse * gamma) > 0).to(sparse.dtype)
+    tau = (weighted * agree).sum(0)
+    if not cfg.normalize:
+        return tau
+    mass = (agree if unit else wt * agree).sum(0)
+    return tau / mass.where(mass != 0, torch.ones_like(mass))
+
+
+@given(stacks(), st.lists(WEIGHTS, min_size=6, max_size=6), st.booleans(), st.sampled_from(["sum", "count"]),
+       st.booleans(), st.booleans())
+def test_disjoint_merge_gives_the_plain_formulas_bits(sparse, w, weighted, sign_rule, before, normalize):
+    cfg = types.SimpleNamespace(weights=w[:sparse.shape[0]] if weighted else None, sign_rule=sign_rule,
+                                weights_before_election=before, normalize=normalize, compat="paper")
+    expected = reference_disjoint_merge(sparse.clone(), cfg)
+    given_in = sparse.clone()
+    got = disjoint_merge(given_in, cfg)
+    assert torch.equal(bits(got), bits(expected))
+    assert torch.equal(bits(given_in), bits(sparse))  # the input is left as it was
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0]), min_size=1, max_size=60), st.integers(0, 60))
+def test_first_ties_drop_is_the_masks_complement(values, quota):
+    a = torch.tensor(values)
+    tau = 2.0
+    quota = min(quota, int((a == tau).sum()))
+    assert torch.equal(first_ties_drop(a, tau, quota), ~first_ties_mask(a, tau, quota))
+
+
+@given(st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0]), min_size=40, max_size=400),
+       st.integers(1, 400), st.integers(1, 7))
+def test_threshold_counts_chunks_handed_in_one_reused_buffer(values, k, chunks):
+    a = torch.tensor(values)
+    k = min(k, a.numel())
+    pieces = a.tensor_split(chunks)
+    t = Threshold(a.numel(), k)
+    for p in pieces:
+        t.sample(p)
+    buffer = torch.empty(max(p.numel() for p in pieces))
+    for p in pieces:  # as TiesRows.prepare: every chunk's |d_i| computed into the same buffer
+        view = buffer[:p.numel()]
+        view.copy_(p)
+        t.count(view)
+        buffer.fill_(float("nan"))  # the caller reuses its buffer: what was handed in must not be kept
+    found = t.result()
+    if found is not None:
+        assert found == exact(a, k)
+        assert sum(t.chunk_ties) == found[2]

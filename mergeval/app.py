@@ -76,8 +76,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     tasks = suite.names
     lap("load_tasks")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
-    tokenizer = load_tokenizer(base_dir)  # before minutes of merging: a damaged tokenizer fails here
     lap("resolve_models")
+    tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
+    # either; a run whose merge and scores all come from the store never loads it (about 4 s of imports)
     method_cfg, merge_info = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
     if "validation_scores" in merge_info:
         lap("rank_experts")
@@ -92,6 +93,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     if done:  # merged and scored before with these inputs, method config and seed: do neither again
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
     else:  # streamed into a live model: one model in memory, whatever the number of experts
+        tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy)
         models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
@@ -128,6 +130,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         info.evaluated = ("reused from the results store" if not entries else "this run" if not got
                           else "partly reused from the results store")
         if entries:
+            if tokenizer is None:
+                tokenizer = load_tokenizer(base_dir)
             step = f"mergeval: [{number}/{len(models)}] {info.role}"
             print(f"{step}: evaluating on {len(entries)} of {len(suite.entries)} tasks", flush=True)
             began = time.perf_counter()

@@ -558,12 +558,15 @@ def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch
 
 def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tmp_path, cache, monkeypatch):
     """release_memory (a full gc.collect: about 0.3 s per call in a MergeBench mini sweep) runs for a model built
-    and evaluated, and for the merge, not for each constituent a later sweep job finds in the store."""
+    and evaluated, and for the merge, not for each constituent a later sweep job finds in the store; the tokenizer
+    (about 4 s of imports) is loaded once by a run that merges or evaluates, never by one that does neither."""
     from mergeval import app
     from mergeval.interop.lm_eval_import import compose_run_config
 
-    calls = []
+    calls, tokenizers = [], []
     monkeypatch.setattr(app, "release_memory", lambda: calls.append(1))
+    load_tokenizer = app.load_tokenizer
+    monkeypatch.setattr(app, "load_tokenizer", lambda *a, **k: tokenizers.append(1) or load_tokenizer(*a, **k))
     settings = ["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1", "eval.dtype=float32",
                 f"store.path={tmp_path / 'store.sqlite'}"]
     first = app.run(compose_run_config(settings), tmp_path / "first")
@@ -572,3 +575,7 @@ def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tm
     again = app.run(compose_run_config(settings + ["method.lambda_=0.5"]), tmp_path / "again")
     assert [m.evaluated for m in again.models] == ["reused from the results store"] * 3 + ["this run"]
     assert len(calls) == 1  # the merge only
+    assert len(tokenizers) == 2
+    reused = app.run(compose_run_config(settings + ["method.lambda_=0.5"]), tmp_path / "reused")
+    assert [m.evaluated for m in reused.models] == ["reused from the results store"] * 4
+    assert len(tokenizers) == 2 and reused.models[-1].merge == "reused from the results store"

@@ -78,7 +78,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     lap("resolve_models")
     tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
-    # either; a run whose merge and scores all come from the store never loads it (about 4 s of imports)
+    # either; a run whose merge and scores all come from the store never loads it (2-3 s of imports)
     method_cfg, merge_info = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
     if "validation_scores" in merge_info:
         lap("rank_experts")

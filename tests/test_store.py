@@ -559,7 +559,7 @@ def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch
 def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tmp_path, cache, monkeypatch):
     """release_memory (a full gc.collect: about 0.3 s per call in a MergeBench mini sweep) runs for a model built
     and evaluated, and for the merge, not for each constituent a later sweep job finds in the store; the tokenizer
-    (about 4 s of imports) is loaded once by a run that merges or evaluates, never by one that does neither."""
+    (2-3 s of imports) is loaded once by a run that merges or evaluates, never by one that does neither."""
     from mergeval import app
     from mergeval.interop.lm_eval_import import compose_run_config
 

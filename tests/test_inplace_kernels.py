@@ -96,3 +96,33 @@ def test_threshold_counts_chunks_handed_in_one_reused_buffer(values, k, chunks):
     if found is not None:
         assert found == exact(a, k)
         assert sum(t.chunk_ties) == found[2]
+
+
+def reference_cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen) -> torch.Tensor:
+    """cmm's additive and interpolate updates as written before the in-place form."""
+    from mergeval.methods.curriculum import merge_order, schedule
+
+    b = base.float()
+    theta = b.clone()
+    order = merge_order(cfg.order, cfg.validation_scores, len(experts))
+    for c, i in zip(schedule(cfg.schedule, cfg.start, cfg.end, len(experts)), order):
+        e = experts[i].float()
+        theta = theta + c * (e - b) if cfg.update == "additive" else (1 - c) * theta + c * e
+    return (b + cfg.lambda_ * (theta - b)).to(base.dtype)
+
+
+@given(stacks(max_n=5), st.sampled_from(["additive", "interpolate"]), st.sampled_from([1.0, 0.7, -0.5]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(["linear", "constant"]))
+def test_cmm_in_place_gives_the_plain_updates_bits(models, update, lam, dtype, kind):
+    from mergeval.methods import get_method
+
+    if models.shape[0] < 2:
+        return
+    method = get_method("cmm")
+    cfg = method.config(update=update, lambda_=lam, order="given", start=0.3, end=0.6, schedule=kind)
+    base, experts = models[0].to(dtype), [m.to(dtype) for m in models[1:]]
+    got = method.merge(base, [e.clone() for e in experts], cfg, torch.Generator())
+    expected = reference_cmm(base, experts, cfg, torch.Generator())
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(base, models[0].to(dtype))  # the base is left as it was

@@ -134,12 +134,13 @@ def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: to
     order = merge_order(cfg.order, cfg.validation_scores, len(experts))
     coeffs = schedule(cfg.schedule, cfg.start, cfg.end, len(experts))
     theta = b.clone()
+    step = torch.empty_like(b)  # each step's term, in one buffer (in place: x * y == y * x, x + y == y + x exactly)
     for c, i in zip(coeffs, order):
         e = experts[i].float()
         if cfg.update == "additive":
-            theta = theta + c * (e - b)
+            theta.add_(torch.sub(e, b, out=step).mul_(c))
         elif cfg.update == "interpolate":
-            theta = (1 - c) * theta + c * e
+            theta.mul_(1 - c).add_(torch.mul(e, c, out=step))
         else:
             theta = ties(b, [theta, e], TiesConfig(density=cfg.density, weights=[1 - c, c]), gen)
-    return (b + cfg.lambda_ * (theta - b)).to(base.dtype)
+    return theta.sub_(b).mul_(cfg.lambda_).add_(b).to(base.dtype)

@@ -33,7 +33,7 @@ from mergeval.methods.compat import expert_value
 from mergeval.methods.registry import METHODS
 from mergeval.methods.select import Threshold, exact, first_ties_drop, tie_quotas
 from mergeval.methods.sparsify import _combine, _rescale
-from mergeval.methods.task_vector import disjoint_merge, kept_count
+from mergeval.methods.task_vector import kept_count
 
 
 class TiesRows:
@@ -88,13 +88,9 @@ class TiesRows:
         return d
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
-        """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties()); each t_i is computed
-        in its row of one preallocated stack (the same values as stacking them, without N temporaries)."""
-        b = base.float()
-        stacked = torch.empty((len(experts), *b.shape), dtype=torch.float32)
-        for i, e in enumerate(experts):
-            self.trim_(torch.sub(e.float(), b, out=stacked[i]), i, offset)
-        return (b + self.cfg.lambda_ * disjoint_merge(stacked, self.cfg)).to(base.dtype)
+        """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties()): ``_combine`` with this
+        block's trim, done in place in each t_i's row of its stack."""
+        return _combine(base, experts, self.cfg, None, True, lambda d, i: self.trim_(d, i, offset))
 
 
 class DareRows:

@@ -79,3 +79,9 @@ def tiny_dir(cache) -> Path:
     from mergeval.zoo.tiny import zoo_dir
 
     return zoo_dir("tiny", cache)
+
+
+def pytest_sessionfinish(session):
+    from tests.child import close_all
+
+    close_all()  # the zygotes (tests/child.py) would also end when this process does: their stdin closes

@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 
 from mergeval.config import register_configs
+from tests.child import run_module
 
 
 def mergeval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "mergeval", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+    return run_module("mergeval", *args, cwd=cwd, env=env, timeout=900)
 
 
 def test_the_default_composes_the_quickstart():

@@ -403,7 +403,7 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
     engine's merge equals the masks S1 = S0 - lr sigmoid'(3) g tau > 0 stitched by hand; the step moves masks."""
     import math
 
-    from mergeval.calibration import calibration_items, fill_statistics, fill_thresholds, read_stat
+    from mergeval.calibration import fill_statistics, fill_thresholds, read_stat
     from mergeval.engine import merge_to_disk
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint

@@ -25,6 +25,7 @@ from mergeval.engine.vocab import vocab_rows
 from mergeval.errors import UserError
 from mergeval.methods import METHODS, MergeMethod, get_method
 from mergeval.models.checkpoint import load_model, load_tensors
+from tests.child import run_module
 
 SETTINGS = settings(max_examples=60, deadline=None)
 ROOT = Path(__file__).resolve().parents[1]
@@ -479,8 +480,7 @@ def test_build_plan_units():
 
 def merge_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "mergeval.merge", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+    return run_module("mergeval.merge", *args, cwd=cwd, env=env, timeout=900)
 
 
 def test_merge_cli_end_to_end_on_the_tiny_zoo(tmp_path, cache):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.child import run_module
 from tests.test_engine import make_expert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +36,10 @@ def child_env() -> dict[str, str]:
 
 def cli(module: str, *args: str, cwd: Path, prefix: tuple[str, ...] = (), preexec=None,
         timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, sys.executable, "-m", module, *args], cwd=cwd, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+    if prefix or preexec:  # a command around the interpreter, or a hook before it starts: a fresh process
+        return subprocess.run([*prefix, sys.executable, "-m", module, *args], cwd=cwd, env=child_env(),
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+    return run_module(module, *args, cwd=cwd, env=child_env(), timeout=timeout)
 
 
 def assert_one_line(out: subprocess.CompletedProcess, starts: str, *contains: str) -> str:
@@ -426,8 +429,7 @@ def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_pa
     assert status == -signal.SIGKILL
     debris = list(tmp_path.glob(".tmp-*"))
     assert (debris and not out.exists()) or whole(out)
-    again = subprocess.run(merge_cmd(medium, tmp_path / "again"), cwd=tmp_path, env=child_env(), capture_output=True,
-                           text=True)
+    again = run_module(*merge_cmd(medium, tmp_path / "again")[2:], cwd=tmp_path, env=child_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert whole(tmp_path / "again") and not list(tmp_path.glob(".tmp-*"))
 
@@ -477,8 +479,7 @@ def test_sigterm_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes
     assert [s for s, _ in statuses(store)] == ["interrupted"]
     with sqlite3.connect(store) as db:
         assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
-    again = subprocess.run(run_cmd(zoo, store, "hydra.run.dir=second"), cwd=tmp_path, env=child_env(),
-                           capture_output=True, text=True)
+    again = run_module(*run_cmd(zoo, store, "hydra.run.dir=second")[2:], cwd=tmp_path, env=child_env())
     assert again.returncode == 0, again.stderr[-3000:]
     assert [s for s, _ in statuses(store)] == ["interrupted", "finished"]
 

@@ -11,12 +11,12 @@ import pytest
 
 from mergeval.metrics.aggregates import band
 from mergeval.outcome import fixed
+from tests.child import run_module
 
 
 def run(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     full = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=900)
+    return run_module(module, *args, cwd=cwd, env=full, timeout=900)
 
 
 @pytest.mark.parametrize("module", ["mergeval", "mergeval.check", "mergeval.merge", "mergeval.staged"])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from mergeval.engine import merge_tensors
 from mergeval.errors import UserError
 from mergeval.interop.mergekit_config import from_mergekit, to_mergekit
 from mergeval.methods import get_method
+from tests.child import run_module
 from tests.test_mergekit_parity import requires_mergekit
 
 ARCH = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
@@ -188,9 +187,8 @@ def test_merge_command_runs_a_mergekit_file_and_writes_mergekit_yaml(models, tmp
     path = tmp_path / "ties.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "mergeval.merge", f"mergekit={path}", f"output={out}",
-           f"cache_dir={tmp_path / 'cache'}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    args = [f"mergekit={path}", f"output={out}", f"cache_dir={tmp_path / 'cache'}"]
+    done = run_module("mergeval.merge", *args, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     ours = {}
     for shard in sorted(out.glob("*.safetensors")):
@@ -199,8 +197,7 @@ def test_merge_command_runs_a_mergekit_file_and_writes_mergekit_yaml(models, tmp
     close(mergekit_merge(yaml.safe_load((out / "mergekit.yaml").read_text()), tmp_path), ours)
     bad = tmp_path / "slices.yaml"
     bad.write_text(yaml.safe_dump({**doc, "models": None, "slices": [{"sources": [{"model": "a"}]}]}))
-    done = subprocess.run([*cmd[:3], f"mergekit={bad}", f"output={tmp_path / 'no'}"], capture_output=True,
-                          text=True, timeout=300)
+    done = run_module("mergeval.merge", f"mergekit={bad}", f"output={tmp_path / 'no'}", cwd=tmp_path, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "mergekit.slices" in done.stderr
 
 
@@ -212,8 +209,8 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
     path = tmp_path / "ties.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "merged"
-    done = subprocess.run([sys.executable, "-m", "mergeval.merge", f"mergekit={path}", f"output={out}",
-                           f"cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True, timeout=300)
+    done = run_module("mergeval.merge", f"mergekit={path}", f"output={out}", f"cache_dir={tmp_path / 'cache'}",
+                      cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     ours = load_file(str(out / "model.safetensors"))
     assert {t.dtype for t in ours.values()} == {torch.bfloat16}

@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 
 from mergeval.config import register_configs
+from tests.child import run_module
 
 PAPERS = ["cmm_chem", "cmm_general", "mergebench", "medical_hier", "cpt_finance"]
 
 
 def run(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
+    return run_module(module, *args, cwd=cwd, env=env, timeout=900)
 
 
 def one_line(out: subprocess.CompletedProcess, field: str) -> str:

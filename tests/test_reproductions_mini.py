@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mergeval.specs import available, load_spec
+from tests.child import run_module
 
 
 def reduced_setups() -> list[tuple[str, str, dict]]:
@@ -90,14 +89,12 @@ def reproductions_store(tmp_path_factory) -> str:
 def run_reduced(name: str, setup: dict, tmp_path, store: str) -> None:
     reduced = setup["reduced"]
     sweep = tmp_path / "multirun"
-    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", f"+experiment={setup['experiment']}",
-                          *reduced["overrides"], f"store.path={store}", f"hydra.sweep.dir={sweep}"],
-                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ))
+    run = run_module("mergeval", "-m", f"+experiment={setup['experiment']}", *reduced["overrides"],
+                     f"store.path={store}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
     held_to = [arg for record in record_for(reduced, sweep) for arg in ("--recorded", record)]
-    check = subprocess.run([sys.executable, "-m", "mergeval.verify", name, "--run", str(sweep), *tags, *held_to],
-                           capture_output=True, text=True)
+    check = run_module("mergeval.verify", name, "--run", str(sweep), *tags, *held_to, cwd=tmp_path)
     print(check.stdout)  # the comparison, changes that are not enforced included (shown with -s or on failure)
     assert check.returncode == 0, check.stdout[-6000:] + check.stderr[-1000:]
 

@@ -19,6 +19,7 @@ from mergeval.methods import get_method
 from mergeval.search.config import register_search_configs
 from mergeval.search.space import parse_space
 from mergeval.search.study import StagePruner
+from tests.child import run_module
 
 register_search_configs()
 
@@ -325,9 +326,8 @@ def test_progress_lines_and_the_report(searched, tmp_path):
 
 
 def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mergeval.search", "+experiment=tiny",
-                          "search.space={lambda_: {low: 2, high: 1}}", f"hydra.run.dir={tmp_path}/job"],
-                         capture_output=True, text=True, cwd=tmp_path)
+    out = run_module("mergeval.search", "+experiment=tiny", "search.space={lambda_: {low: 2, high: 1}}",
+                     f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: search.space.lambda_: low 2 is not below high 1; give low < high"]

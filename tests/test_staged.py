@@ -6,7 +6,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +23,7 @@ from mergeval.staging.heldout import GENERAL_TASK, domain_heldout, general_heldo
 from mergeval.staging.nll import token_nlls
 from mergeval.staging.plan import make_plan, stage2_limit
 from mergeval.staging.selection import best_first, combine, mean_accuracy, promote
+from tests.child import run_module
 
 nll = st.floats(min_value=0.0, max_value=30.0, allow_nan=False)
 texts = st.lists(st.lists(nll, min_size=1, max_size=8), min_size=1, max_size=8)
@@ -330,8 +330,7 @@ def test_staged_json_is_strict_json_with_the_pick_and_costs(known, tmp_path):
 
 def staged_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "mergeval.staged", "+experiment=tiny_staged", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=900)
+    return run_module("mergeval.staged", "+experiment=tiny_staged", *args, cwd=cwd, env=env, timeout=900)
 
 
 def test_early_stop_when_every_candidate_degrades(cache, tmp_path):
@@ -410,11 +409,11 @@ def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cac
     evaluations come from the results store the in-process sweep filled; stage 1 runs again)."""
     _, out = known
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *KNOWN,
-         "~staged.grid.task_arithmetic", "method=task_arithmetic", "method.lambda_=0.0,1.0,8.0", "staged.stage1_keep=2",
-         "staged.stage3_keep=1", "staged.full=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = run_module(
+        "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *KNOWN,
+        "~staged.grid.task_arithmetic", "method=task_arithmetic", "method.lambda_=0.0,1.0,8.0", "staged.stage1_keep=2",
+        "staged.stage3_keep=1", "staged.full=true", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((tmp_path / "sweep" / "staged.json").read_text())
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
@@ -426,9 +425,8 @@ def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cac
 
 
 def test_a_bad_swept_value_under_the_staged_sweeper_is_one_line_and_exit_2(cache, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged",
-                          *NO_GRID, "method=ties", "method.density=0.5,1.5"], cwd=tmp_path,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=900)
+    run = run_module("mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *NO_GRID, "method=ties",
+                     "method.density=0.5,1.5", cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900)
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: error: method.density:"), run.stderr

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.postgres_server import Server, free_port, why_not
+from tests.child import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGESTS = {"a": "d1", "b": "d2"}
@@ -221,9 +222,8 @@ def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
         db.execute("CREATE TABLE meta (name TEXT)")
     assert "tables that are not a mergeval store's" in opened(foreign)
     # through the command line: one line, exit 2, before any model is loaded
-    out = subprocess.run([sys.executable, "-m", "mergeval", f"store.url={pg_server.url(port=free_port())}",
-                          f"cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"))
+    out = run_module("mergeval", f"store.url={pg_server.url(port=free_port())}", f"cache_dir={tmp_path / 'cache'}",
+                     cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("mergeval: error: store.url: cannot reach the PostgreSQL server"), lines[0]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,6 +20,7 @@ from mergeval.specs.numbers import Printed, corner_range, interval, meets, parse
 from mergeval.specs.runs import Measured
 from mergeval.specs.tables import parse_tables
 from mergeval.verify import main
+from tests.child import run_module
 
 SETTINGS = settings(max_examples=60, deadline=None)
 SHIPPED = ["cmm_chem", "cpt_finance", "medical_hier", "mergebench", "quickstart"]
@@ -529,8 +528,7 @@ def test_cli_unreadable_result_json_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_python_m_verify_missing_spec_one_line_no_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mergeval.verify", "no_such_spec"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = run_module("mergeval.verify", "no_such_spec", cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: spec: no spec file or spec named 'no_such_spec'; give a path to a spec YAML or one of: "

@@ -60,20 +60,23 @@ class Zygote:
         self.pending = bytearray()
         self.proc = subprocess.Popen([sys.executable, __file__], env=self.env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/")
-        self.ready = self._line(timeout=600) == "ready"
+        try:
+            self.ready = self._line(timeout=600) == "ready"
+        except EOFError:  # it refused to serve (threads after its imports) or could not import
+            self.ready = False
         if not self.ready:
             self.close()
 
     def _line(self, timeout: float | None) -> str | None:
-        """One reply line, or None when the zygote has ended or ``timeout`` passed (read unbuffered, so a
-        second line already sent is not hidden from ``select`` in a buffer)."""
+        """One reply line, or None when ``timeout`` passed; EOFError when the zygote has ended. Read unbuffered,
+        so a second line already sent is not hidden from ``select`` in a buffer."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.pending:
             if timeout is not None and not select.select([fd], [], [], timeout)[0]:
                 return None
             chunk = os.read(fd, 4096)
             if not chunk:
-                return None
+                raise EOFError("the zygote has ended")
             self.pending += chunk
         line, _, rest = bytes(self.pending).partition(b"\n")
         self.pending[:] = rest
@@ -89,12 +92,13 @@ class Zygote:
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
-            except OSError:
-                return None
-            pid = self._line(timeout=60)
+                pid = self._line(timeout=60)
+            except (OSError, EOFError):  # it died before forking: the child never started
+                pid = None
             if pid is None:
+                self.close()
                 return None
-            status = self._line(timeout)
+            status = self._line(timeout)  # EOFError here (the zygote died while the child ran) fails the test
             if status is None:  # the timeout passed: end the child as subprocess.run would
                 try:
                     os.kill(int(pid), signal.SIGKILL)

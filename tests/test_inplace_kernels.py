@@ -14,7 +14,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.methods.select import Threshold, exact, first_ties_drop, first_ties_mask
+import mergeval.methods.select as select
+from mergeval.methods.select import (Threshold, exact, first_ties_drop, first_ties_mask, keep_only_,
+                                     zero_dropped_)
 from mergeval.methods.task_vector import disjoint_merge, sign_of_sum, weighted_sum
 
 VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.75, 3.0, 1e-40, -1e-40, 2.0 ** -20, 1e30, -7.25])
@@ -75,6 +77,61 @@ def test_first_ties_drop_is_the_masks_complement(values, quota):
     tau = 2.0
     quota = min(quota, int((a == tau).sum()))
     assert torch.equal(first_ties_drop(a, tau, quota), ~first_ties_mask(a, tau, quota))
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 1e-45, -1e-45, 3.4e38, float("inf"),
+                                  -float("inf"), float("nan")]), min_size=1, max_size=80),
+       st.sampled_from([0.0, 1e-45, 1.0, 2.0, 3.4e38, float("inf")]), st.floats(0.0, 1.0), st.booleans())
+def test_zero_dropped_is_masked_fill_of_the_drop_mask_bit_for_bit(values, tau, share, view_of_a_row):
+    """The bit-level fast path (float32 on the CPU) against the torch formula it replaces: NaN kept, -0.0 and
+    the tied entries past the quota dropped to +0.0, infinities compared as magnitudes."""
+    d = torch.tensor(values, dtype=torch.float32)
+    quota = int(share * int((d.abs() == tau).sum()))  # how many of the entries tied at the cut are kept
+    expected = d.clone().masked_fill_(first_ties_drop(d.abs(), tau, quota), 0.0)
+    if view_of_a_row:  # as TiesRows.trim_ gets it: one expert's row of the stack
+        stack = torch.stack([torch.full_like(d, 5.0), d, torch.full_like(d, -5.0)])
+        got = zero_dropped_(stack[1], tau, quota)
+        assert torch.equal(bits(stack[0]), bits(torch.full_like(d, 5.0))) and torch.equal(bits(got), bits(stack[1]))
+    else:
+        got = zero_dropped_(d.clone(), tau, quota)
+    assert torch.equal(bits(got), bits(expected))
+
+
+@given(st.lists(st.tuples(st.sampled_from([0.0, -0.0, 1.0, -2.5, 1e-45, -1e-45, float("inf"), float("nan")]),
+                          st.booleans()), min_size=1, max_size=60))
+def test_keep_only_is_masked_fill_of_the_complement_bit_for_bit(pairs):
+    """DARE's sparsifier in row blocks (rows.DareRows): the kept entries as they were, the others +0.0."""
+    d = torch.tensor([v for v, _ in pairs], dtype=torch.float32)
+    keep = torch.tensor([k for _, k in pairs])
+    expected = d.clone().masked_fill_(~keep, 0.0)
+    assert torch.equal(bits(keep_only_(d.clone(), keep)), bits(expected))
+
+
+@given(st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf")]), min_size=1, max_size=7),
+       st.integers(0, 2 ** 31), st.floats(0.0, 1.0), st.integers(1, 9))
+def test_thresholds_numpy_count_is_its_torch_count(palette, seed, fraction, chunks):
+    """Threshold.count by NumPy (float32 on the CPU) gives the torch path's candidates, counts and ties on
+    tensors large enough for finite sampled bounds, with many ties at the cut."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.tensor(palette)[torch.randint(0, len(palette), (120_000,), generator=gen)]
+    k = max(1, min(a.numel(), round(fraction * a.numel())))
+    found = {}
+    for fast in (True, False):
+        t = Threshold(a.numel(), k)
+        pieces = a.tensor_split(chunks)
+        for p in pieces:
+            t.sample(p)
+        original = select._plain_cpu_float32
+        select._plain_cpu_float32 = original if fast else (lambda x: False)
+        try:
+            for p in pieces:
+                t.count(p)
+        finally:
+            select._plain_cpu_float32 = original
+        found[fast] = (t.result(), t.chunk_ties)
+    assert found[True] == found[False]
+    if found[True][0] is not None:
+        assert found[True][0] == exact(a, k)
 
 
 @given(st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0]), min_size=40, max_size=400),

@@ -15,7 +15,7 @@ block's output equals the same rows of the method's whole-tensor result.
 * DARE draws one uniform per entry per expert, expert after expert, from the
   tensor's generator. ``DareRows.prepare`` makes those draws in the same order,
   block by block (torch's CPU generator gives the same numbers in pieces as in
-  one call: tests/test_rows.py), and keeps each expert's drop mask (one byte per
+  one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
   entry, a quarter of the uniforms); the blocks are then merged independently.
 
 The ``rows`` hooks return None where the chunked form could differ from the
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value
 from mergeval.methods.registry import METHODS
-from mergeval.methods.select import Threshold, exact, first_ties_drop, tie_quotas
+from mergeval.methods.select import Threshold, exact, keep_only_, tie_quotas, zero_dropped_
 from mergeval.methods.sparsify import _combine, _rescale
 from mergeval.methods.task_vector import kept_count
 
@@ -84,7 +85,7 @@ class TiesRows:
         """d_i trimmed in place: t_i = d_i where kept (trim_to_density's values), else 0."""
         if self.cut[i] is not None:
             tau, quotas = self.cut[i]
-            d.masked_fill_(first_ties_drop(d.abs(), tau, quotas[offset]), 0.0)
+            zero_dropped_(d, tau, quotas[offset])
         return d
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
@@ -95,7 +96,7 @@ class TiesRows:
 
 class DareRows:
     """DARE (dare_ties, dare_linear; paper mode, rescale inverse_density or none): ``prepare`` draws the
-    drop masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
+    keep masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
 
     def __init__(self, cfg, n_experts: int, numel: int, gen: torch.Generator, elect: bool):
         self.cfg, self.n, self.gen, self.elect = cfg, numel, gen, elect
@@ -104,24 +105,24 @@ class DareRows:
         self.rescale = _rescale(cfg)
 
     def prepare(self, blocks) -> None:
-        """Expert after expert, block after block: the dropped entries [u >= density_i], the complement of
-        dare_drop's keep mask [u < density_i] (the uniforms are finite), from its draws in its order."""
+        """Expert after expert, block after block: dare_drop's keep mask [u < density_i] from its draws in its
+        order (compared by NumPy, as torch compares: in float32, with the density rounded to float32)."""
         for i, density in enumerate(self.density):
             if density >= 1.0:  # dare_drop draws nothing for this expert
                 continue
-            mask = torch.empty(self.n, dtype=torch.bool)
+            mask = np.empty(self.n, dtype=np.bool_)
             start = 0
             for n in blocks.numels():
-                torch.ge(torch.rand(n, generator=self.gen), density, out=mask[start:start + n])
+                np.less(torch.rand(n, generator=self.gen).numpy(), np.float32(density), out=mask[start:start + n])
                 start += n
-            self.masks[i] = mask
+            self.masks[i] = torch.from_numpy(mask)
 
     def _sparsify(self, offset: int):
         def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
             """dare_drop's s_i, in d_i's own storage (zeroing the dropped entries is where(keep, d, 0))."""
             if self.masks[i] is None:
                 return d
-            d.masked_fill_(self.masks[i][offset:offset + d.numel()].view_as(d), 0.0)
+            keep_only_(d, self.masks[i][offset:offset + d.numel()].view_as(d))
             return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
         return sparsify
 

@@ -95,6 +95,9 @@ class Threshold:
         if self.hi is None:
             self.bounds()
         flat = a.reshape(-1)
+        if self.lo != float("-inf") and _plain_cpu_float32(flat):
+            self._count_numpy(flat.numpy())
+            return
         # one pass over all values (>= lo), the rest over those alone: about k/n of them. A copy either way: the
         # candidates outlive ``a``, which a caller may reuse as a buffer
         upper = flat[flat >= self.lo] if self.lo != float("-inf") else flat.clone()
@@ -104,6 +107,20 @@ class Threshold:
         below = upper <= self.hi
         self.above += upper.numel() - int(below.sum())
         self._cands.append(upper[below])
+
+    def _count_numpy(self, v: np.ndarray) -> None:
+        """``count`` by NumPy, the same numbers: its comparisons and boolean indexing are exact and keep the
+        order, and at the engine's 256K-entry blocks they took 0.12 ms against torch's 2.3 ms here (torch's
+        boolean-mask indexing on one thread was a sixth of a TIES merge)."""
+        upper = np.greater_equal(v, self.lo)
+        if self.hi == float("inf"):
+            self._cands.append(torch.from_numpy(v[upper]))  # boolean indexing copies: ``a`` may be reused
+            return
+        band = np.less_equal(v, self.hi)
+        band &= upper
+        cands = v[band]
+        self.above += int(np.count_nonzero(upper)) - cands.size
+        self._cands.append(torch.from_numpy(cands))
 
     def result(self) -> tuple[float, int, int] | None:
         """(tau, c_gt, c_eq), or None if the k-th largest is not among the candidates."""
@@ -144,6 +161,42 @@ def first_ties_drop(a: torch.Tensor, tau: float, quota: int) -> torch.Tensor:
         tied = (a.reshape(-1) == tau).nonzero().view(-1)
         drop.view(-1)[tied[:quota]] = False
     return drop
+
+
+def zero_dropped_(d: torch.Tensor, tau: float, quota: int) -> torch.Tensor:
+    """``d.masked_fill_(first_ties_drop(d.abs(), tau, quota), 0.0)``, bit for bit: every entry with
+    |d| <= tau except the first ``quota`` with |d| == tau becomes +0.0, in place.
+
+    For a float32 tensor on the CPU it works on the bits: with the sign bit cleared, the int32 patterns of
+    non-NaN floats order as their magnitudes, so |d| > tau is ``bits & 0x7FFFFFFF > bits(tau)`` (a NaN, whose
+    pattern is above every other, is kept, as ``NaN <= tau`` is false), and multiplying a pattern by the 0/1
+    keep mask leaves it or makes it all zeros, +0.0. About five times faster than masked_fill_ here, whose
+    scattered writes at a random half of the entries mispredict."""
+    if not (_plain_cpu_float32(d) and 0.0 <= tau):
+        return d.masked_fill_(first_ties_drop(d.abs(), tau, quota), 0.0)
+    bits = d.numpy().reshape(-1).view(np.int32)
+    magnitude = np.bitwise_and(bits, 0x7FFFFFFF)
+    cut = np.float32(tau).view(np.int32)
+    keep = np.greater(magnitude, cut)
+    if quota:
+        keep[np.flatnonzero(magnitude == cut)[:quota]] = True
+    np.multiply(bits, keep.view(np.uint8), out=bits)
+    return d
+
+
+def keep_only_(d: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``d.masked_fill_(~keep, 0.0)``, bit for bit, in place: the entries outside the bool mask ``keep`` become
+    +0.0. Float32 on the CPU: each entry's bit pattern times 0 or 1 (as in ``zero_dropped_``)."""
+    if not (_plain_cpu_float32(d) and keep.dtype == torch.bool and keep.is_contiguous() and keep.shape == d.shape):
+        return d.masked_fill_(~keep, 0.0)
+    bits = d.numpy().reshape(-1).view(np.int32)
+    np.multiply(bits, keep.numpy().reshape(-1).view(np.uint8), out=bits)
+    return d
+
+
+def _plain_cpu_float32(a: torch.Tensor) -> bool:
+    """Whether ``a.numpy()`` is a view of ``a``'s own contiguous float32 storage."""
+    return a.device.type == "cpu" and a.dtype == torch.float32 and a.is_contiguous() and not a.requires_grad
 
 
 def first_k_mask(a: torch.Tensor, k: int) -> torch.Tensor:

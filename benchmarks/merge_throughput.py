@@ -376,6 +376,8 @@ def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: P
 
 
 def run(args) -> dict:
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="merge-throughput-", dir=args.workdir))
     env = dict(os.environ)
     if args.threads:

@@ -11,8 +11,11 @@ stdout and stderr.
 A fresh ``python -m`` runs instead, with nothing else changed, when
 - the child's environment differs from every running zygote's in a variable that the pre-imported libraries
   read when imported (``IMPORT_TIME_VARS``; the worker then starts a zygote for it, at most ``POOL`` of them),
-- ``MERGEVAL_TEST_FORK=0`` (every child of the suite is then a fresh interpreter), or
-- no zygote can be started, or it died.
+- ``MERGEVAL_TEST_FORK=0`` (every child of the suite is then a fresh interpreter),
+- the zygote would not serve: importing torch with more than one OpenMP thread per process starts threads,
+  and a process with threads must not fork, so only workers with ``OMP_NUM_THREADS=1`` get one (the suite's
+  two workers on two cores, as in CI; ``-n 0`` or more cores per worker run every child fresh), or
+- the zygote died.
 What a forked child shares with its zygote and tests must not rely on: the modules already imported (none of
 mergeval's), the hash seed and numpy's legacy global random state.
 
@@ -120,11 +123,14 @@ class Zygote:
 
 
 _zygotes: dict[tuple, Zygote] = {}
+_refused: set[tuple] = set()  # environments whose zygote would not serve (e.g. torch started threads): not retried
 _lock = threading.Lock()  # one child at a time per zygote: tests that need concurrent children use Popen
 
 
 def _zygote_for(env: dict[str, str]) -> Zygote | None:
     key = import_time_env(env)
+    if key in _refused:
+        return None
     zygote = _zygotes.get(key)
     if zygote is not None and zygote.alive():
         return zygote
@@ -134,6 +140,7 @@ def _zygote_for(env: dict[str, str]) -> Zygote | None:
         _zygotes.pop(next(iter(_zygotes))).close()  # the oldest
     zygote = Zygote(env)
     if not zygote.ready:
+        _refused.add(key)
         return None
     _zygotes[key] = zygote
     return zygote

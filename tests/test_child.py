@@ -76,3 +76,22 @@ def test_only_import_time_variables_pick_the_zygote():
     for changed in ({"HF_HUB_OFFLINE": "0"}, {"OMP_NUM_THREADS": "2"}, {"HOME": "/elsewhere"},
                     {"HF_DATASETS_OFFLINE": "1"}):
         assert import_time_env(base) != import_time_env({**base, **changed}), changed
+
+
+def test_an_environment_whose_zygote_refuses_is_not_tried_again(monkeypatch):
+    """With two OpenMP threads torch's import starts a thread, so that zygote refuses to fork; every later
+    child with that environment is spawned fresh at once instead of paying another refused start."""
+    import tests.child as child
+
+    started = []
+
+    class Counting(child.Zygote):
+        def __init__(self, env):
+            started.append(env)
+            super().__init__(env)
+
+    monkeypatch.setattr(child, "Zygote", Counting)
+    monkeypatch.setattr(child, "_refused", set())
+    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    assert child._zygote_for(env) is None and child._zygote_for(env) is None
+    assert len(started) == 1

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from mergeval.engine import execute, merge_tensors, merge_to_disk
 from mergeval.engine.memory import merge_into_model
 from mergeval.engine.reader import CheckpointReader
-from mergeval.methods import get_method, select
+from mergeval.methods import fused, get_method, select
 from mergeval.methods.select import Threshold, first_k_mask
 from mergeval.methods.task_vector import kept_count, trim_to_density
 from mergeval.models.checkpoint import load_model, load_tensors
@@ -103,15 +103,19 @@ def tied_experts(tiny_dir, tmp_path_factory) -> list[Path]:
     ("dare_ties", {"density": 0.6, "rescale": "none", "per_expert": [{}, {"density": 1.0}, {}]}),
     ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25], "normalize": True}),
 ])
-def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, tiny_dir, tied_experts, tmp_path,
+@pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
+def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compiled, tiny_dir, tied_experts, tmp_path,
                                                               monkeypatch):
     # every tensor of 2+ rows in blocks of about 300 entries: many blocks, ties split across blocks
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     method = get_method(name)
     cfg = method.config(**params)
-    out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 1 << 62)  # the whole-tensor reference: torch's code throughout
     whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7)
+    # compiled: the blocks (and DARE's draws) through fused.py's kernels, held to the torch reference
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+    out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
     reader = CheckpointReader(out, "out")
     assert sorted(reader.names()) == sorted(whole)
     for n in whole:

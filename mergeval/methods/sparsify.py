@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods import compat
+from mergeval.methods import compat, fused
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
 from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
@@ -248,8 +248,16 @@ def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: torch.Gene
     """
     if density >= 1.0:
         return delta
-    kept = torch.where(_uniform(delta, gen) < density, delta, torch.zeros_like(delta))
+    kept = torch.where(_keep_draws(delta, density, gen), delta, torch.zeros_like(delta))
     return _rescaled(delta, kept, rescale, density)
+
+
+def _keep_draws(like: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """[u < density] per entry of ``like``, u from ``_uniform``: by fused.keep_draws (the same draws, 3-4x
+    faster) for large tensors where it runs."""
+    if fused.usable(like.numel()) and gen.device.type == "cpu":
+        return torch.from_numpy(fused.keep_draws(gen, like.numel(), density)).view(like.shape).to(like.device)
+    return _uniform(like, gen) < density
 
 
 def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:

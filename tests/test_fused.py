@@ -1,0 +1,167 @@
+"""The compiled kernels (mergeval/methods/fused.py) give the torch code's bits.
+
+``keep_draws`` against ``torch.rand(n, generator=gen) < density`` (and the generator left where torch.rand
+leaves it); ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifiers it replaces (DARE's
+``keep_only_`` and divide, TIES' ``zero_dropped_``), on values chosen to catch an order, rounding or
+sign-of-zero change: -0.0, subnormals, infinities, NaN, huge values, deltas that cancel, weights of 1 and
+not 1, bfloat16 inputs. And the property of torch the kernel relies on: its sum over the experts' axis adds
+the rows in order from +0.0 for up to fused.MAX_EXPERTS rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeval.methods import fused, get_method
+from mergeval.methods.select import keep_only_, zero_dropped_
+from mergeval.methods.sparsify import _combine
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not installed")
+
+SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-38, -3e38, 3e38, float("inf"), float("-inf"), float("nan"), 1.0, -1.0,
+           2.0, -2.0, 0.5]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, any NaN equal to any NaN (torch and the kernel may carry different NaN payloads)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = torch.int32 if a.dtype == torch.float32 else torch.int16
+    equal = a.view(ints) == b.view(ints)
+    return bool((equal | (a.isnan() & b.isnan())).all())
+
+
+# ---------------------------------------------------------------- DARE's draws
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 63 - 1), before=st.integers(0, 1500), n=st.integers(0, 5000),
+       density=st.sampled_from([0.0, 1e-9, 0.1, 0.5, 0.6, 0.7, 0.9, 0.999999999, 1 - 2 ** -25]))
+def test_keep_draws_are_torch_rands_comparison_and_leave_the_generator_where_torch_does(seed, before, n, density):
+    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    torch.rand(before, generator=ours), torch.rand(before, generator=theirs)  # any position in the state
+    got = fused.keep_draws(ours, n, density)
+    expected = (torch.rand(n, generator=theirs) < density).numpy()
+    assert np.array_equal(got, expected)
+    assert torch.equal(torch.rand(700, generator=ours), torch.rand(700, generator=theirs))
+
+
+@given(st.one_of(st.floats(0.0, 1.0), st.sampled_from([1e-9, 2 ** -25, 0.7, 0.1, 1 - 2 ** -25, 1.0])))
+def test_the_threshold_splits_torchs_uniforms_where_density_does(density):
+    t = fused.keep_threshold(density)
+    u = torch.tensor([m * 2.0 ** -24 for m in (t - 1, t) if 0 <= m < 2 ** 24], dtype=torch.float32)
+    kept = (u < density).tolist()  # torch's own comparison
+    assert kept == [m < t for m in (t - 1, t) if 0 <= m < 2 ** 24]
+
+
+def test_keep_draws_in_pieces_are_the_draws_in_one_call():
+    whole = fused.keep_draws(torch.Generator().manual_seed(7), 100_003, 0.37)
+    g = torch.Generator().manual_seed(7)
+    pieces = np.concatenate([fused.keep_draws(g, n, 0.37) for n in (1, 623, 624, 625, 4096, 100_003 - 5969)])
+    assert np.array_equal(whole, pieces)
+    assert 0.36 < whole.mean() < 0.38
+
+
+# ---------------------------------------------------------------- one block
+
+
+@st.composite
+def blocks(draw):
+    """(base, experts) with deltas that are often zero, cancel between experts or are special values."""
+    n_exp = draw(st.integers(1, fused.MAX_EXPERTS))
+    n = draw(st.integers(1, 1300))  # several CHUNKs and a partial one
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    b = rng.standard_normal(n).astype(np.float32)
+    e = b + (rng.standard_normal((n_exp, n)) * draw(st.sampled_from([1e-3, 0.1, 10.0]))).astype(np.float32)
+    unchanged = rng.random((n_exp, n)) < 0.2
+    e[unchanged] = np.broadcast_to(b, (n_exp, n))[unchanged]
+    special = rng.random((n_exp, n)) < draw(st.sampled_from([0.0, 0.03]))
+    e[special] = rng.choice(np.array(SPECIAL, np.float32), size=int(special.sum()))
+    if n_exp > 1 and draw(st.booleans()):
+        e[1] = 2 * b - e[0]  # deltas that cancel: a zero sum, the election's tie
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return torch.from_numpy(b).to(dtype), [torch.from_numpy(x.copy()).to(dtype) for x in e], rng
+
+
+def combine_config(draw, n_exp: int, elect: bool):
+    weights = draw(st.lists(st.sampled_from([1.0, 1.0, 0.5, 0.3, -0.7, 2.0]), min_size=n_exp, max_size=n_exp))
+    lam = draw(st.sampled_from([1.0, 0.7, 1.3]))
+    normalize = draw(st.booleans())
+    if elect:
+        vote = draw(st.booleans())
+        cfg = get_method("ties").config(weights=weights, lambda_=lam, normalize=normalize, weights_before_election=vote)
+        return cfg, {"weights": weights, "elect": True, "lambda_": lam, "vote_weighted": vote, "normalize": normalize}
+    cfg = get_method("dare_linear").config(weights=weights, lambda_=lam, normalize=normalize)
+    divide = sum(weights) if normalize and abs(sum(weights)) >= 1e-8 else 0.0
+    return cfg, {"weights": weights, "elect": False, "lambda_": lam, "divide_by": divide}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), block=blocks(), elect=st.booleans())
+def test_a_dare_block_is_combine_with_keep_only_and_the_divide(data, block, elect):
+    base, experts, rng = block
+    cfg, options = combine_config(data.draw, len(experts), elect)
+    n = base.numel()
+    masks = [torch.from_numpy(rng.random(n) < 0.5) if data.draw(st.booleans()) else None for _ in experts]
+    divisors = [data.draw(st.sampled_from([0.0, 0.5, 0.3, 0.9])) if m is not None else 0.0 for m in masks]
+
+    def sparsify(d, i):
+        if masks[i] is None:
+            return d
+        keep_only_(d, masks[i].view_as(d))
+        return d.div_(divisors[i]) if divisors[i] else d
+
+    expected = _combine(base, experts, cfg, None, elect, sparsify)
+    got = fused.merge_rows(base, experts, masks=masks, divisors=divisors, **options)
+    assert same_bits(got, expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), block=blocks(), elect=st.booleans())
+def test_a_ties_block_is_combine_with_zero_dropped(data, block, elect):
+    base, experts, rng = block
+    cfg, options = combine_config(data.draw, len(experts), elect)
+    cuts = []
+    for e in experts:  # the cut at an entry's own |d| (so ties exist), at 0, or none
+        magnitude = (e.float() - base.float()).abs().reshape(-1)
+        tau = data.draw(st.sampled_from([float(magnitude[int(rng.integers(0, base.numel()))]), 0.0]))
+        tau = 0.0 if math.isnan(tau) else tau
+        cuts.append((tau, data.draw(st.integers(0, 6))) if data.draw(st.integers(0, 9)) else None)
+
+    def sparsify(d, i):
+        return d if cuts[i] is None else zero_dropped_(d, *cuts[i])
+
+    expected = _combine(base, experts, cfg, None, elect, sparsify)
+    got = fused.merge_rows(base, experts, cuts=cuts, **options)
+    assert same_bits(got, expected)
+
+
+def test_an_election_near_zero_takes_the_sorted_sums_sign():
+    # 1 + 2^-24 - 1 - 2^-24 in order is 0 (+2^-24 is lost), sorted it is -2^-24 + ... : only the sorted sum's
+    # sign is the same in every order (task_vector.sign_of_sum), so three experts here need the sort
+    base = torch.zeros(4)
+    experts = [torch.full((4,), x) for x in (1.0, 2.0 ** -24, -1.0 - 2.0 ** -23)]
+    cfg = get_method("ties").config(weights=[1.0] * 3)
+    expected = _combine(base, experts, cfg, None, True, lambda d, i: d)
+    got = fused.merge_rows(base, experts, weights=[1.0] * 3, elect=True, lambda_=1.0)
+    assert same_bits(got, expected)
+
+
+@pytest.mark.parametrize("rows", range(1, fused.MAX_EXPERTS + 1))
+@pytest.mark.parametrize("n", [1, 7, 63, 1000, 4099])
+def test_torch_sums_up_to_max_experts_rows_in_order_from_zero(rows, n):
+    """What merge_rows' sums assume of torch's ``sum(0)`` (with 6 rows torch's order differs in places)."""
+    rng = np.random.default_rng(rows * 10_000 + n)
+    x = (rng.standard_normal((rows, n)) * 10.0 ** rng.integers(-8, 8, (rows, n))).astype(np.float32)
+    x[rng.random((rows, n)) < 0.2] = -0.0
+    in_order = np.zeros(n, np.float32)
+    for row in x:
+        in_order = in_order + row
+    assert same_bits(torch.from_numpy(x).sum(0), torch.from_numpy(in_order))

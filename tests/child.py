@@ -38,14 +38,15 @@ import threading
 from pathlib import Path
 
 # What the zygote imports before it forks: the costly part of every child's start (transformers' Llama model
-# and tokenizer modules are what a run loads; they are imported lazily otherwise). Not datasets or
+# and tokenizer modules are what a run loads; they are imported lazily otherwise; numba is what the merge engine's
+# compiled kernels import, mergeval/methods/fused.py). Not datasets or
 # lm_eval.evaluator: they import pyarrow, whose allocator starts a thread, and a process with threads must not fork.
 PRELOAD = ("torch", "numpy", "safetensors.torch", "omegaconf", "hydra", "hydra.utils", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto",
-           "lm_eval.api.model")
+           "lm_eval.api.model", "numba")
 # Environment variables those libraries (or the C runtimes under them) read when imported: a child whose values
 # differ gets a zygote started with its own.
-IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH",
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH", "NUMBA",
                         "OMP_", "MKL_", "KMP_", "CUDA", "NVIDIA", "LD_", "PYTHON", "XDG_", "TQDM", "LC_")
 IMPORT_TIME_VARS = ("HOME", "LANG", "LOGLEVEL", "TMPDIR")
 POOL = 3

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergeval.methods import fused, get_method
-from mergeval.methods.select import keep_only_, zero_dropped_
+from mergeval.methods.select import Threshold, keep_only_, zero_dropped_
 from mergeval.methods.sparsify import _combine
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not installed")
@@ -165,3 +165,31 @@ def test_torch_sums_up_to_max_experts_rows_in_order_from_zero(rows, n):
     for row in x:
         in_order = in_order + row
     assert same_bits(torch.from_numpy(x).sum(0), torch.from_numpy(in_order))
+
+
+# ---------------------------------------------------------------- TIES' counting pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(block=blocks(), k_share=st.floats(0.01, 0.99), chunks=st.integers(1, 4))
+def test_the_counting_pass_gives_thresholds_counts_and_candidates(block, k_share, chunks):
+    base, experts, _ = block
+    b, e = base.float().reshape(-1), experts[0].reshape(-1)
+    chunks = min(chunks, b.numel())
+    pieces = [(b[i::chunks].contiguous(), e[i::chunks].contiguous()) for i in range(chunks)]
+    n = b.numel()
+    k = max(1, min(n, round(k_share * n)))
+    theirs, ours = Threshold(n, k), Threshold(n, k)
+    for pb, pe in pieces:
+        a = (pe.float() - pb).abs()
+        theirs.sample(a)
+        ours.sample(a)
+    if theirs.bounds_for_count()[0] == float("-inf"):
+        return  # count_band is not used then (rows.TiesRows: the torch pass keeps every value)
+    for pb, pe in pieces:
+        theirs.count((pe.float() - pb).abs())
+        fused.count_band(ours, pb, pe, torch.empty(pb.numel()))
+    assert ours.above == theirs.above
+    assert len(ours._cands) == len(theirs._cands)
+    assert all(same_bits(x, y) for x, y in zip(ours._cands, theirs._cands))
+    assert ours.result() == theirs.result()

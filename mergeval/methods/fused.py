@@ -63,7 +63,7 @@ def _kernels():
     """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba."""
     from mergeval.methods import fused_kernels
 
-    return fused_kernels.keep_mask, fused_kernels.merge_rows
+    return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band
 
 
 # ---------------------------------------------------------------- DARE's draws
@@ -97,7 +97,7 @@ def keep_threshold(density: float) -> int:
 def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
     """``(torch.rand(n, generator=gen) < density).numpy()``, bit for bit, and ``gen`` left where torch.rand
     leaves it. Needs ``available()`` and a CPU generator."""
-    keep_mask, _ = _kernels()
+    keep_mask = _kernels()[0]
     raw, words, pos = _state_of(gen)
     out = np.empty(n, dtype=np.bool_)
     pos = keep_mask(words, pos, np.uint32(keep_threshold(density)), out)
@@ -116,23 +116,41 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
 
     masks: per expert DARE's keep mask over the block (a bool tensor of its size) or None; divisors: per
     expert, divide its kept entries by this (0: do not); cuts: per expert TIES' (tau, quota) or None."""
-    _, kernel = _kernels()
+    kernel = _kernels()[1]
     n_exp, n = len(experts), base.numel()
-    e = np.empty((n_exp, n), dtype=np.float32)
+    # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block
+    # outlives fragmented glibc's heap (select.Threshold._count_numpy)
+    e = torch.empty((n_exp, n), dtype=torch.float32)
     for i, x in enumerate(experts):
-        e[i] = x.reshape(-1).float().numpy()
+        e[i].copy_(x.reshape(-1))  # cast to float32 on the way
     kinds = np.zeros(n_exp, dtype=np.int8)
-    keep = np.ones((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=np.bool_)
+    keep = torch.ones((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=torch.bool)
     for i, m in enumerate(masks or []):
         if m is not None:
-            kinds[i], keep[i] = 1, m.reshape(-1).numpy()
+            kinds[i] = 1
+            keep[i].copy_(m.reshape(-1))
     taus = np.zeros(n_exp, dtype=np.float32)
     quotas = np.zeros(n_exp, dtype=np.int64)
     for i, c in enumerate(cuts or []):
         if c is not None:
             kinds[i], taus[i], quotas[i] = 2, c[0], c[1]
-    out = np.empty(n, dtype=np.float32)
-    kernel(base.reshape(-1).float().numpy(), e, kinds, keep, np.asarray(divisors or [0.0] * n_exp, np.float32),
-           taus, quotas, np.asarray(weights, np.float32), all(x == 1.0 for x in weights), vote_weighted, elect,
-           normalize, np.float32(divide_by), np.float32(lambda_), out)
-    return torch.from_numpy(out).view(base.shape).to(base.dtype)
+    out = torch.empty(n, dtype=torch.float32)
+    kernel(base.reshape(-1).float().numpy(), e.numpy(), kinds, keep.numpy(),
+           np.asarray(divisors or [0.0] * n_exp, np.float32), taus, quotas, np.asarray(weights, np.float32),
+           all(x == 1.0 for x in weights), vote_weighted, elect, normalize, np.float32(divide_by),
+           np.float32(lambda_), out.numpy())
+    return out.view(base.shape).to(base.dtype)
+
+
+# ---------------------------------------------------------------- TIES' counting pass
+
+
+def count_band(threshold, base: torch.Tensor, expert: torch.Tensor, buffer: torch.Tensor) -> None:
+    """``threshold.count((expert.float() - base).abs())`` in one pass (base float32, buffer a float32 tensor
+    of the block's size that the kernel may overwrite): the same count above hi and the same candidates in
+    [lo, hi], in order. For a finite lower bound (Threshold's NumPy path's condition)."""
+    lo, hi = threshold.bounds_for_count()
+    e = expert.reshape(-1)
+    above, k = _kernels()[2](base.reshape(-1).numpy(), (e if e.dtype == torch.float32 else e.float()).numpy(),
+                             np.float32(lo), np.float32(hi), buffer.reshape(-1).numpy())
+    threshold.add_counted(above, buffer.reshape(-1)[:k].clone())

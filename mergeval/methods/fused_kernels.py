@@ -148,3 +148,17 @@ def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighte
                     tau[j] = tau[j] / (one if mass[j] == zero else mass[j])
         for j in range(m):
             out[start + j] = tau[j] * lam + b[start + j]
+
+
+@jit
+def count_band(b, e, lo, hi, out):
+    """TIES' counting pass (select.Threshold.count) on a = |e - b|: returns (#{a > hi}, k) with the k values in
+    [lo, hi] written to out[:k] in order; NaN is neither (every comparison with it is false). Branch-free:
+    each value is written and the count advanced by 0 or 1."""
+    above, k = 0, 0
+    for j in range(b.size):
+        a = abs(e[j] - b[j])
+        out[k] = a
+        k += 1 if (a >= lo) & (a <= hi) else 0
+        above += 1 if a > hi else 0
+    return above, k

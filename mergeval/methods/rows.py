@@ -63,11 +63,15 @@ class TiesRows:
             for i, sel in select.items():
                 at = sel.positions(b.numel())
                 sel.add_sample((experts[i].reshape(-1)[at].float() - b[at].float()).abs())
+        compiled = fused.usable(self.n)
         for offset, base, experts in blocks.read_all():
             b = base.float()
             work = torch.empty_like(b)  # |d_i| of this block, one expert after another
             for i, sel in select.items():
-                sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
+                if compiled and sel.bounds_for_count()[0] != float("-inf"):
+                    fused.count_band(sel, b, experts[i], work)  # the same count and candidates, one pass
+                else:
+                    sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
             offsets.append(offset)
         for i, sel in select.items():
             found = sel.result()

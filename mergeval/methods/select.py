@@ -90,10 +90,20 @@ class Threshold:
         self.hi = descending(max(0, int(centre - margin))) if centre - margin >= 1 else float("inf")
         self.lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
 
-    def count(self, a: torch.Tensor) -> None:
-        """Pass 2: count the values above hi and keep those in [lo, hi] (in order)."""
+    def bounds_for_count(self) -> tuple[float, float]:
+        """(lo, hi) for pass 2, from the samples the first time."""
         if self.hi is None:
             self.bounds()
+        return self.lo, self.hi
+
+    def add_counted(self, above: int, candidates: torch.Tensor) -> None:
+        """Pass 2's result for a chunk counted elsewhere (fused.count_band): #values above hi, those in [lo, hi]."""
+        self.above += above
+        self._cands.append(candidates)
+
+    def count(self, a: torch.Tensor) -> None:
+        """Pass 2: count the values above hi and keep those in [lo, hi] (in order)."""
+        self.bounds_for_count()
         flat = a.reshape(-1)
         if self.lo != float("-inf") and _plain_cpu_float32(flat):
             self._count_numpy(flat)

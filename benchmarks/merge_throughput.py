@@ -30,7 +30,8 @@ so it gave this script's own peak, over 1 GB once it had compared two outputs. T
 mergekit / mergeval (the speed-up), mergeval's peak RSS as a share of mergekit's, the I/O floor (read every input once from the page cache and write one output-sized
 file: no merge can be faster), whether the target (>= 5x at <= a third of the memory) is met, and the
 largest absolute difference between the two merged checkpoints, tensor by tensor. The load average at the
-start and end says how busy the machine was.
+start and end says how busy the machine was, and on a VM the share of CPU time the hypervisor took (steal, from
+/proc/stat) how much of the machine it really had.
 
 ``--startup`` also times each tool's start alone (``mergekit-yaml --help``; a Python that imports
 mergeval's engine and methods), the fixed cost included in every merge above, so the merge work
@@ -387,6 +388,7 @@ def run(args) -> dict:
                            "python": platform.python_version()},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_average_at_start": os.getloadavg()}}
+    cpu_at_start = cpu_ticks()
     try:
         for label, make, repeats in model_sets(args, work):
             print(f"{label}: preparing the models", flush=True)
@@ -412,9 +414,30 @@ def run(args) -> dict:
                 report["startup"][tool] = {"median_wall_s": statistics.median(t["wall_s"] for t in times),
                                            "peak_rss_mib": max(t["peak_rss_mib"] for t in times)}
         report["machine"]["load_average_at_end"] = os.getloadavg()
+        report["machine"]["cpu_steal_share"] = steal_share(cpu_at_start, cpu_ticks())
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def cpu_ticks() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's first line: user nice system idle iowait irq softirq
+    steal ...), or None off Linux."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(start: list[int] | None, end: list[int] | None) -> float | None:
+    """steal / (user + nice + system + irq + softirq + steal) between two readings: on a VM, the share of the
+    time its CPUs wanted to run that the hypervisor gave to others (it doubled or tripled this script's
+    timings on one afternoon while the load average stayed near 2)."""
+    if start is None or end is None or len(start) < 8:
+        return None
+    d = [b - a for a, b in zip(start, end)]
+    busy = d[0] + d[1] + d[2] + d[5] + d[6] + d[7]
+    return d[7] / busy if busy > 0 else 0.0
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -465,7 +488,9 @@ def print_table(report: dict) -> None:
                 print(f"  tensors {side.replace('_', ' in ')}: {agreement[side][:5]}")
     load = report["machine"]
     print(f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load['load_average_at_start'])}, "
-          f"at end {tuple(round(x, 2) for x in load['load_average_at_end'])}")
+          f"at end {tuple(round(x, 2) for x in load['load_average_at_end'])}" +
+          ("" if load.get("cpu_steal_share") is None else
+           f"; CPU time the hypervisor took (steal) while it ran: {100 * load['cpu_steal_share']:.0f}% of busy time"))
     if any(c["models"]["label"] == "smoke" for c in report["cases"]):
         print("(smoke run on tiny models: checks the script; the figures say nothing about throughput)")
 

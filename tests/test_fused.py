@@ -11,6 +11,9 @@ the rows in order from +0.0 for up to fused.MAX_EXPERTS rows.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -193,3 +196,10 @@ def test_the_counting_pass_gives_thresholds_counts_and_candidates(block, k_share
     assert len(ours._cands) == len(theirs._cands)
     assert all(same_bits(x, y) for x, y in zip(ours._cands, theirs._cands))
     assert ours.result() == theirs.result()
+
+
+def test_mergeval_numba_0_turns_the_kernels_off():
+    check = "from mergeval.methods import fused; print(fused.available(), fused.usable(1 << 30))"
+    off = subprocess.run([sys.executable, "-c", check], env={**os.environ, "MERGEVAL_NUMBA": "0"},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert off.stdout.split() == ["False", "False"], off.stderr[-2000:]

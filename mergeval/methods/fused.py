@@ -35,7 +35,7 @@ import torch
 
 MAX_EXPERTS = 4
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks
-_MT_N = 624
+_MT_N = 624  # MT19937's state words (fused_kernels.py's too)
 
 
 def usable(numel: int) -> bool:
@@ -124,7 +124,8 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
     for i, x in enumerate(experts):
         e[i].copy_(x.reshape(-1))  # cast to float32 on the way
     kinds = np.zeros(n_exp, dtype=np.int8)
-    keep = torch.ones((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=torch.bool)
+    # rows of experts without a mask are never read (kinds[i] != 1)
+    keep = torch.empty((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=torch.bool)
     for i, m in enumerate(masks or []):
         if m is not None:
             kinds[i] = 1

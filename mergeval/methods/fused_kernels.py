@@ -12,9 +12,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from mergeval.methods.fused import _MT_N
+from mergeval.methods.task_vector import SIGN_SAFE as _SIGN_SAFE
+
 CHUNK = 512  # entries per step of merge_rows: its scratch rows stay in the L1 cache
-SIGN_SAFE = np.float32(4 * 2.0 ** -24)  # task_vector.SIGN_SAFE: beyond it every summation order has one sign
-_MT_N = 624
+SIGN_SAFE = np.float32(_SIGN_SAFE)  # beyond it every summation order has one sign (task_vector.sign_of_sum)
 
 jit = njit(nogil=True, cache=True, error_model="numpy")
 

@@ -12,6 +12,7 @@ job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -143,6 +144,25 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
     environment or an interruption (Ctrl-C, SIGTERM) is one line on stderr and exit status 2;
     HYDRA_FULL_ERROR=1 shows the traceback instead. ``--help``/``-h`` print mergeval's help for ``entry``
     (mergeval/help.py); Hydra's stays at --hydra-help."""
+    atexit.register(skip_final_collection)
+    _run_cli(hydra_main, entry, summary)
+
+
+def skip_final_collection() -> None:
+    """At exit (an atexit handler): put every object still alive in the collector's permanent generation.
+
+    The interpreter's last garbage collection walks every object that torch, numba, transformers and the run
+    created, to free memory that the process's end hands back anyway: between a merge's end and its
+    process's end (2 experts of SmolLM2-135M, DARE-TIES) it took 1.25-1.47 s, and 0.21-0.31 s after this.
+    The rest of the exit is unchanged (the other atexit handlers, such as logging's flush, and the modules'
+    teardown); only objects held in reference cycles are not finalized, which Python never promises at exit,
+    and a command has closed its files, stores and directories before it returns."""
+    import gc
+
+    gc.freeze()
+
+
+def _run_cli(hydra_main, entry: str, summary: str) -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         from mergeval.help import help_text
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,28 @@ def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
     for task in a["tasks"]:
         assert b["scores"][task] == a["scores"][task]
     assert all(set(per_task) == set(b["tasks"]) for per_task in b["aggregates"]["calibration"].values())
+
+
+@pytest.mark.parametrize("body,status", [("print('ran')", 0),
+                                         ("raise UserError('method.density', 'is 2', 'use a value in (0, 1]')", 2)])
+def test_the_exit_skips_the_last_collection_of_what_the_command_made(body, status, tmp_path):
+    """run_cli's atexit handler freezes what is alive, after the command's own work and before the
+    interpreter's last collection (mergeval.cli.skip_final_collection), also after an error's exit 2."""
+    program = f"""
+import atexit, gc, sys
+from mergeval.cli import run_cli
+from mergeval.errors import UserError
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count(), flush=True))  # runs after run_cli's
+kept = [[i] for i in range(1000)]
+def main():
+    {body}
+sys.argv = ["mergeval"]
+run_cli(main)
+"""
+    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == status, done.stderr
+    frozen = int(done.stdout.split("frozen at exit:")[1])
+    assert frozen > 1000, done.stdout
+    plain = subprocess.run([sys.executable, "-c", program.replace("run_cli(main)", "main()")], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert plain.stdout.split("frozen at exit:")[1].strip() == "0"  # without run_cli nothing is frozen

@@ -34,8 +34,9 @@ start and end says how busy the machine was, and on a VM the share of CPU time t
 /proc/stat) how much of the machine it really had.
 
 ``--startup`` also times each tool's start alone (``mergekit-yaml --help``; a Python that imports
-mergeval's engine and methods), the fixed cost included in every merge above, so the merge work
-proper can be told from interpreter start and imports.
+mergeval's engine and methods and ends as its command lines do, ``mergeval.cli.skip_final_collection``),
+the fixed cost included in every merge above, so the merge work proper can be told from interpreter start,
+imports and exit.
 
 The input cache is only read. Outputs go to a temporary directory that is removed at the end.
 """

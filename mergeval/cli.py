@@ -7,7 +7,8 @@ stderr and exit status 2, and a job that failed that way leaves no job
 directory behind. SIGTERM is handled like Ctrl-C: the work stops, temporary
 files are removed, the run is recorded as ``interrupted``, one line, exit 2.
 A multirun (``-m``) composes and checks every job's config before the first
-job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead.
+job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead. A command's
+exit skips the interpreter's last garbage collection (``skip_final_collection``).
 """
 
 from __future__ import annotations

@@ -190,9 +190,12 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
                 progress = watch(sys.argv[1:])
         try:
             hydra_main()
-        finally:
+        except BaseException:
             if progress is not None:
-                progress.stop(final=sys.exc_info()[0] is None)
+                progress.stop(final=False)
+            raise
+        if progress is not None:
+            progress.stop(final=True)
     except KeyboardInterrupt as err:
         if full_error:
             raise

@@ -73,7 +73,8 @@ class SweepProgress:
         self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mergeval-sweep-progress", daemon=True)
-        self._last_done = -1
+        self._lock = threading.Lock()  # the thread's line and the final one are never written at once
+        self._printed_done = -1  # the count in the last line that was written out (not merely attempted)
 
     def tally(self) -> Tally:
         tally = Tally()
@@ -105,11 +106,13 @@ class SweepProgress:
         return "mergeval: " + " · ".join(parts)
 
     def report(self) -> None:
-        """Print a line if more jobs have finished since the last one printed."""
-        tally = self.tally()
-        if tally.done != self._last_done:
-            self._last_done = tally.done
-            print(self.line(tally), file=self.out, flush=True)
+        """Print a line if more jobs have finished since the last line that was printed. A line whose write
+        failed does not count as printed, so the final report still writes where the sweep ended."""
+        with self._lock:
+            tally = self.tally()
+            if tally.done != self._printed_done:
+                print(self.line(tally), file=self.out, flush=True)
+                self._printed_done = tally.done
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -161,7 +161,8 @@ def test_ray_and_joblib_give_the_same_scores(joblib_sweep, ray_sweep):
     assert by_config(ray_rows) == by_config(joblib_rows)
     # the hashes agree too: the same configurations
     assert {r[0] for r in ray_rows} == {r[0] for r in joblib_rows}
-    assert "mergeval: sweep 4/4 done" in out.stdout and " left" in out.stdout
+    assert "mergeval: sweep 4/4 done" in out.stdout and " left" in out.stdout, (out.stdout[-3000:],
+                                                                                  out.stderr[-3000:])
 
 
 def test_progress_counts_best_and_time_left(tmp_path):
@@ -192,6 +193,38 @@ def test_progress_counts_best_and_time_left(tmp_path):
     rerun = SweepProgress(jobs, Store(), resumed=False)  # sweep.resume=false: what finished before is not done
     rerun.started = now
     assert (rerun.tally().done, rerun.tally().before) == (2, 0)
+
+
+def test_the_final_line_is_written_even_when_the_watching_thread_failed_to_write():
+    """The watching thread stops at its first failure (progress must never take a sweep down); a line whose
+    write failed does not count as printed, so the sweep's end still says where it ended."""
+    import io
+
+    from mergeval.progress import SweepJob, SweepProgress
+
+    finished: dict = {}
+
+    class Store:
+        def finished_run(self, config_hash):
+            return finished.get(config_hash)
+
+    class FailsOnce(io.StringIO):
+        failed = False
+
+        def write(self, text):
+            if not self.failed and "1/2" in text:
+                self.failed = True
+                raise BlockingIOError(11, "write could not complete without blocking", 0)
+            return super().write(text)
+
+    out = FailsOnce()
+    progress = SweepProgress([SweepJob("a", "a"), SweepJob("b", "b")], Store(), poll_s=0.01, out=out).start()
+    finished["a"] = {"finished": progress.started + 1, "aggregates": {"macro_gain": 1.0}}
+    progress._thread.join(timeout=30)  # it fails at "1/2" and stops
+    assert out.failed and not progress._thread.is_alive()
+    progress.stop(final=True)
+    assert out.getvalue().splitlines()[0] == "mergeval: sweep 0/2 done"
+    assert out.getvalue().splitlines()[-1].startswith("mergeval: sweep 1/2 done · best macro_gain +1.00 (a)")
 
 
 def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m():

@@ -42,8 +42,12 @@ class SqliteBackend:
 
     def connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)  # we issue BEGIN ourselves
-        db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
-        db.execute("PRAGMA journal_mode=WAL")
+        try:
+            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
+            to_wal(db)
+        except BaseException:
+            db.close()
+            raise
         return db
 
     @contextmanager
@@ -108,6 +112,34 @@ class SqliteBackend:
         return time.time()
 
 
+def to_wal(db: sqlite3.Connection, wait_s: float = BUSY_TIMEOUT_S) -> None:
+    """Put the database in WAL mode (it stays so: the mode is kept in the file).
+
+    Why the loop: switching a new file to WAL takes an exclusive lock, and when two processes open a fresh
+    store at the same moment (a sweep's workers), each can hold the shared lock the other needs to give up.
+    SQLite then answers SQLITE_BUSY at once, without waiting the busy timeout (waiting could deadlock). One of
+    them succeeds; the other finds the file in WAL mode on its next try.
+    """
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                return
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if not is_busy(err) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def is_busy(err: sqlite3.DatabaseError) -> bool:
+    code = getattr(err, "sqlite_errorname", "") or ""
+    return code.startswith("SQLITE_BUSY") or "database is locked" in str(err)
+
+
 def store_fault(path: Path, err: sqlite3.DatabaseError, field: str = "store.path") -> UserError | None:
     """The one-line error for an SQLite failure the environment caused, or None for any other."""
     code = getattr(err, "sqlite_errorname", "") or ""
@@ -123,7 +155,7 @@ def store_fault(path: Path, err: sqlite3.DatabaseError, field: str = "store.path
     if code.startswith("SQLITE_CANTOPEN") or code.startswith("SQLITE_IOERR") or code.startswith("SQLITE_PERM"):
         return UserError(field, f"cannot read or write {path} ({err})",
                          f"check the file's permissions and the device, or point {field} elsewhere")
-    if code.startswith("SQLITE_BUSY") or "database is locked" in str(err):
+    if is_busy(err):
         return UserError(field, f"{path} stayed locked by another process for over {BUSY_TIMEOUT_S} s",
                          f"wait for that process, or use another {field} (a network file system cannot "
                          "hold an SQLite store safely: use a PostgreSQL store.url)")

@@ -17,7 +17,8 @@ tokenizer copied, model card written. Each run is a fresh child process (interpr
 included, as a user pays them): mergeval calls ``mergeval.engine.merge_to_disk``, mergekit runs its CLI
 ``mergekit-yaml CONFIG OUT --copy-tokenizer --device cpu --no-lazy-unpickle --quiet`` (the inputs are
 safetensors, so lazy unpickling would not apply anyway). The order alternates between repeats; the input
-files are read once before timing so both tools start from a warm page cache. Like ``python -m
+files are read once before timing so both tools start from a warm page cache, and every run starts after
+``os.sync()``, so no run pays for writing the previous run's output to disk. Like ``python -m
 mergeval.merge`` with a warm cache, the inputs' fingerprints for mergeval's model card are computed once,
 before timing.
 
@@ -259,6 +260,10 @@ def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
     import psutil
 
     peak = [0]
+    # the previous run's output goes to disk now, not during this run: the kernel's writeback of one tool's
+    # 0.5-2 GB took CPU time from the next one (a DARE-TIES merge right after writing 540 MB: 5.1-5.7 s of
+    # wall time against 3.7-4.9 s after a sync, alternated twice)
+    os.sync()
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -102,6 +102,9 @@ def tied_experts(tiny_dir, tmp_path_factory) -> list[Path]:
     ("dare_ties", {"density": 0.4}),
     ("dare_ties", {"density": 0.6, "rescale": "none", "per_expert": [{}, {"density": 1.0}, {}]}),
     ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25], "normalize": True}),
+    ("task_arithmetic", {"lambda_": 0.7, "weights": [0.5, 1.0, -0.25], "normalize": True}),
+    ("linear", {"weights": [0.2, 0.3, 0.5]}),
+    ("linear", {"include_base": True, "normalize": False}),
 ])
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
 def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compiled, tiny_dir, tied_experts, tmp_path,

@@ -1,4 +1,5 @@
-"""Row-chunked TIES and DARE: one large tensor merged a block of rows at a time, bit for bit.
+"""Row-chunked TIES, DARE and the elementwise methods: one large tensor merged a block of rows at a time, bit
+for bit.
 
 The engine hands a merger the tensor's row blocks (``prepare``), then asks it
 for each block's merged rows (``merge``, on any thread, in any order); every
@@ -184,6 +185,32 @@ def dare_rows(elect: bool):
     return rows
 
 
+class ElementwiseRows:
+    """A method every step of which is elementwise (task arithmetic, linear): a block's merge is the method's
+    function on that block, nothing to prepare. The whole tensor is never held (its float32 working copies
+    were fresh allocations the size of the embeddings, which the kernel zeroes page by page)."""
+
+    def __init__(self, fn, cfg, gen: torch.Generator):
+        self.fn, self.cfg, self.gen = fn, cfg, gen
+
+    def prepare(self, blocks) -> None:
+        pass
+
+    def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
+        return self.fn(base, experts, self.cfg, self.gen)
+
+
+def elementwise_rows(name: str):
+    fn = METHODS[name].merge
+
+    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> ElementwiseRows | None:
+        """The method in row blocks (paper mode: compat=mergekit keeps the whole-tensor code)."""
+        return None if compat.is_mergekit(cfg) else ElementwiseRows(fn, cfg, gen)
+    return rows
+
+
+METHODS["task_arithmetic"] = dataclasses.replace(METHODS["task_arithmetic"], rows=elementwise_rows("task_arithmetic"))
+METHODS["linear"] = dataclasses.replace(METHODS["linear"], rows=elementwise_rows("linear"))
 METHODS["ties"] = dataclasses.replace(METHODS["ties"], rows=ties_rows)
 METHODS["dare_ties"] = dataclasses.replace(METHODS["dare_ties"], rows=dare_rows(elect=True))
 METHODS["dare_linear"] = dataclasses.replace(METHODS["dare_linear"], rows=dare_rows(elect=False))

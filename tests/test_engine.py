@@ -148,6 +148,32 @@ def test_merge_into_a_live_model_equals_the_in_memory_merge(tiny_dir, experts):
         assert torch.equal(tensor, reference[name]), name
 
 
+def test_the_consumer_runs_on_one_torch_thread_and_the_callers_count_comes_back(tiny_dir, experts, monkeypatch):
+    # the consumer's copies into a live model run on one thread (with more, torch's OpenMP helper spun on a
+    # core the merging workers need); the caller's thread count is restored, also when the merge fails
+    from mergeval.engine.plan import build_plan
+    from mergeval.engine.reader import MemorySource
+
+    method, cfg = method_and_cfg("task_arithmetic")
+    base = MemorySource(load_tensors(tiny_dir), "base")
+    inputs = [MemorySource(load_tensors(p), f"e{i}") for i, p in enumerate(experts)]
+    plan = build_plan(method, cfg, base.dtypes)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert {torch.get_num_threads() for _ in execute.run_plan(plan, method, base, inputs, 0, {})} == {1}
+        assert torch.get_num_threads() == 2
+
+        def fail(*args):
+            raise RuntimeError("a merge that fails")
+        monkeypatch.setattr(execute, "_merge_unit", fail)
+        with pytest.raises(RuntimeError, match="a merge that fails"):
+            list(execute.run_plan(plan, method, base, inputs, 0, {}))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- bad input
 
 

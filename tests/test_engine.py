@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeval.engine import execute, merge_into_model, merge_tensors, merge_to_disk
 from mergeval.engine.plan import build_plan, count_layers, depth, interpolate, layer_of, resolve
-from mergeval.engine.reader import CheckpointReader
+from mergeval.engine.reader import CheckpointReader, MemorySource
 from mergeval.engine.vocab import vocab_rows
 from mergeval.errors import UserError
 from mergeval.methods import METHODS, MergeMethod, get_method
@@ -151,9 +151,6 @@ def test_merge_into_a_live_model_equals_the_in_memory_merge(tiny_dir, experts):
 def test_the_consumer_runs_on_one_torch_thread_and_the_callers_count_comes_back(tiny_dir, experts, monkeypatch):
     # the consumer's copies into a live model run on one thread (with more, torch's OpenMP helper spun on a
     # core the merging workers need); the caller's thread count is restored, also when the merge fails
-    from mergeval.engine.plan import build_plan
-    from mergeval.engine.reader import MemorySource
-
     method, cfg = method_and_cfg("task_arithmetic")
     base = MemorySource(load_tensors(tiny_dir), "base")
     inputs = [MemorySource(load_tensors(p), f"e{i}") for i, p in enumerate(experts)]

@@ -4,8 +4,8 @@
 leaves it); ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifiers it replaces (DARE's
 ``keep_only_`` and divide, TIES' ``zero_dropped_``), on values chosen to catch an order, rounding or
 sign-of-zero change: -0.0, subnormals, infinities, NaN, huge values, deltas that cancel, weights of 1 and
-not 1, bfloat16 inputs. And the property of torch the kernel relies on: its sum over the experts' axis adds
-the rows in order from +0.0 for up to fused.MAX_EXPERTS rows.
+not 1, bfloat16 inputs, up to eight experts. And what ``task_vector.sum_in_order`` relies on: torch's sum over
+the experts' axis adds the rows in order from +0.0 for up to TORCH_ROWS_IN_ORDER rows.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from mergeval.methods import fused, get_method
 from mergeval.methods.select import Threshold, keep_only_, zero_dropped_
 from mergeval.methods.sparsify import _combine
+from mergeval.methods.task_vector import TORCH_ROWS_IN_ORDER, sum_in_order
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not installed")
 
@@ -78,7 +79,7 @@ def test_keep_draws_in_pieces_are_the_draws_in_one_call():
 @st.composite
 def blocks(draw):
     """(base, experts) with deltas that are often zero, cancel between experts or are special values."""
-    n_exp = draw(st.integers(1, fused.MAX_EXPERTS))
+    n_exp = draw(st.integers(1, 8))  # more than torch adds in order (task_vector.TORCH_ROWS_IN_ORDER)
     n = draw(st.integers(1, 1300))  # several CHUNKs and a partial one
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
     b = rng.standard_normal(n).astype(np.float32)
@@ -157,10 +158,11 @@ def test_an_election_near_zero_takes_the_sorted_sums_sign():
     assert same_bits(got, expected)
 
 
-@pytest.mark.parametrize("rows", range(1, fused.MAX_EXPERTS + 1))
+@pytest.mark.parametrize("rows", range(1, TORCH_ROWS_IN_ORDER + 1))
 @pytest.mark.parametrize("n", [1, 7, 63, 1000, 4099])
-def test_torch_sums_up_to_max_experts_rows_in_order_from_zero(rows, n):
-    """What merge_rows' sums assume of torch's ``sum(0)`` (with 6 rows torch's order differs in places)."""
+def test_torch_sums_up_to_four_rows_in_order_from_zero(rows, n):
+    """What sum_in_order's shortcut assumes of torch's ``sum(0)`` (with 5 or more rows its order differs in
+    places: task_vector.TORCH_ROWS_IN_ORDER)."""
     rng = np.random.default_rng(rows * 10_000 + n)
     x = (rng.standard_normal((rows, n)) * 10.0 ** rng.integers(-8, 8, (rows, n))).astype(np.float32)
     x[rng.random((rows, n)) < 0.2] = -0.0
@@ -168,6 +170,18 @@ def test_torch_sums_up_to_max_experts_rows_in_order_from_zero(rows, n):
     for row in x:
         in_order = in_order + row
     assert same_bits(torch.from_numpy(x).sum(0), torch.from_numpy(in_order))
+
+
+@pytest.mark.parametrize("rows", range(1, 10))
+@pytest.mark.parametrize("n", [1, 7, 63, 1000, 4099])
+def test_sum_in_order_adds_the_rows_in_order_from_zero_for_any_number(rows, n):
+    rng = np.random.default_rng(rows * 10_000 + n + 7)
+    x = (rng.standard_normal((rows, n)) * 10.0 ** rng.integers(-8, 8, (rows, n))).astype(np.float32)
+    x[rng.random((rows, n)) < 0.2] = -0.0
+    in_order = np.zeros(n, np.float32)
+    for row in x:
+        in_order = in_order + row
+    assert same_bits(sum_in_order(torch.from_numpy(x)), torch.from_numpy(in_order))
 
 
 # ---------------------------------------------------------------- TIES' counting pass

@@ -20,7 +20,7 @@ from mergeval.engine.memory import merge_into_model
 from mergeval.engine.reader import CheckpointReader
 from mergeval.methods import fused, get_method, select
 from mergeval.methods.select import Threshold, first_k_mask
-from mergeval.methods.task_vector import kept_count, trim_to_density
+from mergeval.methods.task_vector import disjoint_merge, kept_count, trim_to_density
 from mergeval.models.checkpoint import load_model, load_tensors
 
 
@@ -127,6 +127,23 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compi
     live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, tied_experts, seed=7).state_dict()
     for n in whole:
         assert torch.equal(live[n], whole[n].to(live[n].dtype)), n
+
+
+@pytest.mark.parametrize("n_experts", [5, 6, 9])
+@pytest.mark.parametrize("weights_before_election", [False, True])
+def test_the_election_of_an_entry_does_not_depend_on_where_it_is(n_experts, weights_before_election):
+    # blocks of any size give the whole tensor's bits only if each entry's sums over the experts do not depend
+    # on its position: torch's sum(0) of five or more rows orders the columns past the last full vector chunk
+    # differently (task_vector.sum_in_order); 67 columns split at 30 put different columns in those places
+    g = torch.Generator().manual_seed(n_experts)
+    sparse = torch.randn(n_experts, 67, generator=g) * 10.0 ** torch.randint(-6, 3, (n_experts, 67), generator=g)
+    sparse[torch.rand(n_experts, 67, generator=g) < 0.3] = 0.0
+    cfg = get_method("ties").config(weights=[0.5 + i / 7 for i in range(n_experts)],
+                                    weights_before_election=weights_before_election)
+    whole = disjoint_merge(sparse, cfg)
+    pieces = torch.cat([disjoint_merge(sparse[:, :30].contiguous(), cfg),
+                        disjoint_merge(sparse[:, 30:].contiguous(), cfg)])
+    assert torch.equal(whole.view(torch.int32), pieces.view(torch.int32))
 
 
 def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_experts, tmp_path, monkeypatch):

@@ -16,9 +16,9 @@ reads each input entry once and keeps the rest in registers.
   kept by a DARE mask (then divided by its density) or by a TIES cut (|d_i| > tau_i, plus the first
   ``quota_i`` entries with |d_i| == tau_i), and combine is TIES' election and disjoint mean or sum
   (``disjoint_merge``, sign_rule sum) or the weighted sum (``weighted_sum``). The operations and their
-  order are the torch code's, in float32 without fused multiply-adds; in particular torch's sums over the
-  experts' axis add the rows in order from +0.0 for up to 4 rows (tests/test_fused.py), which is why the
-  kernel takes at most ``MAX_EXPERTS`` experts and the callers fall back to torch beyond.
+  order are the torch code's, in float32 without fused multiply-adds; in particular the sums over the
+  experts' axis add the rows in order from +0.0 (``task_vector.sum_in_order``). The kernel takes up to
+  ``MAX_EXPERTS`` experts (its working stack holds a block of each); the callers run the torch code beyond.
 
 Everything here is optional: without numba (``import numba`` fails, or MERGEVAL_NUMBA=0) ``available()``
 is false and the callers run their torch code, which gives the same bits. Compiled code is cached next to
@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-MAX_EXPERTS = 4
+MAX_EXPERTS = 16
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks
 _MT_N = 624  # MT19937's state words (fused_kernels.py's too)
 

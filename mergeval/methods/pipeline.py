@@ -109,7 +109,7 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
                             "feed it to a later stage or remove it")
 
 
-@register("pipeline", PipelineConfig, _validate)
+@register("pipeline", PipelineConfig, _validate, version=2)  # 2: its steps' TIES sums in order
 def pipeline(base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig,
              gen: torch.Generator) -> torch.Tensor:
     """out_s = method_s(value(base_s), [value(x) for x in inputs_s]) for each stage s; returns the last out_s."""

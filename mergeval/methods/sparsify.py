@@ -412,7 +412,7 @@ def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinear
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-@register("dare_ties", DareTiesConfig, _validate_dare)
+@register("dare_ties", DareTiesConfig, _validate_dare, version=2)
 def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig,
               gen: torch.Generator) -> torch.Tensor:
     """DARE + TIES election (Yu et al., 2024): random drop instead of TIES' magnitude trim.
@@ -440,7 +440,7 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
 
 
 # version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
-@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=3)
+@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4)
 def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig,
                      gen: torch.Generator) -> torch.Tensor:
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).
@@ -465,7 +465,7 @@ def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLine
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-@register("della", DellaConfig, _validate_della)
+@register("della", DellaConfig, _validate_della, version=2)
 def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: torch.Generator) -> torch.Tensor:
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.
 

@@ -169,7 +169,7 @@ def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
 
 
 # version 2: ties at the trim cut kept by position (1: in torch.topk's order)
-@register("ties", TiesConfig, _validate_ties, version=2)
+@register("ties", TiesConfig, _validate_ties, version=3)
 def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: torch.Generator) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
 
@@ -207,7 +207,8 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     weights_before_election; A_i = [sign(s_i) == gamma] and s_i != 0;
     tau = sum_i w_i A_i s_i / sum_i w_i A_i (0 where no one agrees), or sum_i w_i A_i s_i (normalize=false).
     The "sum" vote adds the experts' values in sorted order, so which expert comes first cannot
-    change a rounding-level sign.
+    change a rounding-level sign. Every sum over the experts adds them in order from +0.0
+    (``sum_in_order``; implementation version 3 of ties, 2 of dare_ties and della, 4 of breadcrumbs_ties).
     """
     w = expert_weights(cfg, sparse.shape[0])
     wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
@@ -223,17 +224,34 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     # so the product is exact, and it is positive exactly when both are non-zero with the same sign.
     agree = torch.mul(sparse, gamma).gt_(0).to(sparse.dtype)
     normalize = compat.option(cfg, "normalize", True, True, (True, False))
-    mass = (agree if unit else wt * agree).sum(0) if normalize else None
+    mass = sum_in_order(agree if unit else wt * agree) if normalize else None
     # A_i w_i s_i in agree's own storage (x * y == y * x exactly): no N-sized temporary per product
-    tau = agree.mul_(weighted).sum(0)
+    tau = sum_in_order(agree.mul_(weighted))
     if not normalize:
         return tau
     return tau.div_(mass.masked_fill_(mass == 0, 1.0))
 
 
+# torch's sum over dim 0 adds up to this many rows in order from +0.0 (tests/test_fused.py); with more, its order
+# depends on the column's position and on the CPU's vector width (AVX2: columns in 32-wide chunks in order, the
+# rest with four interleaved accumulators), so a merge of five experts differed between CPUs
+TORCH_ROWS_IN_ORDER = 4
+
+
+def sum_in_order(x: torch.Tensor) -> torch.Tensor:
+    """sum over dim 0 as ((0 + x_0) + x_1) + ... + x_(N-1), on every CPU and for any N (the compiled kernels'
+    order: fused.py); one torch reduction where that is torch's own order."""
+    if x.shape[0] <= TORCH_ROWS_IN_ORDER:
+        return x.sum(0)
+    total = torch.zeros_like(x[0])
+    for row in x:
+        total.add_(row)
+    return total
+
+
 def _sorted_sum(voters: torch.Tensor) -> torch.Tensor:
     """sum over dim 0 in sorted order; two or fewer values need no sort (a + b == b + a exactly)."""
-    return voters.sum(0) if voters.shape[0] <= 2 else voters.sort(0).values.sum(0)
+    return voters.sum(0) if voters.shape[0] <= 2 else sum_in_order(voters.sort(0).values)
 
 
 # Any float32 summation order of n values errs by at most (n - 1) u sum|x| (u = 2^-24); beyond twice that (with
@@ -245,10 +263,10 @@ def sign_of_sum(voters: torch.Tensor) -> torch.Tensor:
     """sign(_sorted_sum(voters)), bit for bit, sorting only the entries whose sum is within rounding of zero
     (a full sort over the experts' axis was most of a TIES merge's time)."""
     n = voters.shape[0]
-    total = voters.sum(0)
+    total = sum_in_order(voters)
     if n <= 2:
         return torch.sign(total)
-    magnitude = voters.abs().sum(0)
+    magnitude = sum_in_order(voters.abs())
     close = (total.abs() <= magnitude * (SIGN_SAFE * (n - 1))) & (magnitude > 0)  # all-zero entries sum to 0
     gamma = torch.sign(total)
     if bool(close.any()):

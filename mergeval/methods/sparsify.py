@@ -412,6 +412,7 @@ def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinear
     return _combine(base, experts, cfg, gen, elect=False)
 
 
+# version 2: sums over 5+ experts in order (task_vector.sum_in_order)
 @register("dare_ties", DareTiesConfig, _validate_dare, version=2)
 def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig,
               gen: torch.Generator) -> torch.Tensor:
@@ -439,7 +440,8 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-# version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
+# version 4: sums over 5+ experts in order (task_vector.sum_in_order); 3: the outliers' ties by position too
+# (2: the trim cut's; 1: both in torch.topk's order)
 @register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4)
 def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig,
                      gen: torch.Generator) -> torch.Tensor:
@@ -465,6 +467,7 @@ def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLine
     return _combine(base, experts, cfg, gen, elect=False)
 
 
+# version 2: sums over 5+ experts in order (task_vector.sum_in_order)
 @register("della", DellaConfig, _validate_della, version=2)
 def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: torch.Generator) -> torch.Tensor:
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.

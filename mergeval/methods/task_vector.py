@@ -168,7 +168,8 @@ def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
     return torch.where(keep, flat, torch.zeros_like(flat)).view_as(delta)
 
 
-# version 2: ties at the trim cut kept by position (1: in torch.topk's order)
+# version 3: sums over 5+ experts in order (sum_in_order); 2: ties at the trim cut kept by position (1: in
+# torch.topk's order)
 @register("ties", TiesConfig, _validate_ties, version=3)
 def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: torch.Generator) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
@@ -207,8 +208,7 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     weights_before_election; A_i = [sign(s_i) == gamma] and s_i != 0;
     tau = sum_i w_i A_i s_i / sum_i w_i A_i (0 where no one agrees), or sum_i w_i A_i s_i (normalize=false).
     The "sum" vote adds the experts' values in sorted order, so which expert comes first cannot
-    change a rounding-level sign. Every sum over the experts adds them in order from +0.0
-    (``sum_in_order``; implementation version 3 of ties, 2 of dare_ties and della, 4 of breadcrumbs_ties).
+    change a rounding-level sign. Every sum over the experts adds them in order from +0.0 (``sum_in_order``).
     """
     w = expert_weights(cfg, sparse.shape[0])
     wt = torch.tensor(w, dtype=torch.float32, device=sparse.device).view(-1, *([1] * (sparse.dim() - 1)))
@@ -243,10 +243,7 @@ def sum_in_order(x: torch.Tensor) -> torch.Tensor:
     order: fused.py); one torch reduction where that is torch's own order."""
     if x.shape[0] <= TORCH_ROWS_IN_ORDER:
         return x.sum(0)
-    total = torch.zeros_like(x[0])
-    for row in x:
-        total.add_(row)
-    return total
+    return weighted_sum(x, [1.0] * x.shape[0], x[0])
 
 
 def _sorted_sum(voters: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from mergeval.methods import MergeMethod
 # merging threads, one per core (at least 2, so reading overlaps merging; at most 8: memory grows with
 # the units in flight)
 WORKERS = max(2, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2))
-WINDOW = WORKERS  # units (or row blocks) read and merged ahead of the consumer: memory about WINDOW + 1 units
+WINDOW = WORKERS  # units (or row blocks) read and merged ahead of the consumer: memory about WINDOW + 1 units,
+# plus, while a large unit runs, the finished smaller ones behind it (at most its size: ``ordered``)
 # tensors of at least BLOCK_MIN entries are merged in row blocks of about BLOCK_ENTRIES where the method allows.
 # 256K (1 MiB of float32 per working copy): on the quickstart models peak RSS 494 -> 324 MiB (dare_ties) and
 # 450 -> 373 MiB (ties) against 4M / 1M, the same bits, no slower within the noise of a busy machine
@@ -54,9 +55,10 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
              progress: bool = False, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
-    WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer,
-    which writes (or loads) the results in plan order: reading, merging and writing overlap, and every
-    core merges, also in the steps torch runs on one thread (selections, random draws, small tensors).
+    WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer (more
+    while a larger unit runs: ``ordered``), which writes (or loads) the results in plan order: reading,
+    merging and writing overlap, and every core merges, also in the steps torch runs on one thread
+    (selections, random draws, small tensors).
     ``blocks=True`` (sources with ``get_rows``): a tensor of at least BLOCK_MIN entries whose method has a
     row-chunked form is yielded as ``Blocks`` (its row blocks, read and merged by the workers as the
     consumer iterates) instead of a tensor.
@@ -76,7 +78,7 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
                     return found
                 return _merge_unit(unit, method, _read_unit(unit, base, experts, rows), seed)
 
-            for unit, merged in ordered(pool, work, bar):
+            for unit, merged in ordered(pool, work, bar, size=lambda unit: _entries(unit, base)):
                 if isinstance(merged, Blocks):
                     yield unit.key, merged
                 else:
@@ -85,22 +87,41 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
         torch.set_num_threads(threads)
 
 
-def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None) -> Iterator:
-    """(item, fn(item)) in the order of ``items``, with up to ``window`` calls running ahead in ``pool``."""
+def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None,
+            size: Callable | None = None) -> Iterator:
+    """(item, fn(item)) in the order of ``items``, with up to ``window`` calls running ahead in ``pool``.
+
+    ``size(item)`` (entries): while the oldest call still runs, later items start beyond the window as long as
+    those queued behind it total no more than its own size. Why: one large whole-tensor unit (DELLA's ranks
+    over a 28M-entry embedding: seconds on one thread) otherwise left the other workers idle behind a window
+    of two units; what they finish meanwhile waits in memory, bounded by that unit's own size."""
     window = window or WINDOW
-    pending: deque = deque()
+    pending: deque = deque()  # (item, future, size)
+    behind = 0  # the summed size of the pending items after the oldest
     try:
         for item in items:
-            pending.append((item, pool.submit(fn, item)))
-            if len(pending) > window:
-                head, future = pending.popleft()
+            cost = size(item) if size else 0
+            if pending:
+                behind += cost
+            pending.append((item, pool.submit(fn, item), cost))
+            while len(pending) > window:
+                head, future, head_cost = pending[0]
+                if size and not future.done() and behind <= head_cost:
+                    break  # the oldest still runs: keep the other workers busy
+                pending.popleft()
+                behind -= pending[0][2]  # the next oldest is no longer behind
                 yield head, future.result()
         while pending:
-            head, future = pending.popleft()
+            head, future, _ = pending.popleft()
             yield head, future.result()
     finally:  # an error or an abandoned iteration: work not yet started is not started
-        for _, future in pending:
+        for _, future, _ in pending:
             future.cancel()
+
+
+def _entries(unit: Unit, base) -> int:
+    """The entries of a unit's tensors (its size for ``ordered``)."""
+    return sum(math.prod(base.shapes[name]) for name in unit.names)
 
 
 def _read_unit(unit: Unit, base, experts: list, rows: dict[str, int]):

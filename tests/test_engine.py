@@ -203,7 +203,7 @@ def test_items_start_past_the_window_while_a_larger_oldest_one_runs_and_come_bac
         with ThreadPoolExecutor(2) as pool:
             results = execute.ordered(pool, work, items, window=2, size=size)
             out: list = []
-            first = threading.Thread(target=lambda: out.append(next(results)))
+            first = threading.Thread(target=lambda out=out, results=results: out.append(next(results)))
             first.start()
             # sizes: s0..s3 total 12 > 10, so the fourth is submitted and then the generator waits for "big";
             # without: the window of two holds, the third item waits

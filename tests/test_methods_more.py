@@ -246,7 +246,7 @@ def sorted_ranks(delta: torch.Tensor, rank_scope: str) -> torch.Tensor:
        st.sampled_from([None, "finite", "infinite"]), st.integers(0, 2**31 - 1))
 def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, extreme, seed):
     # few distinct magnitudes of both signs and zeros of both signs: many ties, kept by position; the int64-key
-    # sort (sparsify._rank_by_keys) must give torch's stable sort's ranks, and so the same probabilities
+    # sort (sparsify._placed_by_rank) must give torch's stable sort's ranks, and so the same probabilities
     g = torch.Generator().manual_seed(seed)
     delta = torch.randint(-levels, levels + 1, shape, generator=g).float() * 0.375
     if extreme:  # subnormals, the largest finite float and -0.0 order by their bits; an infinity: torch's sort
@@ -259,6 +259,36 @@ def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, e
         assert torch.equal(p, torch.full_like(delta, 0.5))
     else:
         assert torch.equal(p, (0.5 - 0.25) + 2.0 * 0.25 * sorted_ranks(delta, rank_scope))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 6), st.sampled_from(["tensor", "row"]),
+       st.sampled_from(["inverse_prob", "l1", "none"]), st.integers(1, 7), st.integers(0, 2**31 - 1))
+def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, levels, rank_scope, rescale, chunk, seed):
+    # della_magprune in place and in fewer temporaries (sparsify.py) against its definition written out:
+    # m = [u < p] with u = torch.rand from the same generator, then m * d / p (or as is, or L1-matched); and
+    # one-row keys numbered in chunks of any size (KEY_CHUNK, 1M columns, made small) give the same ranks
+    from mergeval.methods import sparsify
+    from mergeval.methods.task_vector import match_l1
+
+    g = torch.Generator().manual_seed(seed)
+    delta = torch.randint(-levels, levels + 1, shape, generator=g).float() * 0.375 + torch.randn(shape, generator=g)
+    density, eps = 0.6, 0.3
+    reference_p = della_keep_prob(delta, density, eps, rank_scope)
+    kept = torch.where(torch.rand(delta.shape, generator=torch.Generator().manual_seed(seed)) < reference_p, delta,
+                       torch.zeros_like(delta))
+    expected = {"inverse_prob": lambda: kept / reference_p, "none": lambda: kept,
+                "l1": lambda: match_l1(delta, kept)}[rescale]()
+    before = delta.clone()
+    chunk_was = sparsify.KEY_CHUNK
+    try:
+        sparsify.KEY_CHUNK = chunk
+        assert torch.equal(della_keep_prob(delta, density, eps, rank_scope), reference_p)
+        got = della_magprune(delta, density, eps, rescale, torch.Generator().manual_seed(seed), rank_scope)
+    finally:
+        sparsify.KEY_CHUNK = chunk_was
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # -0.0 and +0.0 told apart
+    assert torch.equal(delta, before)  # the input is left as it was
 
 
 @settings(max_examples=20, deadline=None)

@@ -17,7 +17,8 @@ import socket
 
 def start_time(pid: int) -> int:
     """Clock ticks since boot at which ``pid`` started (field 22 of /proc/PID/stat); 0 where unknown;
-    -1 if the process does not exist."""
+    -1 if the process does not exist or has exited (a zombie its parent has not reaped yet runs nothing: a
+    worker of a killed sweep can stay one for a while, and its job must not look alive)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
@@ -25,7 +26,8 @@ def start_time(pid: int) -> int:
         return -1 if os.path.isdir("/proc/self") else _exists_without_proc(pid)
     except OSError:
         return 0
-    return int(stat[stat.rindex(")") + 2:].split()[19])  # the command name may contain spaces and ')'
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and ')'
+    return -1 if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _exists_without_proc(pid: int) -> int:

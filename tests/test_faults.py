@@ -362,8 +362,24 @@ def started(out_parent: Path, proc: subprocess.Popen, name: str, timeout: float 
     while time.monotonic() < end and proc.poll() is None:
         if any(out_parent.glob(f".tmp-{name}-*")):
             proc.send_signal(signal.SIGSTOP)
-            return True
+            # the merge may have ended between the glob and the signal (a test process descheduled there):
+            # then it was not frozen mid-merge, and the caller treats it as a merge that finished first
+            return frozen(proc)
         time.sleep(0.0005)
+    return False
+
+
+def frozen(proc: subprocess.Popen, timeout: float = 30) -> bool:
+    """Whether the process reached the stopped state (its SIGSTOP delivered) rather than ending."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:  # poll() does not report a stopped child
+        try:
+            state = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return False
+        if state in ("T", "t"):
+            return True
+        time.sleep(0.001)
     return False
 
 

@@ -220,7 +220,8 @@ def test_the_watching_thread_prints_the_time_left_while_jobs_run():
         if "1/3" in out.getvalue():
             break
         time.sleep(0.01)
-    finished.update(b=finished["a"], c=finished["a"])
+    with progress._lock:  # the thread tallies under this lock: it sees both jobs finished or neither
+        finished.update(b=finished["a"], c=finished["a"])
     progress.stop(final=True)
     lines = out.getvalue().splitlines()
     assert lines[0] == "mergeval: sweep 0/3 done", lines
@@ -334,6 +335,12 @@ def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
         with sqlite3.connect(store.path) as db:  # the run belongs to that process
             db.execute("UPDATE runs SET pid=?, pid_start=? WHERE run_id='r1'", (worker.pid, proc.start_time(worker.pid)))
         assert running_here(store, "h1")["run_id"] == "r1" and running_here(store, "h2") is None
+        worker.kill()  # not reaped yet: a zombie, as a killed sweep's workers can stay for a while
+        for _ in range(6000):
+            if Path(f"/proc/{worker.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        assert running_here(store, "h1") is None  # a zombie runs nothing: its configuration may run again
     finally:
         worker.kill()
         worker.wait()

@@ -474,12 +474,30 @@ def statuses(store: Path) -> list[tuple[str, str | None]]:
         return db.execute("SELECT status, error FROM runs ORDER BY created").fetchall()
 
 
+# ``python -m mergeval`` whose first evaluation holds until a signal comes: the tiny model's whole evaluation
+# takes a fraction of a second, so a signal sent after the "evaluating" line could otherwise arrive after the
+# run had finished (a test process descheduled on a loaded machine), and the test would fail for the machine.
+HELD_IN_EVALUATION = """
+import runpy, sys, time
+from mergeval.eval.harness import Harness
+
+def held(self, *args, **kwargs):
+    print("held in evaluation", flush=True)
+    time.sleep(600)
+
+Harness.score = held
+sys.argv[0] = "mergeval"
+runpy.run_module("mergeval", run_name="__main__", alter_sys=True)
+"""
+
+
 def evaluating(zoo, store: Path, cwd: Path) -> subprocess.Popen:
-    """A run into job directory ``first``, returned once it has started evaluating."""
-    proc = subprocess.Popen(run_cmd(zoo, store, "hydra.run.dir=first"), cwd=cwd, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    """A run into job directory ``first``, returned while it is inside its first evaluation (held there)."""
+    cmd = [sys.executable, "-c", HELD_IN_EVALUATION, *run_cmd(zoo, store, "hydra.run.dir=first")[3:]]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
     for line in proc.stdout:
-        if "evaluating" in line:
+        if line.strip() == "held in evaluation":
             return proc
     pytest.fail("the run ended before it started evaluating: " + proc.stderr.read()[-3000:])
 

@@ -15,18 +15,31 @@ import re
 import socket
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first); OSError if unreadable."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read().decode(errors="replace")
+    return stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and ')'
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (R, S, T stopped, Z zombie, ...); None when there is no such process."""
+    try:
+        return _stat_fields(pid)[0]
+    except FileNotFoundError:
+        return None
+
+
 def start_time(pid: int) -> int:
     """Clock ticks since boot at which ``pid`` started (field 22 of /proc/PID/stat); 0 where unknown;
     -1 if the process does not exist or has exited (a zombie its parent has not reaped yet runs nothing: a
     worker of a killed sweep can stay one for a while, and its job must not look alive)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return -1 if os.path.isdir("/proc/self") else _exists_without_proc(pid)
     except OSError:
         return 0
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and ')'
     return -1 if fields[0] in ("Z", "X") else int(fields[19])
 
 

@@ -371,14 +371,15 @@ def started(out_parent: Path, proc: subprocess.Popen, name: str, timeout: float 
 
 def frozen(proc: subprocess.Popen, timeout: float = 30) -> bool:
     """Whether the process reached the stopped state (its SIGSTOP delivered) rather than ending."""
+    from mergeval.proc import state as process_state
+
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:  # poll() does not report a stopped child
-        try:
-            state = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except FileNotFoundError:
-            return False
+        state = process_state(proc.pid)
         if state in ("T", "t"):
             return True
+        if state is None:
+            return False
         time.sleep(0.001)
     return False
 

@@ -337,7 +337,7 @@ def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
         assert running_here(store, "h1")["run_id"] == "r1" and running_here(store, "h2") is None
         worker.kill()  # not reaped yet: a zombie, as a killed sweep's workers can stay for a while
         for _ in range(6000):
-            if Path(f"/proc/{worker.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+            if proc.state(worker.pid) == "Z":
                 break
             time.sleep(0.01)
         assert running_here(store, "h1") is None  # a zombie runs nothing: its configuration may run again

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -98,12 +99,29 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
     window = window or WINDOW
     pending: deque = deque()  # (item, future, size)
     behind = 0  # the summed size of the pending items after the oldest
+    # A call raised: nothing after it in order will be yielded, so nothing more is submitted, and what was
+    # submitted but starts only now does nothing (the pool starts calls in order, so all of them come after it).
+    failed = threading.Event()
+
+    def note_failure(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            failed.set()
+
+    def call(item):
+        if failed.is_set():
+            raise _AfterFailure
+        return fn(item)
+
     try:
         for item in items:
+            if failed.is_set():
+                break
             cost = size(item) if size else 0
             if pending:
                 behind += cost
-            pending.append((item, pool.submit(fn, item), cost))
+            future = pool.submit(call, item)
+            future.add_done_callback(note_failure)
+            pending.append((item, future, cost))
             while len(pending) > window:
                 head, future, head_cost = pending[0]
                 if size and not future.done() and behind <= head_cost:
@@ -117,6 +135,10 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
     finally:  # an error or an abandoned iteration: work not yet started is not started
         for _, future, _ in pending:
             future.cancel()
+
+
+class _AfterFailure(Exception):
+    """A call of ``ordered`` skipped because an earlier one failed (never raised to a caller)."""
 
 
 def _entries(unit: Unit, base) -> int:

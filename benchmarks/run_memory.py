@@ -7,12 +7,14 @@ experts, each run a fresh process whose peak resident set size (VmHWM) is polled
 
 A run that holds one model at a time (the streamed merge into a live model, constituents loaded and released
 one by one) has a peak that is flat in the number of experts; one that loads every checkpoint first grows by
-one checkpoint per expert. ``--code DIR`` runs another checkout's mergeval (e.g. an older commit, via
+one checkpoint per expert. ``--device cuda`` evaluates on the GPU and adds the run's peak GPU memory (result.json's
+``device_memory``: torch's allocator peak), which must be flat in the number of experts too. ``--code DIR`` runs another checkout's mergeval (e.g. an older commit, via
 ``git worktree add``) with the same models, for the side-by-side table.
 
     python benchmarks/run_memory.py                      # ~0.27B parameters, 2/4/6 experts, a few minutes
     python benchmarks/run_memory.py --code /tmp/old      # the same runs with another checkout's code too
     python benchmarks/run_memory.py --layers 2 --hidden 256 --intermediate 512   # seconds (smoke)
+    python benchmarks/run_memory.py --device cuda        # on a GPU machine: peak RSS and peak GPU memory
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 from mergeval.precision import auto_dtype  # noqa: E402
 
-# evaluated in mergeval's default precision here: bfloat16 where the CPU runs it natively, else float32 (where
+# evaluated in mergeval's default precision for the device: bfloat16 where it runs natively, else float32 (where
 # bfloat16 products are many times slower; mergeval/precision.py). float32 doubles the live model's bytes.
-DTYPE = auto_dtype("cpu")
 
 BUILD = """
 import json, shutil, sys
@@ -72,12 +73,13 @@ def modelset_yaml(work: Path, experts: int) -> Path:
     return work / "conf"
 
 
-def run(work: Path, experts: int, code: Path | None) -> dict:
-    """One run in a fresh process: its peak RSS (VmHWM polled, KiB) and wall time."""
+def run(work: Path, experts: int, code: Path | None, device: str) -> dict:
+    """One run in a fresh process: its peak RSS (VmHWM polled, KiB), peak GPU memory where it ran on one, and
+    wall time."""
     fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
     conf = modelset_yaml(work, experts)
     cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
-           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={DTYPE}", "eval.batch_size=8",
+           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={auto_dtype(device)}", "eval.batch_size=8", f"eval.device={device}",
            f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if code is not None:
@@ -94,8 +96,10 @@ def run(work: Path, experts: int, code: Path | None) -> dict:
     out = logs.read_text()
     if child.returncode != 0:
         raise SystemExit(f"run with {experts} experts failed:\n{out[-3000:]}")
+    gpu = json.loads((fresh / "job" / "result.json").read_text()).get("device_memory")  # None: CPU, or older code
     shutil.rmtree(fresh, ignore_errors=True)
     return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(peak_kib / 1024),
+            "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"], "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
             "wall_s": round(seconds, 1), "table": "Macro-Gain" in out}
 
 
@@ -117,6 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models are evaluated")
     parser.add_argument("--code", type=Path, help="also run this checkout's mergeval (PYTHONPATH) on the same models")
     parser.add_argument("--work", type=Path, help="where to build the models (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
@@ -130,16 +135,20 @@ def main(argv=None) -> None:
             raise SystemExit(built.stderr[-3000:])
         params = int(built.stdout.split()[-1])
         size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
+        dtype = auto_dtype(args.device)
         print(f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
-              f"evaluated in {DTYPE} (one model in memory: {params * (2 if DTYPE == 'bfloat16' else 4) / 2**20:.0f} "
-              "MiB of weights)")
+              f"evaluated on {args.device} in {dtype} (one model in memory: "
+              f"{params * (2 if dtype == 'bfloat16' else 4) / 2**20:.0f} MiB of weights)")
         rows = []
         for code in [None] + ([args.code] if args.code else []):
             for n in counts:
-                rows.append(run(work, n, code))
-                print(json.dumps(rows[-1]) if args.json else
-                      f"{rows[-1]['code']:>20}  experts={n}  peak RSS {rows[-1]['peak_rss_mib']:>6} MiB  "
-                      f"({rows[-1]['peak_rss_mib'] * 2**20 / size:.2f} checkpoints)  {rows[-1]['wall_s']} s", flush=True)
+                rows.append(run(work, n, code, args.device))
+                row = rows[-1]
+                gpu = (f"  peak GPU {row['peak_gpu_allocated_mib']:>7} MiB allocated, {row['peak_gpu_reserved_mib']} "
+                       "reserved" if row["peak_gpu_allocated_mib"] is not None else "")
+                print(json.dumps(row) if args.json else
+                      f"{row['code']:>20}  experts={n}  peak RSS {row['peak_rss_mib']:>6} MiB  "
+                      f"({row['peak_rss_mib'] * 2**20 / size:.2f} checkpoints){gpu}  {row['wall_s']} s", flush=True)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -29,7 +29,7 @@ from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
 from mergeval.resume import config_hash
-from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers, release_memory
+from mergeval.runtime import Laps, apply_offline, library_bars, peak_device_memory, quiet_transformers, release_memory
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
@@ -49,6 +49,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     except BaseException as err:
         _record_end(store, run_id, err, release=True)
         raise
+    outcome.device_memory = peak_device_memory()
     outcome.run_id, outcome.versions, outcome.git, outcome.hardware = run_id, versions, git, hardware()
     return outcome
 
@@ -115,6 +116,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                     {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype)
         models[-1].path = str(target)
         lap("save_merged")
+    # From here the live model holds the merge: once eval.dtype or eval.device gives it new tensors, this
+    # name would keep the old ones alive through its evaluation (a whole CPU copy of the model on a GPU run).
+    merged = None
 
     harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of entries to evaluate (usually all of them)
     dtype = getattr(torch, cfg.eval.dtype)
@@ -154,7 +158,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             got = {**got, **{t: s.as_dict() for t, s in result.items()}}
             del model
         if info.role == MERGED:
-            merged_model = merged = None  # released before the constituents are loaded
+            merged_model = None  # released before the constituents are loaded
         if entries or info.role == MERGED:  # a model was built or released (gc.collect: about 0.3 s here)
             release_memory()
         for task in tasks:
@@ -206,6 +210,7 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "versions": outcome.versions,
         "hardware": outcome.hardware,  # scores are bit-identical only where these agree (README: Reproducibility)
         "git": outcome.git,
+        "device_memory": outcome.device_memory,  # peak GPU memory (eval.device=cuda); null on the CPU
     }
     path = out_dir / "result.json"
     try:

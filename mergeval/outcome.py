@@ -38,6 +38,7 @@ class Outcome:
     versions: dict = field(default_factory=dict)
     git: dict = field(default_factory=dict)
     hardware: dict = field(default_factory=dict)  # provenance.hardware(): what kernels, hence rounding, ran
+    device_memory: dict | None = None  # runtime.peak_device_memory(): the run's peak GPU memory, None on the CPU
     # task -> {metric, higher_is_better, output_type, entry, counted}: what each row reports and whether the
     # aggregates count it
     rows: dict[str, dict] = field(default_factory=dict)

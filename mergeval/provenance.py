@@ -45,7 +45,7 @@ KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
 
 def hardware() -> dict:
     """The machine as far as it can change a score: CPU model and the kernel-selecting ISA flags, core and
-    thread counts, torch's kernel settings, and the GPU if one is used."""
+    thread counts, torch's kernel settings, and the GPU where this process used one."""
     import os
 
     import torch
@@ -66,7 +66,10 @@ def hardware() -> dict:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "matmul_precision": torch.get_float32_matmul_precision(),
     }
-    if torch.cuda.is_available():
+    # Only where this process used the GPU: asking a device's name initialises CUDA, which costs a CPU run on a
+    # GPU machine its context (seconds, and device memory other jobs may need) for a fact that cannot change its
+    # scores.
+    if torch.cuda.is_initialized():
         info["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = torch.version.cuda
         info["cudnn"] = torch.backends.cudnn.version()

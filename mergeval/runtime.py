@@ -76,6 +76,18 @@ def apply_offline(offline: bool) -> None:
                 setattr(ds, name, offline)
 
 
+def peak_device_memory() -> dict | None:
+    """This process's peak GPU memory so far (MiB) as torch's caching allocator counted it; None where CUDA was
+    never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their peak (on the run path,
+    one model plus the evaluation's activations, whatever the number of experts); ``reserved_mib``: the most
+    the allocator held from the driver (nvidia-smi shows this plus the CUDA context's few hundred MiB)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return {"device": torch.cuda.get_device_name(), "allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            "reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+
+
 def release_memory() -> None:
     """Give the memory of a released model back to the operating system.
 

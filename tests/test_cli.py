@@ -102,6 +102,7 @@ def test_tiny_run_end_to_end(tmp_path, cache):
     assert agg["macro_og"] <= agg["macro_gain"] and agg["scale"] == "percent"
     assert set(agg["normalized"]) == {"mergeval_chem_count", "mergeval_unit_convert"}
     assert result["versions"]["torch"] and result["versions"]["lm_eval"] and "commit" in result["git"]
+    assert result["device_memory"] is None  # CUDA never initialised on the CPU path
     assert "Macro-Gain" in out.stdout and "general_facts" in out.stdout
 
 

@@ -15,6 +15,11 @@ one checkpoint per expert. ``--device cuda`` evaluates on the GPU and adds the r
     python benchmarks/run_memory.py --code /tmp/old      # the same runs with another checkout's code too
     python benchmarks/run_memory.py --layers 2 --hidden 256 --intermediate 512   # seconds (smoke)
     python benchmarks/run_memory.py --device cuda        # on a GPU machine: peak RSS and peak GPU memory
+    python benchmarks/run_memory.py --dtype bfloat16 --code /tmp/old --keep /tmp/results   # the bfloat16 path,
+        # against another checkout, each run's result.json kept (the scores and fingerprints must agree)
+
+Run it from outside the checkout when ``--code`` is given: ``python -m mergeval`` puts the working directory
+first on sys.path, so from inside it every run would import this checkout's mergeval.
 """
 
 from __future__ import annotations
@@ -73,13 +78,14 @@ def modelset_yaml(work: Path, experts: int) -> Path:
     return work / "conf"
 
 
-def run(work: Path, experts: int, code: Path | None, device: str) -> dict:
+def run(work: Path, experts: int, code: Path | None, device: str, dtype: str, keep: Path | None = None) -> dict:
     """One run in a fresh process: its peak RSS (VmHWM polled, KiB), peak GPU memory where it ran on one, and
     wall time."""
     fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
     conf = modelset_yaml(work, experts)
     cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
-           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={auto_dtype(device)}", "eval.batch_size=8", f"eval.device={device}",
+           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={dtype}", "eval.batch_size=8",
+           f"eval.device={device}",
            f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if code is not None:
@@ -97,6 +103,9 @@ def run(work: Path, experts: int, code: Path | None, device: str) -> dict:
     if child.returncode != 0:
         raise SystemExit(f"run with {experts} experts failed:\n{out[-3000:]}")
     gpu = json.loads((fresh / "job" / "result.json").read_text()).get("device_memory")  # None: CPU, or older code
+    if keep is not None:  # the run's result.json, to compare the scores of two checkouts
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(fresh / "job" / "result.json", keep / f"{Path(code or 'this').name}-{experts}.json")
     shutil.rmtree(fresh, ignore_errors=True)
     return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(peak_kib / 1024),
             "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"], "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
@@ -122,6 +131,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the models are evaluated")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="eval.dtype (default: the device's)")
+    parser.add_argument("--keep", type=Path, help="copy each run's result.json into this directory")
     parser.add_argument("--code", type=Path, help="also run this checkout's mergeval (PYTHONPATH) on the same models")
     parser.add_argument("--work", type=Path, help="where to build the models (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
@@ -135,14 +146,14 @@ def main(argv=None) -> None:
             raise SystemExit(built.stderr[-3000:])
         params = int(built.stdout.split()[-1])
         size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
-        dtype = auto_dtype(args.device)
+        dtype = args.dtype or auto_dtype(args.device)
         print(f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
               f"evaluated on {args.device} in {dtype} (one model in memory: "
               f"{params * (2 if dtype == 'bfloat16' else 4) / 2**20:.0f} MiB of weights)")
         rows = []
         for code in [None] + ([args.code] if args.code else []):
             for n in counts:
-                rows.append(run(work, n, code, args.device))
+                rows.append(run(work, n, code, args.device, dtype, args.keep))
                 row = rows[-1]
                 gpu = (f"  peak GPU {row['peak_gpu_allocated_mib']:>7} MiB allocated, {row['peak_gpu_reserved_mib']} "
                        "reserved" if row["peak_gpu_allocated_mib"] is not None else "")

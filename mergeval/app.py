@@ -95,7 +95,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
-        merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy)
+        merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
+                                          dtype=getattr(torch, cfg.eval.dtype))
         models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
     record_models(store, models)
@@ -143,7 +144,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                 harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
             harness = harnesses[tuple(entries)]
             label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
-            model = (merged_model if info.role == MERGED else load_model(Path(info.path), label=label)).to(dtype)
+            model = (merged_model if info.role == MERGED else load_model(Path(info.path), None, dtype, label)).to(dtype)
             model = model.to(cfg.eval.device).eval()
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)

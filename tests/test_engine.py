@@ -148,6 +148,43 @@ def test_merge_into_a_live_model_equals_the_in_memory_merge(tiny_dir, experts):
         assert torch.equal(tensor, reference[name]), name
 
 
+def _in_bfloat16(model_dir: Path, out: Path) -> Path:
+    """A copy of a checkpoint with every floating tensor rounded to bfloat16 (config and tokenizer as they are)."""
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in load_tensors(model_dir).items()},
+              str(out / "model.safetensors"))
+    return out
+
+
+def test_a_live_merge_evaluated_in_its_checkpoints_dtype_is_built_in_it_with_the_same_bits(tiny_dir, experts,
+                                                                                           tmp_path):
+    """bfloat16 checkpoints evaluated in bfloat16: the live model is built in bfloat16, not float32 (half the
+    memory), and holds the same merged values, hence the same fingerprint; float32 checkpoints evaluated in
+    bfloat16 still merge into a float32 model, which alone holds their merged values exactly."""
+    from mergeval.engine.memory import merge_live
+    from mergeval.models.fingerprint import fingerprint_state_dict
+
+    base = _in_bfloat16(tiny_dir, tmp_path / "base")
+    named = {f"e{i}": _in_bfloat16(p, tmp_path / f"e{i}") for i, p in enumerate(experts)}
+    method, cfg = method_and_cfg("ties", density=0.4)
+    model16, view16 = merge_live(method, cfg, base, named, seed=5, dtype=torch.bfloat16)
+    model32, view32 = merge_live(method, cfg, base, named, seed=5, dtype=torch.float32)
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model32.parameters()} == {torch.float32}
+    assert fingerprint_state_dict(view16) == fingerprint_state_dict(view32)
+    for name, tensor in model32.to(torch.bfloat16).state_dict().items():
+        assert torch.equal(tensor, model16.state_dict()[name]), name
+    model, _ = merge_live(method, cfg, tiny_dir, dict(enumerate(experts)), seed=5, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # float32 checkpoints
+
+
+def test_a_model_loaded_in_bfloat16_is_the_float32_load_cast(tiny_dir):
+    direct, cast = load_model(tiny_dir, dtype=torch.bfloat16), load_model(tiny_dir).to(torch.bfloat16)
+    reference = cast.state_dict()
+    assert all(torch.equal(t, reference[n]) and t.dtype == reference[n].dtype for n, t in direct.state_dict().items())
+    assert {b.dtype for b in direct.buffers()} == {b.dtype for b in cast.buffers()}
+
+
 def test_the_consumer_runs_on_one_torch_thread_and_the_callers_count_comes_back(tiny_dir, experts, monkeypatch):
     # the consumer's copies into a live model run on one thread (with more, torch's OpenMP helper spun on a
     # core the merging workers need); the caller's thread count is restored, also when the merge fails

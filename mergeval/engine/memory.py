@@ -102,14 +102,23 @@ class CheckpointView(Mapping):
 
 
 def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mapping[str, Path], seed: int,
-               vocab_policy: str = "error") -> tuple[torch.nn.Module, CheckpointView]:
-    """The merge as a float32 model built from the base, each merged tensor streamed into its parameters
-    (memory: one model plus one unit's inputs, whatever the number of experts), and its checkpoint view."""
+               vocab_policy: str = "error", dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module,
+                                                                                       CheckpointView]:
+    """The merge as a model built from the base, each merged tensor streamed into its parameters (memory: one
+    model plus one unit's inputs, whatever the number of experts), and its checkpoint view.
+
+    The model is in ``dtype`` (the one it will be evaluated in) where every floating tensor of the base's
+    checkpoint has that dtype, else in float32. Each merged tensor is rounded to its checkpoint dtype before
+    it is stored (run_plan), so either holds it exactly; a bfloat16 checkpoint evaluated in bfloat16 (a GPU,
+    a CPU with AMX) then needs half the memory of the float32 model it used to build."""
     from mergeval.models.checkpoint import load_model
 
-    model = merge_into_model(load_model(Path(base_dir)), method, cfg, base_dir, expert_dirs, seed, vocab_policy,
-                             progress=True)
-    return model, CheckpointView(model, CheckpointReader(base_dir, "modelset.base").dtypes)
+    dtypes = CheckpointReader(base_dir, "modelset.base").dtypes
+    floating = {d for d in dtypes.values() if d.is_floating_point}
+    live = dtype if floating == {dtype} else torch.float32
+    model = merge_into_model(load_model(Path(base_dir), dtype=live), method, cfg, base_dir, expert_dirs, seed,
+                             vocab_policy, progress=True)
+    return model, CheckpointView(model, dtypes)
 
 
 def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: str, card: dict,

@@ -138,11 +138,17 @@ def _check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dic
 
 def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
                label: str = "modelset"):
-    """The causal LM in ``model_dir``; with ``tensors`` (e.g. a merge kept in memory) loaded over its weights.
-    A directory transformers cannot load (a config it rejects, damaged files) is a one-line error for ``label``."""
+    """The causal LM in ``model_dir`` in ``dtype``; with ``tensors`` (e.g. a merge kept in memory) loaded over
+    its weights. A directory transformers cannot load (a config it rejects, damaged files) is a one-line error
+    for ``label``.
+
+    Without ``tensors`` the weights are read straight into ``dtype``: the same bits as reading them in float32
+    and casting (each tensor is rounded once either way; the final ``to`` casts the buffers transformers makes
+    in float32, as before), without a float32 copy of a bfloat16 model in memory on the way."""
     from transformers import AutoModelForCausalLM
 
-    model = _transformers_load(AutoModelForCausalLM, model_dir, label, dtype=torch.float32)
+    model = _transformers_load(AutoModelForCausalLM, model_dir, label,
+                               dtype=torch.float32 if tensors is not None else dtype)
     if tensors is not None:
         result = model.load_state_dict(tensors, strict=False)
         if result.unexpected_keys:

@@ -29,7 +29,8 @@ from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
 from mergeval.resume import config_hash
-from mergeval.runtime import Laps, apply_offline, library_bars, peak_device_memory, quiet_transformers, release_memory
+from mergeval.runtime import (Laps, apply_offline, library_bars, peak_device_memory, quiet_transformers, release_memory,
+                              reset_device_memory_peak)
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
@@ -44,6 +45,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     store.start_run(run_id, experiment=cfg.modelset.name, method=cfg.method.name,
                     config=OmegaConf.to_container(cfg, resolve=True), versions=versions, git=git,
                     job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
+    reset_device_memory_peak()
     try:
         outcome = _execute(cfg, out_dir, store)
     except BaseException as err:

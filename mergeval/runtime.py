@@ -76,9 +76,16 @@ def apply_offline(offline: bool) -> None:
                 setattr(ds, name, offline)
 
 
+def reset_device_memory_peak() -> None:
+    """Start counting the GPU memory peak afresh (at a run's start: a sweep's jobs can share one process)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def peak_device_memory() -> dict | None:
-    """This process's peak GPU memory so far (MiB) as torch's caching allocator counted it; None where CUDA was
-    never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their peak (on the run path,
+    """The peak GPU memory (MiB) since ``reset_device_memory_peak`` as torch's caching allocator counted it;
+    None where CUDA was never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their peak (on the run path,
     one model plus the evaluation's activations, whatever the number of experts); ``reserved_mib``: the most
     the allocator held from the driver (nvidia-smi shows this plus the CUDA context's few hundred MiB)."""
     torch = sys.modules.get("torch")

@@ -7,8 +7,9 @@ experts, each run a fresh process whose peak resident set size (VmHWM) is polled
 
 A run that holds one model at a time (the streamed merge into a live model, constituents loaded and released
 one by one) has a peak that is flat in the number of experts; one that loads every checkpoint first grows by
-one checkpoint per expert. ``--device cuda`` evaluates on the GPU and adds the run's peak GPU memory (result.json's
-``device_memory``: torch's allocator peak), which must be flat in the number of experts too. ``--code DIR`` runs another checkout's mergeval (e.g. an older commit, via
+one checkpoint per expert. ``--device cuda`` evaluates on the GPU and adds the run's peak GPU memory
+(result.json's ``device_memory``: torch's allocator peak), which must be flat in the number of experts too.
+``--code DIR`` runs another checkout's mergeval (e.g. an older commit, via
 ``git worktree add``) with the same models, for the side-by-side table.
 
     python benchmarks/run_memory.py                      # ~0.27B parameters, 2/4/6 experts, a few minutes
@@ -108,7 +109,8 @@ def run(work: Path, experts: int, code: Path | None, device: str, dtype: str, ke
         shutil.copy(fresh / "job" / "result.json", keep / f"{Path(code or 'this').name}-{experts}.json")
     shutil.rmtree(fresh, ignore_errors=True)
     return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(peak_kib / 1024),
-            "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"], "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
+            "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"],
+            "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
             "wall_s": round(seconds, 1), "table": "Macro-Gain" in out}
 
 

@@ -85,13 +85,15 @@ def reset_device_memory_peak() -> None:
 
 def peak_device_memory() -> dict | None:
     """The peak GPU memory (MiB) since ``reset_device_memory_peak`` as torch's caching allocator counted it;
-    None where CUDA was never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their peak (on the run path,
-    one model plus the evaluation's activations, whatever the number of experts); ``reserved_mib``: the most
-    the allocator held from the driver (nvidia-smi shows this plus the CUDA context's few hundred MiB)."""
+    None where CUDA was never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their
+    peak (on the run path, one model plus the evaluation's activations, whatever the number of experts);
+    ``reserved_mib``: the most the allocator held from the driver (nvidia-smi shows this plus the CUDA
+    context's few hundred MiB)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
-    return {"device": torch.cuda.get_device_name(), "allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+    return {"device": torch.cuda.get_device_name(),
+            "allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
             "reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
 
 

@@ -47,7 +47,8 @@ def test_a_run_on_the_gpu_merges_the_same_bits_scores_like_the_cpu_and_records_i
     cpu, gpu = results["cpu"], results["cuda"]
     assert [m["fingerprint"] for m in gpu["models"]] == [m["fingerprint"] for m in cpu["models"]]
     assert cpu["device_memory"] is None and "gpu" not in cpu["hardware"]  # a CPU run never initialises CUDA
-    assert gpu["device_memory"]["allocated_mib"] > 0 and gpu["hardware"]["gpu"] and gpu["config"]["eval"]["device"] == "cuda"
+    assert gpu["device_memory"]["allocated_mib"] > 0 and gpu["hardware"]["gpu"]
+    assert gpu["config"]["eval"]["device"] == "cuda"
     for task, by_role in cpu["scores"].items():
         for role, score in by_role.items():  # float32 on both; one item may flip where two choices nearly tie
             assert abs(gpu["scores"][task][role]["value"] - score["value"]) <= 1 / score["n"] + 1e-9, (task, role)

@@ -90,7 +90,7 @@ def run(work: Path, experts: int, code: Path | None, device: str, dtype: str, ke
            f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if code is not None:
-        env["PYTHONPATH"] = str(code)
+        env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])  # first
     began = time.perf_counter()
     logs = fresh / "out.txt"
     with open(logs, "w") as log:

@@ -217,3 +217,47 @@ def test_mergeval_numba_0_turns_the_kernels_off():
     off = subprocess.run([sys.executable, "-c", check], env={**os.environ, "MERGEVAL_NUMBA": "0"},
                          capture_output=True, text=True, timeout=300, check=False)
     assert off.stdout.split() == ["False", "False"], off.stderr[-2000:]
+
+
+def stable_sort_placed(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor:
+    """The definition: by_rank placed at each entry's position in a stable ascending sort of |rows| per row."""
+    out = torch.empty(rows.shape)
+    out.scatter_(1, torch.sort(rows.abs(), dim=1, stable=True).indices, by_rank.expand(rows.shape).contiguous())
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 3000), st.integers(1, 6), st.booleans(), st.integers(0, 2**31 - 1))
+def test_ranks_by_radix_sort_are_a_stable_sorts(n_rows, row_len, levels, special, seed):
+    # many ties (few magnitudes of both signs, zeros of both signs), kept by position; subnormals and the
+    # largest finite floats order by their bits; rows ranked apart from each other
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-levels, levels + 1, (n_rows, row_len), generator=g).float() * 0.375
+    if special:
+        flat = rows.view(-1)
+        flat[::3] = torch.tensor([1e-45, -3.4e38, 3.4e38, -0.0, 5e-39, 1e-38, -1e-45])[
+            torch.arange(flat[::3].numel()) % 7]
+    by_rank = torch.randn(row_len, generator=g)  # any values: each must land at its rank
+    assert torch.equal(fused.placed_by_rank(rows, by_rank), stable_sort_placed(rows, by_rank))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_ranks_by_radix_sort_leave_non_finite_tensors_to_torch(bad):
+    rows = torch.randn(3, 50)
+    rows[2, 7] = bad
+    assert fused.placed_by_rank(rows, torch.zeros(50)) is None
+
+
+@pytest.mark.parametrize("rank_scope", ["tensor", "row"])
+def test_della_ranks_of_a_tensor_large_enough_for_the_kernel_are_a_stable_sorts(rank_scope):
+    from mergeval.methods.sparsify import della_keep_prob
+
+    g = torch.Generator().manual_seed(3)
+    delta = (torch.randn(1024, 300, generator=g) * 1e-3).to(torch.bfloat16).float()  # bf16-born: ties
+    delta[5, :40] = 0.0
+    assert fused.usable(delta.numel())
+    rows = delta.reshape(1024, -1) if rank_scope == "row" else delta.reshape(1, -1)
+    n = rows.shape[1]
+    by_rank = torch.arange(n, dtype=torch.float32).div_(n - 1).mul_(2 * 0.05).add_(0.6 - 0.05)
+    expected = stable_sort_placed(rows, by_rank).view_as(delta)
+    assert torch.equal(della_keep_prob(delta, 0.6, 0.05, rank_scope), expected)

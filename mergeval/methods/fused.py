@@ -64,7 +64,7 @@ def _kernels():
     """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba."""
     from mergeval.methods import fused_kernels
 
-    return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band
+    return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
 
 
 # ---------------------------------------------------------------- DARE's draws
@@ -156,3 +156,24 @@ def count_band(threshold, base: torch.Tensor, expert: torch.Tensor, buffer: torc
     above, k = _kernels()[2](base.reshape(-1).numpy(), (e if e.dtype == torch.float32 else e.float()).numpy(),
                              np.float32(lo), np.float32(hi), buffer.reshape(-1).numpy())
     threshold.add_counted(above, buffer.reshape(-1)[:k].clone())
+
+
+# ---------------------------------------------------------------- DELLA's ranks
+
+
+def placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor | None:
+    """``out[i, j] = by_rank[rank of |rows[i, j]| in row i]`` (stable ascending ranks: ties by position) for a
+    float32 CPU tensor, as ``sparsify._placed_by_rank`` defines it, or None where an entry is not finite.
+
+    A radix sort by the magnitudes' 31 bits instead of a comparison sort of 64-bit keys: on one thread of a
+    2-core AMD EPYC, 0.48 against 2.8-3.0 s for SmolLM2's 28M-entry embedding as one row, and 0.24 against
+    2.8 s ranked by rows of 576; 12 bytes of scratch per entry, as the keys and ``out`` of the sort."""
+    r, n = rows.shape
+    index = torch.int32 if r * n < 2 ** 31 else torch.int64
+    # from torch's allocator, like merge_rows' working arrays (glibc's heap in the engine's threads)
+    pa, pb = torch.empty(r * n, dtype=index), torch.empty(r * n, dtype=index)
+    out = torch.empty((r, n), dtype=torch.float32)
+    bits = rows.contiguous().view(torch.int32).numpy().reshape(-1).view(np.uint32)
+    if not _kernels()[3](bits, n, by_rank.numpy(), pa.numpy(), pb.numpy(), out.numpy().reshape(-1)):
+        return None
+    return out

@@ -169,3 +169,62 @@ def count_band(b, e, lo, hi, out):
         k += 1 if (a >= lo) & (a <= hi) else 0
         above += 1 if a > hi else 0
     return above, k
+
+
+LOW_BITS, HIGH_BITS = 16, 15  # the two digits of a float32's magnitude bits (31): two counting passes
+
+
+@jit
+def place_by_rank(x, row_len, by_rank, pa, pb, out):
+    """out[p] = by_rank[rank of |x[p]| within its row of ``row_len`` entries], ranks ascending, ties by
+    position; False (nothing written) where an entry is not finite.
+
+    x: the tensor's float32 bits as uint32, flat; the sign cleared, they order as the magnitudes. An LSD
+    radix sort of all entries by those 31 bits (two stable counting passes, 16 then 15 bits) puts the
+    positions in (magnitude, position) order; walking that order, each entry's rank in its row is the
+    number of its row's entries seen before it. pa, pb (int32 or int64): scratch of x's size; the keys
+    between the passes live in ``out`` (float32), which is written only after the last pass has read them."""
+    n = x.size
+    ka = out.view(np.uint32)
+    low = np.zeros(1 << LOW_BITS, np.int64)
+    high = np.zeros(1 << HIGH_BITS, np.int64)
+    mag, finite = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
+    for p in range(n):
+        k = x[p] & mag
+        if k >= finite:
+            return False
+        low[k & np.uint32(0xFFFF)] += 1
+        high[k >> np.uint32(LOW_BITS)] += 1
+    start = 0
+    for d in range(low.size):
+        c = low[d]
+        low[d] = start
+        start += c
+    start = 0
+    for d in range(high.size):
+        c = high[d]
+        high[d] = start
+        start += c
+    for p in range(n):  # by the low digit, in position order
+        k = x[p] & mag
+        d = k & np.uint32(0xFFFF)
+        t = low[d]
+        low[d] = t + 1
+        ka[t] = k
+        pa[t] = p
+    for j in range(n):  # by the high digit, stable: (magnitude, position) order
+        d = ka[j] >> np.uint32(LOW_BITS)
+        t = high[d]
+        high[d] = t + 1
+        pb[t] = pa[j]
+    if row_len == n:
+        for j in range(n):
+            out[pb[j]] = by_rank[j]
+        return True
+    seen = np.zeros(n // row_len, np.int64)
+    for j in range(n):
+        p = pb[j]
+        i = p // row_len
+        out[p] = by_rank[seen[i]]
+        seen[i] += 1
+    return True

@@ -1,4 +1,4 @@
-"""Compiled fast paths (numba) for the row-block merges of TIES and DARE, and for DARE's draws, bit for bit.
+"""Compiled fast paths (numba) for the row-block merges of TIES and DARE, DARE's draws and DELLA's ranks, bit for bit.
 
 The methods' definitions are the torch functions in ``task_vector.py``, ``sparsify.py`` and ``select.py``;
 this module computes the same bits in one pass per block instead of a dozen. Every torch operation there
@@ -19,6 +19,8 @@ reads each input entry once and keeps the rest in registers.
   order are the torch code's, in float32 without fused multiply-adds; in particular the sums over the
   experts' axis add the rows in order from +0.0 (``task_vector.sum_in_order``). The kernel takes up to
   ``MAX_EXPERTS`` experts (its working stack holds a block of each); the callers run the torch code beyond.
+* ``placed_by_rank(rows, by_rank)``: DELLA's keep probabilities placed by each entry's magnitude rank in its
+  row (``sparsify._placed_by_rank``), the order found by a radix sort of the float bits instead of a sort.
 
 Everything here is optional: without numba (``import numba`` fails, or MERGEVAL_NUMBA=0) ``available()``
 is false and the callers run their torch code, which gives the same bits. Compiled code is cached next to

@@ -307,6 +307,8 @@ def _placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor |
     """out[i, j] = by_rank[rank of |rows[i, j]| in row i] (rank: stable ascending sort, ties by position), or
     None where this way does not apply (not a finite float32 CPU tensor, or the keys need more than 63 bits).
 
+    A tensor the compiled kernels take (``fused.usable``) is ranked by ``fused.placed_by_rank``'s radix sort
+    (4-12 times faster, the same ranks); the rest, and every tensor without numba, as follows.
     The same ranks as ``torch.sort(stable=True)``, 2.6 times faster on SmolLM2's 28M-entry embedding (2.46 s
     against 6.44 s, one thread; the sort itself about six times): each entry becomes one int64 key
     ``row | float bits | column`` (the bits of a float32 with its sign cleared order as its magnitude), and

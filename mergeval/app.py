@@ -115,7 +115,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         from mergeval.engine.card import merge_config
 
         target = out_dir / "merged_model"
-        save_merged(merged, base_dir, target, method.name,
+        save_merged(merged, base_dir, target, method,
                     {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype)
         models[-1].path = str(target)
         lap("save_merged")
@@ -211,7 +211,7 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "merge": outcome.merge_info,
         "timings_s": outcome.timings,
         "versions": outcome.versions,
-        "hardware": outcome.hardware,  # scores are bit-identical only where these agree (README: Reproducibility)
+        "hardware": outcome.hardware,  # scores are bit-identical only where these agree (README: "Precision follows the hardware")
         "git": outcome.git,
         "device_memory": outcome.device_memory,  # peak GPU memory (eval.device=cuda); null on the CPU
     }

@@ -108,6 +108,7 @@ def test_the_model_card_records_config_inputs_and_fingerprints(tiny_dir, experts
     for path in (tiny_dir, *experts):
         assert fingerprint(path) in card and str(path) in card
     assert "density: 0.3" in card and "seed: 4" in card and "| chem |" in card and "`ties`" in card
+    assert f"`ties` method, implementation version {method.version}." in card  # which code made the bits
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

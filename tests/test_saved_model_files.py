@@ -49,7 +49,8 @@ def test_the_runs_saved_merge_keeps_the_chat_template(chat_base, tmp_path):
     from safetensors.torch import load_file
 
     from mergeval.engine.memory import save_merged
+    from mergeval.methods import get_method
 
     tensors = load_file(chat_base / "model.safetensors")
-    out = save_merged(tensors, chat_base, tmp_path / "merged", "task_arithmetic", card={})
+    out = save_merged(tensors, chat_base, tmp_path / "merged", get_method("task_arithmetic"), card={})
     _same_chat(chat_base, out)

@@ -18,8 +18,10 @@ def mergeval_version() -> str:
         return "unknown"
 
 
-def model_card(method: str, config: dict, inputs: list[dict], tokenizer_from: str) -> str:
-    """Markdown: method, mergeval version, one row per input (role, source, path, fingerprint), the config as YAML."""
+def model_card(method: str, method_version: int, config: dict, inputs: list[dict], tokenizer_from: str) -> str:
+    """Markdown: method and its implementation version (``MergeMethod.version``: the same inputs, config and seed
+    give the same bits only at the same version), mergeval version, one row per input (role, source, path,
+    fingerprint), the config as YAML."""
     rows = "\n".join(f"| {i.get('role', '')} | `{i.get('source', '')}` | `{i.get('path', '')}` | "
                      f"`{i.get('fingerprint', '')}` |" for i in inputs)
     return f"""---
@@ -30,8 +32,8 @@ tags:
 ---
 # Merged model
 
-Merged with mergeval {mergeval_version()} using the `{method}` method. config.json and
-generation_config.json come from the base, the tokenizer from the {tokenizer_from}.
+Merged with mergeval {mergeval_version()} using the `{method}` method, implementation version {method_version}.
+config.json and generation_config.json come from the base, the tokenizer from the {tokenizer_from}.
 
 ## Inputs
 

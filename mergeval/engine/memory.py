@@ -121,7 +121,7 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
     return model, CheckpointView(model, dtypes)
 
 
-def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: str, card: dict,
+def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: MergeMethod, card: dict,
                 shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None) -> Path:
     """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
 
@@ -129,7 +129,7 @@ def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Pa
     ``out_dtype``: the dtype name floating tensors are written in (None: as they are).
     """
     specs = output_specs({n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}, out_dtype)
-    text = model_card(method, card.get("config", {}), card.get("inputs", []), "base")
+    text = model_card(method.name, method.version, card.get("config", {}), card.get("inputs", []), "base")
     with atomic_dir(Path(out_dir)) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:

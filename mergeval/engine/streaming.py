@@ -61,7 +61,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     config = card.get("config") or {"method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg)
                                     else dict(method_cfg), "seed": seed, "vocab_policy": vocab_policy}
     inputs = card.get("inputs") or _input_rows(base_dir, named)
-    text = model_card(method.name, config, inputs, tokenizer_role)
+    text = model_card(method.name, method.version, config, inputs, tokenizer_role)
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:

@@ -30,7 +30,7 @@ from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
 from mergeval.resume import config_hash
 from mergeval.runtime import (Laps, apply_offline, library_bars, peak_device_memory, quiet_transformers, release_memory,
-                              reset_device_memory_peak)
+                              reset_device_memory_peak, survivors_frozen)
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
@@ -47,7 +47,8 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
                     job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
     reset_device_memory_peak()
     try:
-        outcome = _execute(cfg, out_dir, store)
+        with survivors_frozen():  # each collection after a released model walks only what the run made since
+            outcome = _execute(cfg, out_dir, store)
     except BaseException as err:
         _record_end(store, run_id, err, release=True)
         raise

@@ -212,7 +212,8 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "merge": outcome.merge_info,
         "timings_s": outcome.timings,
         "versions": outcome.versions,
-        "hardware": outcome.hardware,  # scores are bit-identical only where these agree (README: "Precision follows the hardware")
+        # scores are bit-identical only where these agree (README: "Precision follows the hardware")
+        "hardware": outcome.hardware,
         "git": outcome.git,
         "device_memory": outcome.device_memory,  # peak GPU memory (eval.device=cuda); null on the CPU
     }

@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("scoring_backends.json"))
     ap.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"],
                     help="float32 alone on a CPU without bfloat16 kernels (AVX2 only), where bfloat16 is emulated")
+    ap.add_argument("--hflm-softmax", choices=("model", "float32"), default="model",
+                    help="HFLM's log-softmax dtype: the model's (lm-eval's default, as the lm_eval command line runs) "
+                         "or float32 (as mergeval's scorer and benchmarks/sweep_cost.py take it)")
     ap.add_argument("--roles", nargs="+", choices=("base", "chem", "units"), default=["base", "chem", "units"],
                     help="which quickstart models to score (the experts are built in the cache if missing)")
     args = ap.parse_args()
@@ -73,7 +76,8 @@ def main() -> None:
     reqs = requests(task_dir)
     tokenizer = AutoTokenizer.from_pretrained(base)
     backends = {"hflm": HFLM, "shared_prefix": SharedPrefixLM}
-    report = {"n_items_per_task": args.n_items, "requests_per_model": len(reqs), "models": {}}
+    report = {"n_items_per_task": args.n_items, "requests_per_model": len(reqs), "hflm_softmax": args.hflm_softmax,
+              "models": {}}
     for role, path in {"base": base, **experts}.items():
         if role not in args.roles:
             continue
@@ -82,7 +86,8 @@ def main() -> None:
             model = load_model(path, None, getattr(torch, dtype))
             for _ in range(args.repeats):
                 for name, cls in backends.items():
-                    lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=32)
+                    softmax = {"softmax_dtype": "float32"} if name == "hflm" and args.hflm_softmax == "float32" else {}
+                    lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=32, **softmax)
                     start = time.perf_counter()
                     got = lm.loglikelihood(reqs, disable_tqdm=True)
                     seconds.setdefault((name, dtype), []).append(time.perf_counter() - start)
@@ -94,6 +99,9 @@ def main() -> None:
                 "median_s": round(statistics.median(seconds[(name, dtype)]), 2),
                 "max_abs_diff_vs_hflm_reference": float(np.abs(v - ref).max()),
                 "answers_equal_to_hflm_reference": float((v.argmax(1) == ref.argmax(1)).mean()),
+                # the two backends in one dtype: per task, the items whose answers differ
+                "answers_differing_from_hflm_same_dtype_per_task": [
+                    int(d.sum()) for d in np.split(v.argmax(1) != lls[("hflm", dtype)].argmax(1), len(TASKS))],
             }
         for dtype in args.dtypes:
             rows[f"speedup {dtype}"] = round(rows[f"hflm {dtype}"]["median_s"] / rows[f"shared_prefix {dtype}"]["median_s"], 2)

@@ -93,6 +93,21 @@ def test_the_lm_eval_version_is_a_cache_key(tmp_path, monkeypatch):
     assert store.get_scores("fp", DIGESTS, eval_settings(cfg)) is None
 
 
+def test_a_new_version_of_the_shared_prefix_scorer_is_a_cache_miss(tmp_path, monkeypatch):
+    import mergeval.eval.settings as settings_module
+    from mergeval.eval.settings import eval_settings
+
+    store = Store(tmp_path / "r.sqlite")
+    cfg = composed("eval.backend=shared_prefix")
+    stored = eval_settings(cfg)
+    assert "scorer_version" not in stored  # version 1: the keys scores were stored under before versions existed
+    store.put_scores("fp", DIGESTS, stored, SCORES)
+    monkeypatch.setattr(settings_module, "SHARED_PREFIX_VERSION", 2)
+    assert eval_settings(cfg)["scorer_version"] == 2
+    assert store.get_scores("fp", DIGESTS, eval_settings(cfg)) is None
+    assert "scorer_version" not in eval_settings(composed("eval.backend=hflm"))  # lm-eval's: its version keys it
+
+
 def test_changed_task_data_is_a_cache_miss(tmp_path):
     from mergeval.eval.tasks import task_digest, write_tasks
 

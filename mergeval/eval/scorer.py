@@ -19,8 +19,10 @@ vocabulary logits are computed only from that column on (``logits_to_keep``).
 Everything else is lm-eval's: tokenization (``_encode_pair``, so the token ids
 are HFLM's), task loading, few-shot contexts, metrics and aggregation. The
 forward passes differ only in the shape of the matrix products, so scores agree
-with ``HFLM`` up to floating-point rounding: ``LL_TOLERANCE`` per choice, measured
-in tests/test_scorer.py (float32) and tests/test_scorer_bf16.py (bfloat16);
+with ``HFLM`` up to floating-point rounding: in float32 within ``LL_TOLERANCE``
+per choice with the same answers (tests/test_scorer.py; SmolLM2-135M too); in
+bfloat16 each rounds its own way, on a real model as much as bfloat16 moves
+answers from float32 (a few percent of items; see ``ACCURACY_TOLERANCE``);
 ``eval.backend=hflm`` runs lm-eval's own ``HFLM``. The log-softmax is taken in
 float32 whatever the model's dtype (``HFLM(softmax_dtype="float32")``; HFLM's
 default rounds each token's log-probability to the model's dtype, in bfloat16 to
@@ -47,13 +49,19 @@ from lm_eval.models.huggingface import HFLM
 Request = tuple[tuple[str, str], list[int], list[int]]  # ((context, continuation), context ids, continuation ids)
 
 # |ours - HFLM's| per choice log-likelihood ll, as max(absolute, relative * |ll|), against HFLM with the
-# log-softmax in float32, same model and dtype. Measured: float32 < 1e-5; bfloat16 up to 8.3e-5 * |ll|
-# (the tiny zoo model, 600 generated items and tests/test_scorer.py's pairs, batch sizes 1-32): the bound
-# keeps a 3x margin. Only a choice within that of another can change an item's answer, so in float32
-# accuracies are equal, and in bfloat16 we allow ACCURACY_TOLERANCE (a fraction of the items; measured: 0 of
-# 600 items changed).
+# log-softmax in float32, same model and dtype.
+# float32: measured < 1e-5 on the tiny zoo model and up to 3.4e-5 on SmolLM2-135M (600 generated items;
+# benchmarks/scoring_backends.py); the bound keeps a 3x margin, no answer changes, accuracies are equal.
+# bfloat16: the two backends multiply in different shapes, so each rounds its own way, and the rounding
+# grows with depth. On the tiny zoo model (2 layers) up to 8.3e-5 * |ll| with no answer changed:
+# LL_TOLERANCE["bfloat16"] bounds that model in tests/test_scorer_bf16.py, not real models. On SmolLM2-135M
+# (30 layers, a CPU with bfloat16 kernels, scoring_backends.py --hflm-softmax float32) a choice differed by
+# up to 0.50 nats and 13 of the base's 600 answers differed (8 of one task's 200). bfloat16 itself moves as
+# many from float32 in either backend (HFLM 16 of 600, ours 13; 11 of one task's 200): two bfloat16 evaluations agree
+# only that far. ACCURACY_TOLERANCE["bfloat16"] is that measured effect per task, 0.06 (the 1% used before
+# held on the tiny model and failed on SmolLM2 by up to 2.5 points); use float32 for an exact comparison.
 LL_TOLERANCE = {"float32": (1e-4, 0.0), "bfloat16": (2.5e-4, 2.5e-4)}
-ACCURACY_TOLERANCE = {"float32": 0.0, "bfloat16": 0.01}
+ACCURACY_TOLERANCE = {"float32": 0.0, "bfloat16": 0.06}
 
 
 def within_tolerance(ours: float, theirs: float, dtype: str) -> bool:

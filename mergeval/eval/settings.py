@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# The implementation version of the shared-prefix scorer (eval/scorer.py): raise it whenever its scores for the
+# same model, items and settings change, so scores it stored before are not reused (merges carry theirs:
+# MergeMethod.version). Kept here, not in scorer.py, so the key is known without importing torch and lm-eval.
+SHARED_PREFIX_VERSION = 1
+
 
 def eval_settings(cfg) -> dict:
     """The settings of an evaluation. Keys added after the first release appear only when set away from their
@@ -12,6 +17,8 @@ def eval_settings(cfg) -> dict:
                 "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
     if cfg.eval.backend != "hflm":  # evaluations stored before backends existed were HFLM's: keep their key
         settings["backend"] = cfg.eval.backend
+    if cfg.eval.backend == "shared_prefix" and SHARED_PREFIX_VERSION > 1:  # version 1 keeps the keys it had
+        settings["scorer_version"] = SHARED_PREFIX_VERSION
     optional = {"fewshot": dict(cfg.benchmark.fewshot or {}), "apply_chat_template": bool(cfg.eval.apply_chat_template),
                 "system_instruction": cfg.eval.system_instruction,
                 "fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),

@@ -5,7 +5,8 @@ hyperparameter, a missing or damaged model) and faults of the environment (a
 read-only place, a full disk, a damaged results store) end in one line on
 stderr and exit status 2, and a job that failed that way leaves no job
 directory behind. SIGTERM is handled like Ctrl-C: the work stops, temporary
-files are removed, the run is recorded as ``interrupted``, one line, exit 2.
+files are removed, the run is recorded as ``interrupted``, one line, exit 2,
+and the process ends at once (``end_now``).
 A multirun (``-m``) composes and checks every job's config before the first
 job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead. A command's
 exit skips the interpreter's last garbage collection (``skip_final_collection``).
@@ -20,6 +21,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from mergeval.errors import UserError, from_os_error, os_error_in
 
@@ -163,6 +165,31 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
+def end_now(status: int) -> NoReturn:
+    """End an interrupted command with ``status`` once its own cleanup is done: the atexit handlers run
+    (logging's flush, Ray's shutdown, weakref finalizers), output is flushed, and the process ends without the
+    interpreter's teardown.
+
+    Why: an interrupted merge leaves its worker threads to finish the units they were merging
+    (``engine.execute.run_plan``), and the teardown would wait for them (seconds on a large tensor; minutes
+    on an 8B model's embedding) and then finalize torch, numba and the BLAS libraries with threads around.
+    Everything the command promises on an interruption (no half-written output, the run recorded as
+    interrupted, its claims released) is done before this point, in the handlers the interruption ran
+    through; the abandoned threads only compute, so nothing is lost with them."""
+    import ctypes
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+                pass
+        ctypes.CDLL(None).fflush(None)  # what native libraries printed through C's stdio
+        os._exit(status)
+
+
 def _run_cli(hydra_main, entry: str, summary: str) -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         from mergeval.help import help_text
@@ -203,7 +230,7 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
         print(f"mergeval: interrupted by {which}: stopped, nothing half-written left (the run is recorded as "
               "interrupted); run the same command again to continue, finished evaluations are reused",
               file=sys.stderr)
-        sys.exit(2)
+        end_now(2)
     except Exception as ex:
         known = None if full_error else user_failure(ex)
         if known is not None:

@@ -128,6 +128,43 @@ def test_an_interrupted_merge_leaves_no_output(error, tiny_dir, experts, tmp_pat
     assert 7 <= len(calls) <= 7 + execute.WINDOW and list(tmp_path.iterdir()) == []  # nor a temporary sibling
 
 
+def test_a_merge_stopped_by_its_consumer_does_not_wait_for_the_units_still_running(tiny_dir, experts, tmp_path,
+                                                                                   monkeypatch):
+    """The writer fails (here: an interruption) while a worker is still merging a later unit: merge_to_disk
+    raises at once, leaving that unit to end by itself, instead of waiting for it (which made Ctrl-C wait for
+    the slowest running unit)."""
+    import threading
+
+    from mergeval.engine import streaming
+
+    running, release, ended = threading.Event(), threading.Event(), threading.Event()
+    method = get_method("task_arithmetic")
+    reader = CheckpointReader(tiny_dir, "base")
+    first = reader.get(build_plan(method, method.config(), reader.dtypes)[0].names[0])  # what is written first
+
+    def merge(base, experts_, cfg, gen):
+        if not torch.equal(base, first):  # a later unit (the workers take them in any order): runs until released
+            running.set()
+            release.wait(60)
+            ended.set()
+        return base
+
+    def failing_write(tensor, dtype):
+        running.wait(60)  # the second unit is running now
+        raise KeyboardInterrupt
+
+    method = dataclasses.replace(method, merge=merge)
+    monkeypatch.setattr(streaming, "cast_to", failing_write)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            merge_to_disk(method, method.config(), tiny_dir, experts, tmp_path / "out")
+        assert running.is_set() and not ended.is_set()  # raised while the unit still ran
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        release.set()
+    assert ended.wait(60)
+
+
 def test_dare_is_deterministic_across_runs_and_the_seed_matters(tiny_dir, experts, tmp_path):
     method, cfg = method_and_cfg("dare_ties", density=0.3)
     runs = [merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / f"run{i}", seed=11) for i in range(2)]

@@ -396,8 +396,11 @@ def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: 
     stderr, its output path). A merge that finished before it could be caught must be whole; it is retried."""
     for attempt in range(attempts):
         out = parent / f"out{attempt}"
-        proc = subprocess.Popen(merge_cmd(models, out), cwd=parent, env=child_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+        # faulthandler: should the process crash after all (it aborted once at exit, before mergeval.cli.end_now),
+        # its threads' stacks are in the failure's message
+        proc = subprocess.Popen(merge_cmd(models, out), cwd=parent, env=dict(child_env(), PYTHONFAULTHANDLER="1"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_signals)
         if started(parent, proc, out.name):
             proc.send_signal(sig)
             proc.send_signal(signal.SIGCONT)
@@ -439,6 +442,46 @@ def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("mergeval: interrupted by"), err[-3000:]
     # caught while writing: no output, unless the rename into place won the race (then it is whole)
     assert (not out.exists() or whole(out)) and not leftovers(tmp_path)
+
+
+# ``python -m mergeval.merge`` whose second merged unit never ends (a worker thread holds it): an interrupted merge
+# must end without waiting for the units its workers are still merging.
+HELD_IN_MERGING = """
+import runpy, sys, threading, time
+from mergeval.engine import execute
+
+merge_unit, calls, lock = execute._merge_unit, [], threading.Lock()
+
+def held(*args, **kwargs):
+    with lock:
+        calls.append(1)
+        second = len(calls) == 2
+    if second:
+        print("held in merging", flush=True)
+        time.sleep(600)
+    return merge_unit(*args, **kwargs)
+
+execute._merge_unit = held
+sys.argv[0] = "mergeval.merge"
+runpy.run_module("mergeval.merge", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_merge_ends_without_waiting_for_a_running_unit(sig, medium, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_IN_MERGING, *merge_cmd(medium, out)[3:]], cwd=tmp_path,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
+    try:
+        assert proc.stdout.readline().strip() == "held in merging", proc.stderr.read()[-3000:]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("mergeval: interrupted by"), err[-3000:]
+    assert not out.exists() and not leftovers(tmp_path)
 
 
 def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_path):

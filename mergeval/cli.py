@@ -93,10 +93,17 @@ def _redeliver_swallowed_interrupt(unraisable) -> None:
     callback, ``__del__``). A SIGTERM whose handler ran there was lost: the suite once saw it raised inside
     importlib's module-lock callback during an import, and the run went on to finish with status 0. So the
     signal is sent again, and handled in the code that can stop. Ctrl-C's KeyboardInterrupt can be lost the
-    same way and is re-sent the same way; anything else goes to Python's own hook."""
+    same way and is re-sent the same way; anything else goes to Python's own hook. One raised while the
+    interpreter waits for threads at exit ends the process at once, with status 2 (below)."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         import threading
 
+        if unraisable.object is threading:  # raised while the interpreter waited for threads at exit
+            # Python would go on to its teardown with those threads still running, and one inside torch or numba
+            # then aborts the process when it next takes the GIL ("terminate called without an active
+            # exception", status -6: a Ctrl-C or SIGTERM while a thread ran a matrix product at exit did so in 3
+            # runs of 3). The command is ending anyway: end it now, as an interruption.
+            end_now(2)
         signum = signal.SIGTERM if isinstance(unraisable.exc_value, Interrupted) else signal.SIGINT
         if signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, _on_sigterm)

@@ -594,6 +594,43 @@ except KeyboardInterrupt as err:
 """
 
 
+# A command ending (here: successfully) while a thread of its own still multiplies matrices; the signal arrives
+# while the interpreter waits for that thread at exit.
+SIGNAL_AT_EXIT = """
+import sys, threading, time
+import torch
+from mergeval.cli import handle_sigterm
+
+handle_sigterm()
+a = torch.randn(1000, 1000)
+
+def work():
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        a @ a  # torch releases the GIL here and takes it back after
+
+threading.Thread(target=work).start()
+# runs when the interpreter, exiting, starts to wait for the thread (CPython's hook for this, private but stable)
+threading._register_atexit(print, "waiting for threads at exit", flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interruption_while_the_interpreter_waits_for_threads_at_exit_ends_it_cleanly(sig):
+    """Python reports it as unraisable and would go on to its teardown with the thread still in torch, which then
+    aborted the process ("terminate called without an active exception"); the command ends at once instead."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AT_EXIT], env=dict(child_env(), PYTHONFAULTHANDLER="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    try:
+        assert proc.stdout.readline().strip() == "waiting for threads at exit", proc.stderr.read()[-3000:]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)  # the thread alone would run 60 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and err.strip() == "", err[-3000:]
+
+
 @pytest.mark.parametrize("signame,raised", [("SIGTERM", "Interrupted"), ("SIGINT", "KeyboardInterrupt")])
 def test_an_interruption_whose_exception_python_discards_still_interrupts(signame, raised):
     out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, signame], capture_output=True, text=True,

@@ -207,6 +207,11 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
     handle_sigterm()
+    # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
+    # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
+    # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise
+    # after the interruption's one line.
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     progress = None
     try:
         from mergeval.sweep_check import might_sweep

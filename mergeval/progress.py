@@ -20,6 +20,7 @@ whenever more jobs have finished:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -128,11 +129,18 @@ class SweepProgress:
         return self
 
     def stop(self, final: bool) -> None:
-        """Stop reading; ``final``: the sweep ended normally, so print where it ended (unless just printed)."""
+        """Stop reading; ``final``: the sweep ended normally, so print where it ended (unless just printed).
+        Not final (interrupted): jobs whose worker processes the launcher killed are marked interrupted now."""
         self._stop.set()
         self._thread.join()
         if final:
             self.report()
+            return
+        # joblib's launcher kills its workers when the sweep is interrupted, before their jobs can record it:
+        # their runs stayed ``running`` until some later command found the processes gone
+        # (the store's own error, if any, is reported by the next command that opens it)
+        with contextlib.suppress(Exception):
+            self.store.reap_dead_runs(found_by="its interrupted sweep")
 
 
 def watch(argv: list[str]) -> SweepProgress | None:

@@ -387,10 +387,10 @@ class Store:
                               (time.time(), note, None if timings is None else _dump(timings),
                                run_id)).rowcount == 1
 
-    def reap_dead_runs(self) -> list[str]:
+    def reap_dead_runs(self, found_by: str = "a later run") -> list[str]:
         """Runs left ``running`` by a process of this host that is provably gone (killed) become ``interrupted``
-        with a note, and that process's evaluation claims are dropped; returns their run ids. Runs of other
-        hosts, and runs from before schema v4 (no process recorded), are left as they are."""
+        with a note (naming ``found_by``), and that process's evaluation claims are dropped; returns their run
+        ids. Runs of other hosts, and runs from before schema v4 (no process recorded), are left as they are."""
         with self._read() as db:
             rows = db.execute("SELECT run_id, host, pid, pid_start FROM runs WHERE status='running' AND host=?",
                               (socket.gethostname(),)).fetchall()
@@ -403,7 +403,7 @@ class Store:
             for run_id, host, pid, _ in dead:
                 db.execute("UPDATE runs SET status='interrupted', finished=?, error=? WHERE run_id=? AND "
                            "status='running'", (time.time(), f"process {pid} on {host} ended without finishing "
-                                                "(killed?); found by a later run", run_id))
+                                                f"(killed?); found by {found_by}", run_id))
             for pid in dead_claims:
                 db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), pid))
         return [r[0] for r in dead]

@@ -106,6 +106,45 @@ def by_config(rows: list[tuple]) -> dict:
     return {(method, lam): (aggregates, scores) for _, method, lam, aggregates, scores in rows}
 
 
+def count_running(store: Path) -> int:
+    try:
+        with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=60) as db:
+            return db.execute("SELECT COUNT(*) FROM runs WHERE status='running'").fetchone()[0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started in the background hands SIGINT ignored
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the sweep", "Ctrl-C to its process group"])
+def test_an_interrupted_parallel_sweep_ends_in_one_line_and_leaves_no_run_running(how, cache, tiny_dir, tmp_path):
+    """joblib's launcher kills its workers when the sweep is interrupted, before their jobs can record it: their
+    runs stayed ``running`` (until a later command found the processes gone), and the resource tracker then
+    warned on stderr about the semaphores the workers held."""
+    store = tmp_path / "runs.sqlite"
+    cmd = command("hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"store.path={store}", *SWEEP)
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True, preexec_fn=default_sigint)
+    try:
+        while count_running(store) == 0 and sweep.poll() is None:  # a worker runs a job
+            time.sleep(0.05)
+        assert sweep.poll() is None, "the sweep ended before a job ran: " + sweep.stderr.read()[-3000:]
+        if how.startswith("SIGTERM"):
+            sweep.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(sweep.pid, signal.SIGINT)
+        _, err = sweep.communicate(timeout=600)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip() and "building expert" not in line]  # bars
+    assert sweep.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("mergeval: interrupted by "), err[-3000:]
+    assert count_running(store) == 0
+
+
 def test_a_sweep_killed_and_resumed_finishes_every_configuration_once(joblib_sweep):
     final = joblib_sweep["final"]
     assert final.returncode == 0, final.stderr[-3000:]

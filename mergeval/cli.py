@@ -173,16 +173,16 @@ def skip_final_collection() -> None:
 
 
 def end_now(status: int) -> NoReturn:
-    """End an interrupted command with ``status`` once its own cleanup is done: the atexit handlers run
-    (logging's flush, Ray's shutdown, weakref finalizers), output is flushed, and the process ends without the
-    interpreter's teardown.
+    """End an interrupted command (or one a failure stopped mid-merge) with ``status`` once its own cleanup is
+    done: the atexit handlers run (logging's flush, Ray's shutdown, weakref finalizers), output is flushed, and
+    the process ends without the interpreter's teardown.
 
-    Why: an interrupted merge leaves its worker threads to finish the units they were merging
+    Why: a merge stopped early leaves its worker threads to finish the units they were merging
     (``engine.execute.run_plan``), and the teardown would wait for them (3.1 s for DELLA on SmolLM2's
-    embedding; an 8B Llama's has 19 times its entries) and then finalize torch, numba and the BLAS libraries with threads around.
-    Everything the command promises on an interruption (no half-written output, the run recorded as
-    interrupted, its claims released) is done before this point, in the handlers the interruption ran
-    through; the abandoned threads only compute, so nothing is lost with them."""
+    embedding; an 8B Llama's has 19 times its entries) and then finalize torch, numba and the BLAS libraries
+    with threads around. Everything the command promises on an interruption or a failure (no half-written
+    output, the run recorded as interrupted or failed, its claims released) is done before this point, in the
+    handlers the exception ran through; the abandoned threads only compute, so nothing is lost with them."""
     import ctypes
 
     try:
@@ -243,13 +243,28 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
               "interrupted); run the same command again to continue, finished evaluations are reused",
               file=sys.stderr)
         end_now(2)
+    except SystemExit as ex:  # a job's failure, its one line printed (failing_cleanly)
+        if ex.code == 2:
+            _exit_after_error()
+        raise
     except Exception as ex:
         known = None if full_error else user_failure(ex)
         if known is not None:
             print(known.line(), file=sys.stderr)
-            sys.exit(2)
+            _exit_after_error()
         line = None if full_error else explain(ex)
         if line is None:
             raise
         print(f"mergeval: error: {line}", file=sys.stderr)
-        sys.exit(2)
+        _exit_after_error()
+
+
+def _exit_after_error() -> NoReturn:
+    """Exit with status 2 after a failure's one line. A merge the error stopped may have left worker threads
+    finishing units nobody will use; the interpreter's exit would wait for them (seconds on a large tensor,
+    minutes on an 8B model's embedding) before the user gets the prompt back, so then the command ends now,
+    as an interrupted one does (``end_now``: its cleanup ran while the error propagated)."""
+    execute = sys.modules.get("mergeval.engine.execute")  # not imported: no merge ran
+    if execute is not None and execute.abandoned_units():
+        end_now(2)
+    sys.exit(2)

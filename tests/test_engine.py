@@ -289,6 +289,35 @@ def test_items_start_past_the_window_while_a_larger_oldest_one_runs_and_come_bac
         assert out == [(item, item.upper()) for item in items]
 
 
+def test_an_error_of_a_later_call_is_raised_while_an_earlier_one_still_runs():
+    """``ordered`` yields in order, but a failure is not held back behind an older call still running (which
+    may take minutes): its error reaches the consumer at once. A failure of the oldest call itself, or one
+    after results already handed out, keeps the order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+
+    def work(item):
+        if item == "slow":
+            assert release.wait(60)
+        if item == "bad":
+            raise ValueError("bad item")
+        return item
+
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            results = execute.ordered(pool, work, ["first", "slow", "bad", "never"], window=2)
+            assert next(results) == ("first", "first")
+            with pytest.raises(ValueError, match="bad item"):
+                next(results)  # "slow" is still held
+            assert not release.is_set()
+        finally:
+            release.set()  # before the pool's exit waits for "slow"
+    with ThreadPoolExecutor(2) as pool:  # nothing held: the same results as before, in order
+        assert list(execute.ordered(pool, str.upper, ["a", "b", "c"], window=1)) == [(x, x.upper()) for x in "abc"]
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -484,6 +484,44 @@ def test_an_interrupted_merge_ends_without_waiting_for_a_running_unit(sig, mediu
     assert not out.exists() and not leftovers(tmp_path)
 
 
+FAILING_WHILE_MERGING = """
+import runpy, sys, threading, time
+from mergeval.engine import execute
+from mergeval.errors import UserError
+
+merge_unit, calls, lock = execute._merge_unit, [], threading.Lock()
+
+def failing(*args, **kwargs):
+    with lock:
+        calls.append(1)
+        call = len(calls)
+    if call == 1:  # the consumer waits for this unit (or its error comes first, in order)
+        time.sleep(600)
+    if call == 2:  # the next unit a worker starts
+        raise UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")
+    return merge_unit(*args, **kwargs)
+
+execute._merge_unit = failing
+sys.argv[0] = "mergeval.merge"
+runpy.run_module("mergeval.merge", run_name="__main__", alter_sys=True)
+"""
+
+def test_a_merge_that_fails_ends_without_waiting_for_a_running_unit(medium, tmp_path):
+    """A later unit finds a damaged tensor while a worker still merges an earlier one (held here for 600 s):
+    the error's one line comes at once, status 2, and the process ends without waiting for that unit, as an
+    interrupted merge does."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", FAILING_WHILE_MERGING, *merge_cmd(medium, out)[3:]],
+                            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
+    finally:
+        proc.kill()
+    expected = "mergeval: error: modelset.experts.units.source: tensor X holds NaN; check the checkpoint"
+    assert proc.returncode == 2 and err.strip().splitlines() == [expected], err[-3000:]
+    assert not out.exists() and not leftovers(tmp_path)
+
+
 def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_path):
     status, _, out = signal_mid_merge(medium, tmp_path, signal.SIGKILL)
     assert status == -signal.SIGKILL

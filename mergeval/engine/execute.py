@@ -36,6 +36,13 @@ WINDOW = WORKERS  # units (or row blocks) read and merged ahead of the consumer:
 # 450 -> 373 MiB (ties) against 4M / 1M, the same bits, no slower within the noise of a busy machine
 BLOCK_MIN = 1 << 18
 BLOCK_ENTRIES = 1 << 18
+THREAD_NAME = "mergeval-merge"  # the workers' name prefix, by which ``abandoned_units`` finds them
+
+
+def abandoned_units() -> bool:
+    """Whether a merge stopped early (an error, an interruption) left worker threads finishing units whose
+    results nobody will use (``run_plan``): the interpreter's exit would wait for them."""
+    return any(t.name.startswith(THREAD_NAME) and t.is_alive() for t in threading.enumerate())
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -72,7 +79,8 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     # DARE-TIES 1.54-1.59 -> 0.98-1.12 s, task arithmetic 2.08-2.64 -> 1.26-1.50 s).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(WORKERS, initializer=torch.set_num_threads, initargs=(1,))
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=THREAD_NAME, initializer=torch.set_num_threads,
+                              initargs=(1,))
     finished = False
     try:
         def work(unit: Unit):
@@ -91,7 +99,7 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
         # cancelled and the running ones are not waited for, since their results would be thrown away. Waiting
         # made Ctrl-C take as long as the slowest running unit (DELLA's ranks over SmolLM2's embedding: 3.1 s
         # after SIGTERM; proportionally more on larger models). The abandoned threads end with their unit;
-        # an interrupted command does not wait for them (mergeval.cli.end_now).
+        # a command that stopped for an interruption or an error does not wait for them (mergeval.cli.end_now).
         pool.shutdown(wait=finished, cancel_futures=True)
         torch.set_num_threads(threads)
 
@@ -109,11 +117,24 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
     behind = 0  # the summed size of the pending items after the oldest
     # A call raised: nothing after it in order will be yielded, so nothing more is submitted, and what was
     # submitted but starts only now does nothing (the pool starts calls in order, so all of them come after it).
+    # Its error is raised as soon as it is known, not after the older calls still running: they may take
+    # minutes (DELLA's ranks over a large embedding), and their results would be thrown away.
     failed = threading.Event()
+    failures: list = []  # the calls that raised, in the order they ended
+    changed = threading.Condition()
 
-    def note_failure(future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            failed.set()
+    def note_end(future) -> None:
+        with changed:
+            if not future.cancelled() and future.exception() is not None:
+                failures.append(future)
+                failed.set()
+            changed.notify_all()
+
+    def outcome(future):
+        """``future``'s result, or the error of a call that raised while it still ran."""
+        with changed:
+            changed.wait_for(lambda: future.done() or failures)
+        return (future if future.done() else failures[0]).result()
 
     def call(item):
         if failed.is_set():
@@ -128,7 +149,7 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
             if pending:
                 behind += cost
             future = pool.submit(call, item)
-            future.add_done_callback(note_failure)
+            future.add_done_callback(note_end)
             pending.append((item, future, cost))
             while len(pending) > window:
                 head, future, head_cost = pending[0]
@@ -136,10 +157,10 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
                     break  # the oldest still runs: keep the other workers busy
                 pending.popleft()
                 behind -= pending[0][2]  # the next oldest is no longer behind
-                yield head, future.result()
+                yield head, outcome(future)
         while pending:
             head, future, _ = pending.popleft()
-            yield head, future.result()
+            yield head, outcome(future)
     finally:  # an error or an abandoned iteration: work not yet started is not started
         for _, future, _ in pending:
             future.cancel()

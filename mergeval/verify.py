@@ -76,7 +76,7 @@ from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluat
                             load_spec)
 from mergeval.specs.load import found, search_path
 from mergeval.specs.numbers import show_interval
-from mergeval.specs.recorded import Comparison, combine, compare_with, record_block, show_margin
+from mergeval.specs.recorded import ENFORCED_MARGIN, Comparison, combine, compare_with, record_block, show_margin
 from mergeval.specs.tables import CellCheck
 
 STATUSES = ("pass", "fail", "undetermined", "not run")
@@ -209,14 +209,16 @@ def recorded_report(name: str, comparisons: list[Comparison]) -> str:
     """The comparison with a record: one row per recorded result, then a summary line."""
     rows = [[c.id, f"{c.recorded.verdict} {show_margin(c.recorded.margin)}",
              "-" if c.now is None else f"{c.now.status} {show_margin(c.now.margin)}",
-             c.status + ("" if c.status == "same" else " (enforced)" if c.recorded.enforced else " (not enforced)")]
+             c.status + (" (enforced)" if c.recorded.enforced else " (not enforced)")]
             for c in comparisons]
     changed = [c for c in comparisons if c.status != "same"]
-    enforced = [c for c in changed if c.counts]
+    enforced = sum(c.recorded.enforced for c in comparisons)
     return "\n".join([f"\nrecorded verdicts '{name}': {len(comparisons)} results",
                       _table(["claim", "recorded (margin)", "now (margin)", "comparison"], rows),
                       f"recorded '{name}': {len(comparisons) - len(changed)} same, {len(changed)} changed "
-                      f"({len(enforced)} enforced: recorded at least 1 stderr from the threshold)"])
+                      f"({sum(c.counts for c in changed)} of them enforced); {enforced} of the {len(comparisons)} "
+                      f"results are enforced (recorded at least {ENFORCED_MARGIN:g} stderr from the threshold): "
+                      "a change among them fails the check"])
 
 
 def _short(text: str, width: int = 40) -> str:

@@ -66,7 +66,8 @@ def test_recorded_run_reproduces_its_record(tmp_path, capsys):
     assert verify.main([spec, "--run", str(run), "--recorded", "full"]) == 0  # b fails as recorded: not an error
     out = capsys.readouterr().out
     assert "margin (se)" in out and "+4.86" in out  # (0.9 - 0.5) / 0.0583 - 2
-    assert "recorded 'full': 2 same, 0 changed (0 enforced" in out
+    assert "recorded 'full': 2 same, 0 changed (0 of them enforced); 2 of the 2 results are enforced" in out
+    assert out.count("same (enforced)") == 2
 
 
 def test_enforced_change_fails_and_close_change_is_only_reported(tmp_path, capsys):
@@ -79,7 +80,7 @@ def test_enforced_change_fails_and_close_change_is_only_reported(tmp_path, capsy
     close = spec_file(tmp_path, EXPERT_CLAIM, RECORDED.replace("fail -1.29", "fail -0.50"))
     assert verify.main([close, "--run", str(flipped), "--recorded", "full"]) == 0
     out = capsys.readouterr().out
-    assert "changed (not enforced)" in out and "1 changed (0 enforced" in out
+    assert "changed (not enforced)" in out and "1 changed (0 of them enforced); 1 of the 2 results" in out
 
 
 def test_missing_enforced_result_fails(tmp_path, capsys):

@@ -253,18 +253,26 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
             print(known.line(), file=sys.stderr)
             _exit_after_error()
         line = None if full_error else explain(ex)
-        if line is None:
+        if line is None:  # unexpected: its traceback, as Python reports it, and status 1
+            if _merge_abandoned():
+                sys.excepthook(type(ex), ex, ex.__traceback__)
+                end_now(1)
             raise
         print(f"mergeval: error: {line}", file=sys.stderr)
         _exit_after_error()
 
 
-def _exit_after_error() -> NoReturn:
-    """Exit with status 2 after a failure's one line. A merge the error stopped may have left worker threads
-    finishing units nobody will use; the interpreter's exit would wait for them (seconds on a large tensor,
-    minutes on an 8B model's embedding) before the user gets the prompt back, so then the command ends now,
-    as an interrupted one does (``end_now``: its cleanup ran while the error propagated)."""
+def _merge_abandoned() -> bool:
+    """Whether a merge stopped by the error left worker threads finishing units nobody will use: the
+    interpreter's exit would wait for them (seconds on a large tensor, minutes on an 8B model's embedding)
+    before the user gets the prompt back."""
     execute = sys.modules.get("mergeval.engine.execute")  # not imported: no merge ran
-    if execute is not None and execute.abandoned_units():
+    return execute is not None and execute.abandoned_units()
+
+
+def _exit_after_error() -> NoReturn:
+    """Exit with status 2 after a failure's one line; at once, as an interrupted command ends (``end_now``: its
+    cleanup ran while the error propagated), when a merge left units running."""
+    if _merge_abandoned():
         end_now(2)
     sys.exit(2)

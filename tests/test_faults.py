@@ -522,6 +522,25 @@ def test_a_merge_that_fails_ends_without_waiting_for_a_running_unit(medium, tmp_
     assert not out.exists() and not leftovers(tmp_path)
 
 
+def test_an_unexpected_error_mid_merge_shows_its_traceback_and_ends_without_waiting(medium, tmp_path):
+    """A bug (not a user's mistake) in a later unit while an earlier one still runs: the traceback as Python
+    prints it, status 1, at once."""
+    script = FAILING_WHILE_MERGING.replace(
+        'raise UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")',
+        'raise RuntimeError("a bug in a merge method")')
+    proc = subprocess.Popen([sys.executable, "-c", script, *merge_cmd(medium, tmp_path / "out")[3:]],
+                            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback (most recent call last):" in err and err.rstrip().endswith(
+        "RuntimeError: a bug in a merge method"), err[-3000:]
+    # no half-written output; the job directory stays, with its log, as after any unexpected error
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
 def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_path):
     status, _, out = signal_mid_merge(medium, tmp_path, signal.SIGKILL)
     assert status == -signal.SIGKILL

@@ -163,6 +163,14 @@ def run_module(module: str, *args: str, cwd: Path | str, env: dict[str, str] | N
                           timeout=timeout)
 
 
+def default_signals() -> None:
+    """A ``preexec_fn`` for a child that is sent signals: it gets SIGINT's and SIGTERM's default actions back. A
+    suite started in the background (``cmd &``) runs with SIGINT ignored, which children inherit and Python then
+    leaves ignored (as it should for a real background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def close_all() -> None:
     for zygote in _zygotes.values():
         zygote.close()

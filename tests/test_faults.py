@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.child import run_module
+from tests.child import default_signals, run_module
 from tests.test_engine import make_expert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,13 +384,6 @@ def frozen(proc: subprocess.Popen, timeout: float = 30) -> bool:
     return False
 
 
-def default_signals() -> None:
-    """The child gets SIGINT's default action back: a suite started in the background (``cmd &``) runs with SIGINT
-    ignored, which children inherit and Python then leaves ignored (as it should for a real background job)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: int = 5) -> tuple[int, str, Path]:
     """Start merges into ``parent`` until one is caught while writing and deliver ``sig`` there: (exit status,
     stderr, its output path). A merge that finished before it could be caught must be whole; it is retried."""
@@ -444,27 +437,35 @@ def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
     assert (not out.exists() or whole(out)) and not leftovers(tmp_path)
 
 
-# ``python -m mergeval.merge`` whose second merged unit never ends (a worker thread holds it): an interrupted merge
-# must end without waiting for the units its workers are still merging.
-HELD_IN_MERGING = """
+def merge_with_units(when: str) -> str:
+    """A ``python -m mergeval.merge`` program whose merge units first run ``when`` (Python lines, indented by
+    four spaces), with ``call`` the unit's number in the order the workers start them."""
+    return f"""
 import runpy, sys, threading, time
 from mergeval.engine import execute
+from mergeval.errors import UserError
 
 merge_unit, calls, lock = execute._merge_unit, [], threading.Lock()
 
-def held(*args, **kwargs):
+def unit(*args, **kwargs):
     with lock:
         calls.append(1)
-        second = len(calls) == 2
-    if second:
-        print("held in merging", flush=True)
-        time.sleep(600)
+        call = len(calls)
+{when}
     return merge_unit(*args, **kwargs)
 
-execute._merge_unit = held
+execute._merge_unit = unit
 sys.argv[0] = "mergeval.merge"
 runpy.run_module("mergeval.merge", run_name="__main__", alter_sys=True)
 """
+
+
+# The second merged unit never ends (a worker thread holds it): an interrupted merge must end without waiting for
+# the units its workers are still merging.
+HELD_IN_MERGING = merge_with_units("""\
+    if call == 2:
+        print("held in merging", flush=True)
+        time.sleep(600)""")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -484,57 +485,39 @@ def test_an_interrupted_merge_ends_without_waiting_for_a_running_unit(sig, mediu
     assert not out.exists() and not leftovers(tmp_path)
 
 
-FAILING_WHILE_MERGING = """
-import runpy, sys, threading, time
-from mergeval.engine import execute
-from mergeval.errors import UserError
-
-merge_unit, calls, lock = execute._merge_unit, [], threading.Lock()
-
-def failing(*args, **kwargs):
-    with lock:
-        calls.append(1)
-        call = len(calls)
-    if call == 1:  # the consumer waits for this unit (or its error comes first, in order)
+def fail_while_merging(error: str, medium, tmp_path) -> tuple[int, str]:
+    """(exit status, stderr) of a merge whose first unit never ends (the consumer waits for it, or for an error
+    that comes first) while the next unit a worker starts raises ``error`` (a Python expression)."""
+    script = merge_with_units(f"""\
+    if call == 1:
         time.sleep(600)
-    if call == 2:  # the next unit a worker starts
-        raise UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")
-    return merge_unit(*args, **kwargs)
-
-execute._merge_unit = failing
-sys.argv[0] = "mergeval.merge"
-runpy.run_module("mergeval.merge", run_name="__main__", alter_sys=True)
-"""
-
-def test_a_merge_that_fails_ends_without_waiting_for_a_running_unit(medium, tmp_path):
-    """A later unit finds a damaged tensor while a worker still merges an earlier one (held here for 600 s):
-    the error's one line comes at once, status 2, and the process ends without waiting for that unit, as an
-    interrupted merge does."""
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", FAILING_WHILE_MERGING, *merge_cmd(medium, out)[3:]],
-                            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
-    finally:
-        proc.kill()
-    expected = "mergeval: error: modelset.experts.units.source: tensor X holds NaN; check the checkpoint"
-    assert proc.returncode == 2 and err.strip().splitlines() == [expected], err[-3000:]
-    assert not out.exists() and not leftovers(tmp_path)
-
-
-def test_an_unexpected_error_mid_merge_shows_its_traceback_and_ends_without_waiting(medium, tmp_path):
-    """A bug (not a user's mistake) in a later unit while an earlier one still runs: the traceback as Python
-    prints it, status 1, at once."""
-    script = FAILING_WHILE_MERGING.replace(
-        'raise UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")',
-        'raise RuntimeError("a bug in a merge method")')
+    if call == 2:
+        raise {error}""")
     proc = subprocess.Popen([sys.executable, "-c", script, *merge_cmd(medium, tmp_path / "out")[3:]],
                             cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
     finally:
         proc.kill()
-    assert proc.returncode == 1, err[-3000:]
+    return proc.returncode, err
+
+
+def test_a_merge_that_fails_ends_without_waiting_for_a_running_unit(medium, tmp_path):
+    """A later unit finds a damaged tensor while a worker still merges an earlier one (held here for 600 s):
+    the error's one line comes at once, status 2, and the process ends without waiting for that unit, as an
+    interrupted merge does."""
+    status, err = fail_while_merging(
+        'UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")', medium, tmp_path)
+    expected = "mergeval: error: modelset.experts.units.source: tensor X holds NaN; check the checkpoint"
+    assert status == 2 and err.strip().splitlines() == [expected], err[-3000:]
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_an_unexpected_error_mid_merge_shows_its_traceback_and_ends_without_waiting(medium, tmp_path):
+    """A bug (not a user's mistake) in a later unit while an earlier one still runs: the traceback as Python
+    prints it, status 1, at once."""
+    status, err = fail_while_merging('RuntimeError("a bug in a merge method")', medium, tmp_path)
+    assert status == 1, err[-3000:]
     assert "Traceback (most recent call last):" in err and err.rstrip().endswith(
         "RuntimeError: a bug in a merge method"), err[-3000:]
     # no half-written output; the job directory stays, with its log, as after any unexpected error

@@ -24,6 +24,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from mergeval.config import register_configs
+from tests.child import default_signals
 
 LAMBDAS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 SWEEP = ["+experiment=tiny", "benchmark.limit=8", "method=task_arithmetic,ties",
@@ -114,10 +115,6 @@ def count_running(store: Path) -> int:
         return 0
 
 
-def default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started in the background hands SIGINT ignored
-
-
 @pytest.mark.parametrize("how", ["SIGTERM to the sweep", "Ctrl-C to its process group"])
 def test_an_interrupted_parallel_sweep_ends_in_one_line_and_leaves_no_run_running(how, cache, tiny_dir, tmp_path):
     """joblib's launcher kills its workers when the sweep is interrupted, before their jobs can record it: their
@@ -126,7 +123,7 @@ def test_an_interrupted_parallel_sweep_ends_in_one_line_and_leaves_no_run_runnin
     store = tmp_path / "runs.sqlite"
     cmd = command("hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"store.path={store}", *SWEEP)
     sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True, preexec_fn=default_sigint)
+                             text=True, start_new_session=True, preexec_fn=default_signals)
     try:
         while count_running(store) == 0 and sweep.poll() is None:  # a worker runs a job
             time.sleep(0.05)

@@ -119,15 +119,13 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
     # submitted but starts only now does nothing (the pool starts calls in order, so all of them come after it).
     # Its error is raised as soon as it is known, not after the older calls still running: they may take
     # minutes (DELLA's ranks over a large embedding), and their results would be thrown away.
-    failed = threading.Event()
-    failures: list = []  # the calls that raised, in the order they ended
+    failures: list = []  # the calls that raised, in the order they ended (appending is atomic)
     changed = threading.Condition()
 
     def note_end(future) -> None:
         with changed:
             if not future.cancelled() and future.exception() is not None:
                 failures.append(future)
-                failed.set()
             changed.notify_all()
 
     def outcome(future):
@@ -137,13 +135,13 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int
         return (future if future.done() else failures[0]).result()
 
     def call(item):
-        if failed.is_set():
+        if failures:
             raise _AfterFailure
         return fn(item)
 
     try:
         for item in items:
-            if failed.is_set():
+            if failures:
                 break
             cost = size(item) if size else 0
             if pending:

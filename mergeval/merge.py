@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from mergeval.config import register_configs
 from mergeval.cli import discard_job_dir, failing_cleanly, run_cli
-from mergeval.errors import UserError
+from mergeval.errors import UserError, from_os_error
 
 register_configs()
 
@@ -40,13 +40,18 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     from mergeval.ranking import prepare_method, refuse_ranking
     from mergeval.engine import merge_to_disk
     from mergeval.engine.card import merge_config
-    from mergeval.paths import cache_root
+    from mergeval.paths import cache_root, check_creatable
 
     method, method_cfg = validate(cfg)
     refuse_ranking(method, method_cfg)  # before minutes of building experts
     target = Path(cfg.output).expanduser().resolve() if cfg.output else job_dir / "merged_model"
-    if target.exists():  # before minutes of fine-tuning experts
+    if target.exists():  # these two before minutes of fine-tuning experts
         raise UserError("output", f"'{target}' already exists", "choose a new directory or remove that one")
+    try:
+        check_creatable(target)
+    except OSError as err:  # procfs answers ENOENT, which from_os_error does not take for the environment's
+        raise from_os_error(err) or UserError("output", f"cannot create '{target}' in '{err.filename}' "
+                                              f"({err.strerror})", "choose a directory you can write to") from None
     cache = cache_root(cfg.cache_dir)
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)

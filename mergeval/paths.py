@@ -114,6 +114,20 @@ def make_dirs(directory: Path) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "is a file, not a directory", str(blocker)) from err
 
 
+def check_creatable(final: Path) -> None:
+    """Raise an OSError naming the place unless the directory ``final`` could be created later: its nearest
+    existing ancestor must be a directory in which this process can make an entry. Tried by making and
+    removing an empty temporary directory there, because permission bits do not tell (root ignores them, and
+    /proc refuses every mkdir with ENOENT); nothing is left behind, not even ``final``'s missing parents."""
+    ancestor = next(p for p in final.parents if p.exists())  # "/" always exists
+    if not ancestor.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "is a file, not a directory", str(ancestor))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=tmp_prefix(final.name), dir=ancestor))
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(ancestor)) from None
+
+
 def remove_orphans(directory: Path) -> list[str]:
     """Remove the temporary files and directories in ``directory`` left by mergeval processes that were killed
     (SIGKILL, power loss) on this host; returns their names. Entries of live processes are never touched."""

@@ -238,6 +238,22 @@ def test_output_below_an_existing_file(zoo, tmp_path):
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["below a file", "in /proc"])
+def test_an_output_that_cannot_be_created_is_refused_before_any_model_is_built(tmp_path, where):
+    """The quickstart's modelset with an empty cache would convert the base and fine-tune two experts for
+    minutes before the merge found that its output cannot be made: the place is tried first."""
+    if where == "in /proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no procfs here")
+    (tmp_path / "afile").write_text("x")
+    output = tmp_path / "afile" / "out" if where == "below a file" else Path("/proc/self/merged")
+    out = cli("mergeval.merge", f"cache_dir={tmp_path / 'cache'}", f"output={output}", cwd=tmp_path, timeout=120)
+    if where == "below a file":
+        assert_one_line(out, str(tmp_path / "afile"), "is a file, not a directory")
+    else:  # procfs refuses every mkdir with ENOENT; the line names the output field
+        assert_one_line(out, "output: cannot create '/proc/", "choose a directory you can write to")
+    assert not (tmp_path / "cache").exists() and not leftovers(tmp_path)
+
+
 def test_a_file_size_limit_while_writing_the_merge(zoo, tmp_path):
     """The merged weights outgrow RLIMIT_FSIZE (as a full disk would stop them): EFBIG, one line, and the
     half-written temporary directory is gone."""

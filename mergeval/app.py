@@ -238,7 +238,8 @@ def _record_end(store, run_id: str, err: BaseException, timings=None, release: b
         if release:
             store.release_claims()
         if isinstance(err, KeyboardInterrupt):
-            store.interrupt_run(run_id, f"interrupted by {err or 'Ctrl-C'}", timings)
+            # str(): Ctrl-C's KeyboardInterrupt prints as '' (SIGTERM's as "SIGTERM")
+            store.interrupt_run(run_id, f"interrupted by {str(err) or 'Ctrl-C'}", timings)
         else:
             store.fail_run(run_id, f"{type(err).__name__}: {err}", timings)
     except (UserError, OSError):

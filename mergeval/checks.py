@@ -10,6 +10,7 @@ from mergeval.eval.tasks import GENERATED, PREFIX, check_tasks
 from mergeval.methods import get_method
 from mergeval.metrics.composed import check_metric_config
 from mergeval.models.checkpoint import check_vocab_policy
+from mergeval.progress import check_best
 from mergeval.zoo.domains import DOMAINS
 
 
@@ -82,6 +83,10 @@ def validate(cfg: DictConfig):
         check_tasks(generated, cfg.benchmark.n_items, method_cfg.validation_items)
     if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:
         raise UserError("benchmark.limit", f"must be positive, got {cfg.benchmark.limit}", "set it to null or >= 1")
+    if cfg.benchmark.num_fewshot is not None and cfg.benchmark.num_fewshot < 0:
+        raise UserError("benchmark.num_fewshot", f"must be 0 or more, got {cfg.benchmark.num_fewshot}",
+                        "set it to null (each task's own default) or a number of examples >= 0")
+    check_best(cfg.sweep.best)
     if cfg.metric.scale not in ("percent", "fraction"):
         raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
     if cfg.eval.batch_size < 1:

@@ -28,6 +28,7 @@ from mergeval.errors import UserError, from_os_error, os_error_in
 
 def explain(ex: BaseException) -> str | None:
     """One line for a Hydra/OmegaConf composition error, or None if it is not one."""
+    import yaml
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -46,6 +47,12 @@ def explain(ex: BaseException) -> str | None:
             if "not in" in msg or "is not in struct" in msg:
                 return f"{key}: no such field; check the spelling (see conf/ for the fields of each group)"
             return f"{key}: {msg}; fix the value's type"
+    bad_yaml = next((e for e in chain if isinstance(e, yaml.YAMLError)), None)
+    if bad_yaml is not None:  # a config file of the user's (--config-dir, an experiment file) that YAML cannot read
+        mark = getattr(bad_yaml, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark else "a config file"
+        problem = getattr(bad_yaml, "problem", None) or str(bad_yaml).splitlines()[0]
+        return f"{where}: not valid YAML ({problem}); fix the file's syntax there"
     if isinstance(ex, MissingConfigException):
         found = re.search(r"Could not find '([^/']+)/([^']+)'", str(ex))
         options = re.findall(r"^\t(\S+)$", str(ex), flags=re.M)
@@ -239,8 +246,7 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
         if full_error:
             raise
         which = "SIGTERM" if isinstance(err, Interrupted) else "Ctrl-C"
-        print(f"mergeval: interrupted by {which}: stopped, nothing half-written left (the run is recorded as "
-              "interrupted); run the same command again to continue, finished evaluations are reused",
+        print(f"mergeval: interrupted by {which}: stopped, nothing half-written left{_AFTER_INTERRUPTION.get(entry, '')}",
               file=sys.stderr)
         end_now(2)
     except SystemExit as ex:  # a job's failure, its one line printed (failing_cleanly)
@@ -260,6 +266,15 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
             raise
         print(f"mergeval: error: {line}", file=sys.stderr)
         _exit_after_error()
+
+
+# What an interrupted command leaves for the next one, by entry point (the others keep nothing to continue from).
+_AFTER_INTERRUPTION = {
+    **dict.fromkeys(("mergeval", "mergeval.staged", "mergeval.search"),
+                    " (the run is recorded as interrupted); run the same command again to continue, finished "
+                    "evaluations are reused"),
+    "mergeval.merge": "; run the same command again to merge (experts already built are reused)",
+}
 
 
 def _merge_abandoned() -> bool:

@@ -60,6 +60,8 @@ def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_p
     (["modelset.experts.chem.domain=poetry"], "modelset.experts.chem.domain"),
     (["+method.densty=0.3"], "method.densty"),  # a misspelt key added with + is not silently ignored
     (["+benchmark.limt=3"], "benchmark.limt"),
+    (["benchmark.num_fewshot=-1"], "benchmark.num_fewshot"),
+    (["sweep.best=macro_gian"], "sweep.best"),  # once silently left the best-so-far out of a sweep's progress
 ])
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)
@@ -67,6 +69,32 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tm
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"mergeval: error: {field}:"), out.stderr
     assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob(".hydra"))
+
+
+@pytest.mark.parametrize("text,where", [("experts:\n  a:\n    source: x\n   b: 1\n", "line 4, column 4"),
+                                        ("experts:\n\ta: 1\n", "line 2, column 1")])
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_place(text, where, tmp_path):
+    (tmp_path / "conf" / "modelset").mkdir(parents=True)
+    (tmp_path / "conf" / "modelset" / "mine.yaml").write_text(text)
+    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=tiny", "modelset=mine", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"mergeval: error: {tmp_path / 'conf' / 'modelset' / 'mine.yaml'}, {where}: not valid YAML"), out.stderr
+
+
+@pytest.mark.parametrize("best,ok", [("macro_gain", True), ("normalized_mean", True), ("forgetting.mean", True),
+                                     ("groups.math.merged", True), ("macro_gian", False), ("normalized", False),
+                                     ("macro_gain.mean", False)])
+def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
+    from mergeval.errors import UserError
+    from mergeval.progress import check_best
+
+    if ok:
+        check_best(best)
+    else:
+        with pytest.raises(UserError, match="sweep.best"):
+            check_best(best)
 
 
 def test_mismatched_architecture_is_one_line(tmp_path, cache):

@@ -449,6 +449,7 @@ def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
     assert status == 2 and "Traceback" not in err, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: interrupted by"), err[-3000:]
+    assert "run the same command again to merge" in lines[0] and "evaluations" not in lines[0]  # a merge evaluates nothing
     # caught while writing: no output, unless the rename into place won the race (then it is whole)
     assert (not out.exists() or whole(out)) and not leftovers(tmp_path)
 
@@ -602,15 +603,16 @@ def evaluating(zoo, store: Path, cwd: Path) -> subprocess.Popen:
     pytest.fail("the run ended before it started evaluating: " + proc.stderr.read()[-3000:])
 
 
-def test_sigterm_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes(zoo, tmp_path):
+@pytest.mark.parametrize("sig,name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_signal_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishes(zoo, tmp_path, sig, name):
     store = tmp_path / "r.sqlite"
     proc = evaluating(zoo, store, tmp_path)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and err.strip().startswith("mergeval: interrupted by SIGTERM"), err[-3000:]
-    assert len(err.strip().splitlines()) == 1
+    assert proc.returncode == 2 and err.strip().startswith(f"mergeval: interrupted by {name}"), err[-3000:]
+    assert "run the same command again to continue" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "first").exists()
-    assert [s for s, _ in statuses(store)] == ["interrupted"]
+    assert statuses(store) == [("interrupted", f"interrupted by {name}")]  # Ctrl-C's once read "interrupted by "
     with sqlite3.connect(store) as db:
         assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
     again = run_module(*run_cmd(zoo, store, "hydra.run.dir=second")[2:], cwd=tmp_path, env=child_env())

@@ -212,6 +212,22 @@ def test_report_input_mistakes_are_one_line_errors(tmp_path, capsys):
         assert err.startswith("mergeval: error: ") and field in err and err.count("\n") == 1, err
 
 
+def test_runs_or_arguments_the_report_refuses_leave_no_output_directory(tmp_path, capsys):
+    """Each refusal once left an empty --out, or a pareto.png beside no report.md (a bad --param)."""
+    mixed = sweep()
+    mixed[1] = copy.deepcopy(mixed[1])
+    mixed[1]["models"][1]["fingerprint"] = "d" * 32
+    good = str(write_sweep(tmp_path / "good", sweep()))
+    for args, field in (([str(write_sweep(tmp_path / "mixed", mixed))], "runs:"),
+                        ([good, "--tasks", CHEM, "mergeval_nope"], "--tasks:"),
+                        ([good, "--param", "lambda"], "--param:")):
+        out = tmp_path / "out" / "report"
+        assert report_main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mergeval: error: {field}") and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists(), list((tmp_path / "out").rglob("*"))
+
+
 def test_the_pareto_plot_of_many_runs_numbers_them_and_keys_every_label(tmp_path):
     """16 runs, two of them at the same point: each point carries only its run number(s), the key lists every
     label once with the front marked, and the axes name each task's metric."""

@@ -32,33 +32,31 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
 
     if not results:
         raise UserError("runs", "no finished runs to report", "check the paths or the filters")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Everything the runs or the arguments can get wrong is found before --out gets its first file.
     all_tasks = data.common_tasks(results)
     cons = data.constituents(results)
     varying = data.varying_params(results)
-    notes, images, files = [], {}, []
-
     pair = data.pareto_tasks(results, tasks)
-    trade = None
-    if isinstance(pair, str):
+    trade = None if isinstance(pair, str) else data.pareto(results, *pair, [data.run_label(r, varying) for r in results])
+    swept = data.sweep_param(results, param)
+    series = None if swept is None else data.param_series(results, swept, all_tasks)
+    norm_tasks, norm = data.normalized_by_method(results)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes, images, files = [], {}, []
+    if trade is None:
         notes.append(f"pareto.png skipped: {pair}")
     else:
-        trade = data.pareto(results, *pair, [data.run_label(r, varying) for r in results])
         files.append(plots.plot_pareto(trade, out_dir / "pareto.png"))
         images["pareto"] = "pareto.png"
-
-    swept = data.sweep_param(results, param)
     if swept is None:
         notes.append("score_vs_param.png skipped: no run sets a numeric lambda_ or density, and no numeric "
                      "hyperparameter varies; pass --param NAME")
     else:
-        series = data.param_series(results, swept, all_tasks)
         base = {t: score_value(cons["base"]["scores"][t]) for t in all_tasks}
         files.append(plots.plot_score_vs_param(series, swept, all_tasks, base, out_dir / "score_vs_param.png",
                                                data.metric_names(results, all_tasks)))
         images["score_vs_param"] = "score_vs_param.png"
-
-    norm_tasks, norm = data.normalized_by_method(results)
     norm_rows = [{"method": label, **{data.short(t): "undefined" if v[t] is None else f"{v[t]:.2f}"
                                       for t in norm_tasks}} for label, v in norm.items()]
     if norm_tasks:

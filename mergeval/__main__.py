@@ -27,6 +27,7 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
     with failing_cleanly(out_dir):
+        app.check_job_dir(cfg, out_dir)
         if resume.skip(cfg, out_dir, title):  # a resumed sweep's job whose configuration finished before
             return
         outcome = app.run(cfg, out_dir)

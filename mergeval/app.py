@@ -35,6 +35,26 @@ from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
 
 
+def check_job_dir(cfg: DictConfig, out_dir: Path) -> None:
+    """A job directory named twice (``hydra.run.dir=DIR``) must not lose another run's result.json: the same
+    configuration again (a rerun, a resumed sweep) replaces its own, another configuration is refused."""
+    from mergeval.resume import in_multirun
+
+    path = out_dir / "result.json"
+    if not path.exists():
+        return
+    try:
+        earlier = json.loads(path.read_text())
+        same = config_hash(OmegaConf.create(earlier["config"])) == config_hash(cfg)
+        what = f"run {earlier['run_id'][:8]}, method {earlier['config']['method']['name']}"
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or not a result of ours: not ours to replace
+        same, what = False, "unreadable"
+    if not same:
+        field = "hydra.sweep.dir" if in_multirun() else "hydra.run.dir"
+        raise UserError(field, f"'{out_dir}' already holds the result.json of another configuration ({what})",
+                        "choose a new directory (by default each run gets its own) or remove that result.json")
+
+
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     """One run, recorded in the results store: ``running`` from here, then ``failed`` on any error (a user's
     mistake, a fault, a bug), ``interrupted`` on Ctrl-C or SIGTERM, or ``finished`` by ``write_result``. A

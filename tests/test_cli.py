@@ -134,6 +134,23 @@ def test_tiny_run_end_to_end(tmp_path, cache):
     assert "Macro-Gain" in out.stdout and "general_facts" in out.stdout
 
 
+def test_a_job_directory_named_again_keeps_another_configurations_result(tmp_path, cache):
+    """hydra.run.dir given twice once replaced the first run's result.json with the second's (the store's rows
+    both pointing at it); a rerun of the same configuration still replaces its own."""
+    job = tmp_path / "fixed"
+    first = mergeval("+experiment=tiny", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = (job / "result.json").read_text()
+    other = mergeval("+experiment=tiny", "method=ties", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert other.returncode == 2 and other.stderr.strip().splitlines() == [
+        f"mergeval: error: hydra.run.dir: '{job}' already holds the result.json of another configuration (run "
+        f"{json.loads(kept)['run_id'][:8]}, method task_arithmetic); choose a new directory (by default each run "
+        "gets its own) or remove that result.json"], other.stderr[-3000:]
+    assert (job / "result.json").read_text() == kept
+    again = mergeval("+experiment=tiny", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert again.returncode == 0 and read_result(job)["run_id"] != json.loads(kept)["run_id"], again.stderr[-3000:]
+
+
 def test_multirun_writes_one_result_per_job(tmp_path, cache):
     out = mergeval("-m", "+experiment=tiny", "method=linear,task_arithmetic,ties", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -512,6 +513,10 @@ def _claim_alive(host: str, pid: int, since: float, renewed: float | None, *, no
     return pid != os.getpid() and not proc.gone(host, pid)
 
 
+# "postgres//host/db", "postgresql:/host/db", "sqlite:/x": a scheme or "//" in what would be taken for a file path
+_MISSPELT_URL = re.compile(r"^(postgres(ql)?|sqlite)[:/]|^[a-z][a-z0-9+.-]*:/|//", re.IGNORECASE)
+
+
 def open_store(cfg, cache: Path) -> Store:
     """The results store of a run config: ``store.url`` (a PostgreSQL URL, an ``sqlite:///`` URL or a file
     path) or ``store.path`` (a file), default ``<cache>/results.sqlite``; ``store.claim_timeout_s``."""
@@ -527,6 +532,10 @@ def open_store(cfg, cache: Path) -> Store:
         if "://" in url and not is_server_url(url) and not url.startswith("sqlite:///"):
             raise UserError("store.url", f"'{url.split('://')[0]}://' is not a store this mergeval can use",
                             "give postgresql://USER@HOST:PORT/DB, sqlite:///FILE or a file path")
+        if "://" not in url and _MISSPELT_URL.search(url):  # a file path by the rules, a URL by intent
+            raise UserError("store.url", f"'{url}' reads as a URL without its '://', which would make a new "
+                            "SQLite file at that relative path", "write postgresql://USER@HOST:PORT/DB or "
+                            "sqlite:///FILE, or give the file with store.path=FILE")
         return Store(url if is_server_url(url) else sqlite_path(url), field="store.url", claim_timeout_s=timeout)
     return Store(Path(path).expanduser() if path else cache / "results.sqlite", field="store.path",
                  claim_timeout_s=timeout)

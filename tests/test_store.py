@@ -628,3 +628,23 @@ def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tm
     reused = app.run(compose_run_config(settings + ["method.lambda_=0.5"]), tmp_path / "reused")
     assert [m.evaluated for m in reused.models] == ["reused from the results store"] * 4
     assert len(tokenizers) == 2 and reused.models[-1].merge == "reused from the results store"
+
+
+@pytest.mark.parametrize("url,ok", [("postgres//localhost/db", False), ("postgresql:/host/db", False),
+                                    ("sqlite:/tmp/r.sqlite", False), ("runs//r.sqlite", False),
+                                    ("runs/r.sqlite", True), ("sqlite:///r.sqlite", True),
+                                    ("postgres_runs.sqlite", True)])
+def test_a_store_url_that_misses_its_scheme_separator_is_refused(url, ok, tmp_path, monkeypatch):
+    """``postgres//localhost/db`` once made a new SQLite file at that relative path and the run went there."""
+    from omegaconf import OmegaConf
+
+    from mergeval.store import open_store
+
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"store": {"url": url, "path": None}})
+    if ok:
+        assert open_store(cfg, tmp_path).path == Path(url.removeprefix("sqlite:///"))
+    else:
+        with pytest.raises(UserError, match="store.url: .* reads as a URL without its '://'"):
+            open_store(cfg, tmp_path)
+        assert list(tmp_path.iterdir()) == []

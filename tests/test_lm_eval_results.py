@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mergeval.errors import UserError
 from mergeval.interop.lm_eval_import import compose_run_config, import_results, main as import_main
 from mergeval.store import Store
 
@@ -169,6 +170,13 @@ def test_exported_files_are_read_where_lm_eval_puts_numbers_and_import_back(lm_e
     cfg = compose_run_config(overrides(tmp_path / "other.sqlite"))
     again = import_results(cfg, tmp_path / "out" / "results_chem.json", chem.path)
     assert again["stored"][TASK]["value"] == outcome.scores[TASK]["chem"]["value"]
+    # the same run exported again replaces its own files; another run's are refused (once silently replaced)
+    assert export_run(imported_run["store"], outcome.run_id[:8], tmp_path / "out", rebuild=False) == written
+    merged["mergeval"]["run_id"] = "f" * 32
+    (tmp_path / "out" / "results_merged.json").write_text(json.dumps(merged))
+    with pytest.raises(UserError, match="results_merged.json is from run ffffffff; export each run into a dir"):
+        export_run(imported_run["store"], outcome.run_id[:8], tmp_path / "out", rebuild=False)
+    assert json.loads((tmp_path / "out" / "results_merged.json").read_text())["mergeval"]["run_id"] == "f" * 32
 
 
 def test_the_saved_merge_loads_and_its_card_has_inputs_and_evaluation(imported_run):

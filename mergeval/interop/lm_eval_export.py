@@ -112,6 +112,7 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
     settings = eval_settings(cfg)
     settings["lm_eval"] = (run.get("versions") or {}).get("lm_eval") or settings["lm_eval"]
     digests = run["result"]["task_digests"]
+    _refuse_other_runs_files(out_dir, run["run_id"])
     make_dirs(out_dir)
     written = []
     for model in run["models"]:
@@ -121,6 +122,19 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
                                            default=str) + "\n")
         written.append(path)
     return written
+
+
+def _refuse_other_runs_files(out_dir: Path, run_id: str) -> None:
+    """An export into a directory that holds another run's results files would replace some and keep others
+    (another run's roles): refused. The same run exported again replaces its own files."""
+    for path in sorted(out_dir.glob("results_*.json")) if out_dir.is_dir() else []:
+        try:
+            other = json.loads(path.read_text())["mergeval"]["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            other = None  # not an export of ours: not ours to replace either
+        if other != run_id:
+            raise UserError("DIR", f"{path} is {'from run ' + other[:8] if other else 'not an export of this run'}",
+                            "export each run into a directory of its own")
 
 
 def _finished_run(store, run_id: str) -> dict:

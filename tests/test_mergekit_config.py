@@ -162,6 +162,11 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
     ({"parameters": {"epsilon": 0.1}}, "mergekit.parameters.epsilon"),
     ({"parameters": {"normalize": [{"filter": "mlp", "value": True}]}}, "mergekit.parameters.normalize"),
     ({"base_model": None}, "mergekit.base_model"),
+    ({"base_model": "./no/such/base"}, "mergekit.base_model"),  # a mistyped path is not a hub id to download
+    ({"models": [{"model": "/no/such/dir", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
+    ({"models": [{"model": "MATH", "parameters": {"weight": 1, "densty": 0.5}}]},
+     "mergekit.models[0].parameters.densty"),
+    ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
 ])
 def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
     doc = {"merge_method": "ties", "base_model": str(models["base"]),
@@ -171,6 +176,10 @@ def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
     with pytest.raises(UserError) as err:
         from_mergekit(doc)
     assert err.value.field == field
+    if field.endswith(("densty", "lamda")):  # a typo gets the name it missed (it was told to move the key)
+        assert err.value.fix == f"did you mean {'density' if 'densty' in field else 'lambda'}?", err.value
+    if "no/such" in str(patch):
+        assert err.value.problem.startswith("no such model directory"), err.value
 
 
 def test_paper_mode_merges_are_not_exported(models):

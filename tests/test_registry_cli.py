@@ -56,6 +56,15 @@ def test_check_lists_what_a_paper_experiment_misses_offline(name, tmp_path, cach
     assert not (tmp_path / "outputs").exists()
 
 
+def test_check_calls_a_mistyped_local_path_missing_not_a_hub_download(tmp_path, cache):
+    """It once said the path was not in the Hugging Face cache and offered `hf download /abs/path`."""
+    out = run("mergeval.check", "+experiment=tiny_registry", "modelset.experts.chem.domain=null",
+              f"modelset.experts.chem.source={tmp_path / 'no' / 'such'}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    line = next(p for p in out.stderr.splitlines() if "modelset.experts.chem" in p)
+    assert "no such directory" in line and "hf download" not in line, line
+
+
 def test_check_says_ready_when_everything_is_local(tmp_path, cache):
     out = run("mergeval.check", "+experiment=tiny_registry", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

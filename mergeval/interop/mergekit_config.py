@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from mergeval.errors import UserError
+from mergeval.models.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
            "della", "della_linear", "slerp", "model_stock", "sce")
@@ -80,10 +81,22 @@ def _source(ref: Any, field: str) -> str:
     local = Path(ref).expanduser()
     if local.is_dir():
         return str(local.resolve())
+    if looks_like_path(ref):
+        raise UserError(field, f"no such model directory '{local}'",
+                        "point it at a directory with config.json and *.safetensors, or give a Hugging Face id")
     if "@" in ref:
         raise UserError(field, f"'{ref}' pins a revision, which mergeval's sources cannot",
                         "download that revision and give its directory")
     return f"hf:{ref}"
+
+
+def _not_a_parameter(field: str, param: str, method: str, known) -> UserError:
+    """A parameter the method does not have: the nearest known name when it looks like a typo."""
+    import difflib
+
+    near = difflib.get_close_matches(param, [p for p in (*known, *RENAME) if p not in RENAME.values()], n=1)
+    return UserError(field, f"is not a parameter of {method}",
+                     f"did you mean {near[0]}?" if near else f"remove it (mergekit's {method} has no {param})")
 
 
 def _glob(filter_: str | None) -> str:
@@ -183,7 +196,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         if param in NO_EFFECT:
             return
         if target not in names and not (param == "weight" and "weights" in names):
-            raise UserError(field, f"is not a parameter of {name}", f"remove it (mergekit's {name} has no {param})")
+            raise _not_a_parameter(field, param, name, names)
         for glob, v in _setting(value, field):
             if isinstance(v, str) or isinstance(v, bool):
                 if glob != "*" or expert is not None:
@@ -206,6 +219,8 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         put(key, value, f"{where}.parameters.{key}", None)
     for i, (_, params, field) in enumerate(weighted):
         for key, value in params.items():
+            if key not in PER_MODEL and RENAME.get(key, key) not in names and key not in NO_EFFECT:  # a typo
+                raise _not_a_parameter(f"{field}.parameters.{key}", key, name, PER_MODEL)
             if key not in PER_MODEL:
                 raise UserError(f"{field}.parameters.{key}", "mergekit reads it only from the global parameters",
                                 f"move {key} under parameters:")

@@ -33,6 +33,12 @@ def resolve_source(spec: str, field: str, cache: Path, offline: bool) -> Path:
     return _local_dir(path, field)
 
 
+def looks_like_path(spec: str) -> bool:
+    """A source written as a file-system path (absolute, relative with ./ or ../, ~, or deeper than org/name):
+    when it does not exist it is a mistyped directory, never a Hugging Face id to fetch."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+
+
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))

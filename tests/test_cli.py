@@ -97,6 +97,22 @@ def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
             check_best(best)
 
 
+@pytest.mark.parametrize("copy_of", ["the base", "expert chem"])
+def test_an_expert_that_is_a_copy_is_refused(copy_of, tmp_path, cache):
+    """A copy of the base (zero task vector) or of another expert (its task vector counted twice) once merged
+    without a word; the base's copy only drew a "train the expert longer" warning."""
+    from mergeval.zoo.tiny import zoo_dir
+
+    source = zoo_dir("tiny", cache) if copy_of == "the base" else None
+    units = [f"modelset.experts.units.source={source}"] if source else ["modelset.experts.units.domain=chem_count"]
+    out = mergeval("+experiment=tiny", "modelset.experts.units.domain=null" if source else "modelset.experts.units.task=null",
+                   *units, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.strip().splitlines() if "building expert" not in ln]  # chem's first build
+    assert len(lines) == 1 and lines[0].startswith("mergeval: error: modelset.experts.units: is "), out.stderr
+    assert ("the base model itself" if copy_of == "the base" else "the same model as expert chem") in lines[0]
+
+
 def test_mismatched_architecture_is_one_line(tmp_path, cache):
     from mergeval.zoo.tiny import ZOO, zoo_dir
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mergeval.errors import UserError
 from mergeval.models.checkpoint import check_compatible
 from mergeval.models.fingerprint import fingerprint
 from mergeval.models.sources import resolve_source
@@ -36,5 +37,24 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
         models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
+        _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
     check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
     return base_dir, expert_dirs, models
+
+
+def _refuse_a_copy(models: list[ModelInfo]) -> None:
+    """The last expert of ``models`` must differ (by fingerprint) from the base and from every earlier expert.
+
+    A copy of the base has a zero task vector, and its "does not beat the base" warning sent users to train it
+    longer; a second copy of an expert silently counts its task vector twice. Both are modelset mistakes."""
+    last = models[-1]
+    first = next((m for m in models[:-1] if m.fingerprint == last.fingerprint), None)
+    if first is None:
+        return
+    if first.role == "base":
+        raise UserError(f"modelset.experts.{last.role}", f"is the base model itself ({last.source}): its task "
+                        "vector is zero", "point it at a model fine-tuned from the base")
+    raise UserError(f"modelset.experts.{last.role}", f"is the same model as expert {first.role} ({last.source})",
+                    f"point one of them at another model, or remove {last.role} (a larger share of one expert is "
+                    "a weight: method.weights)")
+

@@ -54,7 +54,7 @@ def explain(ex: BaseException) -> str | None:
         problem = getattr(bad_yaml, "problem", None) or str(bad_yaml).splitlines()[0]
         return f"{where}: not valid YAML ({problem}); fix the file's syntax there"
     if isinstance(ex, MissingConfigException):
-        found = re.search(r"Could not find '([^/']+)/([^']+)'", str(ex))
+        found = re.search(r"Could not find '([^']+)/([^/']+)'", str(ex))
         options = re.findall(r"^\t(\S+)$", str(ex), flags=re.M)
         options = [o for o in options if not o.endswith("_schema")]
         if found:

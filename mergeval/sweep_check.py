@@ -86,16 +86,33 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
 
 def _hydra_config(overrides: list[str]):
     """The ``hydra`` node composed with ``overrides`` (each swept override at its first value), or None."""
+    return _composed_hydra(tuple(overrides))[0]
+
+
+def hydra_problem(argv: list[str]) -> str | None:
+    """The one line for a mistake in the sweep's own Hydra settings (``hydra/launcher=paralel``): found before
+    the progress line says "sweep 0/2 done" and Hydra then fails; None when there is none (a job's mistake
+    is check_sweep's, per job)."""
+    from mergeval.cli import explain
+
+    error = _composed_hydra(tuple(a for a in argv if not a.startswith("-")))[1]
+    line = None if error is None else explain(error)
+    return line if line is not None and line.startswith("hydra") else None
+
+
+@functools.lru_cache(maxsize=4)
+def _composed_hydra(overrides: tuple[str, ...]) -> tuple[object | None, Exception | None]:
+    """(the ``hydra`` node, None), or (None, the composition's error) for ``overrides`` at their first values."""
     from hydra import compose, initialize_config_module
 
-    first = expand(overrides)
+    first = expand(list(overrides))
     if first is None:
-        return None
+        return None, None
     try:
         with initialize_config_module("mergeval.conf", version_base="1.3"):
-            return compose("config", overrides=first[0], return_hydra_config=True).hydra
-    except Exception:  # noqa: BLE001  a bad override: check_sweep or Hydra itself says so
-        return None
+            return compose("config", overrides=first[0], return_hydra_config=True).hydra, None
+    except Exception as ex:  # noqa: BLE001  a bad override: hydra_problem, check_sweep or Hydra itself says so
+        return None, ex
 
 
 def check_sweep(argv: list[str]) -> list[str]:
@@ -105,6 +122,9 @@ def check_sweep(argv: list[str]) -> list[str]:
     from mergeval.checks import validate
     from mergeval.cli import explain
 
+    problem = hydra_problem(argv)
+    if problem is not None:
+        return [problem]
     jobs = jobs_of(argv)
     if jobs is None or len(jobs) < 2:
         return []

@@ -113,6 +113,17 @@ def test_an_expert_that_is_a_copy_is_refused(copy_of, tmp_path, cache):
     assert ("the base model itself" if copy_of == "the base" else "the same model as expert chem") in lines[0]
 
 
+def test_a_sweep_with_a_mistyped_launcher_says_so_before_any_progress(tmp_path):
+    """The sweep's progress once printed "sweep 0/2 done" (or "2/2 done" and the best, where the jobs had
+    run before) and then Hydra failed on the launcher."""
+    out = mergeval("-m", "+experiment=tiny", "hydra/launcher=paralel", "method.lambda_=0.7,0.8", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "mergeval: error: hydra/launcher: unknown option 'paralel'; choose one of: basic, "), out.stderr
+    assert " parallel," in lines[0]
+
+
 def test_mismatched_architecture_is_one_line(tmp_path, cache):
     from mergeval.zoo.tiny import ZOO, zoo_dir
 

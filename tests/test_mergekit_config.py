@@ -167,6 +167,7 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
     ({"models": [{"model": "MATH", "parameters": {"weight": 1, "densty": 0.5}}]},
      "mergekit.models[0].parameters.densty"),
     ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
+    ({"dtype": "float31"}, "mergekit.dtype"),  # refused before the note about dtype was printed
 ])
 def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
     doc = {"merge_method": "ties", "base_model": str(models["base"]),

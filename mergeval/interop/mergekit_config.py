@@ -163,6 +163,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     if tok not in (None, "base") and tok != base_ref:
         raise UserError(f"{where}.tokenizer_source", f"'{tok}': mergeval keeps the base model's tokenizer",
                         "remove tokenizer_source or set it to base")
+    for key in ("dtype", "out_dtype"):  # before any note about them is printed
+        if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
+            raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
     if doc.get("dtype") not in (None, "float32", "fp32"):
         notes.append(f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
                      f"{doc['dtype']}, so its tensors differ by that rounding)")

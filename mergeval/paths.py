@@ -20,7 +20,17 @@ def cache_root(cache_dir: str | None) -> Path:
     """``cache_dir`` from the config, else $MERGEVAL_CACHE, else the user cache dir."""
     root = cache_dir or os.environ.get("MERGEVAL_CACHE") or user_cache_dir("mergeval")
     path = Path(root).expanduser().resolve()
-    make_dirs(path)
+    try:
+        make_dirs(path)
+    except OSError as err:  # the line names the setting that chose the place, not only the place
+        from mergeval.errors import UserError, from_os_error
+
+        known = from_os_error(err)
+        if known is None:
+            raise
+        field = "cache_dir" if cache_dir else "$MERGEVAL_CACHE" if os.environ.get("MERGEVAL_CACHE") else "cache_dir"
+        raise UserError(field, f"'{known.field}' {known.problem}",
+                        f"{known.fix} (cache_dir=DIR or $MERGEVAL_CACHE)") from None
     return path
 
 
@@ -109,7 +119,7 @@ def make_dirs(directory: Path) -> None:
     """``mkdir -p``, with the OSError naming the first path in the way (an existing file, a read-only parent)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as err:  # a file where a directory should be, at ``directory`` or above it
+    except (FileExistsError, NotADirectoryError) as err:  # a file where a directory should be, here or above
         blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
         raise NotADirectoryError(errno.ENOTDIR, "is a file, not a directory", str(blocker)) from err
 

@@ -310,11 +310,13 @@ def test_a_full_disk_under_a_native_writer_is_one_line_naming_the_directory(zoo,
     assert user_failure(SafetensorError("header too large")) is None  # not the environment: a bug, traceback
 
 
-def test_cache_dir_below_a_file(zoo, tmp_path):
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_cache_dir_below_a_file(zoo, tmp_path, below):
+    """The line names the setting and the file in the way (below it, the file's path, not the one asked for)."""
     (tmp_path / "afile").write_text("x")
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"cache_dir={tmp_path / 'afile'}",
-              f"output={tmp_path / 'out'}", cwd=tmp_path)
-    assert_one_line(out, str(tmp_path / "afile"), "is a file")
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+              f"cache_dir={tmp_path / 'afile' / below}", f"output={tmp_path / 'out'}", cwd=tmp_path)
+    assert_one_line(out, f"cache_dir: '{tmp_path / 'afile'}' is a file, not a directory")
 
 
 # ---------------------------------------------------------------- the results store

@@ -124,6 +124,29 @@ def test_a_sweep_with_a_mistyped_launcher_says_so_before_any_progress(tmp_path):
     assert " parallel," in lines[0]
 
 
+def test_an_expert_with_another_tokenizer_is_refused(tmp_path, cache):
+    """Every model is evaluated with the base's tokenizer: an expert shipping another one (here two tokens'
+    ids swapped, the vocabulary's size unchanged) was once scored with the base's without a word."""
+    import shutil
+
+    from mergeval.zoo.tiny import zoo_dir
+
+    expert = tmp_path / "expert"
+    shutil.copytree(zoo_dir("tiny", cache), expert)
+    doc = json.loads((expert / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (expert / "tokenizer.json").write_text(json.dumps(doc))
+    out = mergeval("+experiment=tiny", "modelset.experts.units.domain=null", f"modelset.experts.units.source={expert}",
+                   cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        "mergeval: error: modelset.experts.units: its tokenizer differs from the base's (model in tokenizer.json), "
+        "and every model is evaluated with the base's; merge models that share the base's tokenizer, or set "
+        "vocab_policy=union or truncate to merge across vocabularies anyway"], out.stderr
+
+
 def test_mismatched_architecture_is_one_line(tmp_path, cache):
     from mergeval.zoo.tiny import ZOO, zoo_dir
 

@@ -122,6 +122,35 @@ def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str 
                                 f"{list(base_shapes[tensor])}", "merge only checkpoints with identical shapes")
         if vocab or vocab_size(cfg) != vocab_size(base_cfg):
             _check_vocab(field, vocab, base_shapes, vocab_size(base_cfg), vocab_size(cfg), vocab_policy)
+        if vocab_policy == "error":
+            _check_tokenizer(field, base_dir, path)
+
+
+# The parts of tokenizer.json that decide which ids a text becomes; not padding or truncation (the evaluation
+# sets its own) nor the decoder.
+TOKENIZING = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")
+
+
+def _tokenizing(model_dir: Path) -> dict | None:
+    """TOKENIZING's parts of ``model_dir``'s tokenizer.json; None without a readable one (a model without its
+    own tokenizer is evaluated with the base's, which is what it means; a damaged one fails where it loads)."""
+    try:
+        doc = json.loads((model_dir / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {key: doc.get(key) for key in TOKENIZING} if isinstance(doc, dict) else None
+
+
+def _check_tokenizer(field: str, base_dir: Path, path: Path) -> None:
+    """Every model of a run is evaluated with the base's tokenizer: an expert that ships another one (same
+    vocabulary size, other tokens or rules) would be scored on ids it was never trained on."""
+    theirs, base = _tokenizing(path), _tokenizing(base_dir)
+    if theirs is None or base is None or theirs == base:
+        return
+    parts = [key for key in TOKENIZING if theirs[key] != base[key]]
+    raise UserError(field, f"its tokenizer differs from the base's ({', '.join(parts)} in tokenizer.json), and "
+                    "every model is evaluated with the base's", "merge models that share the base's tokenizer, or "
+                    "set vocab_policy=union or truncate to merge across vocabularies anyway")
 
 
 def _check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dict[str, tuple[int, ...]],

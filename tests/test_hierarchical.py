@@ -130,6 +130,13 @@ def test_bad_configs():
     assert err.value.field == "method.num_attention_heads"
     filled = fill_head_counts(HierarchicalConfig(), {"num_attention_heads": 9, "num_key_value_heads": 3})
     assert (filled.num_attention_heads, filled.num_key_value_heads) == (9, 3)
+    # counts given against the base's config.json were once used as given, aligning the wrong head slices
+    for given, key in (({"num_attention_heads": 8}, "num_attention_heads"), ({"num_key_value_heads": 1}, "num_key_value_heads")):
+        with pytest.raises(UserError, match="the base's config.json says") as err:
+            fill_head_counts(HierarchicalConfig(**given), {"num_attention_heads": 4, "num_key_value_heads": 2})
+        assert err.value.field == f"method.{key}"
+    same = fill_head_counts(HierarchicalConfig(num_attention_heads=4), {"num_attention_heads": 4, "num_key_value_heads": 2})
+    assert (same.num_attention_heads, same.num_key_value_heads) == (4, 2)
 
 
 def test_cosine_weight_at_an_intermediate_angle_by_hand():

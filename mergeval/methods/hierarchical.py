@@ -169,6 +169,11 @@ def fill_head_counts(cfg: HierarchicalConfig, model_config: dict) -> Hierarchica
     """Head counts from the base's config.json where the method config leaves them null."""
     import dataclasses
 
+    for key in ("num_attention_heads", "num_key_value_heads"):  # given where the config.json says otherwise
+        given, actual = getattr(cfg, key), model_config.get(key)
+        if given is not None and actual is not None and given != actual:
+            raise UserError(f"method.{key}", f"is {given} but the base's config.json says {actual}",
+                            f"leave it null (read from the base) or set it to {actual}")
     heads = cfg.num_attention_heads or model_config.get("num_attention_heads")
     kv = cfg.num_key_value_heads or model_config.get("num_key_value_heads") or heads
     if cfg.align == "heads" and (heads is None or heads % kv):

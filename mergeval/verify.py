@@ -124,6 +124,18 @@ def select_claims(spec: Spec, tags: list[str], ids: list[str]):
     return [c for c in spec.claims if c.id in ids or set(c.tags) & set(tags)]
 
 
+def refuse_unusable_runs(spec_name: str, runs, results: list[ClaimResult]) -> None:
+    """Runs given that evaluate none of the spec's run claims are the wrong runs (another spec's, a sweep not
+    yet run): said in one line, where the report would end in exit 0 with every run claim "not run"."""
+    using = [r for r in results if r.uses_runs]
+    if runs is None or not using or any(r.status != "not run" for r in using):
+        return
+    raise UserError("--run", f"the {len(runs)} run(s) given evaluate none of spec {spec_name}'s {len(using)} run "
+                    f"claim checks (the first: {using[0].detail or 'no matching run'})",
+                    f"give runs of {spec_name}'s setups (python -m mergeval.verify {spec_name} lists what each "
+                    "claim needs), or the spec these runs belong to")
+
+
 def exit_status(checks: list[CellCheck], results: list[ClaimResult], strict: bool) -> int:
     """0 or 1 as the module docstring defines it."""
     if any(c.failed for c in checks) or any(r.status == "fail" for r in results):
@@ -284,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.run) if args.run is not None else None
         checks = spec.check_tables()
         results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
+        refuse_unusable_runs(spec.name, runs, results)
         for name in args.recorded or []:
             if name not in spec.verdicts:
                 raise UserError("--recorded", f"spec {spec.name} records no verdicts named '{name}'",

@@ -467,6 +467,16 @@ def test_cli_exit_codes_with_runs(tmp_path, capsys):
     assert run_cli(capsys, spec, "--run", str(run), "--claim", "ok")[0] == 0
 
 
+def test_runs_that_evaluate_none_of_the_run_claims_are_one_line_exit_2(tmp_path, capsys):
+    """Another spec's runs once gave exit 0, every run claim "not run" (a pass unless --strict)."""
+    run = write_run(tmp_path, "r", SCORES)
+    missing = "- {id: gone, says: s, left: {where: {method: cmm}, metric: macro_gain}, op: '>', right: 0}\n"
+    code, out, err = run_cli(capsys, spec_file(tmp_path, missing), "--run", str(run))
+    assert code == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("mergeval: error: --run: the 1 run(s) given evaluate none of spec demo's 1 run claim checks")
+    assert run_cli(capsys, spec_file(tmp_path, missing))[0] == 0  # without --run they are listed, as before
+
+
 def test_cli_fails_on_a_table_that_does_not_recompute(tmp_path, capsys):
     extra = 'tables: {t: {columns: [a, b, avg], rows: {r: "1.00 2.00 1.60"}, derived: {avg: {mean: [a, b]}}}}\n'
     code, out, _ = run_cli(capsys, spec_file(tmp_path, "[]\n", extra))

@@ -66,6 +66,12 @@ def explain(ex: BaseException) -> str | None:
         found = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
         if found:
             return found[-1]
+    shape = re.search(r"In '([^']+)': ValidationError.*?Invalid type assigned: (\w+) is not a subclass of (\w+)",
+                      str(ex), flags=re.S)
+    if shape:  # a config file of the user's whose top level is not a mapping of the group's fields
+        where, got, schema = shape.groups()
+        return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
+                f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
     if isinstance(ex, HydraException):
         lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
         return "; ".join(lines[:2])

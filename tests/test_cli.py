@@ -83,6 +83,15 @@ def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_place(text, where
         f"mergeval: error: {tmp_path / 'conf' / 'modelset' / 'mine.yaml'}, {where}: not valid YAML"), out.stderr
 
 
+def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
+    (tmp_path / "conf" / "benchmark").mkdir(parents=True)
+    (tmp_path / "conf" / "benchmark" / "mine.yaml").write_text("- a\n- b\n")
+    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=tiny", "benchmark=mine", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "mergeval: error: benchmark/mine: the file holds a list, where the fields of a BenchmarkConfig belong; "
+        "write it as 'field: value' lines (see conf/benchmark/ for examples)"], out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("best,ok", [("macro_gain", True), ("normalized_mean", True), ("forgetting.mean", True),
                                      ("groups.math.merged", True), ("macro_gian", False), ("normalized", False),
                                      ("macro_gain.mean", False)])

@@ -24,7 +24,11 @@ def main(cfg: DictConfig) -> None:
     from mergeval import app, resume
     from mergeval.report.table import render
 
+    from mergeval.interop import mergekit_config
+
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    with failing_cleanly(out_dir):  # a mergekit file's method and models, before the title and the store name them
+        mergekit_config.apply(cfg)
     title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
     with failing_cleanly(out_dir):
         app.check_job_dir(cfg, out_dir)

@@ -210,6 +210,26 @@ def test_a_job_directory_named_again_keeps_another_configurations_result(tmp_pat
     assert again.returncode == 0 and read_result(job)["run_id"] != json.loads(kept)["run_id"], again.stderr[-3000:]
 
 
+def test_a_mergekit_file_run_is_titled_and_recorded_by_the_files_method_and_models(tmp_path, tiny_dir):
+    """The table's title and the store's row once named the default's quickstart and task_arithmetic."""
+    import sqlite3
+
+    import yaml
+
+    from tests.test_engine import make_expert
+
+    experts = [make_expert(tiny_dir, tmp_path / f"e{i}", seed=i) for i in (1, 2)]
+    path = tmp_path / "ties.yaml"
+    path.write_text(yaml.safe_dump({"merge_method": "ties", "base_model": str(tiny_dir), "parameters": {"density": 0.5},
+                                    "models": [{"model": str(e), "parameters": {"weight": 1.0}} for e in experts]}))
+    store = tmp_path / "r.sqlite"
+    out = mergeval(f"mergekit={path}", "benchmark=tiny", "eval.dtype=float32", f"store.path={store}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mergekit_ties · ties · tiny" in out.stdout, out.stdout
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT experiment, method FROM runs").fetchall() == [("mergekit_ties", "ties")]
+
+
 def test_multirun_writes_one_result_per_job(tmp_path, cache):
     out = mergeval("-m", "+experiment=tiny", "method=linear,task_arithmetic,ties", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -267,6 +267,9 @@ def _expert_names(refs: list[tuple[str, str]]) -> dict[str, dict]:
     return out
 
 
+_NOTED: set[str] = set()
+
+
 def apply(cfg) -> None:
     """Replace ``cfg.method`` and ``cfg.modelset`` in place by the file named in ``cfg.mergekit`` (if any)."""
     from omegaconf import OmegaConf, open_dict
@@ -280,7 +283,9 @@ def apply(cfg) -> None:
     doc = load(path)
     method_cfg, modelset, notes = from_mergekit(doc)
     for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+        if note not in _NOTED:  # a job applies the file before it starts, and validate again
+            _NOTED.add(note)
+            print(f"note: {note}", file=sys.stderr)
     schema = get_method(method_cfg["name"]).config
     written = output_dtype(doc)
     with open_dict(cfg):

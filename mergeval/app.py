@@ -112,7 +112,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
     options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
     key = merge_key(inputs, method_cfg, cfg.seed, options)
-    done = None if cfg.eval.force or cfg.save_merged else store.evaluated_merge(key, digests, settings, metrics)
+    # similarity needs the merged tensors, which a merge reused from the store does not have
+    fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
+    done = None if fresh else store.evaluated_merge(key, digests, settings, metrics)
     merged_model = merged = None
     if done:  # merged and scored before with these inputs, method config and seed: do neither again
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))

@@ -57,12 +57,16 @@ def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list
     roles = constituent_roles(getattr(metric, "constituents", "experts"), [m.role for m in models])
     merged = [scores[t][MERGED]["value"] for t in tasks]
     constituents = [[scores[t][role]["value"] for t in tasks] for role in roles]
-    normalized = {}
+    normalized, unlearned = {}, []
     for e in experts:
         if e.task is not None and e.task in tasks:
             s = scores[e.task]
             normalized[e.task] = normalized_score(s[MERGED]["value"], s["base"]["value"], s[e.role]["value"])
-    mean = mean_normalized_score(normalized.values())
+            if s[e.role]["value"] <= s["base"]["value"]:  # no gain to keep: the ratio says nothing about the merge
+                unlearned.append(e.task)
+    # the mean and its band count only the tasks whose expert beats the base (an expert that lost to the base
+    # gave a "good" band from ratios the table calls meaningless); undefined when none does
+    mean = mean_normalized_score(v for t, v in normalized.items() if t not in unlearned)
     return {
         "scale": scale,
         "constituents": roles,
@@ -70,6 +74,7 @@ def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list
         "macro_og": macro_og(merged, constituents, scale=scale),
         "normalized": normalized,
         "normalized_mean": mean,
+        "normalized_not_counted": unlearned,
         "normalized_band": band(mean),
         "groups": group_scores(scores, [m.role for m in models], metric),
         "forgetting": forgetting_of_merge(scores, metric, MERGED),

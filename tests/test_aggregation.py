@@ -75,6 +75,18 @@ def test_an_expert_no_better_than_the_base_has_no_normalized_score():
     assert agg["normalized_band"] == "moderate"
 
 
+def test_an_expert_below_the_base_keeps_its_ratio_but_leaves_the_mean():
+    """units' expert 0.20 < base 0.30: (0.40 - 0.30) / (0.20 - 0.30) = -1 is shown, but the mean and its band
+    once counted such ratios (a tiny run printed "1.00 (good)" from -1 and 3)."""
+    table = dict(TABLE, units=(0.30, 0.25, 0.20, 0.40))
+    agg = aggregate(scores(table), TASKS, MODELS, metric())
+    assert agg["normalized"] == {"chem": pytest.approx(0.75), "units": pytest.approx(-1.0)}
+    assert agg["normalized_not_counted"] == ["units"]
+    assert agg["normalized_mean"] == pytest.approx(0.75) and agg["normalized_band"] == "moderate"
+    both = aggregate(scores(dict(table, chem=(0.20, 0.10, 0.50, 0.30))), TASKS, MODELS, metric())
+    assert both["normalized_mean"] is None and both["normalized_band"] == "undefined"
+
+
 def test_group_means_rescale_each_group_and_forgetting_is_base_minus_merged():
     agg = aggregate(scores(), TASKS, MODELS, metric())
     # weighting=tasks: the plain mean of the rescaled tasks, e.g. merged (100*0.5 + 100*0.4 + 50*0.65) / 3

@@ -230,6 +230,17 @@ def test_a_mergekit_file_run_is_titled_and_recorded_by_the_files_method_and_mode
         assert db.execute("SELECT experiment, method FROM runs").fetchall() == [("mergekit_ties", "ties")]
 
 
+def test_similarity_to_the_merge_is_there_when_the_merge_was_stored_before(tmp_path, cache):
+    """A merge reused from the store has no tensors, so "a~merged" once vanished from the second run."""
+    store = f"store.path={tmp_path / 'r.sqlite'}"
+    for job in ("first", "second"):
+        out = mergeval("+experiment=tiny", "metric=full", "method.lambda_=0.7", store, f"hydra.run.dir={job}",
+                       cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert set(read_result(tmp_path / job)["aggregates"]["similarity"]) == {"chem~units", "chem~merged",
+                                                                                "units~merged"}, job
+
+
 def test_multirun_writes_one_result_per_job(tmp_path, cache):
     out = mergeval("-m", "+experiment=tiny", "method=linear,task_arithmetic,ties", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

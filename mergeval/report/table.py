@@ -37,9 +37,10 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     console.print(table)
     agg = outcome.aggregates
     unit = " pts" if agg["scale"] == "percent" else ""
-    mean = agg["normalized_mean"]
+    mean, left_out = agg["normalized_mean"], agg.get("normalized_not_counted") or []
+    over = "expert tasks" if not left_out else f"{len(norm) - len(left_out)} of {len(norm)} expert tasks"
     console.print(f"Macro-Gain {agg['macro_gain']:+.2f}{unit}   Macro-OG {agg['macro_og']:+.2f}{unit}   "
-                  f"normalized (mean over expert tasks) "
+                  f"normalized (mean over {over}) "
                   f"{'undefined' if mean is None else fixed(mean)} ({agg['normalized_band']})")
     for line in _unlearned(outcome):
         console.print(f"[yellow]{line}[/yellow]")
@@ -85,7 +86,8 @@ def _unlearned(outcome: Outcome) -> list[str]:
             own, base = score_value(outcome.scores[m.task][m.role]), score_value(outcome.scores[m.task]["base"])
             if own <= base:
                 out.append(f"{m.role} does not beat the base on its own task {m.task} ({own:.3f} vs {base:.3f}): "
-                           "its normalized score is meaningless; train the expert longer or check its task")
+                           "its normalized score is meaningless and not in the mean; train the expert longer or "
+                           "check its task")
     return out
 
 

@@ -118,6 +118,8 @@ def test_the_swept_parameter_and_its_series():
     assert [x for x, _, _ in series["ties density=0.5"][UNITS]] == [0.3, 1.0]
     only_linear = [r for r in runs if r["run_id"] == "lin"]
     assert data.sweep_param(only_linear, None) is None  # normalize is a bool, weights unset: nothing numeric
+    at_one_lambda = [r for r in runs if r["run_id"] in ("ta10", "ti10", "lin")]
+    assert data.sweep_param(at_one_lambda, None) is None  # a sweep over methods at lambda_ 1: once a plot at one x
 
 
 def test_normalized_scores_take_each_methods_best_run():
@@ -197,7 +199,7 @@ def test_a_plot_the_runs_cannot_support_is_skipped_with_its_reason(tmp_path):
     out = tmp_path / "report"
     assert report_main([str(write_sweep(tmp_path, only_linear)), "--out", str(out)]) == 0
     assert not (out / "score_vs_param.png").exists() and is_png(out / "pareto.png")
-    assert "score_vs_param.png skipped: no run sets a numeric lambda_ or density" in (out / "report.md").read_text()
+    assert "score_vs_param.png skipped: no numeric hyperparameter varies" in (out / "report.md").read_text()
 
 
 def test_report_input_mistakes_are_one_line_errors(tmp_path, capsys):

@@ -50,8 +50,8 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
         files.append(plots.plot_pareto(trade, out_dir / "pareto.png"))
         images["pareto"] = "pareto.png"
     if swept is None:
-        notes.append("score_vs_param.png skipped: no run sets a numeric lambda_ or density, and no numeric "
-                     "hyperparameter varies; pass --param NAME")
+        notes.append("score_vs_param.png skipped: no numeric hyperparameter varies across the runs; pass "
+                     "--param NAME")
     else:
         base = {t: score_value(cons["base"]["scores"][t]) for t in all_tasks}
         files.append(plots.plot_score_vs_param(series, swept, all_tasks, base, out_dir / "score_vs_param.png",

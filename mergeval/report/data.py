@@ -188,7 +188,8 @@ def sweep_param(results: list[dict], requested: str | None) -> str | None:
 
     The requested one (it must be numeric in some run); else the numeric
     hyperparameter that varies across runs, preferring lambda_ then density;
-    else lambda_ or density if set at all; else None.
+    else None: a parameter with one value (a sweep over methods at lambda_ 1)
+    would put every point at one x.
     """
     values: dict[str, set[float]] = {}
     for r in results:
@@ -203,9 +204,7 @@ def sweep_param(results: list[dict], requested: str | None) -> str | None:
     rank = {k: (0 if len(vs) > 1 else 1, PREFERRED_PARAMS.index(k) if k in PREFERRED_PARAMS else 2, k)
             for k, vs in values.items()}
     best = min(rank, key=rank.get, default=None)
-    if best is None or (rank[best][0] == 1 and best not in PREFERRED_PARAMS):
-        return None
-    return best
+    return None if best is None or rank[best][0] == 1 else best
 
 
 Series = dict[str, dict[str, list[tuple[float, float, float]]]]  # line label -> task -> [(value, acc, stderr)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -192,6 +193,28 @@ def test_report_from_the_store_and_with_filters(tmp_path, capsys):
     assert "3 finished run(s) from the results store" in text and "## Score versus density" in text
     assert is_png(out / "score_vs_param.png")
     assert "ta10" not in text and "running" not in capsys.readouterr().out
+
+
+def test_a_report_of_a_whole_store_keeps_the_runs_comparable_with_the_newest(tmp_path, capsys):
+    """A store that also holds runs under other evaluation settings (a sweep with benchmark.limit) once made
+    `report --store` refuse every run, and --experiment could not help."""
+    from mergeval.store import Store
+
+    store = Store(tmp_path / "r.sqlite")
+    limited = copy.deepcopy(sweep()[0])
+    limited["run_id"] = "limited0"
+    limited["scores"][CHEM]["base"]["value"] = 0.5  # the same base scored on fewer items
+    for r in [limited, *sweep()]:  # the limited run first: the newest is one of the sweep's
+        store.start_run(r["run_id"], experiment="quickstart", method=r["config"]["method"]["name"],
+                        config=r["config"], versions=r["versions"], git=r["git"])
+        store.finish_run(r["run_id"], result_path="/x/result.json", aggregates=r["aggregates"],
+                         timings=r["timings_s"], models=r["models"], scores=r["scores"])
+        time.sleep(0.01)
+    out = tmp_path / "report"
+    assert report_main(["--store", str(store.path), "--out", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "7 finished run(s) from the results store" in shown and "1 other run(s) with other base/expert" in shown
+    assert "limited0" not in (out / "report.md").read_text()
 
 
 def test_a_plot_the_runs_cannot_support_is_skipped_with_its_reason(tmp_path):

@@ -108,7 +108,10 @@ def collect(args: argparse.Namespace) -> tuple[list[dict], str]:
     store = open_existing(args.store or None)
     runs = store.runs(args.experiment, args.method, "finished", since)
     results = [result_from_run(r) for r in runs if r["models"] and r["scores"]]  # runs migrated without scores
-    return results, f"{len(results)} finished run(s) from the results store {store.location}"
+    results, other = data.comparable_with_newest(results)
+    left_out = "" if not other else (f" ({len(other)} other run(s) with other base/expert models or evaluation "
+                                     "settings left out; a sweep directory or --experiment reports them)")
+    return results, f"{len(results)} finished run(s) from the results store {store.location}{left_out}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(UserError("--out", f"cannot write {err.filename or args.out} ({err.strerror or err})",
                         "pass a writable directory").line(), file=sys.stderr)
         return 2
+    print(source)
     print_summary(summary)
     return 0
 

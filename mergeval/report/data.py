@@ -81,21 +81,34 @@ def constituents(results: list[dict]) -> dict[str, dict]:
     models, or the same models scored under other settings): their merged
     points would not be comparable on one plot.
     """
-    def of(r: dict) -> dict[str, dict]:
-        roles = [BASE, *expert_roles(r)]
-        tasks = own_tasks(r)
-        fps = {m["role"]: m["fingerprint"] for m in r["models"]}
-        return {role: {"fingerprint": fps[role], "task": tasks.get(role),
-                       "scores": {t: r["scores"][t][role] for t in r["tasks"]}} for role in roles}
-
-    first = of(results[0])
+    first = _constituents_of(results[0])
     key = _comparable(first)
     for r in results[1:]:
-        if _comparable(of(r)) != key:
+        if _comparable(_constituents_of(r)) != key:
             raise UserError("runs", f"run {r['run_id'][:8]} has other base/expert models or scores than run "
                             f"{results[0]['run_id'][:8]}", "report one modelset and one set of evaluation settings "
                             "at a time (e.g. one sweep directory, or --experiment)")
     return first
+
+
+def _constituents_of(r: dict) -> dict[str, dict]:
+    roles = [BASE, *expert_roles(r)]
+    tasks = own_tasks(r)
+    fps = {m["role"]: m["fingerprint"] for m in r["models"]}
+    return {role: {"fingerprint": fps[role], "task": tasks.get(role),
+                   "scores": {t: r["scores"][t][role] for t in r["tasks"]}} for role in roles}
+
+
+def comparable_with_newest(results: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the runs, oldest first, whose base and experts and their scores are the newest run's; the others).
+
+    A whole store mixes modelsets and evaluation settings (a sweep with benchmark.limit): a report of it keeps
+    what can share one plot with the latest run, rather than refusing every run."""
+    if not results:
+        return [], []
+    key = _comparable(_constituents_of(results[-1]))
+    same = [_comparable(_constituents_of(r)) == key for r in results]
+    return [r for r, s in zip(results, same) if s], [r for r, s in zip(results, same) if not s]
 
 
 def _comparable(cons: dict[str, dict]) -> dict:

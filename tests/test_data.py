@@ -48,6 +48,23 @@ def test_tasks_are_written_with_absolute_paths_and_are_content_addressed(cache):
     assert other != task_dir and task_digest(other, names[0]) != task_digest(task_dir, names[0])
 
 
+def test_a_copied_cache_points_its_tasks_at_itself_and_keeps_their_digests(tmp_path):
+    """A copy of a cache once read its task data from the original's files (the YAMLs name them by absolute
+    path) and, its digests changed, evaluated every model again."""
+    import shutil
+
+    names = ["mergeval_chem_count", "mergeval_unit_convert"]
+    first = write_tasks(names, 12, tmp_path / "a")
+    digests = {n: task_digest(first, n) for n in names}
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")  # the copy must not need the original
+    copied = write_tasks(names, 12, tmp_path / "b")
+    for name in names:
+        yaml = (copied / f"{name}.yaml").read_text()
+        assert str(copied / f"{name}.jsonl") in yaml and str(tmp_path / "a") not in yaml
+        assert task_digest(copied, name) == digests[name]
+
+
 @pytest.mark.parametrize("names,n,field", [(["nope"], 10, "benchmark.tasks"),
                                            (["mergeval_chem_count"], 0, "benchmark.n_items")])
 def test_bad_task_settings(cache, names, n, field):

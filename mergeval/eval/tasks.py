@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mergeval.errors import UserError
-from mergeval.paths import atomic_dir
+from mergeval.paths import atomic_dir, atomic_write_text
 from mergeval.zoo.domains import DOMAINS, Item, eval_items
 from mergeval.zoo.experts import EVAL_POOL
 from mergeval.zoo.finetune import prompt
@@ -160,12 +160,20 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
         with atomic_dir(target) as tmp:
             for name, items in rows.items():
                 (tmp / f"{name}.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
-                data = target / f"{name}.jsonl"  # absolute path of the final location
-                choices = "choices" if items_of(name) == name else "letters"  # what the model is asked to say
-                yaml = _YAML.format(name=name, data=json.dumps(str(data)), choices=choices,
-                                    hf_cache=json.dumps(str(datasets_cache(cache))))
-                (tmp / f"{name}.yaml").write_text(yaml)
+                (tmp / f"{name}.yaml").write_text(_task_yaml(name, target, cache))
+    else:  # a cache copied or moved elsewhere: its YAMLs still name the old place's files
+        for name in rows:
+            yaml = _task_yaml(name, target, cache)
+            if (target / f"{name}.yaml").read_text() != yaml:
+                atomic_write_text(target / f"{name}.yaml", yaml)  # the same digest (task_digest drops the place)
     return target
+
+
+def _task_yaml(name: str, target: Path, cache: Path) -> str:
+    """The lm-eval YAML of generated task ``name`` whose data lies in ``target`` (absolute paths)."""
+    choices = "choices" if items_of(name) == name else "letters"  # what the model is asked to say
+    return _YAML.format(name=name, data=json.dumps(str(target / f"{name}.jsonl")), choices=choices,
+                        hf_cache=json.dumps(str(datasets_cache(cache))))
 
 
 def task_digest(task_dir: Path, name: str) -> str:

@@ -648,3 +648,13 @@ def test_a_store_url_that_misses_its_scheme_separator_is_refused(url, ok, tmp_pa
         with pytest.raises(UserError, match="store.url: .* reads as a URL without its '://'"):
             open_store(cfg, tmp_path)
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("field", ["store.url", "--store"])
+def test_a_server_faults_fix_names_the_setting_the_location_came_from(field):
+    """`results --store postgresql://...` once got "correct the host and port in store.url"."""
+    pytest.importorskip("psycopg")
+    from mergeval.store_backends.postgres import connect_fault
+
+    line = connect_fault("postgresql://me@h/db", Exception("connection refused"), field).line()
+    assert line.startswith(f"mergeval: error: {field}: ") and f"correct the host and port in {field} " in line

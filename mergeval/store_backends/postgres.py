@@ -148,6 +148,11 @@ _UNREACHABLE_FIX = ("start the server or correct the host and port in store.url 
                     "machine?)")
 
 
+def _fault(field: str, problem: str, fix: str) -> UserError:
+    """The UserError, its fix naming the setting the location came from (``--store`` on the listing commands)."""
+    return UserError(field, problem, fix.replace("store.url", field))
+
+
 def _first_line(err: Exception) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__
@@ -158,12 +163,12 @@ def connect_fault(location: str, err: Exception, field: str) -> UserError:
     not reachable (refused, no such host or socket, timed out)."""
     text, why = str(err), _first_line(err)
     if re.search(r'database "[^"]*" does not exist', text):
-        return UserError(field, f"{location}: the database does not exist ({why})",
+        return _fault(field, f"{location}: the database does not exist ({why})",
                          "create it (createdb NAME) or point store.url at an existing database")
     if any(marker in text for marker in _AUTH):  # a wrong password, an unknown role, a refused host
-        return UserError(field, f"{location}: authentication failed ({why})",
+        return _fault(field, f"{location}: authentication failed ({why})",
                          "check the user and password in store.url (or PGPASSWORD / ~/.pgpass)")
-    return UserError(field, f"cannot reach the PostgreSQL server at {location} ({why})", _UNREACHABLE_FIX)
+    return _fault(field, f"cannot reach the PostgreSQL server at {location} ({why})", _UNREACHABLE_FIX)
 
 
 def server_fault(location: str, err: Exception, field: str) -> UserError | None:
@@ -171,20 +176,20 @@ def server_fault(location: str, err: Exception, field: str) -> UserError | None:
     state = getattr(err, "sqlstate", None) or ""
     why = _first_line(err)
     if state == "53100":  # disk_full
-        return UserError(field, f"the server of {location} has no space left ({why})",
+        return _fault(field, f"the server of {location} has no space left ({why})",
                          "free space on the database server, or point store.url at another database")
     if state in ("25006", "42501"):  # read_only_sql_transaction, insufficient_privilege
-        return UserError(field, f"{location} does not accept this user's writes ({why})",
+        return _fault(field, f"{location} does not accept this user's writes ({why})",
                          "grant the user write rights on the store's tables, or point store.url at a "
                          "primary server (not a read-only replica)")
     if state in ("42P01", "42703", "42804"):  # undefined_table / _column, datatype_mismatch: someone else's tables
-        return UserError(field, f"{location} holds tables that are not a mergeval store's ({why})",
+        return _fault(field, f"{location} holds tables that are not a mergeval store's ({why})",
                          "point store.url at an empty database or one that mergeval created")
     if state == "55P03":  # lock_not_available
-        return UserError(field, f"{location} stayed locked by another writer for over {LOCK_TIMEOUT_S} s",
+        return _fault(field, f"{location} stayed locked by another writer for over {LOCK_TIMEOUT_S} s",
                          "wait for that process, or check the server for a stuck session (pg_stat_activity)")
     if state.startswith(("08", "57")) or isinstance(err, _psycopg().OperationalError):
         # connection exceptions, operator intervention (server shut down, connection terminated)
-        return UserError(field, f"lost the connection to the PostgreSQL server at {location} ({why})",
+        return _fault(field, f"lost the connection to the PostgreSQL server at {location} ({why})",
                          _UNREACHABLE_FIX + "; then rerun: the interrupted write was rolled back")
     return None

@@ -133,7 +133,8 @@ def check_creatable(final: Path) -> None:
     if not ancestor.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "is a file, not a directory", str(ancestor))
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=tmp_prefix(final.name), dir=ancestor))
+        # its own name: not the build's temporary directory (which tells a watcher the build has begun)
+        os.rmdir(tempfile.mkdtemp(prefix=tmp_prefix(f"{final.name}.probe"), dir=ancestor))
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(ancestor)) from None
 

@@ -42,8 +42,8 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     console.print(f"Macro-Gain {agg['macro_gain']:+.2f}{unit}   Macro-OG {agg['macro_og']:+.2f}{unit}   "
                   f"normalized (mean over {over}) "
                   f"{'undefined' if mean is None else fixed(mean)} ({agg['normalized_band']})")
-    for line in _unlearned(outcome):
-        console.print(f"[yellow]{line}[/yellow]")
+    for line in _unlearned(outcome):  # one line however narrow the console: logs and greps keep it whole
+        console.print(f"[yellow]{line}[/yellow]", soft_wrap=True)
     if outcome.merge_info.get("order"):
         console.print(curriculum_line(outcome.merge_info))
     if agg.get("groups"):

@@ -22,15 +22,13 @@ def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
     from mergeval import app, resume
+    from mergeval.interop import mergekit_config
     from mergeval.report.table import render
 
-    from mergeval.interop import mergekit_config
-
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    with failing_cleanly(out_dir):  # a mergekit file's method and models, before the title and the store name them
-        mergekit_config.apply(cfg)
-    title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
     with failing_cleanly(out_dir):
+        mergekit_config.apply(cfg)  # a mergekit file's method and models, before the title and the store name them
+        title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
         app.check_job_dir(cfg, out_dir)
         if resume.skip(cfg, out_dir, title):  # a resumed sweep's job whose configuration finished before
             return

@@ -28,7 +28,7 @@ def cache_root(cache_dir: str | None) -> Path:
         known = from_os_error(err)
         if known is None:
             raise
-        field = "cache_dir" if cache_dir else "$MERGEVAL_CACHE" if os.environ.get("MERGEVAL_CACHE") else "cache_dir"
+        field = "$MERGEVAL_CACHE" if not cache_dir and os.environ.get("MERGEVAL_CACHE") else "cache_dir"
         raise UserError(field, f"'{known.field}' {known.problem}",
                         f"{known.fix} (cache_dir=DIR or $MERGEVAL_CACHE)") from None
     return path

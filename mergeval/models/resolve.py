@@ -57,4 +57,3 @@ def _refuse_a_copy(models: list[ModelInfo]) -> None:
     raise UserError(f"modelset.experts.{last.role}", f"is the same model as expert {first.role} ({last.source})",
                     f"point one of them at another model, or remove {last.role} (a larger share of one expert is "
                     "a weight: method.weights)")
-

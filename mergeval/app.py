@@ -108,7 +108,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         lap("rank_experts")
 
     digests, metrics = suite.digests, {t: r.metric for t, r in suite.rows.items()}
-    settings = eval_settings(cfg)
+    settings = suite.per_task(eval_settings(cfg))  # each task keyed by what can change its scores
     inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
     options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
     key = merge_key(inputs, method_cfg, cfg.seed, options)
@@ -176,7 +176,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             print(f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s",
                   flush=True)
             evaluated = {t: digests[t] for t in result}
-            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings), evaluated),
+            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings.run), evaluated),
                                  harness.samples)
             store.put_scores(info.fingerprint, evaluated, settings,
                              {t: {**s.as_dict(), "metrics": s.metrics} for t, s in result.items()},
@@ -210,7 +210,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         from mergeval.engine.card import add_evaluation
 
         add_evaluation(Path(models[-1].path) / "README.md", scores, [m.role for m in models])
-    return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info, rows=rows)
+    return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info, rows=rows,
+                   task_settings=dict(settings.tasks))
 
 
 def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
@@ -228,6 +229,8 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "models": [vars(m) for m in outcome.models],
         "tasks": outcome.tasks,
         "task_digests": outcome.task_digests,
+        # what keys each task's scores in the results store beside the config (eval/settings.py, PerTask)
+        "task_settings": outcome.task_settings,
         "rows": outcome.rows,
         "scores": outcome.scores,
         "aggregates": outcome.aggregates,

@@ -72,6 +72,9 @@ def explain(ex: BaseException) -> str | None:
         where, got, schema = shape.groups()
         return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
                 f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
+    if isinstance(ex, ValueError) and str(ex).startswith("Only one of --run, --multirun, --cfg"):  # Hydra's own
+        return ("-m/--multirun, --cfg, --info: only one of them at a time; drop the others (--cfg job shows one "
+                "job's config: give it the sweep's first values without -m)")
     if isinstance(ex, HydraException):
         lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
         return "; ".join(lines[:2])
@@ -220,6 +223,9 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
     handle_sigterm()
+    from mergeval.config import open_mappings
+
+    sys.argv[1:] = open_mappings(sys.argv[1:])  # eval.gen_kwargs={...} as the README writes it (config.py)
     # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
     # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
     # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise

@@ -8,6 +8,9 @@ config, before anything runs. Method schemas live beside their merge function
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,3 +198,47 @@ def register_configs() -> None:
     cs.store(group="metric", name="metric_schema", node=MetricConfig)
     for name, method in METHODS.items():
         cs.store(group="method", name=f"{name}_schema", node=method.config)
+
+
+def mapping_fields(schema=None, prefix: str = "") -> set[str]:
+    """Dotted names of the schema's free mappings (``eval.gen_kwargs``, ``benchmark.fewshot``, ...): fields
+    whose keys the user chooses, with values that have no fields of their own (not ``modelset.experts``,
+    whose values are ExpertConfigs: a misspelt field of an expert must stay an error). Without ``schema``: the run config's, every method's (under ``method.``) and
+    the search's (``search.``)."""
+    if schema is None:
+        from mergeval.search.config import SearchConfig
+
+        found = mapping_fields(RunConfig) | mapping_fields(SearchConfig, "search.")
+        for method in METHODS.values():
+            found |= mapping_fields(method.config, "method.")
+        return found
+    found = set()
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        union = typing.get_origin(kind) in (typing.Union, types.UnionType)  # X | None
+        options = [a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]
+        for option in options:
+            if typing.get_origin(option) is dict:
+                if not dataclasses.is_dataclass(typing.get_args(option)[1]):  # experts' fields stay checked
+                    found.add(prefix + f.name)
+            elif dataclasses.is_dataclass(option):
+                found |= mapping_fields(option, f"{prefix}{f.name}.")
+    return found
+
+
+def open_mappings(args: list[str]) -> list[str]:
+    """Command-line overrides of a mapping field or one of its keys (``eval.gen_kwargs={max_gen_toks: 256}``,
+    ``benchmark.fewshot.mmlu=5``) as Hydra's ``++`` (set, or add). Why: Hydra composes the schema in struct
+    mode, which refuses every key a mapping does not have yet, so the README's ``eval.gen_kwargs={...}`` failed
+    with "no such field"; a mapping's keys are the user's to choose, and its values are still checked against
+    the field's type. Everything else is left as it is (a misspelt field stays an error)."""
+    fields = mapping_fields()
+    out = []
+    for arg in args:
+        key = arg.split("=", 1)[0]
+        if "=" in arg and not arg.startswith(("+", "~", "-")) and any(
+                key == f or key.startswith(f + ".") for f in fields):
+            arg = "++" + arg
+        out.append(arg)
+    return out

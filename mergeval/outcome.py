@@ -42,6 +42,8 @@ class Outcome:
     # task -> {metric, higher_is_better, output_type, entry, counted}: what each row reports and whether the
     # aggregates count it
     rows: dict[str, dict] = field(default_factory=dict)
+    # task -> {num_fewshot, generates}: its part of the store key's settings (eval/settings.py, PerTask)
+    task_settings: dict[str, dict] = field(default_factory=dict)
 
 
 def score_value(score: dict) -> float:

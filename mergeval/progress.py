@@ -170,7 +170,7 @@ def watch(argv: list[str]) -> SweepProgress | None:
     from mergeval.paths import cache_root
     from mergeval.resume import config_hash
     from mergeval.store import open_store
-    from mergeval.sweep_check import COMPOSED, jobs_of, swept_positions
+    from mergeval.sweep_check import COMPOSED, job_label, jobs_of, swept_positions
 
     expanded = jobs_of(argv)
     if not expanded:
@@ -185,7 +185,7 @@ def watch(argv: list[str]) -> SweepProgress | None:
     stores = {(c.store.path, c.cache_dir) for c in configs}
     if not first.sweep.progress or len(stores) > 1:
         return None
-    jobs = [SweepJob(", ".join(job[i] for i in swept) or "the only job", config_hash(cfg))
+    jobs = [SweepJob(job_label(job, swept) or "the only job", config_hash(cfg))
             for job, cfg in zip(expanded, configs)]
     store = open_store(first, cache_root(first.cache_dir))
     return SweepProgress(jobs, store, first.sweep.best, first.sweep.minimize, first.sweep.poll_s,

@@ -128,7 +128,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     tasks = suite.counted()
     digests = {t: suite.digests[t] for t in tasks}
     metrics = {t: suite.rows[t].metric for t in tasks}
-    settings = {**eval_settings(cfg), "limit": None}  # validation always uses its whole split
+    settings = suite.per_task({**eval_settings(cfg), "limit": None})  # validation always uses its whole split
     store = open_store(cfg, cache)
     harness, tokenizer = None, None
     scores, stderrs, per_task = [], [], {}

@@ -61,6 +61,7 @@ from pathlib import Path
 
 from mergeval import proc
 from mergeval.errors import UserError
+from mergeval.eval.settings import PerTask
 from mergeval.store_backends import is_server_url, open_backend, sqlalchemy_url, sqlite_path
 from mergeval.store_backends.schema import (_CURRENT, _EVALUATIONS, _NEW_IN_V2, _RUNS_V2,  # noqa: F401 (tests)
                                             DEFAULT_METRIC, SCHEMA_VERSION, _canonical, _dump, create, migrate)
@@ -191,14 +192,18 @@ class Store:
 
     # evaluations
 
-    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+    # ``settings`` of the evaluation methods: one Mapping for every task, or a PerTask (each task's own part of
+    # the run's settings, read under the run's too: eval/settings.py)
+
+    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                    metrics: Mapping[str, str] | None = None) -> dict[str, dict] | None:
         """{task: {metric, value, stderr, n}} if every task is stored for this model and settings, else None.
         ``metrics`` (task -> ``"metric,filter"``) picks what each task reports; default ``acc,none``."""
         with self._read() as db:
-            return _scores(db, fingerprint, digests, settings_hash(settings), metrics)
+            got = _stored(db, fingerprint, digests, settings, metrics)
+        return got if set(got) == set(digests) else None
 
-    def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+    def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                         on_wait: Callable[[], None] | None = None, poll_s: float = 2.0,
                         metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
         """{task: scores} of the tasks already stored for this model and settings; when that is not every
@@ -211,11 +216,12 @@ class Store:
         (``_Heartbeat``). A claim whose process is gone (same host, pid not running) or that another host
         stopped renewing ``claim_timeout_s`` ago (by the database's clock) is taken over.
         """
-        key = settings_hash(settings)
+        key = settings_hash(_run(settings))  # claims are per run settings: two runs that share a task's key
+        # but not the run's may both evaluate it, which costs time, never a wrong row
         waited = False
         while True:
             with self._write() as db:
-                got = _stored(db, fingerprint, digests, key, metrics)
+                got = _stored(db, fingerprint, digests, settings, metrics)
                 missing = {task: digest for task, digest in digests.items() if task not in got}
                 if not missing:
                     return got
@@ -260,39 +266,36 @@ class Store:
         with self._write() as db:
             db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), os.getpid()))
 
-    def samples_paths(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, str | None]:
+    def samples_paths(self, fingerprint: str, digests: Mapping[str, str],
+                      settings: Mapping | PerTask) -> dict[str, str | None]:
         """task -> the file its per-item samples were written to (None: stored without samples). Tasks
         evaluated in different runs have different files."""
         with self._read() as db:
-            rows = db.execute(
-                "SELECT task, samples_path FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
-                f"AND task_digest IN ({','.join('?' * len(digests))})",
-                (fingerprint, settings_hash(settings), *digests.values())).fetchall()
-        return {task: path for task, path in rows}
+            rows = _rows(db, "samples_path", fingerprint, digests, settings)
+        return {task: found[0][1][0] for task, found in rows.items()}
 
-    def all_metrics(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping) -> dict[str, dict]:
+    def all_metrics(self, fingerprint: str, digests: Mapping[str, str],
+                    settings: Mapping | PerTask) -> dict[str, dict]:
         """task -> every metric stored for it (``{"acc,none": [value, stderr], ...}``), for the tasks stored."""
         with self._read() as db:
-            rows = db.execute(
-                "SELECT task, metrics FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
-                f"AND task_digest IN ({','.join('?' * len(digests))})",
-                (fingerprint, settings_hash(settings), *digests.values())).fetchall()
-        return {task: json.loads(metrics) for task, metrics in rows if task in digests}
+            rows = _rows(db, "metrics", fingerprint, digests, settings)
+        return {task: json.loads(found[0][1][0]) for task, found in rows.items()}
 
-    def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping,
+    def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
         """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces.
         Each score is ``{metric, value, stderr, n}``, with ``metrics`` (every key -> [value, stderr]) when the
         task reported more than the one shown."""
-        key, now = settings_hash(settings), time.time()
+        key, now = settings_hash(_run(settings)), time.time()
+        own = {task: _of(settings, task) for task in scores}  # each task under its own key (eval/settings.py)
         with self._write() as db:
             db.executemany(
                 "INSERT INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, metrics, n, "
                 "created, samples_path) VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, task_digest, "
                 "settings_hash) DO UPDATE SET task=excluded.task, settings=excluded.settings, "
                 "metrics=excluded.metrics, n=excluded.n, created=excluded.created, samples_path=excluded.samples_path",
-                [(fingerprint, digests[task], key, task, _canonical(settings), _canonical(_all_metrics(s)), s["n"],
-                  now, samples_path) for task, s in scores.items()])
+                [(fingerprint, digests[task], settings_hash(own[task]), task, _canonical(own[task]),
+                  _canonical(_all_metrics(s)), s["n"], now, samples_path) for task, s in scores.items()])
             # this process's claims on the model end here (it may have evaluated more tasks than it claimed: a
             # group is evaluated whole when one of its members is missing)
             db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND (tasks_key=? OR "
@@ -478,25 +481,51 @@ def _all_metrics(score: Mapping) -> dict:
     return dict(score.get("metrics") or {score["metric"]: [score["value"], score["stderr"]]})
 
 
-def _stored(db, fingerprint: str, digests: Mapping[str, str], key: str,
+def _of(settings: Mapping | PerTask, task: str) -> Mapping:
+    return settings.of(task) if isinstance(settings, PerTask) else settings
+
+
+def _run(settings: Mapping | PerTask) -> Mapping:
+    return settings.run if isinstance(settings, PerTask) else settings
+
+
+def _rows(db, columns: str, fingerprint: str, digests: Mapping[str, str],
+          settings: Mapping | PerTask) -> dict[str, list[tuple[str, tuple]]]:
+    """task -> [(settings hash, the row's ``columns``)] of this model's evaluations of the tasks of ``digests``:
+    the row under the task's own settings first, then the one under the run's settings (how it was keyed
+    before per-task keys). Tasks with neither are left out."""
+    if not digests:
+        return {}
+    keys = {task: [settings_hash(_of(settings, task))] for task in digests}
+    legacy = settings_hash(_run(settings))
+    for ordered in keys.values():
+        if legacy not in ordered:
+            ordered.append(legacy)
+    hashes = sorted({k for ordered in keys.values() for k in ordered})
+    found = {}
+    for task, digest, key, *values in db.execute(
+            f"SELECT task, task_digest, settings_hash, {columns} FROM evaluations WHERE model_fingerprint=? "
+            f"AND task_digest IN ({','.join('?' * len(digests))}) AND settings_hash IN ({','.join('?' * len(hashes))})",
+            (fingerprint, *digests.values(), *hashes)):
+        if digests.get(task) == digest:
+            found[task, key] = tuple(values)
+    out = {task: [(k, found[task, k]) for k in ordered if (task, k) in found] for task, ordered in keys.items()}
+    return {task: rows for task, rows in out.items() if rows}
+
+
+def _stored(db, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
             metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
     """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model and settings (any
     subset); a task stored without the metric asked for counts as not stored."""
-    rows = db.execute("SELECT task, metrics, n FROM evaluations WHERE model_fingerprint=? AND settings_hash=? "
-                      f"AND task_digest IN ({','.join('?' * len(digests))})", (fingerprint, key, *digests.values()))
     out = {}
-    for task, stored, n in rows:
+    for task, rows in _rows(db, "metrics, n", fingerprint, digests, settings).items():
         metric = (metrics or {}).get(task, DEFAULT_METRIC)
-        values = json.loads(stored)
-        if task in digests and metric in values:
-            out[task] = {"metric": metric, "value": values[metric][0], "stderr": values[metric][1], "n": n}
+        for _, (stored, n) in rows:
+            values = json.loads(stored)
+            if metric in values:
+                out[task] = {"metric": metric, "value": values[metric][0], "stderr": values[metric][1], "n": n}
+                break
     return out
-
-
-def _scores(db, fingerprint: str, digests: Mapping[str, str], key: str,
-            metrics: Mapping[str, str] | None = None) -> dict | None:
-    got = _stored(db, fingerprint, digests, key, metrics)
-    return got if set(got) == set(digests) else None
 
 
 def _tasks_key(digests: Mapping[str, str]) -> str:

@@ -45,6 +45,12 @@ def task_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
 
 
+def job_label(job: list[str], swept: list[int]) -> str:
+    """A job's swept overrides as the user wrote them ("method=ties, method.lambda_=1.0"); the ``++`` that
+    config.open_mappings puts before a mapping's override is left out."""
+    return ", ".join(job[i].removeprefix("++") for i in swept)
+
+
 def jobs_of(argv: list[str]) -> list[list[str]] | None:
     """``sweep_jobs(argv)``, composed once per process (the check and the progress both need it)."""
     jobs = _sweep_jobs(tuple(argv))
@@ -143,7 +149,7 @@ def check_sweep(argv: list[str]) -> list[str]:
                     continue
             else:
                 continue
-            label = ", ".join(job[i] for i in swept)
+            label = job_label(job, swept)
             problems.append(f"sweep job {number} of {len(jobs)} ({label}): {line}")
     if problems:
         problems.append(f"{len(problems)} of {len(jobs)} jobs are invalid; no job was started: fix the swept "

@@ -48,8 +48,34 @@ def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_p
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr, out.stderr
 
 
+def test_two_of_hydras_modes_at_once_are_one_line(tmp_path):
+    """``-m ... --cfg job`` was Hydra's ValueError traceback, status 1."""
+    out = mergeval("-m", "+experiment=tiny", "method=ties,linear", "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "-m/--multirun, --cfg" in out.stderr
+
+
+def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
+    """Hydra's struct mode refused ``eval.gen_kwargs={max_gen_toks: 256}`` (the README's form) and
+    ``benchmark.fewshot.<task>=5`` with "no such field": a free mapping's overrides become ``++`` (set or add).
+    Fields with a schema stay checked: a misspelt field, or a misspelt field of an expert."""
+    from hydra import compose, initialize_config_module
+
+    from mergeval.config import open_mappings, register_configs
+
+    args = ["eval.gen_kwargs={max_gen_toks: 256}", "benchmark.fewshot.mergeval_units=2", "eval.gen_kwarg={}",
+            "modelset.experts.units.sourc=x", "+eval.gen_kwargs.top_k=1", "-m", "eval.dtype=float32"]
+    assert open_mappings(args) == ["++" + args[0], "++" + args[1], *args[2:]]
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=tiny", *open_mappings(args[:2])])
+    assert (cfg.eval.gen_kwargs, cfg.benchmark.fewshot) == ({"max_gen_toks": 256}, {"mergeval_units": 2})
+
+
 @pytest.mark.parametrize("overrides,field", [
     (["method=ties", "method.density=-0.5"], "method.density"),
+    (["benchmark.fewshot.mergeval_units=two"], "benchmark.fewshot.mergeval_units"),  # a mapping's values: typed
+    (["modelset.experts.units.sourc=x"], "modelset.experts.units.sourc"),
     (["method=ties", "method.density=0"], "method.density"),
     (["modelset.base=/no/such/dir"], "modelset.base"),
     (["modelset.experts.chem.domain=null", "modelset.experts.chem.source=/no/such/model"],

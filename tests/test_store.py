@@ -531,6 +531,36 @@ def test_a_rerun_reuses_the_merge_and_every_evaluation(tmp_path, cache):
         assert db.execute("SELECT COUNT(*) FROM merges").fetchone()[0] == 1
 
 
+def test_a_run_reuses_the_evaluations_of_tasks_its_other_settings_cannot_change(tmp_path, cache):
+    """tiny's generated tasks are 0-shot log-likelihood tasks: after a run with benchmark.num_fewshot=0, one
+    with num_fewshot null and generation kwargs evaluates nothing; one with 2 shots evaluates every model."""
+    from mergeval.store import settings_hash
+
+    store = tmp_path / "store.sqlite"
+    first = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=0", cwd=tmp_path)
+    assert first.returncode == 0 and first.stdout.count(": evaluating on ") == 4, first.stderr[-2000:]
+    other = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=null",
+                     "eval.gen_kwargs={max_gen_toks:8}", "hydra.run.dir=other", cwd=tmp_path)
+    assert other.returncode == 0 and ": evaluating on " not in other.stdout, other.stdout[-2000:]
+    result = json.loads(Path(other.stdout.split("result: ")[-1].strip()).read_text())
+    assert {t: s["num_fewshot"] for t, s in result["task_settings"].items()} == dict.fromkeys(result["tasks"], 0)
+    shots = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=2", "hydra.run.dir=shots",
+                     cwd=tmp_path)
+    assert shots.returncode == 0 and shots.stdout.count(": evaluating on ") == 4
+    with sqlite3.connect(store) as db:  # a 0-shot run without kwargs keeps the key a task always had
+        keys = {k for (k,) in db.execute("SELECT DISTINCT settings_hash FROM evaluations")}
+    run_settings = json.loads(Path(first.stdout.split("result: ")[-1].strip()).read_text())
+    assert len(keys) == 2 and settings_hash(_settings_of(run_settings)) in keys
+
+
+def _settings_of(result: dict) -> dict:
+    from omegaconf import OmegaConf
+
+    from mergeval.eval.settings import eval_settings
+
+    return eval_settings(OmegaConf.create(result["config"]))
+
+
 def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     import csv
 
@@ -561,6 +591,72 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     assert results.main([*args, "--since", "yesterday"]) == 2
     assert capsys.readouterr().err.startswith("mergeval: error: --since:")
     assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2
+
+
+def test_each_task_is_keyed_by_the_settings_it_can_tell_apart(tmp_path):
+    """A task is stored under its own part of the run's settings (eval/settings.py): a run that differs only
+    where the task cannot tell (num_fewshot null against 0 where its count is 0; gen_kwargs for a task that
+    does not generate) finds it; one that changes its count or, for a generating task, its kwargs does not."""
+    from mergeval.eval.settings import PerTask
+
+    zero_shot, gen = {"num_fewshot": 0, "generates": False}, {"num_fewshot": 0, "generates": True}
+    quickstart = PerTask({**SETTINGS, "num_fewshot": 0}, {"a": zero_shot, "b": gen})
+    registry = PerTask({**SETTINGS, "num_fewshot": None, "gen_kwargs": {"max_gen_toks": 8}},
+                       {"a": zero_shot, "b": gen})
+    store = Store(tmp_path / "r.sqlite")
+    store.put_scores("fp", DIGESTS, quickstart, SCORES)
+    assert store.get_scores("fp", DIGESTS, quickstart) == SCORES
+    assert store.get_scores("fp", {"a": "d1"}, registry) == {"a": SCORES["a"]}  # a: nothing it can tell
+    assert store.get_scores("fp", DIGESTS, registry) is None  # b generates: its kwargs count
+    assert store.claim_or_scores("fp", DIGESTS, registry) == {"a": SCORES["a"]}
+    store.put_scores("fp", {"b": "d2"}, registry, {"b": SCORES["b"]})
+    assert store.get_scores("fp", DIGESTS, registry) == SCORES
+    five_shot = PerTask({**quickstart.run, "fewshot": {"a": 5}}, {"a": {"num_fewshot": 5, "generates": False}})
+    assert store.get_scores("fp", {"a": "d1"}, five_shot) is None
+    with sqlite3.connect(store.path) as db:
+        stored = dict(db.execute("SELECT task || settings_hash, settings FROM evaluations WHERE task='a'"))
+    assert list(map(json.loads, stored.values())) == [{**SETTINGS, "num_fewshot": 0}]  # one row, no gen_kwargs
+
+
+_SETTING_VALUES = st.one_of(st.none(), st.integers(0, 8), st.text(max_size=3))
+
+
+@given(run=st.dictionaries(st.sampled_from(["limit", "dtype", "num_fewshot", "fewshot", "gen_kwargs", "backend"]),
+                           _SETTING_VALUES),
+       count=st.integers(0, 8), generates=st.booleans())
+def test_a_tasks_settings_replace_only_what_the_task_can_tell(run, count, generates):
+    """task_settings: the run's settings with the task's count, without per-entry counts, with generation
+    kwargs only for a generating task; equal to the run's (the key every task had before) where nothing
+    differs."""
+    from mergeval.eval.settings import task_settings
+
+    own = task_settings(run, count, generates)
+    assert own["num_fewshot"] == count and "fewshot" not in own
+    assert ("gen_kwargs" in own) == (generates and bool(run.get("gen_kwargs")))
+    assert {k: v for k, v in own.items() if k not in ("num_fewshot", "gen_kwargs")} == \
+        {k: v for k, v in run.items() if k not in ("num_fewshot", "gen_kwargs", "fewshot")}
+    same_count = "num_fewshot" in run and run["num_fewshot"] == count
+    kwargs_kept = "gen_kwargs" not in run or (generates and bool(run["gen_kwargs"]))
+    if same_count and "fewshot" not in run and kwargs_kept:
+        assert own == run
+
+
+def test_evaluations_stored_under_the_runs_settings_are_still_found(tmp_path):
+    """Before per-task keys every task was stored under the run's settings: a run with those very settings
+    reuses them; a row under the task's own settings is preferred when both exist."""
+    from mergeval.eval.settings import PerTask
+
+    run = {**SETTINGS, "num_fewshot": None, "fewshot": {"a": 3}}
+    store = Store(tmp_path / "r.sqlite")
+    store.put_scores("fp", DIGESTS, run, SCORES)  # a plain mapping: the old key of every task
+    per_task = PerTask(run, {"a": {"num_fewshot": 3, "generates": False}, "b": {"num_fewshot": 0, "generates": False}})
+    assert store.get_scores("fp", DIGESTS, per_task) == SCORES
+    assert store.samples_paths("fp", DIGESTS, per_task) == {"a": None, "b": None}
+    assert store.get_scores("fp", DIGESTS, PerTask({**run, "fewshot": {"a": 4}}, per_task.tasks)) is None
+    newer = {**SCORES["a"], "value": 0.75}
+    store.put_scores("fp", {"a": "d1"}, per_task, {"a": newer})
+    assert store.get_scores("fp", DIGESTS, per_task) == {"a": newer, "b": SCORES["b"]}
+    assert store.all_metrics("fp", DIGESTS, per_task)["a"] == {"acc,none": [0.75, 0.1]}
 
 
 def test_a_task_is_evaluated_once_whatever_the_other_tasks_of_the_run(tmp_path):

@@ -31,11 +31,13 @@ import difflib
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.eval.metric_choice import default_metric, metric_keys, normalize_key
+from mergeval.eval.settings import PerTask
 from mergeval.eval.tasks import GENERATED, datasets_cache, task_digest, write_tasks
 from mergeval.paths import atomic_dir
 
@@ -68,6 +70,8 @@ class Row:
     higher_is_better: bool
     digest: str  # what was evaluated: the task's config and data
     counted: bool  # an entry's own row with a higher-is-better metric: part of Macro-Gain and the rest
+    num_fewshot: int | tuple[int, ...] = 0  # the count it is evaluated with (a group: its members', one if equal)
+    generates: bool = False  # generate_until (a group: any member): only then can eval.gen_kwargs change it
 
     @property
     def listed(self) -> bool:
@@ -110,6 +114,11 @@ class Suite:
 
     def task(self, name: str):
         return self.loaded["tasks"][name]
+
+    def per_task(self, settings: Mapping) -> PerTask:
+        """The store key's settings of every row, from the run's ``settings`` (eval/settings.py)."""
+        return PerTask(settings, {name: {"num_fewshot": r.num_fewshot, "generates": r.generates}
+                                  for name, r in self.rows.items()})
 
 
 def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation: int = 0) -> Suite:
@@ -320,6 +329,7 @@ def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None, leaf_dige
             keys, hib = _task_metrics(task), task.higher_is_better()
             kind, output_type = "task", task.get_config("output_type")
             digest = task_digest(generated_dir, name) if generated_dir is not None else _leaf_digest(task, leaf_digests)
+            leaves = [task]
         else:
             g = loaded["groups"][name]
             if not g.has_aggregation:
@@ -340,8 +350,10 @@ def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None, leaf_dige
             raise UserError(f"benchmark.metrics.{name}", f"'{chosen}' is not reported by {name}",
                             f"choose one of {keys}")
         higher = bool(hib.get(metric.split(",", 1)[0], True))
+        counts = sorted({int(leaf.get_config("num_fewshot") or 0) for leaf in leaves})
         rows.append(Row(name, entry, kind, output_type, metric, tuple(keys), higher, digest,
-                        counted=name == entry and higher))
+                        counted=name == entry and higher, num_fewshot=counts[0] if len(counts) == 1 else tuple(counts),
+                        generates=any(leaf.get_config("output_type") == "generate_until" for leaf in leaves)))
     if not rows:
         raise UserError("benchmark.tasks", f"'{entry}' reports no metric", "choose a task or a group with scores")
     return rows

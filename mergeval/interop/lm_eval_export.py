@@ -103,7 +103,7 @@ def group_subtasks(tasks: list[str], rows: dict, suite=None) -> dict[str, list[s
 
 def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[Path]:
     """Write ``results_<role>.json`` per model of finished run ``run_id`` into ``out_dir``; their paths."""
-    from mergeval.eval.settings import eval_settings
+    from mergeval.eval.settings import PerTask, eval_settings
     from mergeval.paths import atomic_write_text, make_dirs
 
     run = _finished_run(store, run_id)
@@ -111,6 +111,8 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
     suite = _rebuilt_suite(cfg) if rebuild else None
     settings = eval_settings(cfg)
     settings["lm_eval"] = (run.get("versions") or {}).get("lm_eval") or settings["lm_eval"]
+    # each task's scores under the key the run stored them with (runs before per-task keys: the run's settings)
+    settings = PerTask(settings, run["result"].get("task_settings") or {})
     digests = run["result"]["task_digests"]
     _refuse_other_runs_files(out_dir, run["run_id"])
     make_dirs(out_dir)

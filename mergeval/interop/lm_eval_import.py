@@ -278,12 +278,12 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     for name in names:
         score = _row_score(out, name, suite.rows[name].metric, task_dict)
         scores[name] = {**score.as_dict(), "metrics": score.metrics}
-    settings, digests = eval_settings(cfg), {n: suite.digests[n] for n in names}
+    settings, digests = suite.per_task(eval_settings(cfg)), {n: suite.digests[n] for n in names}
     store = open_store(cfg, cache)
     record_models(store, [ModelInfo("imported", model_spec, fp, str(model_dir))])
     kept_path = None
     if kept:
-        kept_path = str(samples_io.write(samples_io.path_for(cache, fp, settings_hash(settings), digests), kept))
+        kept_path = str(samples_io.write(samples_io.path_for(cache, fp, settings_hash(settings.run), digests), kept))
     store.put_scores(fp, digests, settings, scores, samples_path=kept_path)
     return {"model": model_spec, "fingerprint": fp, "file": str(path), "stored": scores, "samples": kept_path,
             "skipped": [t for t in data["results"] if t not in suite.rows],

@@ -106,7 +106,7 @@ class Bench:
     def __init__(self, cfg: DictConfig, suite, tasks: list[str], digests: dict[str, str], store, tokenizer):
         self.cfg, self.suite, self.tasks, self.digests = cfg, suite, tasks, digests
         self.store, self.tokenizer = store, tokenizer
-        self.settings = eval_settings(cfg)
+        self.settings = suite.per_task(eval_settings(cfg))
         self.harnesses: dict[int | None, object] = {}
 
     def _harness(self, limit: int | None):
@@ -124,9 +124,9 @@ class Bench:
         if items is None:
             settings, limit, samples = self.settings, self.cfg.benchmark.limit, None
         elif items[0] == 0:
-            settings, limit, samples = dict(self.settings, limit=items[1]), items[1], None
+            settings, limit, samples = self.settings.replace(limit=items[1]), items[1], None
         else:
-            settings, limit = dict(self.settings, limit=None, items=list(items)), None
+            settings, limit = self.settings.replace(limit=None, items=list(items)), None
             samples = {t: list(range(*items)) for t in self.tasks}
         got = None if self.cfg.eval.force else self.store.get_scores(fingerprint, self.digests, settings)
         if got is not None:

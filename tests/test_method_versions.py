@@ -14,6 +14,7 @@ After a deliberate change of a method's output: raise its ``version`` where it i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -89,12 +90,24 @@ def inputs(tiny: Path, root: Path) -> tuple[Path, list[Path]]:
     return base, [_model(base, root / f"e{i}", seed=i + 1, scale=0.01 * (i + 1)) for i in range(3)]
 
 
-def output_sums(name: str, base: Path, experts: list[Path], root: Path) -> list[float]:
+def guarded() -> dict[str, tuple[str, dict]]:
+    """Record key -> (method, config fields beyond CASES'): every method, and where it has them its mergekit
+    semantics (``compat=mergekit``: other code, methods/compat.py)."""
+    out = {}
+    for name, method in sorted(METHODS.items()):
+        out[name] = (name, {})
+        if "compat" in {f.name for f in dataclasses.fields(method.config)}:
+            out[f"{name} compat=mergekit"] = (name, {"compat": "mergekit"})
+    return out
+
+
+def output_sums(name: str, extra: dict, base: Path, experts: list[Path], root: Path) -> list[float]:
     """[sum, sum of |.|, sum against fixed signs] of the method's task vector over every tensor, in float64."""
     from mergeval.engine import merge_to_disk
 
     method = METHODS[name]
     n, params = CASES.get(name, (3, {}))
+    params = {**params, **extra}
     chosen = experts[:n]
     if name in STATISTICS:
         params = {**params, "statistics": [_statistics(STATISTICS[name], e, root / f"stats-{name}-{i}", seed=50 + i)
@@ -105,7 +118,7 @@ def output_sums(name: str, base: Path, experts: list[Path], root: Path) -> list[
                   "num_key_value_heads": config["num_key_value_heads"]}
     cfg = method.config(**params)
     method.validate(cfg, n)
-    out = merge_to_disk(method, cfg, base, chosen, root / f"out-{name}", seed=7)
+    out = merge_to_disk(method, cfg, base, chosen, root / f"out-{name}-{len(extra)}", seed=7)
     merged, before = load_file(str(out / "model.safetensors")), load_file(str(base / "model.safetensors"))
     sums = [0.0, 0.0, 0.0]
     for tensor_name in sorted(merged):
@@ -123,22 +136,23 @@ def guard_inputs(tiny_dir, tmp_path_factory):
 
 def test_every_method_is_recorded():
     recorded = json.loads(RECORD.read_text())
-    assert sorted(recorded) == sorted(METHODS), "record the new method: python -m tests.test_method_versions"
+    assert sorted(recorded) == sorted(guarded()), "record the new method: python -m tests.test_method_versions"
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_a_changed_output_comes_with_a_new_implementation_version(name, guard_inputs):
+@pytest.mark.parametrize("key", sorted(guarded()))
+def test_a_changed_output_comes_with_a_new_implementation_version(key, guard_inputs):
     base, experts, root = guard_inputs
-    recorded = json.loads(RECORD.read_text()).get(name)
+    recorded = json.loads(RECORD.read_text()).get(key)
     if recorded is None:
-        pytest.fail(f"{name} is not recorded: python -m tests.test_method_versions")
+        pytest.fail(f"{key} is not recorded: python -m tests.test_method_versions")
+    name, extra = guarded()[key]
     version = METHODS[name].version
     assert recorded["version"] == version, (
         f"{name} is at implementation version {version}, recorded at {recorded['version']}: record its output "
         "again (python -m tests.test_method_versions) and commit tests/method_outputs.json")
-    got = output_sums(name, base, experts, root)
+    got = output_sums(name, extra, base, experts, root)
     assert got == pytest.approx(recorded["sums"], rel=RTOL, abs=ATOL), (
-        f"{name}'s output changed (task-vector sums {got} against {recorded['sums']}) while its implementation "
+        f"{key}: the output changed (task-vector sums {got} against {recorded['sums']}) while its implementation "
         f"version stayed {version}: raise it where the method is registered, so merges stored by the old code "
         "are not reused for the new, then record (python -m tests.test_method_versions)")
 
@@ -152,8 +166,8 @@ def record(cache: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base, experts = inputs(zoo_dir("tiny", cache), root)
-        out = {name: {"version": METHODS[name].version, "sums": output_sums(name, base, experts, root)}
-               for name in sorted(METHODS)}
+        out = {key: {"version": METHODS[name].version, "sums": output_sums(name, extra, base, experts, root)}
+               for key, (name, extra) in guarded().items()}
     RECORD.write_text(json.dumps(out, indent=1) + "\n")
     print(f"recorded {len(out)} methods in {RECORD}")
 

@@ -55,11 +55,12 @@ def _normal(seed: int, shape) -> torch.Tensor:
     return torch.from_numpy(np.random.RandomState(seed).standard_normal(shape).astype(np.float32))
 
 
-def _model(src: Path, dst: Path, seed: int | None, scale: float) -> Path:
+def _model(src: Path, dst: Path, seed: int | None, scale: float, big: bool = True) -> Path:
     """``src``'s files with every tensor drawn anew and the large tensor added (seed None: the base), for an
-    expert the base plus seeded noise."""
+    expert the base plus seeded noise. ``big=False``: no extra tensor (a model transformers loads)."""
     shutil.copytree(src, dst)
-    shapes = {n: tuple(t.shape) for n, t in load_file(str(dst / "model.safetensors")).items()} | {BIG: (1024, 512)}
+    shapes = {n: tuple(t.shape) for n, t in load_file(str(dst / "model.safetensors")).items()}
+    shapes |= {BIG: (1024, 512)} if big else {}
     tensors = {n: _normal(1000 + i, shape) for i, (n, shape) in enumerate(sorted(shapes.items()))}
     if seed is not None:
         tensors = {n: t + scale * _normal(seed * 100 + i, t.shape) for i, (n, t) in enumerate(sorted(tensors.items()))}

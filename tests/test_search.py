@@ -325,6 +325,33 @@ def test_progress_lines_and_the_report(searched, tmp_path):
     assert written["resumed"] == 4 and written["cost"]["trials"] == 6 and written["test"]["best"]["scores"]
 
 
+def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(searched, tmp_path):
+    """The summary's command line: the search's overrides less its own and Hydra's, plus the best recipe's
+    fields in full; run, it merges the very model the search scored (same fingerprint) and evaluates nothing."""
+    import shlex
+
+    from mergeval.search import report
+
+    cfg, _, resumed, _, _, _, _ = searched
+    given = [*SMALL, "search.n_trials=6", f"cache_dir={cfg.cache_dir}", f"store.path={cfg.store.path}",
+             "hydra.run.dir=search-job"]
+    args = shlex.split(report.run_command(given, resumed.best_fields))
+    assert args[:3] == ["python", "-m", "mergeval"] and not any(a.startswith(("search", "hydra")) for a in args)
+    assert {a.split("=")[0] for a in args if a.startswith("method.")} == {f"method.{f}" for f in resumed.best_fields}
+    out = run_module("mergeval", *args[3:], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = json.loads(Path(out.stdout.split("result: ")[-1].strip()).read_text())["models"][-1]
+    assert merged["fingerprint"] == resumed.test["best"]["fingerprint"]
+    assert merged["evaluated"] == "reused from the results store"
+
+
+def test_a_recipe_value_is_written_in_hydras_grammar():
+    from mergeval.search.report import hydra_value
+
+    value = [{"match": "*mlp*", "lambda_": [0.1 + 0.2, 1e-05]}, {"sign_rule": "count", "on": True, "k": None}]
+    assert hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'
+
+
 def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
     out = run_module("mergeval.search", "+experiment=tiny", "search.space={lambda_: {low: 2, high: 1}}",
                      f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)

@@ -35,6 +35,8 @@ def main(cfg: DictConfig) -> None:
         from mergeval.search.run import run_search
 
         outcome = run_search(cfg)
+        if outcome.best is not None:
+            outcome.run_command = report.run_command(list(HydraConfig.get().overrides.task), outcome.best_fields)
         report.render(outcome)
         written = report.write(cfg, outcome, out_dir)
     print(f"search: {written}")

@@ -53,6 +53,8 @@ class SearchOutcome:
     best: Scored | None = None  # the best complete trial, re-read on the validation split
     best_number: int | None = None
     best_is_default: bool = False  # the best trial is the seeded default (no sampled recipe beat it)
+    best_fields: dict = field(default_factory=dict)  # the method fields the best recipe sets (Space.overrides)
+    run_command: str | None = None  # the best recipe as a plain run (report.run_command; set by the command line)
     test: dict | None = None  # {"best"|"default": {scores, aggregates, fingerprint}, "constituents": ...}
     cost: dict = field(default_factory=dict)
     resumed: int = 0  # finished trials the study held before this process
@@ -237,7 +239,8 @@ def _best(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
         return
     outcome.best_number = best.number
     outcome.best_is_default = bool(best.user_attrs.get("default"))
-    outcome.best = score(stages, best.params, space.overrides(best.params))
+    outcome.best_fields = space.overrides(best.params)
+    outcome.best = score(stages, best.params, outcome.best_fields)
 
 
 def _cost(study, stages: Stages, reference_texts: int) -> dict:

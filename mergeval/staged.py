@@ -31,9 +31,25 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):
         outcome = run_staged(cfg)
+        if outcome.pick is not None:
+            outcome.pick_command = pick_command(outcome.result(outcome.pick))
         report.render(outcome, title=f"staged sweep · {cfg.modelset.name} · {cfg.benchmark.name}")
         written = report.write(cfg, outcome, out_dir)
     print(f"staged: {written}")
+
+
+def pick_command(pick) -> str:
+    """The staged pick as a plain run: its method and every field of its config that the plain run's
+    composition of that method (this command's other overrides, ``method=<name>``) would set otherwise."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    from mergeval.rerun import changed_fields, kept, run_command
+
+    overrides = list(HydraConfig.get().overrides.task)
+    composed = compose("config", overrides=[*kept(overrides, ("staged",), pick.method), f"method={pick.method}"])
+    return run_command(overrides, ("staged",), changed_fields(pick.config, OmegaConf.to_container(composed.method)),
+                       method=pick.method)
 
 
 def cli() -> None:

@@ -330,12 +330,12 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
     fields in full; run, it merges the very model the search scored (same fingerprint) and evaluates nothing."""
     import shlex
 
-    from mergeval.search import report
+    from mergeval.rerun import run_command
 
     cfg, _, resumed, _, _, _, _ = searched
     given = [*SMALL, "search.n_trials=6", f"cache_dir={cfg.cache_dir}", f"store.path={cfg.store.path}",
              "hydra.run.dir=search-job"]
-    args = shlex.split(report.run_command(given, resumed.best_fields))
+    args = shlex.split(run_command(given, ("search",), resumed.best_fields))
     assert args[:3] == ["python", "-m", "mergeval"] and not any(a.startswith(("search", "hydra")) for a in args)
     assert {a.split("=")[0] for a in args if a.startswith("method.")} == {f"method.{f}" for f in resumed.best_fields}
     out = run_module("mergeval", *args[3:], cwd=tmp_path)
@@ -346,7 +346,7 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
 
 
 def test_a_recipe_value_is_written_in_hydras_grammar():
-    from mergeval.search.report import hydra_value
+    from mergeval.rerun import hydra_value
 
     value = [{"match": "*mlp*", "lambda_": [0.1 + 0.2, 1e-05]}, {"sign_rule": "count", "on": True, "k": None}]
     assert hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'

@@ -333,6 +333,26 @@ def staged_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return run_module("mergeval.staged", "+experiment=tiny_staged", *args, cwd=cwd, env=env, timeout=900)
 
 
+def test_the_pick_runs_as_a_plain_run_of_the_same_merge(cache, tmp_path):
+    """staged.json's pick_command (printed too): the pick's method and the fields it sets beyond that method's
+    composed defaults; run, it merges the model the sweep picked (the same fingerprint)."""
+    import shlex
+
+    out = staged_cli("~staged.grid.task_arithmetic", "staged.grid.ties.lambda_=[0.7]",
+                     "staged.grid.ties.density=[0.3]", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(next(tmp_path.rglob("staged.json")).read_text())
+    command = data["pick_command"]
+    assert f"as a run (result.json, the results store; stored evaluations are reused): {command}" in out.stdout
+    args = shlex.split(command)
+    assert args[:4] == ["python", "-m", "mergeval", "+experiment=tiny_staged"] and "method=ties" in args
+    assert {"method.lambda_=0.7", "method.density=0.3"} <= set(args) and not any("staged" in a for a in args[4:])
+    run = run_module("mergeval", *args[3:], cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    merged = json.loads(Path(run.stdout.split("result: ")[-1].strip()).read_text())["models"][-1]
+    assert merged["fingerprint"] == next(c["fingerprint"] for c in data["candidates"] if c["label"] == data["pick"])
+
+
 def test_early_stop_when_every_candidate_degrades(cache, tmp_path):
     out = staged_cli(*KNOWN, "staged.grid.task_arithmetic.lambda_=[8.0,-8.0]", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -422,6 +442,16 @@ def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cac
     for mine, theirs in zip(data["candidates"], out.candidates):
         assert mine["fingerprint"] == theirs.fingerprint
         assert mine["log_ratio"] == pytest.approx(theirs.log_ratio, abs=1e-9)
+    # the pick as a plain run: the picked job's overrides, less the sweeper's and the staged section's
+    import shlex
+
+    args = shlex.split(data["pick_command"])
+    assert "method.lambda_=1.0" in args and not any(a.startswith(("hydra", "staged", "~staged")) for a in args)
+    again = run_module("mergeval", *args[3:], cwd=tmp_path, env=env, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    merged = json.loads(Path(again.stdout.split("result: ")[-1].strip()).read_text())["models"][-1]
+    assert merged["fingerprint"] == out.result(out.pick).fingerprint
+    assert merged["evaluated"] == "reused from the results store"  # staged.full scored the pick in full
 
 
 def test_a_bad_swept_value_under_the_staged_sweeper_is_one_line_and_exit_2(cache, tmp_path):

@@ -56,7 +56,8 @@ class StagedSweeper(Sweeper):
         from mergeval.staging import report
         from mergeval.staging.from_sweep import SWEEPER, staged_config
         from mergeval.staging.pipeline import run_staged
-        from mergeval.sweep_check import expand, swept_positions
+        from mergeval.rerun import run_command
+        from mergeval.sweep_check import expand, job_label, swept_positions
 
         assert self.config is not None and self.hydra_context is not None
         out_dir = Path(self.config.hydra.sweep.dir)
@@ -66,7 +67,7 @@ class StagedSweeper(Sweeper):
                 raise UserError(SWEEPER, "cannot expand this sweep (a parse error, or a range or glob sweep)",
                                 "list each swept value, e.g. method.lambda_=0.5,1.0,1.5")
             swept = swept_positions(jobs)
-            labels = [", ".join(job[i] for i in swept) or "the only job" for job in jobs]
+            labels = [job_label(job, swept) or "the only job" for job in jobs]
             configs = []
             for job in jobs:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
@@ -76,6 +77,9 @@ class StagedSweeper(Sweeper):
             cfg = staged_config(configs, labels)
             log.info(f"staged sweep of {len(jobs)} candidates -> {out_dir}")
             outcome = run_staged(cfg)
+            if outcome.pick is not None:  # the picked job's own overrides compose the very config it merged
+                picked = [c.label for c in outcome.candidates].index(outcome.pick)
+                outcome.pick_command = run_command(list(jobs[picked]), ("staged",), {})
             report.render(outcome, title=f"staged sweep · {cfg.modelset.name} · {cfg.benchmark.name}")
             out_dir.mkdir(parents=True, exist_ok=True)
             written = report.write(cfg, outcome, out_dir)

@@ -31,12 +31,13 @@ def main(cfg: DictConfig) -> None:
         except ImportError:
             raise UserError("search", "needs Optuna, which is not installed", "pip install 'mergeval[cluster]'") \
                 from None
+        from mergeval.rerun import run_command
         from mergeval.search import report
         from mergeval.search.run import run_search
 
         outcome = run_search(cfg)
         if outcome.best is not None:
-            outcome.run_command = report.run_command(list(HydraConfig.get().overrides.task), outcome.best_fields)
+            outcome.run_command = run_command(list(HydraConfig.get().overrides.task), ("search",), outcome.best_fields)
         report.render(outcome)
         written = report.write(cfg, outcome, out_dir)
     print(f"search: {written}")

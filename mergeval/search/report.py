@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,7 +39,7 @@ def lines(outcome: SearchOutcome) -> list[str]:
         out.append(f"  best recipe: {describe(o.best.params)}"
                    + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else ""))
         if o.run_command:
-            out.append(f"  as a run (result.json, the results store; the search's evaluations are reused): {o.run_command}")
+            out.append(f"  as a run (result.json, the results store; stored evaluations are reused): {o.run_command}")
     if o.test:
         out.append("test split (scored once, after tuning):")
         for label in ("default", "best"):
@@ -52,31 +51,6 @@ def lines(outcome: SearchOutcome) -> list[str]:
                    f"against {full['forward_passes']:,} ({full['examples']:,}) scoring every trial on the whole "
                    f"validation split: {cost['fraction_of_full']:.0%}, {1 - cost['fraction_of_full']:.0%} saved")
     return out
-
-
-def run_command(overrides: list[str], fields: dict) -> str:
-    """``python -m mergeval`` with the search's command-line overrides, less its own (``search``) and Hydra's,
-    plus ``method.<field>=<value>`` for each field the recipe sets, every float in full: the same merge, so a
-    plain run of it (result.json, a row in the results store, report and verify) reuses the search's scores."""
-    def own(override: str) -> bool:
-        key = override.lstrip("+~").split("=", 1)[0]
-        return key.split(".")[0].split("/")[0] in ("search", "hydra")
-
-    recipe = [f"method.{name}={hydra_value(value)}" for name, value in fields.items()]
-    return " ".join(["python -m mergeval", *(shlex.quote(o) for o in [*(o for o in overrides if not own(o)), *recipe])])
-
-
-def hydra_value(value) -> str:
-    """A value in Hydra's override grammar: floats in full (repr), strings double-quoted, lists and dicts inline."""
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
-    return "[" + ",".join(hydra_value(v) for v in value) + "]"
 
 
 def render(outcome: SearchOutcome) -> None:

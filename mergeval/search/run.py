@@ -54,7 +54,7 @@ class SearchOutcome:
     best_number: int | None = None
     best_is_default: bool = False  # the best trial is the seeded default (no sampled recipe beat it)
     best_fields: dict = field(default_factory=dict)  # the method fields the best recipe sets (Space.overrides)
-    run_command: str | None = None  # the best recipe as a plain run (report.run_command; set by the command line)
+    run_command: str | None = None  # the best recipe as a plain run (mergeval/rerun.py; set by the command line)
     test: dict | None = None  # {"best"|"default": {scores, aggregates, fingerprint}, "constituents": ...}
     cost: dict = field(default_factory=dict)
     resumed: int = 0  # finished trials the study held before this process

@@ -90,6 +90,7 @@ class StagedOutcome:
     stage2: list[str] = field(default_factory=list)  # labels promoted to stage 2, best first
     stage3: list[str] = field(default_factory=list)  # finalists, best first
     pick: str | None = None
+    pick_command: str | None = None  # the pick as a plain run (mergeval/rerun.py; set by the command line)
     early_stop: str | None = None
     cost: dict[str, Cost] = field(default_factory=dict)
     ran: dict[str, int] = field(default_factory=dict)  # forward passes actually run in this job, per stage

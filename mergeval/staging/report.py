@@ -52,6 +52,7 @@ def to_json(cfg: DictConfig, outcome: StagedOutcome) -> dict:
         "stage2": outcome.stage2,
         "stage3": outcome.stage3,
         "pick": outcome.pick,
+        "pick_command": outcome.pick_command,
         "early_stop": outcome.early_stop,
         "cost": as_json(outcome.cost),
         "forward_passes_run_in_this_job": outcome.ran,
@@ -120,6 +121,9 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
         console.print(f"pick: [bold]{pick.label}[/bold]   mean acc {pick.mean('stage3'):.3f}   "
                       f"Macro-Gain {agg['macro_gain']:+.2f}   normalized "
                       f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})")
+        if outcome.pick_command:
+            console.print(f"as a run (result.json, the results store; stored evaluations are reused): "
+                          f"{outcome.pick_command}", soft_wrap=True, highlight=False)
     if outcome.comparison:
         cmp = outcome.comparison
         verdict = "the same pick" if cmp["same_pick"] else "a different pick"

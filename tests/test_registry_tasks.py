@@ -239,3 +239,28 @@ def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir,
     table = make_table(out)
     named = [line.split("|")[1].rstrip() for line in table.splitlines()[2:] if line.split("|")[1].strip()]
     assert named == ["my_group", " - hellaswag", " - mmlu_high_school_chemistry"], table
+
+
+def test_a_registry_tasks_digest_does_not_depend_on_where_things_are_installed(cache, tmp_path):
+    """A task's digest is its config and data, not where its YAML, its data files or the cache lie: lm-eval's
+    ``metadata.config_source`` (the path of the YAML the task came from) made every registry task with local
+    data a new task in another checkout or cache, re-evaluated in full (found running the README in a second
+    clone of the same commit)."""
+    import shutil
+
+    from mergeval.eval.suite import build_suite
+
+    tasks = ["hellaswag", "gsm8k"]
+    here = build_suite(bench(tasks), eval_cfg(), cache)
+    moved = tmp_path / "elsewhere"
+    for task in tasks:  # the same files at another place (a second checkout's shipped data)
+        for split, rel in DATA[task].items():
+            (moved / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(SHIPPED / "data" / rel, moved / rel)
+    data = {t: {s: str(moved / r) for s, r in DATA[t].items()} for t in tasks}
+    other_cache = tmp_path / "cache"
+    shutil.copytree(cache / "lm_eval_index", other_cache / "lm_eval_index")  # the registry's index, not rebuilt
+    there = build_suite(OmegaConf.merge(bench(tasks), {"data": data}), eval_cfg(), other_cache)
+    assert here.task("hellaswag").dump_config()["metadata"]["config_source"] != \
+        there.task("hellaswag").dump_config()["metadata"]["config_source"]
+    assert here.digests == there.digests

@@ -382,6 +382,9 @@ def _config_digest(task) -> str:
     config = task.dump_config()
     if "cache_dir" in (config.get("dataset_kwargs") or {}):  # where datasets caches: not what is evaluated
         config = {**config, "dataset_kwargs": {k: v for k, v in config["dataset_kwargs"].items() if k != "cache_dir"}}
+    if "config_source" in (config.get("metadata") or {}):  # the YAML file's path: where mergeval, lm-eval or the
+        # cache is installed (a data override's directory is named by its data files' paths), not what is evaluated
+        config = {**config, "metadata": {k: v for k, v in config["metadata"].items() if k != "config_source"}}
     files = ((config.get("dataset_kwargs") or {}).get("data_files") or {})
     hashed = {split: _file_hash(Path(p)) for split, p in files.items()} if isinstance(files, dict) else files
     if files:

@@ -27,7 +27,7 @@ OVERRIDES = """\
   -m method=ties,task_arithmetic method.lambda_=0.5,1.0    a sweep: one job directory per job
   -m hydra/launcher=parallel|ray|slurm ...  run a sweep's jobs in parallel, on Ray or on Slurm
   -m hydra/sweeper=staged method.lambda_=0.5,1.0,2.0   evaluate a sweep's merges in stages (staged.* sizes)
-  sweep.resume=false sweep.best=macro_gain  re-run finished configurations; the aggregate progress ranks by
+  sweep.resume=false sweep.best=macro_gain  re-run finished configurations; the aggregate the progress line ranks by
   --cfg job                                print the composed config and exit"""
 
 ENTRY_POINTS = """\

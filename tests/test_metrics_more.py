@@ -465,3 +465,44 @@ def test_sar_properties(seed, rows, cols, c, d):
     assert subspace_alignment_ratio(t, t) >= math.sqrt(1 - 0.05**2) - 1e-12
     # invariant to rescaling either argument (the sign of Delta_M does not matter)
     assert subspace_alignment_ratio(c * t, d * m) == pytest.approx(sar, abs=1e-9)
+
+
+def _sar_by_svd(t: torch.Tensor, m: torch.Tensor, eps: float = 0.05) -> float | None:
+    """SAR from its definition, with torch's SVD (what subspace_alignment_ratio computed before the Gram route)."""
+    t, m = t.double().reshape(t.shape[0], -1), m.double().reshape(m.shape[0], -1)
+    if torch.linalg.matrix_norm(t) == 0:
+        return None
+    u, s, _ = torch.linalg.svd(m, full_matrices=False)
+    k = sar_rank(s, eps)
+    return 0.0 if k == 0 else min(float(torch.linalg.matrix_norm(u[:, :k] @ (u[:, :k].T @ t)) /
+                                        torch.linalg.matrix_norm(t)), 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), rank=st.integers(0, 40), seed=st.integers(0, 10_000),
+       eps=st.sampled_from([0.01, 0.05, 0.3]))  # eps = 0 counts singular values at rounding level: no route's k is stable
+def test_sar_from_the_gram_matrix_equals_sar_from_the_svd(rows, cols, rank, seed, eps):
+    """dominant_basis (the eigendecomposition of the smaller Gram matrix) spans the subspace of the SVD's top
+    singular vectors: SAR agrees with the definition on tall, wide, rank-deficient and zero matrices."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(rank, rows, cols)
+    m = torch.randn(rows, r, generator=g, dtype=torch.float64) @ torch.randn(r, cols, generator=g, dtype=torch.float64)
+    t = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    for a, b in ((t, m), (m, t), (m, m)):
+        want, got = _sar_by_svd(a, b, eps), subspace_alignment_ratio(a, b, eps)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got == pytest.approx(want, abs=1e-9)
+
+
+def test_the_pairs_of_several_models_in_one_pass_equal_each_pair_alone():
+    from mergeval.metrics.similarity import pairwise_stats
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"layers.0.w": (6, 4), "layers.0.b": (4,), "layers.1.w": (3, 5), "emb": (7, 2)}
+    base = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    models = {k: {n: t + torch.randn(t.shape, generator=g) for n, t in base.items()} for k in ("x", "y", "z")}
+    pairs = [("x", "y"), ("x", "z"), ("y", "z")]
+    together = pairwise_stats(base, models, pairs)
+    for a, b in pairs:
+        assert together[f"{a}~{b}"] == task_vector_stats(base, models[a], models[b])

@@ -220,6 +220,8 @@ def test_a_report_of_a_whole_store_keeps_the_runs_comparable_with_the_newest(tmp
 def test_a_plot_the_runs_cannot_support_is_skipped_with_its_reason(tmp_path):
     only_linear = [r for r in sweep() if r["run_id"] == "lin"]
     out = tmp_path / "report"
+    assert report_main([str(write_sweep(tmp_path / "all", sweep())), "--out", str(out)]) == 0
+    assert is_png(out / "score_vs_param.png")  # an earlier report into the same --out: its plot must not stay
     assert report_main([str(write_sweep(tmp_path, only_linear)), "--out", str(out)]) == 0
     assert not (out / "score_vs_param.png").exists() and is_png(out / "pareto.png")
     assert "score_vs_param.png skipped: no numeric hyperparameter varies" in (out / "report.md").read_text()

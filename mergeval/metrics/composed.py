@@ -97,16 +97,12 @@ def forgetting_of_merge(scores: Mapping[str, Mapping[str, Mapping[str, float]]],
 
 def similarity(base: Mapping, experts: Mapping[str, Mapping], merged: Mapping | None) -> dict:
     """Overall and per-layer task-vector statistics: expert pairs ("a~b") and expert vs merge ("a~merged")."""
-    from mergeval.metrics.similarity import task_vector_stats
+    from mergeval.metrics.similarity import pairwise_stats
 
-    pairs = [(a, b, experts[a], experts[b]) for a, b in combinations(experts, 2)]
-    if merged is not None:
-        pairs += [(a, "merged", experts[a], merged) for a in experts]
-    out = {}
-    for a, b, ta, tb in pairs:
-        stats = task_vector_stats(base, ta, tb)
-        out[f"{a}~{b}"] = {"overall": stats["overall"], "by_layer": stats["by_layer"]}
-    return out
+    models = {**experts, **({} if merged is None else {"merged": merged})}
+    pairs = list(combinations(experts, 2)) + ([(a, "merged") for a in experts] if merged is not None else [])
+    stats = pairwise_stats(base, models, pairs)
+    return {key: {"overall": s["overall"], "by_layer": s["by_layer"]} for key, s in stats.items()}
 
 
 def calibration(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None]) -> dict:

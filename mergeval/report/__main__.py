@@ -71,6 +71,8 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
         pareto=trade, notes=notes, param=swept, normalized=norm_rows, images=images)
     report = out_dir / "report.md"
     report.write_text(text)
+    for skipped in {"pareto.png", "score_vs_param.png", "normalized.png"} - set(images.values()):
+        (out_dir / skipped).unlink(missing_ok=True)  # an earlier report's plot beside this one would be taken for its
     return {"runs": runs, "tasks": all_tasks, "pareto": trade, "files": [report, *files], "notes": notes}
 
 

@@ -21,9 +21,10 @@ from mergeval.paths import cache_root
 from mergeval.store import STATUSES, Store
 from mergeval.store_backends import is_server_url, sqlite_path
 
-COLUMNS = ["created", "status", "run_id", "experiment", "method", "params", "macro_gain", "macro_og",
+# experiment: the run's modelset (the store's column); benchmark: its benchmark's name (from the config)
+COLUMNS = ["created", "status", "run_id", "experiment", "benchmark", "method", "params", "macro_gain", "macro_og",
            "normalized_mean", "duration_s", "commit", "result_path", "error"]
-_SHOWN = ["created", "status", "run_id", "experiment", "method", "params", "macro_gain", "macro_og",
+_SHOWN = ["created", "status", "run_id", "experiment", "benchmark", "method", "params", "macro_gain", "macro_og",
           "normalized_mean"]
 
 
@@ -38,7 +39,8 @@ def run_row(run: dict) -> dict:
     finished = run["finished"]
     row = {
         "created": datetime.fromtimestamp(run["created"], timezone.utc).isoformat(timespec="seconds"),
-        "status": run["status"], "run_id": run["run_id"], "experiment": run["experiment"], "method": run["method"],
+        "status": run["status"], "run_id": run["run_id"], "experiment": run["experiment"],
+        "benchmark": benchmark_of(run), "method": run["method"],
         "params": method_params(run["config"].get("method", {})), "macro_gain": agg.get("macro_gain"),
         "macro_og": agg.get("macro_og"), "normalized_mean": agg.get("normalized_mean"),
         "duration_s": None if finished is None else round(finished - run["created"], 3),
@@ -48,6 +50,10 @@ def run_row(run: dict) -> dict:
         if "merged" in by_role:
             row[f"merged:{task}"] = score_value(by_role["merged"])
     return row
+
+
+def benchmark_of(run: dict) -> str | None:
+    return ((run["config"] or {}).get("benchmark") or {}).get("name")
 
 
 def table_columns(rows: list[dict]) -> list[str]:
@@ -125,7 +131,9 @@ def print_table(rows: list[dict], title: str) -> None:
 
 def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
     """The run filters shared with ``python -m mergeval.report`` (which reports finished runs only)."""
-    parser.add_argument("--experiment", help="only runs of this modelset")
+    parser.add_argument("--experiment", help="only runs of this modelset (the experiment column)")
+    parser.add_argument("--benchmark", help="only runs on this benchmark (its name: quickstart, "
+                        "quickstart_registry, ...)")
     parser.add_argument("--method", help="only runs of this merge method")
     if status:
         parser.add_argument("--status", choices=STATUSES, help="only runs in this state")
@@ -134,7 +142,8 @@ def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
 
 def filtered_runs(store: Store, args: argparse.Namespace) -> list[dict]:
     since = None if args.since is None else parse_since(args.since)
-    return store.runs(args.experiment, args.method, args.status, since)
+    runs = store.runs(args.experiment, args.method, getattr(args, "status", None), since)
+    return runs if args.benchmark is None else [r for r in runs if benchmark_of(r) == args.benchmark]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -591,6 +591,12 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     assert results.main([*args, "--since", "yesterday"]) == 2
     assert capsys.readouterr().err.startswith("mergeval: error: --since:")
     assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2
+    # --experiment is the modelset: runs of quickstart_registry are told apart by their benchmark
+    store.start_run("reg", experiment="quickstart", method="ties", versions={}, git={},
+                    config={"method": {"name": "ties"}, "benchmark": {"name": "quickstart_registry"}})
+    assert results.main([*args, "--benchmark", "quickstart_registry", "--csv", str(tmp_path / "b.csv")]) == 0
+    assert [(r["run_id"], r["benchmark"]) for r in csv.DictReader((tmp_path / "b.csv").open())] == \
+        [("reg", "quickstart_registry")]
 
 
 def test_each_task_is_keyed_by_the_settings_it_can_tell_apart(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 from mergeval.errors import UserError
 from mergeval.outcome import score_value
 from mergeval.report import data, markdown
-from mergeval.results import add_filters, default_store_path, open_existing, parse_since
+from mergeval.results import add_filters, benchmark_of, default_store_path, open_existing, parse_since
 
 
 def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[str] | None = None,
@@ -105,14 +105,15 @@ def collect(args: argparse.Namespace) -> tuple[list[dict], str]:
         raise UserError("--store", "give result.json paths or --store, not both", "drop one of them")
     if args.paths:
         found = load_results(args.paths)
-        results = data.filter_results(found, args.experiment, args.method, since)
+        results = data.filter_results(found, args.experiment, args.method, since, args.benchmark)
         return results, f"{len(results)} run(s) from {', '.join(args.paths)}"
     store = open_existing(args.store or None)
-    runs = store.runs(args.experiment, args.method, "finished", since)
+    runs = [r for r in store.runs(args.experiment, args.method, "finished", since)
+            if args.benchmark is None or benchmark_of(r) == args.benchmark]
     results = [result_from_run(r) for r in runs if r["models"] and r["scores"]]  # runs migrated without scores
     results, other = data.comparable_with_newest(results)
     left_out = "" if not other else (f" ({len(other)} other run(s) with other base/expert models or evaluation "
-                                     "settings left out; a sweep directory or --experiment reports them)")
+                                     "settings left out; a sweep directory, --experiment or --benchmark reports them)")
     return results, f"{len(results)} finished run(s) from the results store {store.location}{left_out}"
 
 

@@ -35,13 +35,14 @@ def method_params(result: dict) -> dict:
 
 
 def filter_results(results: list[dict], experiment: str | None = None, method: str | None = None,
-                   since: float | None = None) -> list[dict]:
-    """The results of this modelset and method, started at or after ``since`` (epoch seconds)."""
+                   since: float | None = None, benchmark: str | None = None) -> list[dict]:
+    """The results of this modelset, method and benchmark, started at or after ``since`` (epoch seconds)."""
     def keep(r: dict) -> bool:
         created = datetime.fromisoformat(r["created"])
         created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
         return ((experiment is None or r["config"]["modelset"]["name"] == experiment)
                 and (method is None or method_name(r) == method)
+                and (benchmark is None or r["config"]["benchmark"]["name"] == benchmark)
                 and (since is None or created.timestamp() >= since))
     return [r for r in results if keep(r)]
 

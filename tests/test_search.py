@@ -367,3 +367,22 @@ def test_the_report_lists_scores_in_the_benchmarks_task_order():
     read_back = {"mergeval_unit_convert": {"value": 0.94}, "mergeval_chem_count": {"value": 0.975}}
     assert _scores_line(read_back, ["mergeval_chem_count", "mergeval_unit_convert"]) == \
         "chem_count 0.975  unit_convert 0.940"
+
+
+def test_a_search_that_cost_more_than_full_scoring_says_so():
+    """4 trials on the tiny zoo, none pruned: stage 1's perplexities came on top and the summary said
+    "107%, -7% saved"."""
+    from mergeval.search.report import lines
+    from mergeval.search.run import SearchOutcome
+    from mergeval.search.trials import Scored
+
+    def cost(fraction):
+        full = {"forward_passes": 4800, "examples": 1200}
+        staged = {"forward_passes": int(4800 * fraction), "examples": 1520}
+        return {"trials": 4, "complete": 4, "pruned_at_stage1": 0, "pruned_at_stage2": 0, "staged": staged,
+                "full": full, "fraction_of_full": fraction}
+
+    for fraction, says in ((16 / 15, "107%, 7% more (stage 1's perplexities"), (0.71, "71%, 29% saved")):
+        outcome = SearchOutcome("s", "macro_gain", "ties", 4, ["t"], 16, 4, Scored({}, {}, value=1.0),
+                                cost=cost(fraction))
+        assert says in "\n".join(lines(outcome))

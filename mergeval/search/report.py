@@ -47,9 +47,12 @@ def lines(outcome: SearchOutcome) -> list[str]:
             out.append(f"  {label:<16} {o.objective} {signed(t['objective'])}   {_scores_line(t['scores'], o.tasks)}")
     staged, full = cost["staged"], cost["full"]
     if cost["fraction_of_full"] is not None:
+        fraction = cost["fraction_of_full"]
+        verdict = f"{1 - fraction:.0%} saved" if fraction <= 1 else \
+            f"{fraction - 1:.0%} more (stage 1's perplexities come on top of every trial that is not pruned)"
         out.append(f"cost: {staged['forward_passes']:,} forward passes ({staged['examples']:,} examples) staged, "
                    f"against {full['forward_passes']:,} ({full['examples']:,}) scoring every trial on the whole "
-                   f"validation split: {cost['fraction_of_full']:.0%}, {1 - cost['fraction_of_full']:.0%} saved")
+                   f"validation split: {fraction:.0%}, {verdict}")
     return out
 
 

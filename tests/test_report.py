@@ -286,3 +286,24 @@ def test_the_pareto_plot_of_many_runs_numbers_them_and_keys_every_label(tmp_path
     assert all(label in key for label in labels)
     assert sum(line.startswith("*") for line in key.splitlines()) == len(trade.front)
     assert ax.get_xlabel().endswith("(acc,none)") and ax.get_ylabel().endswith("(acc,none)")
+
+
+def test_the_tables_legend_names_the_own_task_cells_where_bold_does_not_show():
+    """Without a terminal (a log, a pipe, the README's blocks) rich prints no bold, and the legend said
+    "bold: each expert on its own task" all the same."""
+    from rich.console import Console
+
+    from mergeval.outcome import ModelInfo, Outcome
+    from mergeval.report.table import render
+
+    scores = {t: {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "chem", "merged")}
+              for t in ("mergeval_chem_count", "mergeval_general_facts")}
+    outcome = Outcome([ModelInfo("base", "zoo", "f0"), ModelInfo("chem", "zoo", "f1", task="mergeval_chem_count"),
+                       ModelInfo("merged", "ta", "f2")], list(scores), scores,
+                      {"normalized": {}, "normalized_mean": None, "normalized_band": "undefined", "scale": "percent",
+                       "macro_gain": 0.0, "macro_og": 0.0}, {})
+    for styled, says in ((None, "each expert's own task: chem on chem_count; normalized ="),
+                         ("truecolor", "bold: each expert on its own task; normalized =")):
+        console = Console(record=True, width=160, color_system=styled, force_terminal=styled is not None)
+        render(outcome, "t", console)
+        assert says in console.export_text()

@@ -62,7 +62,10 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
         console.print(f"calibration error (ECE) {role}: {cells}")
     if agg.get("consistency"):
         console.print(_consistency_table(agg["consistency"]))
-    console.print(f"[dim]bold: each expert on its own task; normalized = ({MERGED} - base) / (expert - base)[/dim]")
+    # bold shows only where the console styles text; in a log or a pipe the line names the cells instead
+    marked = "bold: each expert on its own task" if console.color_system else "each expert's own task: " + ", ".join(
+        f"{role} on {task.removeprefix('mergeval_')}" for task, role in own.items())
+    console.print(f"[dim]{marked + '; ' if own else ''}normalized = ({MERGED} - base) / (expert - base)[/dim]")
     for task, why in excluded.items():
         console.print(f"[dim]* {task}: {why}[/dim]")
     if any(info.get("entry", t) != t for t, info in outcome.rows.items()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.errors import UserError
@@ -28,6 +30,39 @@ def check_known_keys(cfg: DictConfig, method) -> None:
         if unknown:
             raise UserError(f"{group}.{unknown[0]}", "no such field (added with +?)",
                             f"check the spelling; the fields of {group} are: {', '.join(fields)}")
+
+
+def check_mapping_keys(bench) -> None:
+    """benchmark.fewshot and benchmark.metrics name entries of benchmark.tasks (their keys are free: set from the
+    command line as ``benchmark.fewshot.<task>=5``, config.open_mappings; a misspelt one must fail here, before a
+    sweep starts its first job, not when its job loads the tasks)."""
+    entries = list(bench.tasks)
+    for field in ("fewshot", "metrics"):
+        for task in bench.get(field) or {}:
+            if task not in entries:
+                near = difflib.get_close_matches(task, entries, n=1)
+                raise UserError(f"benchmark.{field}.{task}", f"'{task}' is not in benchmark.tasks",
+                                f"did you mean {near[0]}?" if near else f"use one of {entries}")
+
+
+# lm-eval's own generation keys; the rest go to transformers' generate (its GenerationConfig's fields)
+_LM_EVAL_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
+
+
+def check_gen_kwargs(gen_kwargs: dict) -> None:
+    """Each eval.gen_kwargs key is one lm-eval or transformers' generate() takes: a misspelt one
+    (max_gen_tokens) otherwise ends the run at its first generation task, minutes in, with generate()'s
+    traceback."""
+    if not gen_kwargs:
+        return
+    from transformers import GenerationConfig
+
+    known = set(_LM_EVAL_GEN_KWARGS) | set(GenerationConfig().to_dict())
+    for key in gen_kwargs:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            raise UserError(f"eval.gen_kwargs.{key}", "not a generation setting of lm-eval or transformers' "
+                            "generate()", f"did you mean {near[0]}?" if near else "see transformers' GenerationConfig")
 
 
 def validate(cfg: DictConfig):
@@ -87,6 +122,8 @@ def validate(cfg: DictConfig):
         raise UserError("benchmark.num_fewshot", f"must be 0 or more, got {cfg.benchmark.num_fewshot}",
                         "set it to null (each task's own default) or a number of examples >= 0")
     check_best(cfg.sweep.best)
+    check_mapping_keys(cfg.benchmark)
+    check_gen_kwargs(dict(cfg.eval.gen_kwargs or {}))
     if cfg.metric.scale not in ("percent", "fraction"):
         raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
     if cfg.eval.batch_size < 1:

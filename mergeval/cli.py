@@ -225,7 +225,8 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     handle_sigterm()
     from mergeval.config import open_mappings
 
-    sys.argv[1:] = open_mappings(sys.argv[1:])  # eval.gen_kwargs={...} as the README writes it (config.py)
+    # eval.gen_kwargs={...} as the README writes it (config.py)
+    sys.argv[1:] = open_mappings(sys.argv[1:], search=entry == "mergeval.search")
     # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
     # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
     # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise

@@ -95,7 +95,8 @@ class MetricConfig:
     scale: str = "percent"  # Macro-Gain / Macro-OG reported in "percent" points or as a "fraction"
     groups: dict[str, MetricGroup] = field(default_factory=dict)  # per-role weighted mean over task groups
     weighting: str = "tasks"  # groups weighted by their task count ("tasks"), "equal", or "given" (weights)
-    weights: dict[str, float] | None = None
+    # {} (not null) by default, so metric.weights.<group>=2 can add a key from the command line; empty = not given
+    weights: dict[str, float] | None = field(default_factory=dict)
     forgetting_tasks: list[str] = field(default_factory=list)  # general tasks: base - merged drop (MergeBench)
     # what Macro-Gain / Macro-OG compare the merge against: "experts" (the modelset's experts), "base_and_experts"
     # (the CPT paper's first stage, an expert merged with its own base), or a list of roles, e.g. [base, finance]
@@ -200,15 +201,17 @@ def register_configs() -> None:
         cs.store(group="method", name=f"{name}_schema", node=method.config)
 
 
-def mapping_fields(schema=None, prefix: str = "") -> set[str]:
+def mapping_fields(schema=None, prefix: str = "", search: bool = False) -> set[str]:
     """Dotted names of the schema's free mappings (``eval.gen_kwargs``, ``benchmark.fewshot``, ...): fields
     whose keys the user chooses, with values that have no fields of their own (not ``modelset.experts``,
-    whose values are ExpertConfigs: a misspelt field of an expert must stay an error). Without ``schema``: the run config's, every method's (under ``method.``) and
-    the search's (``search.``)."""
+    whose values are ExpertConfigs: a misspelt field of an expert must stay an error). Without ``schema``: the
+    run config's and every method's (under ``method.``), and with ``search`` the search section's."""
     if schema is None:
-        from mergeval.search.config import SearchConfig
+        found = mapping_fields(RunConfig)
+        if search:  # only python -m mergeval.search has the section: elsewhere ++ would add it
+            from mergeval.search.config import SearchConfig
 
-        found = mapping_fields(RunConfig) | mapping_fields(SearchConfig, "search.")
+            found |= mapping_fields(SearchConfig, "search.")
         for method in METHODS.values():
             found |= mapping_fields(method.config, "method.")
         return found
@@ -227,13 +230,13 @@ def mapping_fields(schema=None, prefix: str = "") -> set[str]:
     return found
 
 
-def open_mappings(args: list[str]) -> list[str]:
+def open_mappings(args: list[str], search: bool = False) -> list[str]:
     """Command-line overrides of a mapping field or one of its keys (``eval.gen_kwargs={max_gen_toks: 256}``,
     ``benchmark.fewshot.mmlu=5``) as Hydra's ``++`` (set, or add). Why: Hydra composes the schema in struct
     mode, which refuses every key a mapping does not have yet, so the README's ``eval.gen_kwargs={...}`` failed
     with "no such field"; a mapping's keys are the user's to choose, and its values are still checked against
     the field's type. Everything else is left as it is (a misspelt field stays an error)."""
-    fields = mapping_fields()
+    fields = mapping_fields(search=search)
     out = []
     for arg in args:
         key = arg.split("=", 1)[0]

@@ -8,16 +8,40 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
+from pathlib import Path
 
 
 def kept(overrides: list[str], own: tuple[str, ...], method: str | None = None) -> list[str]:
     """The sweep's command-line ``overrides`` a plain run keeps: not those of its ``own`` sections (``search``,
-    ``staged``) or Hydra's, nor the method's when the recipe names its method."""
+    ``staged``) or Hydra's, nor the method's when the recipe names its method; a mapping's override as the
+    user wrote it (without the ``++`` config.open_mappings gave it, which the plain run gives it again)."""
+    from mergeval.config import mapping_fields
+
     def dropped(override: str) -> bool:
         head = override.lstrip("+~").split("=", 1)[0].split(".")[0].split("/")[0]
         return head in (*own, "hydra") or (method is not None and head == "method")
 
-    return [o for o in overrides if not dropped(o)]
+    mappings = mapping_fields()
+
+    def as_written(override: str) -> str:
+        key = override[2:].split("=", 1)[0]
+        opened = override.startswith("++") and any(key == f or key.startswith(f + ".") for f in mappings)
+        return override[2:] if opened else override
+
+    return [as_written(o) for o in overrides if not dropped(o)]
+
+
+def config_dir(argv: list[str] | None = None) -> list[str]:
+    """``--config-dir DIR`` (absolute) when the sweep's command line had one: its experiments live there."""
+    argv = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(argv):
+        for flag in ("--config-dir", "-cd"):
+            if arg == flag and i + 1 < len(argv):
+                return [flag, str(Path(argv[i + 1]).expanduser().resolve())]
+            if arg.startswith(flag + "="):
+                return [flag, str(Path(arg.split("=", 1)[1]).expanduser().resolve())]
+    return []
 
 
 def run_command(overrides: list[str], own: tuple[str, ...], fields: dict, method: str | None = None) -> str:
@@ -25,7 +49,8 @@ def run_command(overrides: list[str], own: tuple[str, ...], fields: dict, method
     other fields come back to what that composes: pass every field that differs, ``changed_fields``) and
     ``method.<field>=<value>`` per field, floats in full."""
     recipe = ([f"method={method}"] if method else []) + [f"method.{k}={hydra_value(v)}" for k, v in fields.items()]
-    return " ".join(["python -m mergeval", *(shlex.quote(o) for o in [*kept(overrides, own, method), *recipe])])
+    words = [*config_dir(), *kept(overrides, own, method), *recipe]
+    return " ".join(["python -m mergeval", *(shlex.quote(o) for o in words)])
 
 
 def hydra_value(value) -> str:

@@ -58,12 +58,16 @@ def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list
     merged = [scores[t][MERGED]["value"] for t in tasks]
     constituents = [[scores[t][role]["value"] for t in tasks] for role in roles]
     normalized, unlearned = {}, []
+    own: dict[str, str] = {}  # task -> the expert it is normalized by: of two naming it, the better on it
     for e in experts:
         if e.task is not None and e.task in tasks:
-            s = scores[e.task]
-            normalized[e.task] = normalized_score(s[MERGED]["value"], s["base"]["value"], s[e.role]["value"])
-            if s[e.role]["value"] <= s["base"]["value"]:  # no gain to keep: the ratio says nothing about the merge
-                unlearned.append(e.task)
+            if e.task not in own or scores[e.task][e.role]["value"] > scores[e.task][own[e.task]]["value"]:
+                own[e.task] = e.role
+    for task, role in own.items():
+        s = scores[task]
+        normalized[task] = normalized_score(s[MERGED]["value"], s["base"]["value"], s[role]["value"])
+        if s[role]["value"] <= s["base"]["value"]:  # no gain to keep: the ratio says nothing about the merge
+            unlearned.append(task)
     # the mean and its band count only the tasks whose expert beats the base (an expert that lost to the base
     # gave a "good" band from ratios the table calls meaningless); undefined when none does
     mean = mean_normalized_score(v for t, v in normalized.items() if t not in unlearned)

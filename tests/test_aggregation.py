@@ -138,3 +138,15 @@ def test_score_text(score, text):
 def test_score_value_and_fixed():
     assert score_value({"acc": 0.3}) == 0.3 and score_value({"value": 0.4, "acc": 0.3}) == 0.4
     assert fixed(-0.001) == "0.00" and fixed(-0.006) == "-0.01" and fixed(1.234, 1) == "1.2"
+
+
+def test_two_experts_on_one_task_normalize_it_by_the_better_and_count_it_once():
+    """Both experts naming chem: the table said "mean over -1 of 1 expert tasks" (the task counted once per
+    expert that does not beat the base) and normalized chem by whichever expert came last."""
+    both = [ModelInfo("base", "b", "fb"), ModelInfo("chem", "c", "fc", task="chem"),
+            ModelInfo("units", "u", "fu", task="chem"), ModelInfo(MERGED, "m", "fm")]
+    agg = aggregate(scores(), TASKS, both, metric())
+    assert agg["normalized"] == {"chem": pytest.approx((0.50 - 0.20) / (0.60 - 0.20))}  # chem 0.60 beats units 0.30
+    assert agg["normalized_not_counted"] == []
+    worse = scores({**TABLE, "chem": (0.70, 0.60, 0.30, 0.50)})  # neither beats the base: counted once
+    assert aggregate(worse, TASKS, both, metric())["normalized_not_counted"] == ["chem"]

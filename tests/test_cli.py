@@ -70,6 +70,12 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
     with initialize_config_module("mergeval.conf", version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=tiny", *open_mappings(args[:2])])
     assert (cfg.eval.gen_kwargs, cfg.benchmark.fewshot) == ({"max_gen_toks": 256}, {"mergeval_units": 2})
+    with initialize_config_module("mergeval.conf", version_base="1.3"):  # an optional mapping: {} by default
+        cfg = compose("config", overrides=["+experiment=tiny", *open_mappings(["metric.weights.domains=2"])])
+    assert cfg.metric.weights == {"domains": 2.0}
+    # search.space only for mergeval.search: elsewhere ++ would add a search section to a plain run
+    assert open_mappings(["search.space.x=1"]) == ["search.space.x=1"]
+    assert open_mappings(["search.space.x=1"], search=True) == ["++search.space.x=1"]
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -88,6 +94,10 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
     (["+benchmark.limt=3"], "benchmark.limt"),
     (["benchmark.num_fewshot=-1"], "benchmark.num_fewshot"),
     (["sweep.best=macro_gian"], "sweep.best"),  # once silently left the best-so-far out of a sweep's progress
+    # free mappings take new keys from the command line (config.open_mappings), so their keys are checked here
+    (["eval.gen_kwargs.max_gen_tokens=8"], "eval.gen_kwargs.max_gen_tokens"),  # was generate()'s traceback, mid-run
+    (["benchmark.fewshot.mergeval_chem_cont=1"], "benchmark.fewshot.mergeval_chem_cont"),
+    (["search.space.lambda_={low: 0.1, high: 1}"], "search.space.lambda_[...].search"),  # only mergeval.search's
 ])
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)

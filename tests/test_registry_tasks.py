@@ -264,3 +264,15 @@ def test_a_registry_tasks_digest_does_not_depend_on_where_things_are_installed(c
     assert here.task("hellaswag").dump_config()["metadata"]["config_source"] != \
         there.task("hellaswag").dump_config()["metadata"]["config_source"]
     assert here.digests == there.digests
+
+
+def test_a_data_split_the_task_does_not_read_is_refused(cache):
+    """benchmark.data.gsm8k.tset (for test) was written into the override and never read: gsm8k went on
+    evaluating its own test file."""
+    from mergeval.errors import UserError
+    from mergeval.eval.suite import build_suite
+
+    cfg = OmegaConf.merge(bench(["gsm8k"]), {"data": {"gsm8k": {"tset": "shipped:data/gsm8k/test.jsonl"}}})
+    with pytest.raises(UserError) as err:
+        build_suite(cfg, eval_cfg(), cache)
+    assert err.value.field == "benchmark.data.gsm8k.tset" and "test, train" in err.value.fix

@@ -345,6 +345,17 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
     assert merged["evaluated"] == "reused from the results store"
 
 
+def test_the_rerun_keeps_the_config_dir_and_the_users_own_words():
+    """A --config-dir the sweep's experiment lives in (the command failed without it), and a mapping's
+    override without the ++ open_mappings gave it; a ++ the user wrote on another key stays."""
+    from mergeval.rerun import config_dir, run_command
+
+    assert config_dir(["-m", "--config-dir", "conf", "+experiment=x"]) == ["--config-dir", str(Path("conf").resolve())]
+    assert config_dir(["-cd=/a/b"]) == ["-cd", "/a/b"] and config_dir(["+experiment=x"]) == []
+    assert run_command(["++eval.gen_kwargs={a:1}", "++seed=1", "search.n_trials=3"], ("search",), {"lambda_": 0.5}) \
+        == "python -m mergeval 'eval.gen_kwargs={a:1}' ++seed=1 method.lambda_=0.5"
+
+
 def test_a_recipe_value_is_written_in_hydras_grammar():
     from mergeval.rerun import hydra_value
 

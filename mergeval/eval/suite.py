@@ -241,6 +241,7 @@ def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> N
                         "list a group or its members, not both")
     for name, task in got["tasks"].items():
         if name in (bench.data or {}):  # registry data has the task's schema; only local files can differ
+            _check_splits(name, task, list(bench.data[name]))
             _check_schema(name, task)
         if getattr(task, "UNSAFE_CODE", False) and not allow_code:
             raise UserError("eval.allow_code_execution", f"'{name}' runs the code the model writes",
@@ -269,6 +270,16 @@ def _data_error(entry: str, bench, err: Exception) -> UserError:
     return UserError("benchmark.tasks", f"cannot load the data of '{entry}' ({reason})",
                      f"run `python -m mergeval.check` to see what is missing and how to fetch it, or point the "
                      f"task at local files with benchmark.data.{entry}")
+
+
+def _check_splits(name: str, task, given: list[str]) -> None:
+    """Every split given in benchmark.data.<task> is one the task reads: a misspelt one (tset) was written into
+    the override and never read, while the task went on evaluating its own test file."""
+    reads = [s for s in (task.get_config(f"{k}_split") for k in ("test", "validation", "training", "fewshot")) if s]
+    for split in given:
+        if split not in reads:
+            raise UserError(f"benchmark.data.{name}.{split}", f"{name} reads no split '{split}'",
+                            f"name the splits it reads: {', '.join(dict.fromkeys(reads))}")
 
 
 def _check_schema(name: str, task) -> None:

@@ -113,7 +113,7 @@ def collect(args: argparse.Namespace) -> tuple[list[dict], str]:
     results = [result_from_run(r) for r in runs if r["models"] and r["scores"]]  # runs migrated without scores
     results, other = data.comparable_with_newest(results)
     left_out = "" if not other else (f" ({len(other)} other run(s) with other base/expert models or evaluation "
-                                     "settings left out; a sweep directory, --experiment or --benchmark reports them)")
+                                     "settings left out; a sweep directory, or filters that leave only them, report them)")
     return results, f"{len(results)} finished run(s) from the results store {store.location}{left_out}"
 
 

@@ -16,7 +16,7 @@ def _cell(score: dict, bold: bool = False) -> str:
 def render(outcome: Outcome, title: str, console: Console | None = None) -> None:
     console = console or Console(width=None if Console().is_terminal else 160)
     roles = [m.role for m in outcome.models]
-    own = {m.task: m.role for m in outcome.models if m.task}
+    own = [(m.task, m.role) for m in outcome.models if m.task]  # two experts may name one task
     table = Table(title=title, title_justify="left")
     table.add_column("task", no_wrap=True)
     table.add_column("metric", no_wrap=True)
@@ -26,7 +26,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
     norm = outcome.aggregates["normalized"]
     excluded = outcome.aggregates.get("excluded") or {}
     for task in outcome.tasks:
-        row = [_cell(outcome.scores[task][r], bold=own.get(task) == r) for r in roles]
+        row = [_cell(outcome.scores[task][r], bold=(task, r) in own) for r in roles]
         value = norm.get(task)
         shown = "-" if task not in norm else ("undefined" if value is None else fixed(value))
         info = outcome.rows.get(task, {})
@@ -64,7 +64,7 @@ def render(outcome: Outcome, title: str, console: Console | None = None) -> None
         console.print(_consistency_table(agg["consistency"]))
     # bold shows only where the console styles text; in a log or a pipe the line names the cells instead
     marked = "bold: each expert on its own task" if console.color_system else "each expert's own task: " + ", ".join(
-        f"{role} on {task.removeprefix('mergeval_')}" for task, role in own.items())
+        f"{role} on {task.removeprefix('mergeval_')}" for task, role in own)
     console.print(f"[dim]{marked + '; ' if own else ''}normalized = ({MERGED} - base) / (expert - base)[/dim]")
     for task, why in excluded.items():
         console.print(f"[dim]* {task}: {why}[/dim]")

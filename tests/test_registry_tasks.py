@@ -276,3 +276,18 @@ def test_a_data_split_the_task_does_not_read_is_refused(cache):
     with pytest.raises(UserError) as err:
         build_suite(cfg, eval_cfg(), cache)
     assert err.value.field == "benchmark.data.gsm8k.tset" and "test, train" in err.value.fix
+
+
+def test_more_shots_than_the_task_has_examples_is_one_line_before_any_model(cache):
+    """benchmark.num_fewshot=5 on the shipped medqa_4options (4 training rows) was lm-eval's sampler's
+    ValueError traceback, at the first model's evaluation."""
+    from mergeval.errors import UserError
+    from mergeval.eval.suite import build_suite
+
+    with pytest.raises(UserError) as err:
+        build_suite(bench(["medqa_4options"], num_fewshot=5), eval_cfg(), cache)
+    assert err.value.field == "benchmark.num_fewshot" and "has 4 few-shot examples, 5 asked" in err.value.problem
+    build_suite(bench(["medqa_4options"], fewshot={"medqa_4options": 4}), eval_cfg(), cache)  # all four: fine
+    with pytest.raises(UserError) as err:
+        build_suite(bench(["medqa_4options"], fewshot={"medqa_4options": 5}), eval_cfg(), cache)
+    assert err.value.field == "benchmark.fewshot.medqa_4options"

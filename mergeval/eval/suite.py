@@ -319,8 +319,27 @@ def _configure(loaded: dict, bench, eval_cfg) -> None:
         elif own is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
+        field = (f"benchmark.fewshot.{entry_of.get(name)}" if given is not None else "benchmark.num_fewshot"
+                 if bench.num_fewshot is not None and own != 0 else "benchmark.tasks")
+        _check_fewshot_pool(name, task, field)
         if gen_kwargs and task.get_config("output_type") == "generate_until":
             task.set_config(key="generation_kwargs", value=gen_kwargs, update=True)
+
+
+def _check_fewshot_pool(name: str, task, field: str) -> None:
+    """The task has the examples its few-shot count asks for (lm-eval draws one more from the evaluated split
+    itself, and drops the question): else its sampler's ValueError ended the run as a traceback, at the first
+    model's evaluation (the shipped medqa_4options has 4 training rows; benchmark.num_fewshot=5)."""
+    k = int(task.get_config("num_fewshot") or 0)
+    if k == 0:
+        return
+    docs = task.fewshot_docs()
+    n = 0 if docs is None else len(docs)
+    pool = task.get_config("fewshot_split") or task.get_config("training_split") or task.get_config("validation_split")
+    same = pool == (task.get_config("test_split") or task.get_config("validation_split"))
+    if n < k + same:
+        raise UserError(field, f"{name} has {n} few-shot examples{' (one is the question itself)' if same else ''}, "
+                        f"{k} asked", f"ask for at most {max(n - same, 0)} (benchmark.fewshot.<task> sets one task's)")
 
 
 def _task_metrics(task) -> list[str]:

@@ -44,10 +44,12 @@ def pick_command(pick) -> str:
     from hydra import compose
     from omegaconf import OmegaConf
 
+    from mergeval.config import open_mappings
     from mergeval.rerun import changed_fields, kept, run_command
 
     overrides = list(HydraConfig.get().overrides.task)
-    composed = compose("config", overrides=[*kept(overrides, ("staged",), pick.method), f"method={pick.method}"])
+    plain = [*kept(overrides, ("staged",), pick.method), f"method={pick.method}"]
+    composed = compose("config", overrides=open_mappings(plain))  # as the plain run will compose it
     return run_command(overrides, ("staged",), changed_fields(pick.config, OmegaConf.to_container(composed.method)),
                        method=pick.method)
 

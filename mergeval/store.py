@@ -199,9 +199,14 @@ class Store:
                    metrics: Mapping[str, str] | None = None) -> dict[str, dict] | None:
         """{task: {metric, value, stderr, n}} if every task is stored for this model and settings, else None.
         ``metrics`` (task -> ``"metric,filter"``) picks what each task reports; default ``acc,none``."""
-        with self._read() as db:
-            got = _stored(db, fingerprint, digests, settings, metrics)
+        got = self.stored_scores(fingerprint, digests, settings, metrics)
         return got if set(got) == set(digests) else None
+
+    def stored_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
+                      metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
+        """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model (any subset)."""
+        with self._read() as db:
+            return _stored(db, fingerprint, digests, settings, metrics)
 
     def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                         on_wait: Callable[[], None] | None = None, poll_s: float = 2.0,

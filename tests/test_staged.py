@@ -353,6 +353,19 @@ def test_the_pick_runs_as_a_plain_run_of_the_same_merge(cache, tmp_path):
     assert merged["fingerprint"] == next(c["fingerprint"] for c in data["candidates"] if c["label"] == data["pick"])
 
 
+def test_a_task_whose_own_settings_changed_is_the_only_one_evaluated_again(cache, tmp_path):
+    """Per-task store keys: after a staged sweep, the same sweep with one task's few-shot count changed ran
+    stages 2 and 3 on every task again (all or nothing per candidate); now only that task."""
+    store, ran = tmp_path / "s.sqlite", []
+    for i, extra in enumerate(([], ["benchmark.fewshot.mergeval_chem_count=2"])):
+        out = staged_cli(f"store.path={store}", f"hydra.run.dir={tmp_path / str(i)}", *extra, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        ran.append(json.loads((tmp_path / str(i) / "staged.json").read_text())["forward_passes_run_in_this_job"])
+    tasks = 3  # tiny_staged's benchmark: chem_count, unit_convert, general_facts
+    for stage in ("stage2", "stage3"):
+        assert 0 < ran[1][stage] < ran[0][stage] * 2 / tasks, (stage, ran)
+
+
 def test_early_stop_when_every_candidate_degrades(cache, tmp_path):
     out = staged_cli(*KNOWN, "staged.grid.task_arithmetic.lambda_=[8.0,-8.0]", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -110,12 +110,13 @@ class Bench:
         self.settings = suite.per_task(eval_settings(cfg))
         self.harnesses: dict[int | None, object] = {}
 
-    def _harness(self, limit: int | None):
+    def _harness(self, limit: int | None, entries: list[str]):
         from mergeval.eval.harness import Harness
 
-        if limit not in self.harnesses:
-            self.harnesses[limit] = Harness.for_run(self.cfg, self.suite, self.suite.entries, limit)
-        return self.harnesses[limit]
+        key = (limit, tuple(entries))
+        if key not in self.harnesses:
+            self.harnesses[key] = Harness.for_run(self.cfg, self.suite, entries, limit)
+        return self.harnesses[key]
 
     def scores(self, fingerprint: str, make_model, items: tuple[int, int] | None = None) -> tuple[dict, str, int]:
         """(task -> {acc, stderr, n}, where it came from, requests run) for the full benchmark, or items [lo, hi).
@@ -129,15 +130,19 @@ class Bench:
         else:
             settings, limit = self.settings.replace(limit=None, items=list(items)), None
             samples = {t: list(range(*items)) for t in self.tasks}
-        got = None if self.cfg.eval.force else self.store.get_scores(fingerprint, self.digests, settings)
-        if got is not None:
+        got = {} if self.cfg.eval.force else self.store.stored_scores(fingerprint, self.digests, settings)
+        # only the entries with a task not stored (a task whose own settings changed, one added to the benchmark)
+        missing = [e for e in self.suite.entries if any(t not in got for t in self.suite.rows_of([e]))]
+        if not missing:
             return got, REUSED, 0
-        harness = self._harness(limit)
+        harness = self._harness(limit, missing)
+        if samples is not None:
+            samples = {t: items for t, items in samples.items() if t in harness.task_dict["tasks"]}
         model = make_model()
         with library_bars(self.cfg.verbose):
-            got = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
-        self.store.put_scores(fingerprint, self.digests, settings, got)
-        return got, THIS_RUN, sum(harness.requests.values())
+            fresh = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
+        self.store.put_scores(fingerprint, {t: self.digests[t] for t in fresh}, settings, fresh)
+        return {**got, **fresh}, THIS_RUN, sum(harness.requests.values())
 
 
 def choices_per_item(task_dir: Path, tasks: list[str], n: int) -> dict[str, list[int]]:

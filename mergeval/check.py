@@ -18,7 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import discard_job_dir, run_cli
+from mergeval.cli import discard_job_dir, failing_cleanly, run_cli
 from mergeval.config import register_configs
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
@@ -31,7 +31,8 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     job_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        problems = check(cfg)
+        with failing_cleanly(job_dir):  # its one line only, not Hydra's "Error executing job" report before it
+            problems = check(cfg)
     finally:
         discard_job_dir(job_dir)  # a check writes nothing of its own
     for line in problems:

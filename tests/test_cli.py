@@ -336,3 +336,14 @@ run_cli(main)
     plain = subprocess.run([sys.executable, "-c", program.replace("run_cli(main)", "main()")], cwd=tmp_path,
                            capture_output=True, text=True, check=False)
     assert plain.stdout.split("frozen at exit:")[1].strip() == "0"  # without run_cli nothing is frozen
+
+
+def test_a_checks_mistake_is_its_one_line_without_hydras_report(tmp_path, cache):
+    """mergeval.check let a user error out of the job, so Hydra's "Error executing job with overrides" line
+    came before mergeval's own."""
+    from tests.child import run_module
+
+    out = run_module("mergeval.check", "+experiment=tiny", "benchmark.fewshot.mergeval_chem_cont=1", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        out.stderr.strip()] and out.stderr.startswith("mergeval: error: benchmark.fewshot.mergeval_chem_cont:")

@@ -254,7 +254,7 @@ def test_a_registry_tasks_digest_does_not_depend_on_where_things_are_installed(c
     here = build_suite(bench(tasks), eval_cfg(), cache)
     moved = tmp_path / "elsewhere"
     for task in tasks:  # the same files at another place (a second checkout's shipped data)
-        for split, rel in DATA[task].items():
+        for rel in DATA[task].values():
             (moved / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(SHIPPED / "data" / rel, moved / rel)
     data = {t: {s: str(moved / r) for s, r in DATA[t].items()} for t in tasks}

@@ -53,10 +53,10 @@ class StagedSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         from mergeval.cli import failing_cleanly
         from mergeval.errors import UserError
+        from mergeval.rerun import run_command
         from mergeval.staging import report
         from mergeval.staging.from_sweep import SWEEPER, staged_config
         from mergeval.staging.pipeline import run_staged
-        from mergeval.rerun import run_command
         from mergeval.sweep_check import expand, job_label, swept_positions
 
         assert self.config is not None and self.hydra_context is not None

@@ -204,13 +204,7 @@ def pairwise_stats(base: Mapping[str, Tensor], models: Mapping[str, Mapping[str,
                 raise ValueError(f"{name}: shapes differ: base {tuple(t0.shape)}, {m} {tuple(models[m][name].shape)}")
         t0 = t0.detach().to(torch.float64)
         deltas = {m: models[m][name].detach().to(torch.float64) - t0 for m in used}
-        bases: dict[str, Tensor] = {}
-
-        def basis(m: str) -> Tensor:
-            if m not in bases:
-                bases[m] = dominant_basis(deltas[m], eps)
-            return bases[m]
-
+        bases: dict[str, Tensor] = {}  # this tensor's, per model: computed at its first pair
         layer = layer_index(name)
         for a, b in pairs:
             key, da, db = f"{a}~{b}", deltas[a], deltas[b]
@@ -227,8 +221,11 @@ def pairwise_stats(base: Mapping[str, Tensor], models: Mapping[str, Mapping[str,
             ab: list[float] = []
             ba: list[float] = []
             if da.ndim >= 2:
-                ab = [x for x in [_sar(_as_matrix(da), basis(b))] if x is not None]
-                ba = [x for x in [_sar(_as_matrix(db), basis(a))] if x is not None]
+                for m in (a, b):
+                    if m not in bases:
+                        bases[m] = dominant_basis(deltas[m], eps)
+                ab = [x for x in [_sar(_as_matrix(da), bases[b])] if x is not None]
+                ba = [x for x in [_sar(_as_matrix(db), bases[a])] if x is not None]
             per_tensor[key][name] = {**_finish(sums, ab, ba), "layer": layer}
             pools = [overall[key]] if layer is None else [overall[key], layers[key].setdefault(layer, new_pool())]
             for pool in pools:

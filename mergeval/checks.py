@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -49,15 +50,21 @@ def check_mapping_keys(bench) -> None:
 _LM_EVAL_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
 
 
+@functools.cache
+def _generation_keys() -> frozenset[str]:
+    """Once per process: a sweep validates every job's config."""
+    from transformers import GenerationConfig
+
+    return frozenset(_LM_EVAL_GEN_KWARGS) | frozenset(GenerationConfig().to_dict())
+
+
 def check_gen_kwargs(gen_kwargs: dict) -> None:
     """Each eval.gen_kwargs key is one lm-eval or transformers' generate() takes: a misspelt one
     (max_gen_tokens) otherwise ends the run at its first generation task, minutes in, with generate()'s
     traceback."""
     if not gen_kwargs:
         return
-    from transformers import GenerationConfig
-
-    known = set(_LM_EVAL_GEN_KWARGS) | set(GenerationConfig().to_dict())
+    known = _generation_keys()
     for key in gen_kwargs:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1)

@@ -333,7 +333,8 @@ def _check_fewshot_pool(name: str, task, field: str) -> None:
     k = int(task.get_config("num_fewshot") or 0)
     if k == 0:
         return
-    docs = task.fewshot_docs()
+    sampler = getattr(task, "sampler", None)  # built with the task: its pool, already a list
+    docs = sampler.df if sampler is not None else task.fewshot_docs()  # (fewshot_docs() processes them again)
     n = 0 if docs is None else len(docs)
     pool = task.get_config("fewshot_split") or task.get_config("training_split") or task.get_config("validation_split")
     same = pool == (task.get_config("test_split") or task.get_config("validation_split"))

@@ -79,3 +79,35 @@ def test_the_benchmark_compares_in_mergevals_precision_with_the_scorers_toleranc
     assert sweep_cost.DTYPE == auto_dtype("cpu") and ACCURACY_TOLERANCE["bfloat16"] == 0.06
     cmd = sweep_cost.lm_eval_cmd(Path("/m"), Path("/tasks"), Path("/out"))
     assert f"pretrained=/m,dtype={sweep_cost.DTYPE},softmax_dtype=float32" in cmd  # the log-softmax our scorer takes
+
+
+def write_staged(sweep: Path, pick: str | None) -> None:
+    """A staged.json as the staged sweeper writes it (the fields the benchmark reads)."""
+    sweep.mkdir(parents=True)
+    candidates = [{"label": f"{m}(lambda_={lam})", "method": m, "config": {"lambda_": lam, "density": 0.5}}
+                  for m in ("task_arithmetic", "ties") for lam in (0.5, 1.0)]
+    sweep.joinpath("staged.json").write_text(json.dumps({"pick": pick, "candidates": candidates}))
+
+
+def test_the_staged_pick_is_compared_with_the_best_of_full_evaluation(sweep_cost, tmp_path):
+    full = tmp_path / "multirun"
+    # dyadic fractions, so the means are exact and the two best tie exactly
+    write_job(full, 0, "task_arithmetic", 0.5, {"t1": {"merged": 0.25}, "t2": {"merged": 0.25}})
+    write_job(full, 1, "task_arithmetic", 1.0, {"t1": {"merged": 0.75}, "t2": {"merged": 0.25}})
+    write_job(full, 2, "ties", 0.5, {"t1": {"merged": 0.5}, "t2": {"merged": 0.25}})
+    write_job(full, 3, "ties", 1.0, {"t1": {"merged": 0.625}, "t2": {"merged": 0.375}})
+    means = sweep_cost.full_means(full)
+    assert means == {"task_arithmetic lambda=0.5": 0.25, "task_arithmetic lambda=1": 0.5, "ties lambda=0.5": 0.375,
+                     "ties lambda=1": 0.5}
+    order = ["task_arithmetic lambda=0.5", "task_arithmetic lambda=1", "ties lambda=0.5", "ties lambda=1"]
+    write_staged(tmp_path / "a", "ties(lambda_=0.5)")
+    pick = sweep_cost.staged_pick(tmp_path / "a")
+    assert pick == "ties lambda=0.5"
+    # a tie between the two best: the first in the sweep's order is the best, as the staged sweep breaks ties
+    assert sweep_cost.pick_comparison(means, order, pick) == {
+        "full_pick": "task_arithmetic lambda=1", "staged_pick": "ties lambda=0.5", "same_pick": False,
+        "regret": 0.125}
+    assert sweep_cost.pick_comparison(means, order, "task_arithmetic lambda=1")["same_pick"]
+    write_staged(tmp_path / "b", None)  # the staged sweep stopped before any benchmark
+    assert sweep_cost.staged_pick(tmp_path / "b") is None
+    assert sweep_cost.pick_comparison(means, order, None)["regret"] is None

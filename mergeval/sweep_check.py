@@ -17,6 +17,10 @@ from mergeval.errors import UserError
 
 # Each checked job's composed config, by its overrides: the sweep's progress (progress.py) hashes them.
 COMPOSED: dict[tuple[str, ...], object] = {}
+# The sweepers that expand a sweep as ``expand`` does: mergeval's default (hydra_plugins/mergeval_basic_sweeper),
+# and Hydra's own, which reads a mapping's new key in hydra.sweeper.params as an error
+BASIC_SWEEPERS = ("hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper",
+                  "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
 # Flags that change which config is composed; with them the sweep is left to Hydra's own checks.
 _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
 
@@ -28,7 +32,11 @@ def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] 
     those itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    lines = [f"{key}={value}" for key, value in (params or {}).items()] + list(overrides)
+    from mergeval.config import open_mappings
+
+    # the config's params opened as the sweeper opens them (hydra_plugins/mergeval_basic_sweeper), so a key in
+    # both is one key; the command line's were opened by mergeval.cli
+    lines = open_mappings([f"{key}={value}" for key, value in (params or {}).items()]) + list(overrides)
     try:
         by_key: dict[str, list[str]] = {}
         for o in OverridesParser.create().parse_overrides(lines):
@@ -84,7 +92,7 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
         return expand(task_overrides(argv)) if multirun else None
     if not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
         return None
-    if "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
+    if str(hydra_cfg.sweeper.get("_target_", "")) not in BASIC_SWEEPERS:
         return None
     params = hydra_cfg.sweeper.get("params") or {}
     return expand(task_overrides(argv), {str(k): str(v) for k, v in params.items()})

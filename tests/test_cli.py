@@ -78,6 +78,23 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
     assert open_mappings(["search.space.x=1"], search=True) == ["++search.space.x=1"]
 
 
+def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_path, cache):
+    """An experiment's ``hydra.sweeper.params`` sweeping ``benchmark.fewshot.<task>`` was refused ("no such
+    field; check the spelling": Hydra's struct mode refuses a mapping's new key, and the basic sweeper builds
+    plain overrides). mergeval's default sweeper opens such keys as the command line is opened."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "shots.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /modelset: tiny\n  - override /benchmark: tiny\n"
+        "benchmark:\n  limit: 4\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+        "      benchmark.fewshot.mergeval_chem_count: 0,1\n")
+    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=shots", f"store.path={tmp_path / 's.sqlite'}",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shots = [json.loads((tmp_path / "sweep" / str(job) / "result.json").read_text())["task_settings"]
+             ["mergeval_chem_count"]["num_fewshot"] for job in (0, 1)]
+    assert shots == [0, 1]
+
+
 @pytest.mark.parametrize("overrides,field", [
     (["method=ties", "method.density=-0.5"], "method.density"),
     (["benchmark.fewshot.mergeval_units=two"], "benchmark.fewshot.mergeval_units"),  # a mapping's values: typed

@@ -319,6 +319,21 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
     assert sweep_jobs(["method=ties", "seed=0,1"]) is None  # no -m: Hydra runs one job (and rejects the sweep)
 
 
+def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key():
+    """The config's params are opened as mergeval's sweeper opens them (``++`` for a mapping's key), the command
+    line's as mergeval.cli opens them: the same key on both is one key, the command line's values winning."""
+    from mergeval.sweep_check import BASIC_SWEEPERS, expand
+
+    params = {"benchmark.fewshot.mergeval_chem_count": "0,1", "method.lambda_": "0.5,1.0"}
+    assert expand(["++benchmark.fewshot.mergeval_chem_count=2"], params) == [
+        ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=0.5"],
+        ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"]]
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        target = compose("config", return_hydra_config=True).hydra.sweeper._target_
+    assert target == BASIC_SWEEPERS[0]  # mergeval's config selects its own sweeper
+
+
 def test_the_slurm_preset_composes_with_its_overrides():
     """hydra/launcher=slurm is Hydra's submitit_slurm launcher with mergeval's defaults; partition, GPUs per
     task, time and array parallelism are overrides."""

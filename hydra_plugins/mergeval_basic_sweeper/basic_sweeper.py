@@ -9,10 +9,11 @@ Everything else is Hydra's basic sweeper (the cartesian product, batches, the la
 selects it (``conf/config.yaml``); ``hydra/sweeper=basic`` selects Hydra's own.
 """
 
-# No `from __future__ import annotations`: Hydra's plugin scan executes this module outside sys.modules, where
+# No `from __future__ import annotations` (and typing.Dict/Optional in the dataclass, as OmegaConf reads them):
+# Hydra's plugin scan executes this module outside sys.modules, where
 # dataclasses cannot resolve string annotations.
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -32,7 +33,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="mergeval_basic", node=
 
 
 class MergevalBasicSweeper(BasicSweeper):
-    def _parse_config(self) -> List[str]:
+    def _parse_config(self) -> list[str]:
         from mergeval.config import open_mappings
 
         return open_mappings(super()._parse_config())

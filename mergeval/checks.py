@@ -9,19 +9,60 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergeval.errors import UserError
 from mergeval.eval.harness import check_backend
-from mergeval.eval.tasks import GENERATED, PREFIX, check_tasks
+from mergeval.eval.tasks import GENERATED, LETTERED, PREFIX, check_tasks, items_of, same_items
 from mergeval.methods import get_method
-from mergeval.metrics.composed import check_metric_config
 from mergeval.models.checkpoint import check_vocab_policy
 from mergeval.progress import check_best
 from mergeval.zoo.domains import DOMAINS
+
+
+def check_metric_config(metric, tasks: list[str]) -> None:
+    """One-line errors for groups / forgetting tasks / consistency pairs that name no benchmark task, a bad
+    weighting, or a consistency pair that is not one task's items in two formats."""
+    for name, group in (metric.groups or {}).items():
+        if not group.tasks:
+            raise UserError(f"metric.groups.{name}.tasks", "empty group", "list some of benchmark.tasks")
+        unknown = [t for t in group.tasks if t not in tasks]
+        if unknown:
+            raise UserError(f"metric.groups.{name}.tasks", f"{unknown} not in benchmark.tasks",
+                            f"use tasks from {tasks}")
+    if metric.weighting not in ("tasks", "equal", "given"):
+        raise UserError("metric.weighting", f"unknown weighting '{metric.weighting}'", "use tasks, equal or given")
+    if metric.weighting == "given" and set(metric.weights or {}) != set(metric.groups or {}):
+        raise UserError("metric.weights", "weighting=given needs one weight per group",
+                        f"set metric.weights for {sorted(metric.groups or {})}")
+    unknown = [t for t in metric.forgetting_tasks if t not in tasks]
+    if unknown:
+        raise UserError("metric.forgetting_tasks", f"{unknown} not in benchmark.tasks", f"use tasks from {tasks}")
+    check_consistency_pairs([list(pair) for pair in metric.consistency], tasks)
+
+
+def check_consistency_pairs(pairs: list[list[str]], tasks: list[str]) -> None:
+    """Each metric.consistency pair: two distinct benchmark tasks that ask the same items (X and X_mc)."""
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] == pair[1]:
+            raise UserError("metric.consistency", f"{pair} is not a pair of two distinct tasks",
+                            "give [task, task_mc] pairs, e.g. [[mergeval_chem_count, mergeval_chem_count_mc]]")
+        missing = [t for t in pair if t not in tasks]
+        if missing:
+            raise UserError("metric.consistency", f"{missing} of pair {pair} not in benchmark.tasks",
+                            f"add them to benchmark.tasks or pair tasks from {tasks}")
+        if not same_items(*pair):
+            cloze = items_of(pair[0])
+            hint = f"pair {cloze} with {cloze + LETTERED}" if cloze in GENERATED else "pair a task X with X_mc"
+            raise UserError("metric.consistency", f"{pair[0]} and {pair[1]} do not ask the same items", hint)
 
 
 def check_known_keys(cfg: DictConfig, method) -> None:
     """A key added with ``+`` (``+method.densty=0.3``) slips past Hydra's schema check: name it and the fields."""
     import dataclasses
 
-    from mergeval.config import BenchmarkConfig, EvalConfig, MetricConfig, ModelsetConfig
+    from mergeval.config import (
+        BenchmarkConfig,
+        EvalConfig,
+        MetricConfig,
+        ModelsetConfig,
+    )
 
     schemas = {"method": method.config, "benchmark": BenchmarkConfig, "metric": MetricConfig, "eval": EvalConfig,
                "modelset": ModelsetConfig}

@@ -9,15 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from mergeval.outcome import ModelInfo, Outcome
+from mergeval.checks import check_metric_config
 from mergeval.config import MetricConfig
 from mergeval.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks, lettered_prompt, task_digest, write_tasks
 from mergeval.metrics.calibration import format_agreement
-from mergeval.metrics.composed import check_metric_config, consistency
+from mergeval.metrics.composed import consistency
+from mergeval.outcome import ModelInfo, Outcome
 from mergeval.report.table import render
-from tests.test_cli_methods import result_of
 from tests.test_cli import mergeval
+from tests.test_cli_methods import result_of
 
 CLOZE = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts"]
 LETTERED = [f"{t}_mc" for t in CLOZE]

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mergeval.checks import check_metric_config
 from mergeval.config import MetricConfig, MetricGroup
 from mergeval.errors import UserError
-from mergeval.metrics.composed import check_metric_config, forgetting_of_merge, group_scores, similarity
+from mergeval.metrics.composed import forgetting_of_merge, group_scores, similarity
 
 acc = st.floats(0, 1)
 

@@ -114,20 +114,52 @@ def _arrow_schema(columns: list[str]):
                       for c in columns])
 
 
-def print_table(rows: list[dict], title: str) -> None:
+def shown_params(runs: list[dict]) -> tuple[list[str], list[str]]:
+    """(each run's params cell, the footer's lines). A method listed more than once shows only the hyperparameters
+    that tell its runs apart; the values all its listed runs share go to one footer line per method, so a sweep's
+    table shows what was swept (the CSV and Parquet keep every value). A method listed once shows them all."""
+    from mergeval.report.data import varying_params
+
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run["method"]] = counts.get(run["method"], 0) + 1
+    varying = varying_params([{"config": {"method": run["config"].get("method") or {"name": run["method"]}}}
+                              for run in runs])
+    cells, shared = [], {}
+    for run in runs:
+        params = {k: v for k, v in (run["config"].get("method") or {}).items()
+                  if k != "name" and v not in (None, [], {})}
+        keep = varying.get(run["method"], []) if counts[run["method"]] > 1 else list(params)
+        cells.append(" ".join(f"{k}={params[k]}" for k in keep if k in params))
+        if counts[run["method"]] > 1:
+            shared[run["method"]] = {k: v for k, v in params.items() if k not in keep}
+    footer = [f"{method} (all {counts[method]} runs): {' '.join(f'{k}={v}' for k, v in values.items())}"
+              for method, values in shared.items() if values]
+    return cells, footer
+
+
+def print_table(rows: list[dict], title: str, params: tuple[list[str], list[str]] | None = None) -> None:
+    """The listed runs; ``params``: ``shown_params`` of the same runs (else every row's params in full)."""
     from rich.console import Console
     from rich.table import Table
 
+    cells_of, footer = params or ([r["params"] for r in rows], [])
     table = Table(title=title, title_justify="left")
     for col in _SHOWN:
-        table.add_column(col, justify="right" if col in ("macro_gain", "macro_og", "normalized_mean") else "left")
-    for r in rows:
+        table.add_column(col, justify="right" if col in ("macro_gain", "macro_og", "normalized_mean") else "left",
+                         no_wrap=col in ("created", "status", "run_id"))
+    for r, params_cell in zip(rows, cells_of):
         # the start to the second, in UTC (the CSV and Parquet keep the full ISO time): room for the benchmark
-        cells = {**r, "run_id": r["run_id"][:8], "created": r["created"][:19].replace("T", " ")}
+        cells = {**r, "run_id": r["run_id"][:8], "created": r["created"][:19].replace("T", " "),
+                 "params": params_cell}
         for col, fmt in (("macro_gain", "{:+.2f}"), ("macro_og", "{:+.2f}"), ("normalized_mean", "{:.2f}")):
             cells[col] = "-" if r[col] is None else fmt.format(r[col])
         table.add_row(*[str(cells[c]) for c in _SHOWN])
-    Console(width=None if Console().is_terminal else 160).print(table)
+    console = Console(width=None if Console().is_terminal else 160)
+    console.print(table)
+    if footer:
+        console.print("params shared by every listed run of a method (left out above):\n  " + "\n  ".join(footer),
+                      highlight=False, soft_wrap=True)
 
 
 def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
@@ -166,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         store = open_existing(args.store)
-        found = [run_row(r) for r in filtered_runs(store, args)]
+        runs = filtered_runs(store, args)
+        found = [run_row(r) for r in runs]
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
-    print_table(found, f"{len(found)} run(s) in {store.location}")
+    print_table(found, f"{len(found)} run(s) in {store.location}", shown_params(runs))
     for flag, path, write in (("--csv", args.csv, write_csv), ("--parquet", args.parquet, write_parquet)):
         if path:
             try:

@@ -553,6 +553,33 @@ def test_a_run_reuses_the_evaluations_of_tasks_its_other_settings_cannot_change(
     assert len(keys) == 2 and settings_hash(_settings_of(run_settings)) in keys
 
 
+def test_the_results_table_shows_what_tells_a_methods_runs_apart(tmp_path, capsys):
+    """A sweep's rows showed every hyperparameter of every run (defaults too), so the table wrapped and the swept
+    value was hard to find: a method listed more than once shows the values that differ between its runs, the
+    shared ones once below the table; a method listed once shows all of its values; the CSV keeps them all."""
+    import csv
+
+    from mergeval import results
+
+    store = Store(tmp_path / "r.sqlite")
+    for i, lam in enumerate((0.5, 1.0, 1.5)):
+        start(store, f"ties{i}", "ties", lambda_=lam, density=0.5, sign_rule="sum")
+    start(store, "lin", "linear", weights=[0.5, 0.5], normalize=True)
+    runs = store.runs(None, None, None, None)
+    cells, footer = results.shown_params(runs)
+    assert cells == ["lambda_=0.5", "lambda_=1.0", "lambda_=1.5", "weights=[0.5, 0.5] normalize=True"]
+    assert footer == ["ties (all 3 runs): density=0.5 sign_rule=sum"]
+    args = ["--store", str(tmp_path / "r.sqlite")]
+    assert results.main([*args, "--csv", str(tmp_path / "all.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "lambda_=1.5" in out and "density=0.5" not in out.split("left out above")[0]
+    assert "\n  ties (all 3 runs): density=0.5 sign_rule=sum\nwrote 4 row(s)" in out
+    assert [r["params"] for r in csv.DictReader((tmp_path / "all.csv").open())][0] == \
+        "lambda_=0.5 density=0.5 sign_rule=sum"
+    assert results.main([*args, "--method", "ties", "--since", "2999-01-01"]) == 0  # nothing listed: no footer
+    assert "left out" not in capsys.readouterr().out
+
+
 def _settings_of(result: dict) -> dict:
     from omegaconf import OmegaConf
 

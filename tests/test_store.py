@@ -574,8 +574,7 @@ def test_the_results_table_shows_what_tells_a_methods_runs_apart(tmp_path, capsy
     out = capsys.readouterr().out
     assert "lambda_=1.5" in out and "density=0.5" not in out.split("left out above")[0]
     assert "\n  ties (all 3 runs): density=0.5 sign_rule=sum\nwrote 4 row(s)" in out
-    assert [r["params"] for r in csv.DictReader((tmp_path / "all.csv").open())][0] == \
-        "lambda_=0.5 density=0.5 sign_rule=sum"
+    assert next(csv.DictReader((tmp_path / "all.csv").open()))["params"] == "lambda_=0.5 density=0.5 sign_rule=sum"
     assert results.main([*args, "--method", "ties", "--since", "2999-01-01"]) == 0  # nothing listed: no footer
     assert "left out" not in capsys.readouterr().out
 

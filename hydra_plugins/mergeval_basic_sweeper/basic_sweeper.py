@@ -9,11 +9,9 @@ Everything else is Hydra's basic sweeper (the cartesian product, batches, the la
 selects it (``conf/config.yaml``); ``hydra/sweeper=basic`` selects Hydra's own.
 """
 
-# No `from __future__ import annotations` (and typing.Dict/Optional in the dataclass, as OmegaConf reads them):
-# Hydra's plugin scan executes this module outside sys.modules, where
+# No `from __future__ import annotations`: Hydra's plugin scan executes this module outside sys.modules, where
 # dataclasses cannot resolve string annotations.
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -24,8 +22,8 @@ class MergevalBasicSweeperConf:
     """``hydra.sweeper.*``: the fields of Hydra's basic sweeper."""
 
     _target_: str = "hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper"
-    max_batch_size: Optional[int] = None
-    params: Optional[Dict[str, str]] = None
+    max_batch_size: int | None = None
+    params: dict[str, str] | None = None
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="mergeval_basic", node=MergevalBasicSweeperConf,

@@ -148,13 +148,17 @@ def mergeval_accuracies(sweep: Path) -> dict[tuple[str, str], tuple[str, float, 
 
 def full_means(sweep: Path) -> dict[str, float]:
     """Each configuration's mean accuracy over the tasks of its merged model (labelled as ``merge_label``), from
-    a full sweep's result.json files: what the staged sweep ranks its finalists by."""
+    a full sweep's result.json files: what the staged sweep ranks its finalists by, computed by the same function
+    (``math.fsum``), so equal accuracies in another task order are a tie here too."""
+    from mergeval.staging.selection import mean_accuracy
+
     means = {}
     for path in sorted(sweep.rglob("result.json")):
         result = json.loads(path.read_text())
         method = result["config"]["method"]
-        values = [by_role["merged"].get("value", by_role["merged"].get("acc")) for by_role in result["scores"].values()]
-        means[merge_label(method["name"], method["lambda_"])] = sum(values) / len(values)
+        merged = {task: {"value": by_role["merged"].get("value", by_role["merged"].get("acc"))}
+                  for task, by_role in result["scores"].items()}
+        means[merge_label(method["name"], method["lambda_"])] = mean_accuracy(merged)
     return means
 
 
@@ -168,8 +172,10 @@ def staged_pick(sweep: Path) -> str | None:
 
 
 def pick_comparison(means: dict[str, float], order: list[str], pick: str | None) -> dict:
-    """The full evaluation's best configuration (ties: the first in the sweep's order, as the staged sweep breaks
-    them), whether the staged pick is it, and ``regret = best mean - the pick's mean`` (None without a pick)."""
+    """The full evaluation's best configuration (ties: the first in the sweep's order), whether the staged pick
+    is it, and ``regret = best mean - the pick's mean`` (None without a pick). The staged sweep breaks a tie
+    between finalists by their stage-2 rank, so a pick that ties the best is ``same_pick: false`` with regret 0:
+    the regret is what a pick gives up."""
     best = max(order, key=lambda label: (means[label], -order.index(label)))
     return {"full_pick": best, "staged_pick": pick, "same_pick": pick == best,
             "regret": None if pick is None else round(means[best] - means[pick], 6)}

@@ -223,10 +223,11 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
     handle_sigterm()
-    from mergeval.config import open_mappings
+    from mergeval.config import open_mappings, open_sweeper_params
 
-    # eval.gen_kwargs={...} as the README writes it (config.py)
+    # eval.gen_kwargs={...} as the README writes it, and a mapping's key in an experiment's sweep (config.py)
     sys.argv[1:] = open_mappings(sys.argv[1:], search=entry == "mergeval.search")
+    open_sweeper_params(search=entry == "mergeval.search")
     # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
     # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
     # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise

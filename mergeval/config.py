@@ -230,6 +230,31 @@ def mapping_fields(schema=None, prefix: str = "", search: bool = False) -> set[s
     return found
 
 
+def open_sweeper_params(search: bool = False) -> None:
+    """Hydra's basic sweeper reads ``hydra.sweeper.params`` as ``open_mappings`` reads the command line, so an
+    experiment can sweep a mapping's new key (``benchmark.fewshot.mmlu: 0,5``) as the command line can; without
+    this, struct mode refused it as "no such field". Set on Hydra's class in mergeval's own command lines
+    (cli.py), not by selecting another sweeper: an experiment's ``override /hydra/sweeper: ...`` (staged,
+    Optuna's) must keep winning, and a sweeper chosen in the primary config would beat it. Hydra instantiates
+    its plugins from the classes its plugin scan loaded (module objects of its own, outside ``sys.modules``),
+    so that class is the one set, and the importable one too. Idempotent."""
+    from hydra._internal.core_plugins import basic_sweeper
+    from hydra.core.plugins import Plugins
+
+    target = f"{basic_sweeper.__name__}.BasicSweeper"
+    for cls in {basic_sweeper.BasicSweeper, Plugins.instance().class_name_to_class.get(target)} - {None}:
+        if not getattr(cls._parse_config, "opens_mappings", False):
+            cls._parse_config = _opened(cls._parse_config, search)
+
+
+def _opened(parse_config, search: bool):
+    def _parse_config(self) -> list[str]:
+        return open_mappings(parse_config(self), search=search)
+
+    _parse_config.opens_mappings = True
+    return _parse_config
+
+
 def open_mappings(args: list[str], search: bool = False) -> list[str]:
     """Command-line overrides of a mapping field or one of its keys (``eval.gen_kwargs={max_gen_toks: 256}``,
     ``benchmark.fewshot.mmlu=5``) as Hydra's ``++`` (set, or add). Why: Hydra composes the schema in struct

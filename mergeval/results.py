@@ -123,14 +123,15 @@ def shown_params(runs: list[dict]) -> tuple[list[str], list[str]]:
     counts: dict[str, int] = {}
     for run in runs:
         counts[run["method"]] = counts.get(run["method"], 0) + 1
-    varying = varying_params([{"config": {"method": run["config"].get("method") or {"name": run["method"]}}}
+    # grouped by the store's method column, as counted
+    varying = varying_params([{"config": {"method": {**(run["config"].get("method") or {}), "name": run["method"]}}}
                               for run in runs])
     cells, shared = [], {}
     for run in runs:
         params = {k: v for k, v in (run["config"].get("method") or {}).items()
                   if k != "name" and v not in (None, [], {})}
-        keep = varying.get(run["method"], []) if counts[run["method"]] > 1 else list(params)
-        cells.append(" ".join(f"{k}={params[k]}" for k in keep if k in params))
+        keep = [k for k in params if counts[run["method"]] == 1 or k in varying.get(run["method"], [])]
+        cells.append(" ".join(f"{k}={params[k]}" for k in keep))  # in the config's order, as one run's are
         if counts[run["method"]] > 1:
             shared[run["method"]] = {k: v for k, v in params.items() if k not in keep}
     footer = [f"{method} (all {counts[method]} runs): {' '.join(f'{k}={v}' for k, v in values.items())}"

@@ -17,10 +17,6 @@ from mergeval.errors import UserError
 
 # Each checked job's composed config, by its overrides: the sweep's progress (progress.py) hashes them.
 COMPOSED: dict[tuple[str, ...], object] = {}
-# The sweepers that expand a sweep as ``expand`` does: mergeval's default (hydra_plugins/mergeval_basic_sweeper),
-# and Hydra's own, which reads a mapping's new key in hydra.sweeper.params as an error
-BASIC_SWEEPERS = ("hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper",
-                  "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
 # Flags that change which config is composed; with them the sweep is left to Hydra's own checks.
 _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
 
@@ -34,8 +30,8 @@ def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] 
 
     from mergeval.config import open_mappings
 
-    # the config's params opened as the sweeper opens them (hydra_plugins/mergeval_basic_sweeper), so a key in
-    # both is one key; the command line's were opened by mergeval.cli
+    # the config's params opened as mergeval's command lines make Hydra's basic sweeper open them
+    # (config.open_sweeper_params), so a key in both is one key; the command line's were opened by mergeval.cli
     lines = open_mappings([f"{key}={value}" for key, value in (params or {}).items()]) + list(overrides)
     try:
         by_key: dict[str, list[str]] = {}
@@ -92,7 +88,7 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
         return expand(task_overrides(argv)) if multirun else None
     if not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
         return None
-    if str(hydra_cfg.sweeper.get("_target_", "")) not in BASIC_SWEEPERS:
+    if "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
         return None
     params = hydra_cfg.sweeper.get("params") or {}
     return expand(task_overrides(argv), {str(k): str(v) for k, v in params.items()})

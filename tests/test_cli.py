@@ -81,7 +81,7 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
 def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_path, cache):
     """An experiment's ``hydra.sweeper.params`` sweeping ``benchmark.fewshot.<task>`` was refused ("no such
     field; check the spelling": Hydra's struct mode refuses a mapping's new key, and the basic sweeper builds
-    plain overrides). mergeval's default sweeper opens such keys as the command line is opened."""
+    plain overrides). mergeval's command lines make it open such keys as the command line is opened."""
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "shots.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /modelset: tiny\n  - override /benchmark: tiny\n"
@@ -93,6 +93,20 @@ def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_pa
     shots = [json.loads((tmp_path / "sweep" / str(job) / "result.json").read_text())["task_settings"]
              ["mergeval_chem_count"]["num_fewshot"] for job in (0, 1)]
     assert shots == [0, 1]
+
+
+def test_an_experiment_keeps_the_sweeper_it_chooses(tmp_path, cache):
+    """An experiment's ``override /hydra/sweeper: staged`` runs the staged sweeper (a sweeper selected in the
+    primary config once beat it silently, and the sweep ran job by job)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "staged_here.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /modelset: tiny\n  - override /benchmark: tiny\n"
+        "  - override /hydra/sweeper: staged\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+        "      method.lambda_: 0.5,1.0\n")
+    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=staged_here",
+                   f"store.path={tmp_path / 's.sqlite'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "sweep" / "staged.json").exists() and not (tmp_path / "sweep" / "0").exists()
 
 
 @pytest.mark.parametrize("overrides,field", [

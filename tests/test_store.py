@@ -575,6 +575,10 @@ def test_the_results_table_shows_what_tells_a_methods_runs_apart(tmp_path, capsy
     assert "lambda_=1.5" in out and "density=0.5" not in out.split("left out above")[0]
     assert "\n  ties (all 3 runs): density=0.5 sign_rule=sum\nwrote 4 row(s)" in out
     assert next(csv.DictReader((tmp_path / "all.csv").open()))["params"] == "lambda_=0.5 density=0.5 sign_rule=sum"
+    # the values that differ, in the config's order (as a run listed once shows its own)
+    swept = [{"method": "dare_ties", "config": {"method": {"name": "dare_ties", "lambda_": lam, "density": d}}}
+             for lam, d in ((0.5, 0.3), (1.0, 0.7))]
+    assert results.shown_params(swept) == (["lambda_=0.5 density=0.3", "lambda_=1.0 density=0.7"], [])
     assert results.main([*args, "--method", "ties", "--since", "2999-01-01"]) == 0  # nothing listed: no footer
     assert "left out" not in capsys.readouterr().out
 

@@ -108,6 +108,14 @@ def test_the_staged_pick_is_compared_with_the_best_of_full_evaluation(sweep_cost
         "full_pick": "task_arithmetic lambda=1", "staged_pick": "ties lambda=0.5", "same_pick": False,
         "regret": 0.125}
     assert sweep_cost.pick_comparison(means, order, "task_arithmetic lambda=1")["same_pick"]
+    # equal accuracies in another task order are equal means (fsum, as the staged sweep computes them)
+    other = tmp_path / "other"
+    write_job(other, 0, "task_arithmetic", 0.5, {"t1": {"merged": 0.02}, "t2": {"merged": 0.14}, "t3": {"merged": 0.02}})
+    write_job(other, 1, "ties", 0.5, {"t1": {"merged": 0.02}, "t2": {"merged": 0.02}, "t3": {"merged": 0.14}})
+    tied = sweep_cost.full_means(other)
+    assert tied["task_arithmetic lambda=0.5"] == tied["ties lambda=0.5"]
+    assert sweep_cost.pick_comparison(tied, ["task_arithmetic lambda=0.5", "ties lambda=0.5"],
+                                      "task_arithmetic lambda=0.5")["same_pick"]
     write_staged(tmp_path / "b", None)  # the staged sweep stopped before any benchmark
     assert sweep_cost.staged_pick(tmp_path / "b") is None
     assert sweep_cost.pick_comparison(means, order, None)["regret"] is None

@@ -322,16 +322,20 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
 def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key():
     """The config's params are opened as mergeval's sweeper opens them (``++`` for a mapping's key), the command
     line's as mergeval.cli opens them: the same key on both is one key, the command line's values winning."""
-    from mergeval.sweep_check import BASIC_SWEEPERS, expand
+    from mergeval.sweep_check import expand
 
     params = {"benchmark.fewshot.mergeval_chem_count": "0,1", "method.lambda_": "0.5,1.0"}
     assert expand(["++benchmark.fewshot.mergeval_chem_count=2"], params) == [
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=0.5"],
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"]]
-    register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
-        target = compose("config", return_hydra_config=True).hydra.sweeper._target_
-    assert target == BASIC_SWEEPERS[0]  # mergeval's config selects its own sweeper
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from mergeval.config import open_sweeper_params
+
+    open_sweeper_params()
+    open_sweeper_params()  # idempotent: the params are opened once
+    sweeper = BasicSweeper(max_batch_size=None, params=params)
+    assert sweeper._parse_config() == ["++benchmark.fewshot.mergeval_chem_count=0,1", "method.lambda_=0.5,1.0"]
 
 
 def test_the_slurm_preset_composes_with_its_overrides():

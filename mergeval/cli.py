@@ -46,6 +46,13 @@ def explain(ex: BaseException) -> str | None:
             msg = str(err).splitlines()[0]
             if "not in" in msg or "is not in struct" in msg:
                 return f"{key}: no such field; check the spelling (see conf/ for the fields of each group)"
+            entry = re.match(r"Invalid type assigned: dict is not a subclass of (\w+)", msg)
+            added = next((m.group(1).lstrip("+~") for e in chain
+                          if (m := re.search(r"Error merging override ([^=\s]+)=", str(e)))), None)
+            if entry and added:  # a new key of metric.groups or modelset.experts, whose values are dataclasses
+                return (f"{added}: a new {entry.group(1)} cannot be added from the command line (OmegaConf "
+                        "keeps the value a plain mapping there); write it in a config file: a file of "
+                        f"conf/{added.split('.')[0]}/ or an experiment (yours with --config-dir)")
             return f"{key}: {msg}; fix the value's type"
     bad_yaml = next((e for e in chain if isinstance(e, yaml.YAMLError)), None)
     if bad_yaml is not None:  # a config file of the user's (--config-dir, an experiment file) that YAML cannot read

@@ -17,8 +17,30 @@ from mergeval.errors import UserError
 
 # Each checked job's composed config, by its overrides: the sweep's progress (progress.py) hashes them.
 COMPOSED: dict[tuple[str, ...], object] = {}
-# Flags that change which config is composed; with them the sweep is left to Hydra's own checks.
-_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
+# Flags that change the primary config; with them the sweep is left to Hydra's own checks.
+_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name")
+# A directory of the user's configs (their experiments), added to the search path: composed here as Hydra does.
+_CONFIG_DIR = ("-cd", "--config-dir")
+
+
+def split_config_dir(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(``argv`` without ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR``, the override that adds DIR to
+    the config search path as the flag makes Hydra do: empty without the flag; None when DIR is no directory,
+    which Hydra reports in its own words)."""
+    import os
+
+    rest, dirs = [], []
+    args = iter(argv)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag in _CONFIG_DIR:
+            where = os.path.abspath(value if eq else next(args, ""))  # as Hydra takes it
+            if not os.path.isdir(where):
+                return rest, None
+            dirs.append("'file://" + where.replace("\\", "\\\\").replace("'", "\\'") + "'")  # quoted for Hydra
+        else:
+            rest.append(arg)
+    return rest, ([f"hydra.searchpath=[{','.join(dirs)}]"] if dirs else [])
 
 
 def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] | None:
@@ -83,15 +105,21 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
     multirun = any(arg in ("-m", "--multirun") for arg in argv)
     if not might_sweep(argv):
         return None
-    hydra_cfg = _hydra_config([a for a in argv if not a.startswith("-")])
+    argv, search = split_config_dir(argv)
+    if search is None:
+        return None
+    hydra_cfg = _hydra_config(search + [a for a in argv if not a.startswith("-")])
     if hydra_cfg is None:  # not composable here: the command line's own sweep, as far as it goes
-        return expand(task_overrides(argv)) if multirun else None
-    if not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
+        jobs = expand(task_overrides(argv)) if multirun else None
+    elif not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
         return None
-    if "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
+    elif "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
         return None
-    params = hydra_cfg.sweeper.get("params") or {}
-    return expand(task_overrides(argv), {str(k): str(v) for k, v in params.items()})
+    else:
+        params = hydra_cfg.sweeper.get("params") or {}
+        jobs = expand(task_overrides(argv), {str(k): str(v) for k, v in params.items()})
+    # each job composes with the user's config directory (the same in every job: no job's label)
+    return None if jobs is None else [search + job for job in jobs]
 
 
 def _hydra_config(overrides: list[str]):
@@ -105,7 +133,8 @@ def hydra_problem(argv: list[str]) -> str | None:
     is check_sweep's, per job)."""
     from mergeval.cli import explain
 
-    error = _composed_hydra(tuple(a for a in argv if not a.startswith("-")))[1]
+    argv, search = split_config_dir(argv)
+    error = _composed_hydra(tuple((search or []) + [a for a in argv if not a.startswith("-")]))[1]
     line = None if error is None else explain(error)
     return line if line is not None and line.startswith("hydra") else None
 

@@ -93,6 +93,11 @@ def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_pa
     shots = [json.loads((tmp_path / "sweep" / str(job) / "result.json").read_text())["task_settings"]
              ["mergeval_chem_count"]["num_fewshot"] for job in (0, 1)]
     assert shots == [0, 1]
+    # an experiment of --config-dir's is checked and followed as a packaged one (the flag once turned both off)
+    assert "mergeval: sweep 2/2 done" in out.stdout + out.stderr
+    bad = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=shots", "method=ties", "method.density=0,0.5",
+                   f"store.path={tmp_path / 's.sqlite'}", f"hydra.sweep.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "no job was started" in bad.stderr and not (tmp_path / "bad").exists(), bad.stderr
 
 
 def test_an_experiment_keeps_the_sweeper_it_chooses(tmp_path, cache):

@@ -319,6 +319,24 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
     assert sweep_jobs(["method=ties", "seed=0,1"]) is None  # no -m: Hydra runs one job (and rejects the sweep)
 
 
+def test_a_config_dir_experiments_jobs_are_found_as_hydra_composes_them(tmp_path):
+    """``--config-dir DIR`` (any of its spellings) adds DIR to the search path, as Hydra does: the sweep of an
+    experiment kept there is expanded; a DIR that is no directory is left to Hydra's own message."""
+    from mergeval.sweep_check import split_config_dir, sweep_jobs
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      seed: 1,2\n")
+    search = f"hydra.searchpath=['file://{tmp_path}']"
+    assert split_config_dir(["-cd", str(tmp_path), "seed=3"]) == (["seed=3"], [search])
+    assert split_config_dir([f"--config-dir={tmp_path}"]) == ([], [search])
+    assert split_config_dir(["--config-dir", str(tmp_path / "none")])[1] is None
+    register_configs()
+    assert sweep_jobs(["--config-dir", str(tmp_path), "+experiment=mine"]) == [
+        [search, "seed=1", "+experiment=mine"], [search, "seed=2", "+experiment=mine"]]
+    assert sweep_jobs(["--config-dir", str(tmp_path / "none"), "+experiment=mine"]) is None
+
+
 def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key():
     """The config's params are opened as mergeval's sweeper opens them (``++`` for a mapping's key), the command
     line's as mergeval.cli opens them: the same key on both is one key, the command line's values winning."""

@@ -111,9 +111,8 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
     hydra_cfg = _hydra_config(search + [a for a in argv if not a.startswith("-")])
     if hydra_cfg is None:  # not composable here: the command line's own sweep, as far as it goes
         jobs = expand(task_overrides(argv)) if multirun else None
-    elif not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN"):
-        return None
-    elif "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):
+    elif (not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN")) or \
+            "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):  # no multirun, or another sweeper
         return None
     else:
         params = hydra_cfg.sweeper.get("params") or {}

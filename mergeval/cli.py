@@ -40,8 +40,8 @@ def explain(ex: BaseException) -> str | None:
     target = next((m.group(1) for e in chain if (m := re.search(r"Could not override '([^']+)'", str(e)))), None)
     for err in chain:
         key = getattr(err, "full_key", None)
-        if key and target and not str(key).startswith(target):
-            key = f"{target}[...].{key}"
+        if key and target and not str(key).startswith(target) and not target.startswith(f"{key}."):
+            key = f"{target}[...].{key}"  # not where the override points, nor above it (a misspelt group)
         if isinstance(err, OmegaConfBaseException) and key:
             msg = str(err).splitlines()[0]
             if "not in" in msg or "is not in struct" in msg:

@@ -133,10 +133,11 @@ def test_an_experiment_keeps_the_sweeper_it_chooses(tmp_path, cache):
     # free mappings take new keys from the command line (config.open_mappings), so their keys are checked here
     (["eval.gen_kwargs.max_gen_tokens=8"], "eval.gen_kwargs.max_gen_tokens"),  # was generate()'s traceback, mid-run
     (["benchmark.fewshot.mergeval_chem_cont=1"], "benchmark.fewshot.mergeval_chem_cont"),
-    (["search.space.lambda_={low: 0.1, high: 1}"], "search.space.lambda_[...].search"),  # only mergeval.search's
+    (["search.space.lambda_={low: 0.1, high: 1}"], "search"),  # only mergeval.search's: a plain run has no section
     # a new entry of a mapping of dataclasses: OmegaConf's "mol: Invalid type assigned: dict is not a subclass..."
     (["+metric.groups.mol={tasks: [mergeval_chem_count], scale: 100}"], "metric.groups.mol"),
     (["++modelset.experts.extra={domain: acronym}"], "modelset.experts.extra"),
+    (["benchmark.fewshott.mergeval_chem_count=0"], "benchmark.fewshott"),  # was "...[...].benchmark.fewshott"
 ])
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)

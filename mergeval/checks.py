@@ -57,12 +57,7 @@ def check_known_keys(cfg: DictConfig, method) -> None:
     """A key added with ``+`` (``+method.densty=0.3``) slips past Hydra's schema check: name it and the fields."""
     import dataclasses
 
-    from mergeval.config import (
-        BenchmarkConfig,
-        EvalConfig,
-        MetricConfig,
-        ModelsetConfig,
-    )
+    from mergeval.config import BenchmarkConfig, EvalConfig, MetricConfig, ModelsetConfig
 
     schemas = {"method": method.config, "benchmark": BenchmarkConfig, "metric": MetricConfig, "eval": EvalConfig,
                "modelset": ModelsetConfig}

@@ -34,14 +34,10 @@ def kept(overrides: list[str], own: tuple[str, ...], method: str | None = None) 
 
 def config_dir(argv: list[str] | None = None) -> list[str]:
     """``--config-dir DIR`` (absolute) when the sweep's command line had one: its experiments live there."""
-    argv = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(argv):
-        for flag in ("--config-dir", "-cd"):
-            if arg == flag and i + 1 < len(argv):
-                return [flag, str(Path(argv[i + 1]).expanduser().resolve())]
-            if arg.startswith(flag + "="):
-                return [flag, str(Path(arg.split("=", 1)[1]).expanduser().resolve())]
-    return []
+    from mergeval.sweep_check import config_dir_flags
+
+    found = [(flag, given) for flag, given in config_dir_flags(sys.argv[1:] if argv is None else argv)[1] if given]
+    return [found[0][0], str(Path(found[0][1]).expanduser().resolve())] if found else []
 
 
 def run_command(overrides: list[str], own: tuple[str, ...], fields: dict, method: str | None = None) -> str:

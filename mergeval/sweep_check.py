@@ -23,23 +23,32 @@ _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name")
 _CONFIG_DIR = ("-cd", "--config-dir")
 
 
-def split_config_dir(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """(``argv`` without ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR``, the override that adds DIR to
-    the config search path as the flag makes Hydra do: empty without the flag; None when DIR is no directory,
-    which Hydra reports in its own words)."""
-    import os
-
-    rest, dirs = [], []
+def config_dir_flags(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(``argv`` without its ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` flags, each flag as
+    (its spelling, DIR as written)): the one reading of the flag, for the sweep check and for rerun commands."""
+    rest, found = [], []
     args = iter(argv)
     for arg in args:
         flag, eq, value = arg.partition("=")
         if flag in _CONFIG_DIR:
-            where = os.path.abspath(value if eq else next(args, ""))  # as Hydra takes it
-            if not os.path.isdir(where):
-                return rest, None
-            dirs.append("'file://" + where.replace("\\", "\\\\").replace("'", "\\'") + "'")  # quoted for Hydra
+            found.append((flag, value if eq else next(args, "")))
         else:
             rest.append(arg)
+    return rest, found
+
+
+def split_config_dir(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(``argv`` without ``--config-dir DIR``, the override that adds DIR to the config search path as the flag
+    makes Hydra do: empty without the flag; None when DIR is no directory, which Hydra reports in its own words)."""
+    import os
+
+    rest, found = config_dir_flags(argv)
+    dirs = []
+    for _, given in found:
+        where = os.path.abspath(given)  # as Hydra takes it
+        if not os.path.isdir(where):
+            return rest, None
+        dirs.append("'file://" + where.replace("\\", "\\\\").replace("'", "\\'") + "'")  # quoted for Hydra
     return rest, ([f"hydra.searchpath=[{','.join(dirs)}]"] if dirs else [])
 
 

@@ -165,6 +165,7 @@ class StagedConfig:
     stage3_keep: int = 3  # candidates promoted by stage 2 to the full benchmark
     degrade_threshold: float = 1.0  # early stop if every candidate's held-out perplexity exceeds the experts' by this
     full: bool = False  # also run the full benchmark on every candidate and compare the picks
+    keep_memory: float = 0.25  # share of free memory promoted candidates' weights may hold between stages (0: none)
 
 
 @dataclass

@@ -115,7 +115,8 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compi
     method = get_method(name)
     cfg = method.config(**params)
     monkeypatch.setattr(fused, "MIN_ENTRIES", 1 << 62)  # the whole-tensor reference: torch's code throughout
-    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7)
+    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7,
+                          blocks=False)
     # compiled: the blocks (and DARE's draws) through fused.py's kernels, held to the torch reference
     monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
     out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
@@ -127,6 +128,10 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compi
     live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, tied_experts, seed=7).state_dict()
     for n in whole:
         assert torch.equal(live[n], whole[n].to(live[n].dtype)), n
+    # and so does an in-memory merge of tensors already loaded (a staged sweep's)
+    in_memory = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7)
+    for n in whole:
+        assert in_memory[n].dtype == whole[n].dtype and torch.equal(in_memory[n], whole[n]), n
 
 
 @pytest.mark.parametrize("n_experts", [5, 6, 9])
@@ -154,7 +159,8 @@ def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_exper
     cfg = method.config(density=0.3)
     out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=0)
     monkeypatch.undo()
-    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=0)
+    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=0,
+                          blocks=False)
     reader = CheckpointReader(out, "out")
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n

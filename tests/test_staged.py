@@ -252,6 +252,7 @@ def test_the_staged_experiments_compose_into_their_grids():
     (["staged.grid.ties.lambda_=[]"], "staged.grid.ties.lambda_: empty list"),
     (["staged.stage3_keep=5"], "staged.stage3_keep:"),
     (["staged.stage2_fraction=0"], "staged.stage2_fraction:"),
+    (["staged.keep_memory=1.5"], "staged.keep_memory:"),
     (["~staged.grid.task_arithmetic", "~staged.grid.ties"], "staged: no candidates"),
 ])
 def test_bad_candidates_and_stage_sizes_are_one_user_error(overrides, field):

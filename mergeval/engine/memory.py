@@ -30,12 +30,13 @@ from mergeval.paths import atomic_dir
 def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
                   experts: list[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]], seed: int,
                   progress: bool = True, vocab_policy: str = "error",
-                  dirs: Mapping[str, Path] | None = None) -> dict[str, torch.Tensor]:
+                  dirs: Mapping[str, Path] | None = None, blocks: bool = True) -> dict[str, torch.Tensor]:
     """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
     or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules).
 
     ``experts`` is a list or a mapping modelset name -> tensors; ``dirs`` (role -> checkpoint directory, "base"
-    included) only names where a bad tensor came from, as the streaming merge does."""
+    included) only names where a bad tensor came from, as the streaming merge does. ``blocks=False`` merges
+    every tensor whole (the reference the row blocks are held to)."""
     named = experts.items() if isinstance(experts, Mapping) else enumerate(experts)
     dirs = dirs or {}
     b = MemorySource(base, "modelset.base", dirs.get("base"))
@@ -43,7 +44,19 @@ def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor
     rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
     plan = build_plan(method, cfg, b.dtypes)
     check_plan(method, plan, len(es))
-    return dict(run_plan(plan, method, b, es, seed, rows, progress))
+    out = {}
+    # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
+    # tensor: tests/test_rows.py), so they get the compiled kernels and every core (TIES of the quickstart
+    # models: 2.8-3.0 s whole, 1.3-1.4 s in blocks)
+    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks):
+        if isinstance(merged, Blocks):
+            whole = torch.empty(b.shapes[name], dtype=b.dtypes[name])
+            target = whole.view(whole.shape[0], -1)
+            for (r0, r1), block in zip(merged.spans, merged):
+                target[r0:r1].copy_(block.reshape(r1 - r0, -1))
+            merged = whole
+        out[name] = merged
+    return out
 
 
 def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,

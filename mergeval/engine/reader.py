@@ -96,9 +96,19 @@ class MemorySource:
         self.where = f" in {source_dir}" if source_dir is not None else ""
         self.shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         self.dtypes = {n: t.dtype for n, t in tensors.items()}
+        self._finite: set[tuple[str, int, int]] = set()  # as CheckpointReader's: each row range checked once
 
     def names(self) -> list[str]:
         return sorted(self.shapes)
 
     def get(self, name: str) -> torch.Tensor:
         return check_finite(self.tensors[name], self.label, name, self.where)
+
+    def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1-1 (along dim 0) of one tensor: a view, which the mergers only read."""
+        tensor = self.tensors[name]
+        rows = tensor[r0:r1] if tensor.dim() else tensor
+        if (name, r0, r1) not in self._finite:
+            check_finite(rows, self.label, name, self.where)
+            self._finite.add((name, r0, r1))
+        return rows

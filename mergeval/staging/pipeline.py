@@ -17,8 +17,10 @@ Flow (every user-fixable check runs before any model is loaded):
 6. with ``staged.full=true``: the full benchmark on every candidate, and
    whether its best is the staged pick.
 
-One candidate is in memory at a time: it is re-merged for each stage it
-reaches (deterministic, seconds) rather than holding every merge. Every
+One candidate is merged into the live model at a time. A candidate that
+reaches stage 2 keeps its weights in host memory from stage 1 on where
+``staged.keep_memory`` allows (``mergeval/staging/kept.py``), and is merged
+again (deterministic: the same bits) where it does not. Every
 benchmark evaluation goes through the results store, keyed by the model's
 fingerprint, the task digests and the settings including the item selection,
 so a full evaluation here is the same entry ``python -m mergeval`` reads.
@@ -45,6 +47,7 @@ from mergeval.paths import cache_root
 from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers
 from mergeval.staging.cost import Cost, cost_table
 from mergeval.staging.heldout import heldout_items
+from mergeval.staging.kept import KeptMerges, available_memory
 from mergeval.staging.nll import Spent, answer_sequences, token_nlls
 from mergeval.staging.plan import Candidate, Plan, make_plan, stage2_limit
 from mergeval.staging.selection import best_first, combine, mean_accuracy, promote
@@ -96,6 +99,7 @@ class StagedOutcome:
     ran: dict[str, int] = field(default_factory=dict)  # forward passes actually run in this job, per stage
     comparison: dict | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    merges: dict[str, int] = field(default_factory=dict)  # merges run, candidates kept between stages, their bytes
 
     def result(self, label: str) -> CandidateResult:
         return next(c for c in self.candidates if c.label == label)
@@ -194,7 +198,8 @@ def prepare(cfg: DictConfig) -> Plan:
 class Models:
     """The sweep's models: the constituents' tensors, and each candidate merged on demand into one live model.
 
-    One candidate is in memory at a time. The live model is built once and then
+    One candidate is in the live model at a time; ``kept`` holds promoted
+    candidates' weights between stages (kept.py). The live model is built once and then
     reloaded in place (0.1 s instead of a 5 s ``from_pretrained`` for SmolLM2):
     every merge carries the same tensor names, so each load overwrites exactly
     what the previous one wrote, and the copy into the eval dtype rounds as a
@@ -208,10 +213,14 @@ class Models:
         self.base_tensors = load_tensors(base_dir)
         self.expert_tensors = [load_tensors(p) for p in expert_dirs.values()]
         self._live = None
+        self._names: list[str] = []  # the tensor names every merge carries
+        self.kept = KeptMerges(0, 0)
+        self.merges_run = 0
 
     def merged(self, cand: Candidate) -> dict:
         from mergeval.engine import merge_tensors
 
+        self.merges_run += 1
         return merge_tensors(cand.method, cand.config, self.base_tensors, self.expert_tensors, self.cfg.seed,
                              progress=False, vocab_policy=self.cfg.vocab_policy)
 
@@ -222,10 +231,19 @@ class Models:
             self._live = load_model(self.base_dir, tensors, self.dtype).to(self.cfg.eval.device)
         else:
             self._live.load_state_dict(tensors, strict=False)
+        self._names = list(tensors)
         return self._live
 
     def candidate(self, cand: Candidate):
-        return self.live(self.merged(cand))
+        """The live model holding ``cand``: its kept weights if stage 1 kept them, else merged again."""
+        weights = self.kept.get(cand.label)
+        return self.live(weights if weights is not None else self.merged(cand))
+
+    def keep(self, label: str, key: float) -> None:
+        """Offer the live model's current weights (the candidate ``label`` just loaded) to ``kept``."""
+        state = self._live.state_dict()
+        size = sum(state[k].numel() * state[k].element_size() for k in self._names)
+        self.kept.offer(label, key, size, lambda: {k: state[k].detach().to("cpu", copy=True) for k in self._names})
 
     def saved(self, path: Path):
         from mergeval.models.checkpoint import load_model
@@ -284,7 +302,10 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
          for t, s in scorer.sequences.items()},
         {}, [], n_full, stage2_limit(plan.stage2_fraction, n_full), timings=timings)
 
+    models.kept = KeptMerges(plan.stage1_keep, int(plan.keep_memory * available_memory()))
     _stage1(outcome, plan, owners, models, scorer)
+    models.kept.retain(outcome.stage2)
+    outcome.merges["kept_between_stages"] = len(models.kept)
     lap("stage1")
     if outcome.early_stop is None or plan.full:
         bench = Bench(cfg, suite, tasks, digests, open_store(cfg, cache), tokenizer)
@@ -296,6 +317,8 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     if plan.full:
         _full(bench, outcome, plan, models.candidate)
         lap("full")
+    outcome.merges.update(merged=models.merges_run, kept_bytes_peak=models.kept.peak_bytes)
+    models.kept.retain([])
     texts = {t: len(s) for t, s in scorer.sequences.items()}
     outcome.cost = cost_table(len(outcome.candidates), texts, sum(texts[t] * len(r) for t, r in owners.items()),
                               choices_per_item(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
@@ -341,6 +364,8 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
         res.log_ratio = _finite_or_inf(mean_log_ratio(res.perplexity, reference))
         res.degradation = _finite_or_inf(degradation(res.perplexity, reference))
         res.degraded = not res.degradation <= plan.degrade_threshold
+        if not res.degraded:  # a degraded candidate is never promoted
+            models.keep(cand.label, res.log_ratio)
         outcome.candidates.append(res)
         print(f"  {cand.label}: perplexity x{res.degradation + 1:.3g} of the experts' (geometric mean over tasks)",
               flush=True)
@@ -393,7 +418,9 @@ def _constituents(bench: Bench, outcome: StagedOutcome, models: Models) -> None:
 def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
     by_label = {c.label: c for c in plan.candidates}
     n2, n = outcome.stage2_items, outcome.n_full
-    print(f"mergeval: stage 2: {len(outcome.stage2)} candidates on items [0, {n2}) of each task", flush=True)
+    kept = outcome.merges.get("kept_between_stages", 0)
+    print(f"mergeval: stage 2: {len(outcome.stage2)} candidates on items [0, {n2}) of each task"
+          + (f" ({kept} kept in memory since stage 1, not merged again)" if kept else ""), flush=True)
     outcome.ran["stage2"] = 0
     for label in outcome.stage2:
         res = outcome.result(label)

@@ -39,6 +39,7 @@ class Plan:
     stage3_keep: int
     degrade_threshold: float
     full: bool
+    keep_memory: float = 0.25
 
 
 def stage2_limit(fraction: float, n: int) -> int:
@@ -134,9 +135,10 @@ def make_plan(staged, n_experts: int) -> Plan:
         ("staged.stage3_keep", 1 <= staged.stage3_keep <= staged.stage1_keep,
          "set it between 1 and staged.stage1_keep"),
         ("staged.degrade_threshold", staged.degrade_threshold > 0, "set e.g. staged.degrade_threshold=1.0"),
+        ("staged.keep_memory", 0 <= staged.keep_memory <= 1, "set a share between 0 (merge again) and 1, e.g. 0.25"),
     ]
     for field, ok, fix in checks:
         if not ok:
             raise UserError(field, f"invalid value {OmegaConf.select(staged, field.split('.', 1)[1])}", fix)
     return Plan(candidates, staged.heldout_items, staged.stage1_keep, staged.stage2_fraction, staged.stage3_keep,
-                staged.degrade_threshold, staged.full)
+                staged.degrade_threshold, staged.full, staged.keep_memory)

@@ -58,6 +58,7 @@ def to_json(cfg: DictConfig, outcome: StagedOutcome) -> dict:
         "forward_passes_run_in_this_job": outcome.ran,
         "full_comparison": outcome.comparison,
         "timings_s": outcome.timings,
+        "merges": outcome.merges,
         "versions": package_versions(),
         "git": git_commit(),
     })

@@ -121,6 +121,32 @@ def test_token_nlls_do_not_depend_on_batching(tiny_dir):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_token_nlls_with_logits_kept_from_the_first_answer_equal_all_logits(tiny_dir, monkeypatch):
+    """Rows whose answers start at different positions in one batch; a model without logits_to_keep (UniformLM
+    above) gets every position's logits."""
+    from transformers import AutoTokenizer
+
+    import mergeval.models.checkpoint as checkpoint
+    from mergeval.models.checkpoint import load_model
+    from mergeval.staging.nll import answer_sequences
+    from mergeval.zoo.domains import eval_items
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = load_model(tiny_dir)
+    assert checkpoint.takes_logits_to_keep(model)
+    seqs = answer_sequences(tok, eval_items("unit_convert", 7) + eval_items("chem_count", 5))
+    assert len({start for _, start in seqs}) > 1
+    kept = token_nlls(model, seqs, batch_size=6, pad_id=tok.pad_token_id)
+    monkeypatch.setattr(checkpoint, "takes_logits_to_keep", lambda model: False)
+    every = token_nlls(model, seqs, batch_size=6, pad_id=tok.pad_token_id)
+    assert [len(x) for x in kept] == [len(ids) - start for ids, start in seqs]
+    for (ids, start), a, b in zip(seqs, kept, every):
+        assert a == pytest.approx(b, abs=1e-6)
+        with torch.inference_mode():  # from the definition: -ln p(ids[j] | ids[:j]), one sequence at a time
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert a == pytest.approx([-logp[j - 1, ids[j]].item() for j in range(start, len(ids))], abs=1e-4)
+
+
 # ---- held-out text -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("train", [SimpleNamespace(steps=30, batch_size=16, seed=0),

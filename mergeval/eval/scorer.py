@@ -38,7 +38,6 @@ give the same log-likelihoods whatever else the run scores.
 
 from __future__ import annotations
 
-import inspect
 from collections import defaultdict
 from functools import cached_property
 
@@ -94,7 +93,9 @@ class SharedPrefixLM(HFLM):
     @cached_property
     def _keeps_logits(self) -> bool:
         """Whether the model's forward takes ``logits_to_keep`` (recent transformers causal LMs do); asked once."""
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        from mergeval.models.checkpoint import takes_logits_to_keep
+
+        return takes_logits_to_keep(self.model)
 
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               override_bs: int | None = None) -> list[tuple[float, bool]]:

@@ -8,6 +8,7 @@ files hold, so tied weights appear once), not on a module's state dict.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -196,6 +197,12 @@ def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, 
         if result.unexpected_keys:
             raise ValueError(f"tensors not in {model_dir}'s architecture: {result.unexpected_keys[:3]}")
     return model.to(dtype).eval()
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (an int: vocabulary logits only at that many last
+    positions; the causal LMs of transformers 4.45 and later do)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def load_tokenizer(model_dir: Path, label: str = "modelset.base"):

@@ -48,9 +48,16 @@ def token_nlls(model, sequences: list[tuple[list[int], int]], batch_size: int, p
 
     Sequences are batched longest first (less padding), right-padded with an
     attention mask, and scored with one forward pass each; ``spent`` (if given)
-    is incremented by what this call ran. Log-softmax runs in float32 on the
-    scored positions only, whatever the model's dtype.
+    is incremented by what this call ran. Vocabulary logits are computed from
+    the batch's first scored position on (``logits_to_keep``, where the model
+    takes it: the answers are a few tokens after a longer prompt, and the
+    projection onto the vocabulary was a fifth of the pass), and the
+    log-softmax runs in float32 on the scored positions only, whatever the
+    model's dtype.
     """
+    from mergeval.models.checkpoint import takes_logits_to_keep
+
+    keeps = takes_logits_to_keep(model)
     spent = spent if spent is not None else Spent()
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
     result: list[list[float]] = [[] for _ in sequences]
@@ -63,11 +70,14 @@ def token_nlls(model, sequences: list[tuple[list[int], int]], batch_size: int, p
             seq = sequences[i][0]
             ids[r, :len(seq)] = torch.tensor(seq)
             mask[r, :len(seq)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        # position p predicts token p + 1: the answer tokens start..end-1 come from positions start-1..end-2;
+        # the logits kept are those of positions first.. (first: the earliest of the batch's rows)
+        first = min(sequences[i][1] for i in rows) - 1 if keeps else 0
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       **({"logits_to_keep": width - first} if keeps else {})).logits
         for r, i in enumerate(rows):
             seq, start = sequences[i]
-            # position p predicts token p + 1: the answer tokens start..end-1 come from positions start-1..end-2
-            logp = torch.log_softmax(logits[r, start - 1:len(seq) - 1].float(), dim=-1)
+            logp = torch.log_softmax(logits[r, start - 1 - first:len(seq) - 1 - first].float(), dim=-1)
             targets = ids[r, start:len(seq)].to(logp.device)
             result[i] = (-logp.gather(1, targets[:, None])[:, 0]).tolist()
         spent.forward_passes += len(rows)

@@ -151,6 +151,34 @@ def test_the_election_of_an_entry_does_not_depend_on_where_it_is(n_experts, weig
     assert torch.equal(whole.view(torch.int32), pieces.view(torch.int32))
 
 
+@pytest.mark.parametrize("name,params", [("ties", {"density": 0.3}), ("dare_ties", {"density": 0.4}),
+                                         ("task_arithmetic", {"lambda_": 0.7})])
+@pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
+def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(name, params, compiled, tiny_dir, tied_experts,
+                                                                  monkeypatch):
+    """Tensors in memory may be views with other strides (transposed storage here); the row blocks must not
+    care: the compiled count once wrote into a flat copy of a strided scratch buffer and read stale memory."""
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+    method = get_method(name)
+    cfg = method.config(**params)
+    base, experts = load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts]
+    whole = merge_tensors(method, cfg, base, experts, seed=3, blocks=False)
+
+    def strided(tensors):
+        return {n: t.t().contiguous().t() if t.dim() == 2 else t for n, t in tensors.items()}
+
+    inputs = [strided(base)] + [strided(e) for e in experts]
+    assert not all(t.is_contiguous() for t in inputs[0].values())
+    before = [{n: t.clone() for n, t in d.items()} for d in inputs]
+    merged = merge_tensors(method, cfg, inputs[0], inputs[1:], seed=3)
+    for n in whole:
+        assert torch.equal(merged[n], whole[n]), n
+    for d, kept in zip(inputs, before):  # the inputs are only read
+        assert all(torch.equal(d[n], kept[n]) for n in d)
+
+
 def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_experts, tmp_path, monkeypatch):
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)

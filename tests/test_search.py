@@ -43,6 +43,17 @@ def test_the_search_config_is_the_run_config_plus_the_search_section():
     assert search == run
 
 
+def test_a_study_is_not_resumed_across_a_change_of_the_held_out_scorer(monkeypatch):
+    """Stage 1's pruning read the held-out NLLs: a new implementation version starts a new default study."""
+    from mergeval.search import study
+
+    cfg = compose_search(*SMALL)
+    before = study.study_name(cfg, "space", {"a": 1})
+    assert study.study_name(cfg, "space", {"a": 1}) == before
+    monkeypatch.setattr(study, "NLL_VERSION", study.NLL_VERSION + 1)
+    assert study.study_name(cfg, "space", {"a": 1}) != before
+
+
 def test_a_misspelt_search_key_fails_when_the_config_is_composed():
     with pytest.raises(Exception, match="n_trails"):
         compose_search("search.n_trails=3")

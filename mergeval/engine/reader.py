@@ -105,9 +105,10 @@ class MemorySource:
         return check_finite(self.tensors[name], self.label, name, self.where)
 
     def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        """Rows r0..r1-1 (along dim 0) of one tensor: a view, which the mergers only read."""
+        """Rows r0..r1-1 (along dim 0) of one tensor, contiguous as CheckpointReader's are: a view of a contiguous
+        tensor (the mergers only read their inputs), a copy of a block of any other layout."""
         tensor = self.tensors[name]
-        rows = tensor[r0:r1] if tensor.dim() else tensor
+        rows = (tensor[r0:r1] if tensor.dim() else tensor).contiguous()
         if (name, r0, r1) not in self._finite:
             check_finite(rows, self.label, name, self.where)
             self._finite.add((name, r0, r1))

@@ -67,7 +67,9 @@ class TiesRows:
         compiled = fused.usable(self.n)
         for offset, base, experts in blocks.read_all():
             b = base.float()
-            work = torch.empty_like(b)  # |d_i| of this block, one expert after another
+            # |d_i| of this block, one expert after another; contiguous whatever b's layout: the compiled
+            # kernel writes through a flat view of it
+            work = torch.empty(b.shape, dtype=b.dtype)
             for i, sel in select.items():
                 if compiled and sel.bounds_for_count()[0] != float("-inf"):
                     fused.count_band(sel, b, experts[i], work)  # the same count and candidates, one pass

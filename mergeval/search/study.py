@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 from mergeval import proc
 from mergeval.errors import UserError
 from mergeval.search.config import OBJECTIVES, PRUNERS, SAMPLERS
+from mergeval.staging.nll import NLL_VERSION
 
 DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trials
 
@@ -42,6 +43,7 @@ def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:
         return str(cfg.search.study)
     s = cfg.search
     identity = {"space": space_digest, "validation_items": s.validation_items, "settings": settings,
+                "heldout_nll_version": NLL_VERSION,
                 "tasks": list(cfg.benchmark.tasks), "n_items": cfg.benchmark.n_items, "seed": cfg.seed,
                 "sampler": s.sampler, "method": OmegaConf.to_container(cfg.method, resolve=True)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]

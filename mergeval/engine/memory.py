@@ -41,6 +41,13 @@ def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor
     dirs = dirs or {}
     b = MemorySource(base, "modelset.base", dirs.get("base"))
     es = [MemorySource(e, f"modelset.experts.{k}", dirs.get(str(k))) for k, e in named]
+    return merge_sources(method, cfg, b, es, seed, progress, vocab_policy, blocks)
+
+
+def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progress: bool = False,
+                  vocab_policy: str = "error", blocks: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`merge_tensors` of reader.py sources: tensors in memory (``MemorySource``) or checkpoints read a
+    tensor or row block at a time (``CheckpointReader``: only the merge is held, not its inputs)."""
     rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
     plan = build_plan(method, cfg, b.dtypes)
     check_plan(method, plan, len(es))

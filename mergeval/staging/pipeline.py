@@ -55,6 +55,7 @@ from mergeval.store import open_store
 from mergeval.summary import aggregate
 
 THIS_RUN, REUSED = "this run", "reused from the results store"
+CONSTITUENTS_IN_MEMORY = 0.5  # share of the free memory the base's and experts' tensors may take (else read lazily)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class StagedOutcome:
     ran: dict[str, int] = field(default_factory=dict)  # forward passes actually run in this job, per stage
     comparison: dict | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    merges: dict[str, int] = field(default_factory=dict)  # merges run, candidates kept between stages, their bytes
+    merges: dict = field(default_factory=dict)  # merges run, candidates kept between stages, their bytes, ...
 
     def result(self, label: str) -> CandidateResult:
         return next(c for c in self.candidates if c.label == label)
@@ -207,22 +208,30 @@ class Models:
     """
 
     def __init__(self, cfg: DictConfig, base_dir: Path, expert_dirs: dict[str, Path], dtype):
+        from mergeval.engine.reader import CheckpointReader, MemorySource
         from mergeval.models.checkpoint import load_tensors
+        from mergeval.models.fingerprint import safetensors_files
 
         self.cfg, self.base_dir, self.expert_dirs, self.dtype = cfg, base_dir, expert_dirs, dtype
-        self.base_tensors = load_tensors(base_dir)
-        self.expert_tensors = [load_tensors(p) for p in expert_dirs.values()]
+        labelled = {"modelset.base": base_dir, **{f"modelset.experts.{k}": p for k, p in expert_dirs.items()}}
+        size = sum(f.stat().st_size for d in labelled.values() for f in safetensors_files(d))
+        # The constituents are read once into memory where they fit comfortably: each merge then reads no file.
+        # Where they do not (a paper's 8B models: 16 GB each in bfloat16), each merge reads its inputs a tensor
+        # or a row block at a time from the files (the page cache's copies), holding only the merge itself.
+        self.in_memory = size <= CONSTITUENTS_IN_MEMORY * available_memory()
+        self.sources = [MemorySource(load_tensors(d, label), label, d) if self.in_memory else CheckpointReader(d, label)
+                        for label, d in labelled.items()]
         self._live = None
         self._names: list[str] = []  # the tensor names every merge carries
         self.kept = KeptMerges(0, 0)
         self.merges_run = 0
 
     def merged(self, cand: Candidate) -> dict:
-        from mergeval.engine import merge_tensors
+        from mergeval.engine.memory import merge_sources
 
         self.merges_run += 1
-        return merge_tensors(cand.method, cand.config, self.base_tensors, self.expert_tensors, self.cfg.seed,
-                             progress=False, vocab_policy=self.cfg.vocab_policy)
+        return merge_sources(cand.method, cand.config, self.sources[0], self.sources[1:], self.cfg.seed,
+                             vocab_policy=self.cfg.vocab_policy)
 
     def live(self, tensors: dict):
         from mergeval.models.checkpoint import load_model
@@ -317,7 +326,8 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     if plan.full:
         _full(bench, outcome, plan, models.candidate)
         lap("full")
-    outcome.merges.update(merged=models.merges_run, kept_bytes_peak=models.kept.peak_bytes)
+    outcome.merges.update(merged=models.merges_run, constituents_in_memory=models.in_memory,
+                          kept_bytes_peak=models.kept.peak_bytes)
     models.kept.retain([])
     texts = {t: len(s) for t, s in scorer.sequences.items()}
     outcome.cost = cost_table(len(outcome.candidates), texts, sum(texts[t] * len(r) for t, r in owners.items()),

@@ -1,4 +1,5 @@
-"""Promoted candidates' weights kept between a staged sweep's stages (mergeval/staging/kept.py)."""
+"""A staged sweep's memory: promoted candidates' weights kept between stages (mergeval/staging/kept.py), and the
+constituents held in memory or read from their files a block at a time (staging/pipeline.py's Models)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,31 @@ def test_a_kept_candidate_is_the_same_model_bit_for_bit_as_merging_it_again(cach
         assert tensor.dtype == from_kept[name].dtype and torch.equal(tensor, from_kept[name]), name
 
 
+def test_constituents_read_from_their_files_merge_to_the_same_bits(cache, monkeypatch):
+    """Where the constituents do not fit in memory each merge reads them from the files: the same merges."""
+    from mergeval.engine import execute
+    from mergeval.engine.reader import CheckpointReader, MemorySource
+    from mergeval.models.resolve import resolve_models
+    from mergeval.paths import cache_root
+    from mergeval.staging import pipeline
+    from mergeval.staging.plan import make_plan
+
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every matrix in row blocks of about 300 entries, too
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    cfg = compose_staged(f"cache_dir={cache}")
+    plan = make_plan(cfg.staged, len(cfg.modelset.experts))
+    base_dir, expert_dirs, _ = resolve_models(cfg, cache_root(cfg.cache_dir))
+    loaded = pipeline.Models(cfg, base_dir, expert_dirs, torch.float32)
+    monkeypatch.setattr(pipeline, "CONSTITUENTS_IN_MEMORY", 0.0)
+    lazy = pipeline.Models(cfg, base_dir, expert_dirs, torch.float32)
+    assert loaded.in_memory and all(isinstance(s, MemorySource) for s in loaded.sources)
+    assert not lazy.in_memory and all(isinstance(s, CheckpointReader) for s in lazy.sources)
+    assert len(lazy.sources) == 1 + len(expert_dirs)
+    for cand in plan.candidates:
+        a, b = loaded.merged(cand), lazy.merged(cand)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), cand.label
+
+
 @pytest.fixture(scope="module")
 def both(cache):
     """The tiny staged sweep with and without kept weights, every evaluation run (eval.force)."""
@@ -88,8 +114,8 @@ def test_keeping_weights_changes_no_result_and_saves_the_later_stages_merges(bot
         assert (a.perplexity, a.stage2, a.stage3) == (b.perplexity, b.stage2, b.stage3), a.label
     assert (kept.stage2, kept.stage3, kept.pick) == (again.stage2, again.stage3, again.pick)
     n = len(kept.candidates)
-    assert kept.merges == {"kept_between_stages": len(kept.stage2), "merged": n,
+    assert kept.merges == {"kept_between_stages": len(kept.stage2), "merged": n, "constituents_in_memory": True,
                            "kept_bytes_peak": kept.merges["kept_bytes_peak"]}
     assert kept.merges["kept_bytes_peak"] > 0
     assert again.merges == {"kept_between_stages": 0, "merged": n + len(again.stage2) + len(again.stage3),
-                            "kept_bytes_peak": 0}
+                            "constituents_in_memory": True, "kept_bytes_peak": 0}

@@ -107,8 +107,36 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _on_sigterm(signum, frame) -> None:
+    if _in_import_machinery(frame):
+        _redeliver_later(signal.SIGTERM)
+        return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut our own cleanup short
     raise Interrupted("SIGTERM")
+
+
+def _on_sigint(signum, frame) -> None:
+    if _in_import_machinery(frame):
+        _redeliver_later(signal.SIGINT)
+        return
+    raise KeyboardInterrupt
+
+
+def _in_import_machinery(frame) -> bool:
+    """Whether the signal's handler would raise inside importlib's own code. It must not: importlib takes the
+    global import lock and releases it in a ``finally`` one statement later, and an exception raised between the
+    two (its module-lock weakref callback does exactly this) leaves the lock held for good. A merge's worker
+    threads then waited for it forever on their next import, and the interrupted merge with them (seen once in
+    the suite: ``test_a_signal_mid_merge_stops_cleanly``, both workers in ``_get_module_lock``)."""
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def _redeliver_later(signum: int) -> None:
+    """Send ``signum`` again in a moment, to the main thread itself. Sent to the process from another thread (as
+    ``signal.raise_signal`` there does) it landed in that thread, and a main thread blocked in a wait (a lock, a
+    future's result) was never woken to run the handler: the interrupted merge above waited forever."""
+    import threading
+
+    threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
 
 
 def _redeliver_swallowed_interrupt(unraisable) -> None:
@@ -130,9 +158,9 @@ def _redeliver_swallowed_interrupt(unraisable) -> None:
         signum = signal.SIGTERM if isinstance(unraisable.exc_value, Interrupted) else signal.SIGINT
         if signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, _on_sigterm)
-        # From another thread, a moment later: sent from here, the handler would run inside this hook, where
-        # its exception would be discarded again. If it lands in another such place, this runs once more.
-        threading.Timer(0.05, signal.raise_signal, (signum,)).start()
+        # A moment later: sent from here, the handler would run inside this hook, where its exception would be
+        # discarded again. If it lands in another such place, this runs once more.
+        _redeliver_later(signum)
         return
     sys.__unraisablehook__(unraisable)
 
@@ -141,6 +169,8 @@ def handle_sigterm() -> None:
     """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread; neither it nor Ctrl-C is lost
     on the way."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Python's own: a KeyboardInterrupt
+        signal.signal(signal.SIGINT, _on_sigint)
     sys.unraisablehook = _redeliver_swallowed_interrupt
 
 

@@ -625,7 +625,7 @@ def test_a_signal_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishe
 # SIGTERM's handler (or Ctrl-C's) runs inside a weakref callback (as SIGTERM's once did inside importlib's module-lock
 # callback during an import): Python discards the exception raised there; mergeval must deliver it again.
 SWALLOWED_SIGTERM = """
-import os, signal, sys, time, weakref
+import os, signal, sys, threading, time, weakref
 from mergeval.cli import handle_sigterm
 
 handle_sigterm()
@@ -645,9 +645,32 @@ held = Held()
 ref = weakref.ref(held, callback)
 try:
     del held
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pass
+    if sys.argv[2] == "blocked":  # the main thread then waits, with no timeout (as a merge waits for its units)
+        threading.Event().wait()
+    else:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass
+    print("not interrupted")
+except KeyboardInterrupt as err:
+    print("interrupted", type(err).__name__)
+"""
+
+# The handler runs while importlib's own code runs (its module-lock callback holds the global import lock until
+# the next statement): it must not raise there, but deliver the interruption a moment later to the main thread,
+# here blocked in a wait.
+IN_IMPORTLIB = """
+import signal, sys, threading
+from types import SimpleNamespace
+from mergeval import cli
+
+cli.handle_sigterm()
+handler = signal.getsignal(getattr(signal, sys.argv[1]))
+importlib_frame = SimpleNamespace(f_code=SimpleNamespace(co_filename="<frozen importlib._bootstrap>"))
+try:
+    handler(getattr(signal, sys.argv[1]), importlib_frame)
+    print("deferred")
+    threading.Event().wait()
     print("not interrupted")
 except KeyboardInterrupt as err:
     print("interrupted", type(err).__name__)
@@ -691,11 +714,21 @@ def test_an_interruption_while_the_interpreter_waits_for_threads_at_exit_ends_it
     assert proc.returncode == 2 and err.strip() == "", err[-3000:]
 
 
+@pytest.mark.parametrize("main_thread", ["busy", "blocked"])
 @pytest.mark.parametrize("signame,raised", [("SIGTERM", "Interrupted"), ("SIGINT", "KeyboardInterrupt")])
-def test_an_interruption_whose_exception_python_discards_still_interrupts(signame, raised):
-    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, signame], capture_output=True, text=True,
-                         env=child_env(), preexec_fn=default_signals)
+def test_an_interruption_whose_exception_python_discards_still_interrupts(signame, raised, main_thread):
+    """``blocked``: the signal sent again must reach the main thread itself; raised from a timer thread it landed
+    there, and the main thread's wait never returned (an interrupted merge hung in the suite)."""
+    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, signame, main_thread], capture_output=True,
+                         text=True, env=child_env(), preexec_fn=default_signals, timeout=60)
     assert out.stdout.strip() == f"interrupted {raised}", out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("signame,raised", [("SIGTERM", "Interrupted"), ("SIGINT", "KeyboardInterrupt")])
+def test_an_interruption_inside_importlib_is_delivered_after_it(signame, raised):
+    out = subprocess.run([sys.executable, "-c", IN_IMPORTLIB, signame], capture_output=True, text=True,
+                         env=child_env(), preexec_fn=default_signals, timeout=60)
+    assert out.stdout.split() == ["deferred", "interrupted", raised], out.stdout + out.stderr[-2000:]
 
 
 def test_sigkill_leaves_running_until_the_next_process_proves_it_dead(zoo, tmp_path):

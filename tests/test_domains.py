@@ -21,7 +21,8 @@ def digest(obj) -> str:
 
 
 # Measured on the generators as they were before any domain was added (commit 6a7e412): the quickstart's
-# training and evaluation items, and the cache keys of its experts (SmolLM2's fingerprint, 30 x 16 steps).
+# training and evaluation items, and the cache keys of its experts (from SmolLM2's blake2b fingerprint, the scheme
+# then; 30 x 16 steps).
 @pytest.mark.parametrize("domain,items,key", [("chem_count", "8555b15b6700f95f", "083227aebcb0fa3c"),
                                               ("unit_convert", "c122b81e7b05a213", "c62889da09b2faea")])
 def test_quickstart_domains_keep_their_items_and_expert_keys(domain, items, key):

@@ -43,6 +43,29 @@ def test_fingerprint_cache_is_used(tiny_dir, tmp_path, monkeypatch):
     assert fingerprint(tiny_dir, cache_file) == fp
 
 
+def test_fingerprint_is_the_documented_formula(tiny_dir):
+    # BLAKE3, 128 bits, over name|dtype|shape| and the raw bytes of each tensor in name order; one thread here,
+    # every core in the code: BLAKE3's tree gives the same digest either way
+    from blake3 import blake3
+
+    tensors = load_tensors(tiny_dir)
+    h = blake3(max_threads=1)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    assert fingerprint_state_dict(tensors) == fingerprint(tiny_dir) == h.hexdigest(length=16)
+
+
+def test_a_digest_cached_by_another_scheme_is_not_returned(tiny_dir, tmp_path):
+    import mergeval.models.fingerprint as module
+
+    cache_file = tmp_path / "fp.json"
+    old_key = "|".join(module._file_key(p) for p in module.safetensors_files(tiny_dir))  # the blake2b cache's key
+    cache_file.write_text(json.dumps({old_key: "0" * 32}))
+    assert fingerprint(tiny_dir, cache_file) == fingerprint_state_dict(load_tensors(tiny_dir)) != "0" * 32
+
+
 def test_shape_mismatch_is_a_clear_error(tiny_dir, tmp_path):
     def widen(t):
         t["model.norm.weight"] = torch.ones(33)
@@ -86,7 +109,8 @@ def test_the_smollm2_conversion_gives_the_pinned_weights(cache):
     # dequantisation, or in how the conversion shares their parsing (smollm2._parsed_once), shows here first.
     from mergeval.models.smollm2 import smollm2_dir
 
-    assert fingerprint(smollm2_dir(cache, "modelset.base")) == "e9bbcdac5085b7d65c7873f55f4770aa"
+    # (blake2b, the scheme before 2026-12-05, gave e9bbcdac5085b7d65c7873f55f4770aa for these weights)
+    assert fingerprint(smollm2_dir(cache, "modelset.base")) == "8da540b186f62fac1a409023a21bdd1a"
 
 
 def test_the_conversion_shares_gguf_parsing_only_inside_its_block():

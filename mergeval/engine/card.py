@@ -37,7 +37,7 @@ config.json and generation_config.json come from the base, the tokenizer from th
 
 ## Inputs
 
-Fingerprint: blake2b over each tensor's name, dtype, shape and bytes (mergeval.models.fingerprint).
+Fingerprint: BLAKE3 (128 bits) over each tensor's name, dtype, shape and bytes (mergeval.models.fingerprint).
 
 | role | source | path | fingerprint |
 |---|---|---|---|

@@ -1,24 +1,34 @@
 """Content fingerprints of safetensors checkpoints.
 
-fingerprint = blake2b over, for each tensor in name order: name, dtype, shape
-and raw bytes. It identifies the weights, not the path: a copy of a model has
-the same fingerprint. Results are cached per file (path, size, mtime) in
-``<cache>/fingerprints.json`` so an unchanged file is never hashed twice.
+fingerprint = BLAKE3 (128-bit output) over, for each tensor in name order:
+name, dtype, shape and raw bytes. It identifies the weights, not the path: a
+copy of a model has the same fingerprint. Results are cached per file (path,
+size, mtime, ``SCHEME``) in ``<cache>/fingerprints.json`` so an unchanged
+file is never hashed twice.
+
+Why BLAKE3: a staged sweep or a search fingerprints every candidate it merges
+in memory, so hashing sits on the sweep's path. BLAKE3 is a cryptographic hash
+like the blake2b used before 2026-12-05, and its tree mode spreads one input
+over every core with the same digest whatever the thread count: 0.09 s per
+SmolLM2-135M checkpoint (538 MB) on 2 cores against blake2b's 0.57 s; 16 GB of
+an 8B model takes seconds instead of half a minute. The change gave every model
+a new fingerprint, so stores and caches keyed by the old ones are not reused
+(zoo experts, keyed by their base's fingerprint, are built once more).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
+from blake3 import blake3
 from safetensors import safe_open
 
 from mergeval.models.safetensors_io import read_header
 from mergeval.paths import atomic_write_text
 
-_CHUNK = 1 << 24
+SCHEME = "blake3-128"  # in the cache's keys: a digest cached under another scheme is never returned
 
 
 def _file_key(path: Path) -> str:
@@ -26,20 +36,27 @@ def _file_key(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
+def _hasher() -> blake3:
+    return blake3(max_threads=blake3.AUTO)  # the digest does not depend on the thread count
+
+
+def _hash_tensor(h: blake3, name: str, t: torch.Tensor) -> None:
     t = t.detach().contiguous().cpu()
     h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-    data = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else b""
-    for i in range(0, len(data), _CHUNK):
-        h.update(data[i:i + _CHUNK])
+    if t.numel():
+        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+
+
+def _digest(h: blake3) -> str:
+    return h.hexdigest(length=16)
 
 
 def fingerprint_state_dict(state: dict[str, torch.Tensor]) -> str:
     """The fingerprint a checkpoint of ``state`` would have (for merges kept in memory)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = _hasher()
     for name in sorted(state):
         _hash_tensor(h, name, state[name])
-    return h.hexdigest()
+    return _digest(h)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -58,18 +75,18 @@ def _read_cache(cache_file: Path | None) -> dict:
 def fingerprint(model_dir: Path, cache_file: Path | None = None, label: str = "modelset") -> str:
     """Fingerprint of all ``*.safetensors`` in ``model_dir`` (tensor names are unique across shards)."""
     files = safetensors_files(model_dir)
-    keys = "|".join(_file_key(p) for p in files)
+    keys = "|".join([SCHEME] + [_file_key(p) for p in files])
     cache = _read_cache(cache_file)
     if keys in cache:
         return cache[keys]
-    h = hashlib.blake2b(digest_size=16)
+    h = _hasher()
     owner = {}
     for path in files:
         owner.update({name: path for name in read_header(path, label)[1]})
     for name in sorted(owner):  # global name order, so sharding does not change the fingerprint
         with safe_open(str(owner[name]), framework="pt") as f:
             _hash_tensor(h, name, f.get_tensor(name))
-    digest = h.hexdigest()
+    digest = _digest(h)
     if cache_file:
         cache = _read_cache(cache_file)
         cache[keys] = digest

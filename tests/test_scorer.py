@@ -45,6 +45,22 @@ def test_same_loglikelihoods_as_hflm(lms):
         assert g_greedy == w_greedy
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), cols=st.integers(1, 9), vocab=st.sampled_from([1, 7, 64, 1000, 49152]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_log_softmax_of_the_predicted_positions_alone_gives_the_same_bits(rows, cols, vocab, dtype, seed, data):
+    # _score_rows takes the float32 log-softmax of only the positions that predict a choice token: each position's
+    # values must be those of the log-softmax of the whole [rows, kept columns, vocabulary] block it replaced
+    logits = (torch.randn(rows, cols, vocab, generator=torch.Generator().manual_seed(seed)) * 8).to(dtype)
+    n = data.draw(st.integers(1, 12))
+    at = (torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))),
+          torch.tensor(data.draw(st.lists(st.integers(0, cols - 1), min_size=n, max_size=n))))
+    whole = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    alone = torch.log_softmax(logits[at], dim=-1, dtype=torch.float32)
+    assert torch.equal(alone, whole[at])
+    assert torch.equal(alone.argmax(-1), whole[at].argmax(-1))
+
+
 def test_fewer_token_positions_than_one_sequence_per_choice(lms):
     _, shared = lms
     before = shared.forward_tokens

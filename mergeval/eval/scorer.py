@@ -156,17 +156,28 @@ class SharedPrefixLM(HFLM):
             out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                              attention_mask=additive[:, None].to(self.device),
                              **({"logits_to_keep": keep} if self._keeps_logits else {}))
-        logits = out.logits[:, -keep:]
-        logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype or torch.float32).cpu()  # [rows, width - ctx_end + 1, V]
+        # Each choice token is predicted from one (row, kept column): 0 (the context's end) for its first token,
+        # then the column of its own previous token. Only those positions get a float32 log-softmax (HFLM's
+        # values: each position's log-softmax is computed on its own, so leaving out the others, padding
+        # included, changes no bit; tests/test_scorer.py), not the [rows, kept columns, vocabulary] block.
+        at_row, at_col, targets, spans = [], [], [], []
         for r, (_, idx) in enumerate(chunk):
-            offset = 1  # kept column of this choice's first fed token (kept column 0 = the context's end)
+            offset = 1  # kept column of this choice's first fed token
             for i in idx:
-                cont = torch.tensor(requests[i][2])
-                # token 0 is predicted from the context's end, token t > 0 from this choice's token t - 1
-                cols = torch.tensor([0, *range(offset, offset + len(cont) - 1)])
-                picked = logprobs[r, cols]
-                yield (float(picked.gather(1, cont[:, None]).sum()), bool((picked.argmax(-1) == cont).all()))
+                cont = requests[i][2]
+                spans.append((len(targets), len(cont)))
+                at_row += [r] * len(cont)
+                at_col += [0, *range(offset, offset + len(cont) - 1)]
+                targets += cont
                 offset += len(cont) - 1
+        logits = out.logits[:, -keep:]
+        at = (torch.tensor(at_row, device=logits.device), torch.tensor(at_col, device=logits.device))
+        logprobs = F.log_softmax(logits[at], dim=-1, dtype=self.softmax_dtype or torch.float32)  # [positions, V]
+        target = torch.tensor(targets, device=logprobs.device)
+        picked = logprobs.gather(1, target[:, None]).cpu()  # [positions, 1]
+        greedy = (logprobs.argmax(-1) == target).cpu()
+        for start, n in spans:
+            yield float(picked[start:start + n].sum()), bool(greedy[start:start + n].all())
 
 def _choice_mask(seg: torch.Tensor) -> torch.Tensor:
     """[rows, T, T] booleans: query q may attend key k (module docstring). Padding attends only to itself,

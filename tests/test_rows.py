@@ -179,6 +179,41 @@ def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(name, params, c
         assert all(torch.equal(d[n], kept[n]) for n in d)
 
 
+@pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
+def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_merge(compiled, tiny_dir, tied_experts,
+                                                                                   monkeypatch):
+    """A staged sweep merges the same inputs once per candidate with one ``prepared`` dict: TIES' cut at a
+    density is computed once and reused by the candidates that differ in lambda, weights or sign rule only."""
+    from mergeval.engine.memory import merge_sources
+    from mergeval.engine.reader import MemorySource
+    from mergeval.methods.rows import TiesRows
+
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+    prepares = []
+    real_prepare = TiesRows.prepare
+    monkeypatch.setattr(TiesRows, "prepare", lambda self, blocks: (prepares.append(1), real_prepare(self, blocks)))
+    base, experts = load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts]
+    sources = [MemorySource(base, "modelset.base")] + [MemorySource(e, f"modelset.experts.{i}")
+                                                       for i, e in enumerate(experts)]
+    method, prepared = get_method("ties"), {}
+    candidates = [{"density": 0.3, "lambda_": 0.5}, {"density": 0.3, "lambda_": 1.5, "weights": [1.0, 0.5, 2.0]},
+                  {"density": 0.5, "lambda_": 1.0}, {"density": 0.3, "lambda_": 1.0, "sign_rule": "count"},
+                  {"density": 0.3, "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}]
+    counts = []
+    for params in candidates:
+        cfg = method.config(**params)
+        before = len(prepares)
+        merged = merge_sources(method, cfg, sources[0], sources[1:], seed=5, prepared=prepared)
+        counts.append(len(prepares) - before)
+        whole = merge_tensors(method, cfg, base, experts, seed=5, blocks=False)
+        for n in whole:
+            assert torch.equal(merged[n], whole[n]), (params, n)
+    # cuts computed for the first candidate at each set of densities only
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == counts[0] and counts[3] == 0 and counts[4] == counts[0]
+
+
 def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_experts, tmp_path, monkeypatch):
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)

@@ -60,7 +60,8 @@ def output_shapes(plan: list[Unit], shapes: dict[str, tuple[int, ...]], rows: di
 
 
 def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int],
-             progress: bool = False, blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+             progress: bool = False, blocks: bool = False,
+             prepared: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
     WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer (more
@@ -70,6 +71,9 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     ``blocks=True`` (sources with ``get_rows``): a tensor of at least BLOCK_MIN entries whose method has a
     row-chunked form is yielded as ``Blocks`` (its row blocks, read and merged by the workers as the
     consumer iterates) instead of a tensor.
+    ``prepared``: a dict kept by a caller that merges the same ``base`` and ``experts`` several times (a staged
+    sweep's candidates); a row merger's ``prepare`` result that depends only on the inputs and its
+    ``prepared_key`` (TIES' cut at each density) is stored there and reused, not computed again.
     """
     # disable=None: a bar only on a terminal, so piped stderr keeps errors on one line
     bar = tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True)
@@ -84,7 +88,7 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     finished = False
     try:
         def work(unit: Unit):
-            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool)) is not None:
+            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool, prepared)) is not None:
                 return found
             return _merge_unit(unit, method, _read_unit(unit, base, experts, rows), seed)
 
@@ -229,9 +233,11 @@ class Blocks:
             yield block
 
 
-def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool):
+def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool,
+               prepared: dict | None = None):
     """The unit as ``Blocks`` when it is one large tensor, not vocab-aligned, whose method has a row-chunked
-    form for its config (its ``prepare`` passes over the blocks run here); else None."""
+    form for its config (its ``prepare`` passes over the blocks run here, or its result is taken from
+    ``prepared``: run_plan); else None."""
     if unit.kind != "tensor" or method.rows is None or not hasattr(base, "get_rows"):
         return None
     (name,) = unit.names
@@ -244,7 +250,14 @@ def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, 
     if merger is None:
         return None
     blocks = Blocks(merger, name, base, experts, row_spans(shape, BLOCK_ENTRIES), pool)
-    merger.prepare(blocks)
+    key = getattr(merger, "prepared_key", None)
+    if prepared is None or key is None:
+        merger.prepare(blocks)
+    elif (name, key) in prepared:
+        merger.restore(prepared[name, key])
+    else:
+        merger.prepare(blocks)
+        prepared[name, key] = merger.prepared()
     return blocks
 
 

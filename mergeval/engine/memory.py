@@ -45,9 +45,11 @@ def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor
 
 
 def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progress: bool = False,
-                  vocab_policy: str = "error", blocks: bool = True) -> dict[str, torch.Tensor]:
+                  vocab_policy: str = "error", blocks: bool = True, prepared: dict | None = None
+                  ) -> dict[str, torch.Tensor]:
     """:func:`merge_tensors` of reader.py sources: tensors in memory (``MemorySource``) or checkpoints read a
-    tensor or row block at a time (``CheckpointReader``: only the merge is held, not its inputs)."""
+    tensor or row block at a time (``CheckpointReader``: only the merge is held, not its inputs).
+    ``prepared``: a dict to pass again with the same sources (run_plan: TIES' cuts computed once per density)."""
     rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
     plan = build_plan(method, cfg, b.dtypes)
     check_plan(method, plan, len(es))
@@ -55,7 +57,7 @@ def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progres
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
     # tensor: tests/test_rows.py), so they get the compiled kernels and every core (TIES of the quickstart
     # models: 2.8-3.0 s whole, 1.3-1.4 s in blocks)
-    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks):
+    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared):
         if isinstance(merged, Blocks):
             whole = torch.empty(b.shapes[name], dtype=b.dtypes[name])
             target = whole.view(whole.shape[0], -1)

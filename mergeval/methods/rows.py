@@ -51,6 +51,15 @@ class TiesRows:
         self.k = [kept_count(d, numel) if d < 1.0 else None
                   for d in (expert_value(cfg, "density", i) for i in range(n_experts))]
         self.cut: list[tuple[float, dict[int, int]] | None] = [None] * n_experts  # (tau_i, offset -> tie quota)
+        # the cut depends on the inputs and the kept counts only, not on lambda or weights: run_plan's
+        # ``prepared`` reuses it for every candidate of a sweep with the same densities
+        self.prepared_key = ("ties", numel, tuple(self.k))
+
+    def prepared(self) -> list:
+        return self.cut
+
+    def restore(self, cut: list) -> None:
+        self.cut = cut
 
     def prepare(self, blocks) -> None:
         """Pass 0 samples |d_i| block by block (computed at the sampled positions only), pass 1 counts each block

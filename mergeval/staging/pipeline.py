@@ -225,13 +225,14 @@ class Models:
         self._names: list[str] = []  # the tensor names every merge carries
         self.kept = KeptMerges(0, 0)
         self.merges_run = 0
+        self.prepared: dict = {}  # what every merge of these sources can share (TIES' cuts per density: run_plan)
 
     def merged(self, cand: Candidate) -> dict:
         from mergeval.engine.memory import merge_sources
 
         self.merges_run += 1
         return merge_sources(cand.method, cand.config, self.sources[0], self.sources[1:], self.cfg.seed,
-                             vocab_policy=self.cfg.vocab_policy)
+                             vocab_policy=self.cfg.vocab_policy, prepared=self.prepared)
 
     def live(self, tensors: dict):
         from mergeval.models.checkpoint import load_model

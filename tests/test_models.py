@@ -57,6 +57,35 @@ def test_fingerprint_is_the_documented_formula(tiny_dir):
     assert fingerprint_state_dict(tensors) == fingerprint(tiny_dir) == h.hexdigest(length=16)
 
 
+def test_a_forked_child_of_a_process_that_hashed_can_hash():
+    # BLAKE3's threads are a process-wide pool that os.fork does not copy: a child that hashed on every core
+    # after its parent had hung for good; children hash on their own thread. 64 MB: large enough for BLAKE3 to
+    # use its threads (the tiny model's tensors are not)
+    import os
+    import time
+
+    tensors = {"w": torch.arange(1 << 24, dtype=torch.float32)}
+    want = fingerprint_state_dict(tensors)  # the parent starts the pool
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its fingerprint and leave without running the parent's cleanup
+        try:
+            os.write(write, fingerprint_state_dict(tensors).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60  # a hang guard, not a speed limit: the child takes milliseconds
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done == (0, 0):
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    got = os.read(read, 64).decode()
+    os.close(read)
+    assert done != (0, 0), "the forked child hung hashing"
+    assert got == want
+
+
 def test_a_digest_cached_by_another_scheme_is_not_returned(tiny_dir, tmp_path):
     import mergeval.models.fingerprint as module
 

@@ -253,11 +253,13 @@ def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, 
     key = getattr(merger, "prepared_key", None)
     if prepared is None or key is None:
         merger.prepare(blocks)
-    elif (name, key) in prepared:
-        merger.restore(prepared[name, key])
+        return blocks
+    key = (name, key, tuple(blocks.spans))  # the cut's tie quotas are per block
+    if key in prepared:
+        merger.restore(prepared[key])
     else:
         merger.prepare(blocks)
-        prepared[name, key] = merger.prepared()
+        prepared[key] = merger.prepared()
     return blocks
 
 

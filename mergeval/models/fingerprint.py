@@ -19,6 +19,7 @@ a new fingerprint, so stores and caches keyed by the old ones are not reused
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -36,8 +37,22 @@ def _file_key(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
+_forked = False  # set in a child made by os.fork (multiprocessing's default start method on Linux)
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
 def _hasher() -> blake3:
-    return blake3(max_threads=blake3.AUTO)  # the digest does not depend on the thread count
+    """A BLAKE3 hasher on every core (the digest does not depend on the thread count), or on the calling thread
+    alone in a forked child: BLAKE3's worker threads are a process-wide pool that a fork does not copy, so a
+    child of a process that had hashed waited forever for them."""
+    return blake3(max_threads=1 if _forked else blake3.AUTO)
 
 
 def _hash_tensor(h: blake3, name: str, t: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,33 @@ def test_the_conversion_shares_gguf_parsing_only_inside_its_block():
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
         assert gguf.GGUFReader is not reader
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+
+
+def test_the_tokenizer_check_compares_bytes_before_parsing(tiny_dir, tmp_path, monkeypatch):
+    """An expert carrying the base's tokenizer.json unchanged is accepted without parsing either file (0.05 s
+    each for SmolLM2's, a fixed cost of every merge); one whose file differs in bytes only (another layout,
+    another padding setting) is parsed and accepted; one with other tokens is refused."""
+    from mergeval.models import checkpoint
+
+    parsed = []
+    real = checkpoint._tokenizing_file
+    monkeypatch.setattr(checkpoint, "_tokenizing_file", lambda *a: parsed.append(a[0]) or real(*a))
+    same = copy_with(tiny_dir, tmp_path / "same")
+    check_compatible(tiny_dir, {"same": same})
+    assert parsed == []
+
+    layout = copy_with(tiny_dir, tmp_path / "layout")
+    doc = json.loads((layout / "tokenizer.json").read_text())
+    doc["padding"] = {"strategy": "BatchLongest", "direction": "Left", "pad_id": 0, "pad_type_id": 0,
+                      "pad_token": "<pad>", "pad_to_multiple_of": None}
+    (layout / "tokenizer.json").write_text(json.dumps(doc, indent=4))
+    check_compatible(tiny_dir, {"layout": layout})
+    assert sorted(Path(p).parent.name for p in parsed) == sorted([tiny_dir.resolve().name, "layout"])
+
+    swapped = copy_with(tiny_dir, tmp_path / "swapped")
+    vocab = doc["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=r"its tokenizer differs from the base's \(model in tokenizer.json\)"):
+        check_compatible(tiny_dir, {"swapped": swapped})

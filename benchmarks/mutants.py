@@ -281,7 +281,7 @@ MUTANTS = [
            "keep = first_k_mask(flat, k)",
            METHODS, "TIES keeps the largest values, not the largest magnitudes"),
     Mutant("l1_rescale_inverted", "mergeval/methods/compat.py",
-           "return kept * (before / after)", "return kept * (after / before)",
+           "    return before / after", "    return after / before",
            SPARSE, "L1 rescale by the inverse ratio"),
     Mutant("della_rank_over_n", "mergeval/methods/sparsify.py",
            "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n - 1)",

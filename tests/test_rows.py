@@ -105,6 +105,15 @@ def tied_experts(tiny_dir, tmp_path_factory) -> list[Path]:
     ("task_arithmetic", {"lambda_": 0.7, "weights": [0.5, 1.0, -0.25], "normalize": True}),
     ("linear", {"weights": [0.2, 0.3, 0.5]}),
     ("linear", {"include_base": True, "normalize": False}),
+    # compat=mergekit (rows.GtaRows): the whole-tensor keep rules (argsort's order at the tied cuts these experts
+    # make, the draws, the L1 norms) made in prepare, then gta block by block
+    ("ties", {"density": 0.3, "compat": "mergekit"}),
+    ("ties", {"density": 0.5, "compat": "mergekit", "rescale": "l1", "weights": [1.0, -0.7, 0.4],
+              "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}),
+    ("dare_ties", {"density": 0.4, "compat": "mergekit"}),
+    ("dare_linear", {"density": 0.5, "compat": "mergekit", "rescale": "none", "weights": [0.5, 1.0, -0.25],
+                     "normalize": True}),
+    ("task_arithmetic", {"lambda_": 0.7, "compat": "mergekit", "weights": [0.5, 1.0, -0.25]}),
 ])
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
 def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compiled, tiny_dir, tied_experts, tmp_path,
@@ -124,6 +133,8 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compi
     assert sorted(reader.names()) == sorted(whole)
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n
+        assert torch.equal(reader.get(n).signbit(), whole[n].signbit()), n  # zeros of the same sign too
+    assert method.rows(cfg, len(tied_experts), 10**6, torch.Generator()) is not None or name == "linear"
     # a run's merge into the live model takes the same row blocks
     live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, tied_experts, seed=7).state_dict()
     for n in whole:

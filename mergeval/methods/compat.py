@@ -106,31 +106,51 @@ def expert_weights(cfg: Any, n: int) -> list[float]:
 # ---------------------------------------------------------------- mergekit's sparsifiers
 
 
-def match_l1(delta: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """kept * ||delta||_1 / ||kept||_1, or kept unchanged if either norm is below eps (as mergekit)."""
+def l1_factor(delta: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor | None:
+    """||delta||_1 / ||kept||_1 as a 0-dim tensor, or None if either norm is below eps (as mergekit)."""
     before, after = delta.abs().sum(), kept.abs().sum()
     if before < eps or after < eps:
-        return kept
-    return kept * (before / after)
+        return None
+    return before / after
+
+
+def match_l1(delta: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """kept * ||delta||_1 / ||kept||_1, or kept unchanged if either norm is below eps (as mergekit)."""
+    factor = l1_factor(delta, kept, eps)
+    return kept if factor is None else kept * factor
+
+
+# Each sparsifier is a keep rule over the whole d_i (a flat boolean mask, or None: keep everything) and the way
+# mergekit applies it; rows.GtaRows applies the same masks a row block at a time.
+
+def magnitude_keep(delta: torch.Tensor, density: float) -> torch.Tensor | None:
+    """The first k = max(1, floor(density n)) of argsort(|d|, descending); the same set by threshold
+    (select.py) unless ties at a non-zero cut must be split in argsort's order."""
+    if density >= 1:
+        return None
+    k = max(1, int(density * delta.numel()))
+    magnitude = delta.abs().reshape(-1)
+    keep = top_k_mask(magnitude, k)
+    if keep is None:
+        keep = torch.zeros(delta.numel(), dtype=torch.bool, device=delta.device)
+        keep[torch.argsort(magnitude, descending=True)[:k]] = True
+    return keep
+
+
+def times_mask(delta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """mergekit's magnitude and outlier sparsifiers apply their mask as d * mask (so a dropped -x is -0)."""
+    return delta * keep.to(delta.dtype).view_as(delta)
+
+
+def magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
+    keep = magnitude_keep(delta, density)
+    return delta if keep is None else times_mask(delta, keep)
 
 
 def _keep(delta: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros(delta.numel(), dtype=delta.dtype, device=delta.device)
     mask[positions] = 1
     return delta * mask.view_as(delta)
-
-
-def magnitude(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """The first k = max(1, floor(density n)) of argsort(|d|, descending); the same set by threshold
-    (select.py) unless ties at a non-zero cut must be split in argsort's order."""
-    if density >= 1:
-        return delta
-    k = max(1, int(density * delta.numel()))
-    magnitude = delta.abs().reshape(-1)
-    keep = top_k_mask(magnitude, k)
-    if keep is not None:
-        return delta * keep.to(delta.dtype).view_as(delta)
-    return _keep(delta, torch.argsort(magnitude, descending=True)[:k])
 
 
 def outliers(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -142,11 +162,21 @@ def outliers(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     return _keep(delta, torch.sort(delta.abs().reshape(-1)).indices[n_bot:n_bot + k])
 
 
-def bernoulli(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+def bernoulli_keep(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor | None:
+    """Each entry kept with probability density: [u < density], one uniform per entry from gen, in order."""
     if density >= 1:
-        return delta
-    u = torch.rand(delta.shape, generator=gen, device=gen.device).to(delta.device)
-    return torch.where(u < density, delta, torch.zeros_like(delta))
+        return None
+    return torch.rand(delta.shape, generator=gen, device=gen.device).to(delta.device) < density
+
+
+def where_mask(delta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """mergekit's bernoulli applies its mask as where(mask, d, 0) (a dropped entry is +0)."""
+    return torch.where(keep.view_as(delta), delta, torch.zeros_like(delta))
+
+
+def bernoulli(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    keep = bernoulli_keep(delta, density, gen)
+    return delta if keep is None else where_mask(delta, keep)
 
 
 def magprune(delta: torch.Tensor, density: float, epsilon: float, gen: torch.Generator) -> torch.Tensor:

@@ -19,8 +19,17 @@ block's output equals the same rows of the method's whole-tensor result.
   one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
   entry, a quarter of the uniforms); the blocks are then merged independently.
 
+* compat=mergekit (``GtaRows``: ties, dare_ties, dare_linear, task_arithmetic).
+  mergekit's TIES keeps the entries tied at the cut in the order of torch's
+  unstable sort of the whole tensor, and its DARE rescales by whole-tensor L1
+  norms, so ``prepare`` takes each expert's whole d_i in turn to make its keep
+  mask (one byte per entry) and L1 factor exactly as the whole-tensor code does;
+  every later step (compat.gta: the weights, the election, the sums over experts
+  per entry) is elementwise. Peak memory is then one expert's whole-tensor rule
+  (its d_i, |d_i| and argsort) instead of every input's float32 copies at once.
+
 The ``rows`` hooks return None where the chunked form could differ from the
-whole-tensor result (compat=mergekit, rescale=l1: whole-tensor norms).
+whole-tensor result (paper mode with rescale=l1: whole-tensor norms).
 
 Where numba runs, each block's merge and DARE's draws go through the compiled
 kernels of ``fused.py`` (one pass per block instead of a dozen torch passes;
@@ -39,8 +48,8 @@ from mergeval.methods import compat, fused
 from mergeval.methods.compat import expert_value, expert_weights
 from mergeval.methods.registry import METHODS
 from mergeval.methods.select import Threshold, exact, keep_only_, tie_quotas, zero_dropped_
-from mergeval.methods.sparsify import _combine, _rescale
-from mergeval.methods.task_vector import kept_count
+from mergeval.methods.sparsify import _combine, _rescale, mergekit_gta_options
+from mergeval.methods.task_vector import kept_count, mergekit_ties_options
 
 
 class TiesRows:
@@ -179,19 +188,63 @@ def fused_options(cfg, base: torch.Tensor, numel: int, n_experts: int, elect: bo
             "divide_by": sum(w) if cfg.normalize and abs(sum(w)) >= 1e-8 else 0.0}
 
 
+class GtaRows:
+    """compat.gta (compat=mergekit) in row blocks: ``prepare`` makes each expert's keep mask and L1 factor from
+    its whole d_i, expert after expert (the module docstring); ``merge`` is gta on a block with them."""
+
+    def __init__(self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple):
+        """``keep(d_i, i)``: expert i's mask over its whole d_i (flat bool, or None: d_i kept whole), drawn in
+        expert order as the whole-tensor code draws; ``apply(d, mask)``: how mergekit applies it; ``options``:
+        gta's (rescale, sign rule, normalize)."""
+        self.cfg, self.keep, self.apply = cfg, keep, apply
+        self.rescale, self.elect, self.normalize = options
+        self.masks: list[torch.Tensor | None] = [None] * n_experts
+        self.factors: list[torch.Tensor | None] = [None] * n_experts
+
+    def prepare(self, blocks) -> None:
+        if self.keep is None:
+            return
+        rows = blocks.spans[-1][1]
+        b = blocks.base.get_rows(blocks.name, 0, rows).float()
+        for i, expert in enumerate(blocks.experts):
+            d = expert.get_rows(blocks.name, 0, rows).float() - b  # gta's d_i, whole
+            keep = self.keep(d, i)
+            if keep is None:
+                continue
+            self.masks[i] = keep.reshape(-1)
+            if self.rescale:
+                self.factors[i] = compat.l1_factor(d, self.apply(d, keep))  # match_l1's, on the whole tensor
+
+    def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
+        def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
+            keep, factor = self.masks[i], self.factors[i]
+            if keep is None:
+                return d
+            s = self.apply(d, keep[offset:offset + d.numel()])
+            return s if factor is None else s * factor
+        return compat.gta(base, experts, self.cfg, sparsify if self.keep else None, False, self.elect, self.normalize)
+
+
 def _chunkable(cfg) -> bool:
     """Paper mode without the L1 rescale: every step after the masks is elementwise."""
     return not compat.is_mergekit(cfg) and _rescale(cfg) != "l1"
 
 
-def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | None:
-    """TIES in row blocks, for paper mode without the L1 rescale (else None)."""
+def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | GtaRows | None:
+    """TIES in row blocks: paper mode without the L1 rescale, or compat=mergekit (else None)."""
+    if compat.is_mergekit(cfg):
+        return GtaRows(cfg, n_experts, gen, lambda d, i: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
+                       compat.times_mask, mergekit_ties_options(cfg))
     return TiesRows(cfg, n_experts, numel) if _chunkable(cfg) else None
 
 
 def dare_rows(elect: bool):
-    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | None:
-        """DARE in row blocks, for paper mode without the L1 rescale (else None)."""
+    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | GtaRows | None:
+        """DARE in row blocks: paper mode without the L1 rescale, or compat=mergekit (else None)."""
+        if compat.is_mergekit(cfg):
+            return GtaRows(cfg, n_experts, gen,
+                           lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
+                           compat.where_mask, mergekit_gta_options(cfg, elect))
         return DareRows(cfg, n_experts, numel, gen, elect) if _chunkable(cfg) else None
     return rows
 
@@ -214,9 +267,12 @@ class ElementwiseRows:
 def elementwise_rows(name: str):
     fn = METHODS[name].merge
 
-    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> ElementwiseRows | None:
-        """The method in row blocks (paper mode: compat=mergekit keeps the whole-tensor code)."""
-        return None if compat.is_mergekit(cfg) else ElementwiseRows(fn, cfg, gen)
+    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> ElementwiseRows | GtaRows | None:
+        """The method in row blocks (compat=mergekit: task_arithmetic as gta; linear keeps the whole-tensor code)."""
+        if not compat.is_mergekit(cfg):
+            return ElementwiseRows(fn, cfg, gen)
+        return GtaRows(cfg, n_experts, gen, None, None, (False, None, cfg.normalize)) if name == "task_arithmetic" \
+            else None
     return rows
 
 

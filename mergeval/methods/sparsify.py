@@ -387,16 +387,20 @@ def _sparsifier(cfg, gen: torch.Generator) -> Callable[[torch.Tensor, int], torc
 MERGEKIT_NORMALIZE = {"ties": True, "della": True}  # mergekit's normalize default of each TIES variant (else false)
 
 
+def mergekit_gta_options(cfg, elect: bool) -> tuple[bool, str | None, bool]:
+    """compat.gta's rescale, sign rule and normalize for a DARE, breadcrumbs or DELLA config under compat=mergekit."""
+    normalize = (compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
+                 if elect else cfg.normalize)
+    return _rescale(cfg) == "l1", cfg.sign_rule if elect else None, normalize
+
+
 def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Generator | None, elect: bool,
              sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda.
     ``sparsify``: the config's own sparsifier unless given (rows.DareRows: masks drawn beforehand)."""
     sparsify = sparsify or _sparsifier(cfg, gen)
     if compat.is_mergekit(cfg):
-        normalize = (compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
-                     if elect else cfg.normalize)
-        return compat.gta(base, experts, cfg, sparsify, _rescale(cfg) == "l1", cfg.sign_rule if elect else None,
-                          normalize)
+        return compat.gta(base, experts, cfg, sparsify, *mergekit_gta_options(cfg, elect))
     b = base.float()
     # each s_i in its row of one stack (a sparsifier may work in place on d_i, else its result is copied in)
     sparse = torch.empty((len(experts), *b.shape), dtype=torch.float32, device=b.device)

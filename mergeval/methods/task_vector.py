@@ -168,6 +168,11 @@ def trim_to_density(delta: torch.Tensor, density: float) -> torch.Tensor:
     return torch.where(keep, flat, torch.zeros_like(flat)).view_as(delta)
 
 
+def mergekit_ties_options(cfg) -> tuple[bool, str, bool]:
+    """compat.gta's rescale, sign rule and normalize for a TIES config under compat=mergekit."""
+    return cfg.rescale == "l1", cfg.sign_rule, compat.option(cfg, "normalize", True, True, (True, False))
+
+
 # version 3: sums over 5+ experts in order (sum_in_order); 2: ties at the trim cut kept by position (1: in
 # torch.topk's order)
 @register("ties", TiesConfig, _validate_ties, version=3)
@@ -191,7 +196,7 @@ def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: 
     """
     if compat.is_mergekit(cfg):
         return compat.gta(base, experts, cfg, lambda d, i: compat.magnitude(d, expert_value(cfg, "density", i)),
-                          cfg.rescale == "l1", cfg.sign_rule, compat.option(cfg, "normalize", True, True, (True, False)))
+                          *mergekit_ties_options(cfg))
     b = base.float()
     trimmed = []
     for i, e in enumerate(experts):

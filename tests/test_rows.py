@@ -190,6 +190,45 @@ def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(name, params, c
         assert all(torch.equal(d[n], kept[n]) for n in d)
 
 
+@pytest.mark.parametrize("name,params", [("dare_ties", {"density": 0.5}), ("dare_linear", {"density": 0.5}),
+                                         ("ties", {"density": 0.5, "rescale": "l1"}), ("task_arithmetic", {})])
+def test_compat_row_blocks_of_strided_inputs_equal_their_whole_tensor_merge(name, params):
+    """compat=mergekit's L1 factor is a sum over the whole d_i, which adds in memory order: GtaRows takes the
+    inputs as the whole-tensor merge gets them (a transposed view's factor, as it once did not, differed in
+    65-85K of 590K entries)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (1024, 576)  # transposed storage; 589,824 entries: row blocks at the default size
+    base = {"w": torch.randn(shape, generator=g).t()}
+    experts = [{"w": (base["w"].t() + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)
+                      ).t()} for _ in range(3)]
+    method = get_method(name)
+    cfg = method.config(compat="mergekit", **params)
+    assert method.rows(cfg, 3, 589_824, g) is not None
+    whole = merge_tensors(method, cfg, base, experts, seed=0, progress=False, blocks=False)["w"]
+    blocks = merge_tensors(method, cfg, base, experts, seed=0, progress=False)["w"]
+    assert torch.equal(whole.contiguous().view(torch.int32), blocks.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("n_experts", [4, 5, 9])
+@pytest.mark.parametrize("name,params", [("task_arithmetic", {}), ("ties", {"density": 0.5}),
+                                         ("dare_linear", {"density": 0.5})])
+def test_compat_row_blocks_equal_the_whole_merge_for_any_number_of_experts(name, params, n_experts):
+    """torch's sum(0) over 5+ rows groups them one way in its vectorized body and another in its scalar tail, so a
+    block whose size is not a multiple of the vector width moves sums by an ulp (67 columns: 3912-row blocks of
+    262,104 entries); compat merges of 5+ experts therefore keep the whole-tensor code."""
+    g = torch.Generator().manual_seed(n_experts)
+    shape = (4000, 67)
+    base = {"w": torch.randn(shape, generator=g)}
+    experts = [{"w": base["w"] + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)}
+               for _ in range(n_experts)]
+    method = get_method(name)
+    cfg = method.config(compat="mergekit", **params)
+    assert (method.rows(cfg, n_experts, 268_000, g) is None) == (n_experts > 4)
+    whole = merge_tensors(method, cfg, base, experts, seed=0, progress=False, blocks=False)["w"]
+    blocks = merge_tensors(method, cfg, base, experts, seed=0, progress=False)["w"]
+    assert torch.equal(whole.view(torch.int32), blocks.view(torch.int32))
+
+
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
 def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_merge(compiled, tiny_dir, tied_experts,
                                                                                    monkeypatch):

@@ -19,7 +19,7 @@ block's output equals the same rows of the method's whole-tensor result.
   one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
   entry, a quarter of the uniforms); the blocks are then merged independently.
 
-* compat=mergekit (``GtaRows``: ties, dare_ties, dare_linear, task_arithmetic).
+* compat=mergekit (``GtaRows``: ties, dare_ties, dare_linear, task_arithmetic; up to 4 experts).
   mergekit's TIES keeps the entries tied at the cut in the order of torch's
   unstable sort of the whole tensor, and its DARE rescales by whole-tensor L1
   norms, so ``prepare`` takes each expert's whole d_i in turn to make its keep
@@ -204,10 +204,11 @@ class GtaRows:
     def prepare(self, blocks) -> None:
         if self.keep is None:
             return
-        rows = blocks.spans[-1][1]
-        b = blocks.base.get_rows(blocks.name, 0, rows).float()
+        # the tensors as the whole-tensor merge gets them (``get``: an in-memory input keeps its layout, and a sum
+        # over a transposed d_i adds in another order than over a contiguous copy)
+        b = blocks.base.get(blocks.name).float()
         for i, expert in enumerate(blocks.experts):
-            d = expert.get_rows(blocks.name, 0, rows).float() - b  # gta's d_i, whole
+            d = expert.get(blocks.name).float() - b  # gta's d_i, whole
             keep = self.keep(d, i)
             if keep is None:
                 continue
@@ -230,9 +231,19 @@ def _chunkable(cfg) -> bool:
     return not compat.is_mergekit(cfg) and _rescale(cfg) != "l1"
 
 
+# compat.gta sums over the experts with torch's sum(0), whose vectorized body adds 5 or more rows in another grouping
+# than its scalar tail: an entry's sum then depends on where the tensor's size puts it, and a block is not the whole
+# (paper mode sums in order instead: task_vector.sum_in_order). Up to 4 rows both add in expert order.
+GTA_ROWS_MAX_EXPERTS = 4
+
+
+def _gta_rows(cfg, n_experts: int) -> bool:
+    return compat.is_mergekit(cfg) and n_experts <= GTA_ROWS_MAX_EXPERTS
+
+
 def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | GtaRows | None:
-    """TIES in row blocks: paper mode without the L1 rescale, or compat=mergekit (else None)."""
-    if compat.is_mergekit(cfg):
+    """TIES in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
+    if _gta_rows(cfg, n_experts):
         return GtaRows(cfg, n_experts, gen, lambda d, i: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
                        compat.times_mask, mergekit_ties_options(cfg))
     return TiesRows(cfg, n_experts, numel) if _chunkable(cfg) else None
@@ -240,8 +251,8 @@ def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows
 
 def dare_rows(elect: bool):
     def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | GtaRows | None:
-        """DARE in row blocks: paper mode without the L1 rescale, or compat=mergekit (else None)."""
-        if compat.is_mergekit(cfg):
+        """DARE in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
+        if _gta_rows(cfg, n_experts):
             return GtaRows(cfg, n_experts, gen,
                            lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
                            compat.where_mask, mergekit_gta_options(cfg, elect))
@@ -268,11 +279,13 @@ def elementwise_rows(name: str):
     fn = METHODS[name].merge
 
     def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> ElementwiseRows | GtaRows | None:
-        """The method in row blocks (compat=mergekit: task_arithmetic as gta; linear keeps the whole-tensor code)."""
+        """The method in row blocks (compat=mergekit: task_arithmetic as gta with up to 4 experts; linear keeps the
+        whole-tensor code)."""
         if not compat.is_mergekit(cfg):
             return ElementwiseRows(fn, cfg, gen)
-        return GtaRows(cfg, n_experts, gen, None, None, (False, None, cfg.normalize)) if name == "task_arithmetic" \
-            else None
+        if name == "task_arithmetic" and _gta_rows(cfg, n_experts):
+            return GtaRows(cfg, n_experts, gen, None, None, (False, None, cfg.normalize))
+        return None
     return rows
 
 

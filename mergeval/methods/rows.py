@@ -192,12 +192,15 @@ class GtaRows:
     """compat.gta (compat=mergekit) in row blocks: ``prepare`` makes each expert's keep mask and L1 factor from
     its whole d_i, expert after expert (the module docstring); ``merge`` is gta on a block with them."""
 
-    def __init__(self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple):
+    def __init__(self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple,
+                 keep_reads_values: bool = True):
         """``keep(d_i, i)``: expert i's mask over its whole d_i (flat bool, or None: d_i kept whole), drawn in
         expert order as the whole-tensor code draws; ``apply(d, mask)``: how mergekit applies it; ``options``:
-        gta's (rescale, sign rule, normalize)."""
+        gta's (rescale, sign rule, normalize); ``keep_reads_values=False``: ``keep`` needs only d_i's shape
+        (DARE's draws), so without the L1 rescale no expert is read whole."""
         self.cfg, self.keep, self.apply = cfg, keep, apply
         self.rescale, self.elect, self.normalize = options
+        self.whole_deltas = keep_reads_values or self.rescale
         self.masks: list[torch.Tensor | None] = [None] * n_experts
         self.factors: list[torch.Tensor | None] = [None] * n_experts
 
@@ -206,9 +209,11 @@ class GtaRows:
             return
         # the tensors as the whole-tensor merge gets them (``get``: an in-memory input keeps its layout, and a sum
         # over a transposed d_i adds in another order than over a contiguous copy)
-        b = blocks.base.get(blocks.name).float()
+        b = blocks.base.get(blocks.name)
+        b = b.float() if self.whole_deltas else b
         for i, expert in enumerate(blocks.experts):
-            d = expert.get(blocks.name).float() - b  # gta's d_i, whole
+            # gta's d_i, whole; or, where only its shape counts, the base's tensor in its place
+            d = expert.get(blocks.name).float() - b if self.whole_deltas else b
             keep = self.keep(d, i)
             if keep is None:
                 continue
@@ -255,7 +260,7 @@ def dare_rows(elect: bool):
         if _gta_rows(cfg, n_experts):
             return GtaRows(cfg, n_experts, gen,
                            lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
-                           compat.where_mask, mergekit_gta_options(cfg, elect))
+                           compat.where_mask, mergekit_gta_options(cfg, elect), keep_reads_values=False)
         return DareRows(cfg, n_experts, numel, gen, elect) if _chunkable(cfg) else None
     return rows
 

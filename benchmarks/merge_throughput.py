@@ -229,19 +229,23 @@ def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inp
 
 def startup_commands() -> dict[str, list[str]]:
     """Each tool's start alone: its interpreter and imports, no merge."""
-    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.cli import skip_final_collection; "
-                         "atexit.register(skip_final_collection); import mergeval.engine, mergeval.methods"],
+    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.cli import loading_modules, "
+                         "skip_final_collection; atexit.register(skip_final_collection)\n"
+                         "with loading_modules(__name__): import mergeval.engine, mergeval.methods"],
             "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
 
 
 def child_mergeval(spec_path: str) -> None:
-    """The mergeval side, run in its own process: one streaming merge to disk, ending as ``python -m
-    mergeval.merge`` ends (run_cli's exit hook: the interpreter's last collection skips what the merge made)."""
+    """The mergeval side, run in its own process: one streaming merge to disk, starting and ending as ``python
+    -m mergeval.merge`` does (its modules loaded with the garbage collector paused, ``cli.loading_modules``;
+    run_cli's exit hook: the interpreter's last collection skips what the merge made)."""
     import atexit
 
-    from mergeval.cli import skip_final_collection
-    from mergeval.engine import merge_to_disk
-    from mergeval.methods import get_method
+    from mergeval.cli import loading_modules, skip_final_collection
+
+    with loading_modules(__name__):  # this script is the program here, as mergeval.merge is in its command
+        from mergeval.engine import merge_to_disk
+        from mergeval.methods import get_method
 
     atexit.register(skip_final_collection)
     spec = json.loads(Path(spec_path).read_text())

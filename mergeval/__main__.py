@@ -11,10 +11,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import explain, failing_cleanly, run_cli  # noqa: F401  (explain: used by older imports)
-from mergeval.config import register_configs
+from mergeval.cli import explain, failing_cleanly, loading_modules, run_cli  # noqa: F401  (explain: used by older imports)
 
-register_configs()
+with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
+    from mergeval.config import register_configs
+
+    register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")

@@ -18,13 +18,15 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import discard_job_dir, failing_cleanly, run_cli
-from mergeval.config import register_configs
+from mergeval.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
-from mergeval.models.sources import looks_like_path
 
-register_configs()
+with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
+    from mergeval.config import register_configs
+    from mergeval.models.sources import looks_like_path
+
+    register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")

@@ -15,10 +15,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import failing_cleanly, run_cli
-from mergeval.config import register_configs
+from mergeval.cli import failing_cleanly, loading_modules, run_cli
 
-register_configs()
+with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
+    from mergeval.config import register_configs
+
+    register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")

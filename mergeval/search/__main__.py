@@ -12,10 +12,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import failing_cleanly, run_cli
-from mergeval.search.config import register_search_configs
+from mergeval.cli import failing_cleanly, loading_modules, run_cli
 
-register_search_configs()
+with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
+    from mergeval.search.config import register_search_configs
+
+    register_search_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="search_run")

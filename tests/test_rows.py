@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from mergeval.engine import execute, merge_tensors, merge_to_disk
+from mergeval.engine import reader as reader_module
 from mergeval.engine.memory import merge_into_model
 from mergeval.engine.reader import CheckpointReader
+from mergeval.errors import UserError
 from mergeval.methods import fused, get_method, select
 from mergeval.methods.select import Threshold, first_k_mask
 from mergeval.methods.task_vector import disjoint_merge, kept_count, trim_to_density
@@ -298,3 +300,66 @@ def test_the_live_merge_benchmark_reports_the_merge_a_run_makes(tiny_dir, tied_e
         method = get_method(name)
         live = merge_into_model(load_model(tiny_dir), method, method.config(**params), tiny_dir, tied_experts, seed=0)
         assert printed[text] == fingerprint_state_dict(dict(live.state_dict())), text
+
+
+def _poisoned(tiny_dir: Path, experts: list[Path], root: Path, where: list[int], bad: float) -> tuple[Path, list[Path]]:
+    """Copies of the base (0) and the experts (1 + i) with ``bad`` at one entry of a projection where ``where``
+    names them."""
+    out = []
+    for k, src in enumerate([tiny_dir, *experts]):
+        dst = root / f"m{k}"
+        shutil.copytree(src, dst)
+        if k in where:
+            tensors = load_file(str(dst / "model.safetensors"))
+            tensors["model.layers.1.mlp.up_proj.weight"][5, 3] = bad
+            save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        out.append(dst)
+    return out[0], out[1:]
+
+
+@pytest.mark.skipif(not fused.available(), reason="needs numba")
+@pytest.mark.parametrize("name,params", [("dare_ties", {"density": 0.4}), ("ties", {"density": 0.3}),
+                                         ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25]})])
+@pytest.mark.parametrize("where,named", [([0], "modelset.base"), ([2], "modelset.experts.1"),
+                                         ([3, 0], "modelset.base"), ([3, 1], "modelset.experts.0")])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_nan_in_a_block_the_kernel_merges_is_the_readers_one_line_error(name, params, where, named, bad, tiny_dir,
+                                                                        tied_experts, tmp_path, monkeypatch):
+    """The compiled kernel counts NaN and Inf as it reads, so the engine leaves out the readers' pass over the
+    blocks it merges (execute.Blocks.merged); a block it refuses gets the readers' error: the same field (the
+    base first, then the experts in order), tensor and directory as for any other merge, and no output."""
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2)
+    base, experts = _poisoned(tiny_dir, tied_experts, tmp_path, where, bad)
+    method = get_method(name)
+    cfg = method.config(**params)
+    with pytest.raises(UserError) as err:
+        merge_to_disk(method, cfg, base, experts, tmp_path / "out", seed=7)
+    assert err.value.field == named
+    directory = base if named == "modelset.base" else experts[int(named.rsplit(".", 1)[1])]
+    assert f"tensor model.layers.1.mlp.up_proj.weight in {directory} contains NaN or Inf" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError) as err:  # tensors in memory: the same
+        merge_tensors(method, cfg, load_tensors(base), [load_tensors(p) for p in experts], seed=7)
+    assert err.value.field == named and "model.layers.1.mlp.up_proj.weight" in str(err.value)
+
+
+@pytest.mark.skipif(not fused.available(), reason="needs numba")
+def test_the_readers_skip_their_nan_pass_over_the_blocks_the_kernel_merges(tiny_dir, tied_experts, tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    checked = []
+    real = reader_module.check_finite
+    monkeypatch.setattr(reader_module, "check_finite", lambda t, *a: checked.append(t.numel()) or real(t, *a))
+    method = get_method("dare_ties")
+    counts = {}
+    for compiled in (False, True):
+        monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+        checked.clear()
+        merge_to_disk(method, method.config(density=0.4), tiny_dir, tied_experts, tmp_path / f"out{compiled}", seed=7)
+        counts[compiled] = sum(checked)
+    entries = sum(t.numel() for t in load_tensors(tiny_dir).values() if t.is_floating_point())
+    assert counts[False] == 4 * entries  # the base and three experts, every entry once
+    assert counts[True] < counts[False] / 4  # only what the kernel does not merge (1-row tensors)

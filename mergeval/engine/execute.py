@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from mergeval.engine.plan import Unit
 from mergeval.engine.vocab import align
 from mergeval.methods import MergeMethod
+from mergeval.methods.fused import NonFinite
 
 # merging threads, one per core (at least 2, so reading overlaps merging; at most 8: memory grows with
 # the units in flight)
@@ -219,17 +220,38 @@ class Blocks:
         """Entries in each block, in order."""
         return [(r1 - r0) * self.per_row for r0, r1 in self.spans]
 
-    def read(self, span: tuple[int, int]):
-        """(flat offset of the block, base rows, each expert's rows)."""
-        return (span[0] * self.per_row, self.base.get_rows(self.name, *span),
-                [e.get_rows(self.name, *span) for e in self.experts])
+    def read(self, span: tuple[int, int], check: bool = True):
+        """(flat offset of the block, base rows, each expert's rows); ``check=False``: not checked for NaN/Inf."""
+        return (span[0] * self.per_row, self.base.get_rows(self.name, *span, check=check),
+                [e.get_rows(self.name, *span, check=check) for e in self.experts])
 
     def read_all(self) -> Iterator:
         """``read`` of every block in order (a merger's passes; the reads are the page cache's)."""
         return map(self.read, self.spans)
 
+    def merged(self, span: tuple[int, int]) -> torch.Tensor:
+        """One block merged. A merger that ``checks_inputs`` (the compiled kernel's, which counts NaN and Inf in
+        every entry it reads) gets its CPU blocks unchecked, which saves the readers a pass over every input;
+        when it refuses one, the readers' check names the input (the base first, then the experts in order)
+        in the same one-line error as for any other merge."""
+        if not getattr(self.merger, "checks_inputs", False):
+            return self.merger.merge(*self.read(span))
+        offset, base, experts = self.read(span, check=False)
+        if base.device.type != "cpu":  # the kernel runs on the CPU only; elsewhere the torch code merges
+            self._check(span, base, experts)
+            return self.merger.merge(offset, base, experts)
+        try:
+            return self.merger.merge(offset, base, experts)
+        except NonFinite:
+            self._check(span, base, experts)
+            raise
+
+    def _check(self, span: tuple[int, int], base: torch.Tensor, experts: list[torch.Tensor]) -> None:
+        for source, rows in zip([self.base, *self.experts], [base, *experts]):
+            source.check_rows(self.name, *span, rows)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for _, block in ordered(self.pool, lambda span: self.merger.merge(*self.read(span)), self.spans):
+        for _, block in ordered(self.pool, self.merged, self.spans):
             yield block
 
 

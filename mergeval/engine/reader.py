@@ -10,7 +10,10 @@ mappings grew its RSS by the size of all inputs (measured: +190 MB of RssFile
 over three 68 MB checkpoints); plain reads leave only the tensors in use.
 
 Every tensor is checked for NaN/Inf when it is read, so a bad input is found
-without a separate pass and named in a one-line error.
+without a separate pass and named in a one-line error. A row block read with
+``check=False`` is left to its reader (the compiled merge kernel counts NaN/Inf
+in every entry it reads; the engine then calls ``check_rows`` on a block it
+refuses, for the same error).
 """
 
 from __future__ import annotations
@@ -34,16 +37,31 @@ def check_finite(t: torch.Tensor, label: str, name: str, where: str = "") -> tor
     return t
 
 
-class CheckpointReader:
+class RowChecks:
+    """The NaN/Inf check of a source's row ranges (``label`` and ``where`` name the source in the error), each
+    range once: a merger that reads a tensor in several passes (TIES' threshold passes) checks it once."""
+
+    label: str
+    where: str
+    _finite: set[tuple[str, int, int]]  # ranges checked (adding to a set is atomic under the GIL: workers share it)
+
+    def check_rows(self, name: str, r0: int, r1: int, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (rows r0..r1-1 of tensor ``name``), or a UserError when they hold NaN or Inf."""
+        if (name, r0, r1) not in self._finite:
+            check_finite(rows, self.label, name, self.where)
+            self._finite.add((name, r0, r1))
+        return rows
+
+
+class CheckpointReader(RowChecks):
     """Lazy, read-only view of one checkpoint's tensors; ``label`` names it in errors (e.g. modelset.experts.chem)."""
 
     def __init__(self, model_dir: Path, label: str):
         if sys.byteorder != "little":  # safetensors stores little-endian data
             raise NotImplementedError("reading safetensors on a big-endian machine")
         self.dir, self.label = Path(model_dir), label
+        self.where = f" in {self.dir}"
         self._where: dict[str, tuple[Path, int, dict]] = {}
-        # row ranges already checked for NaN/Inf: a merger that reads a tensor in several passes (TIES' threshold
-        # passes) checks each range once (a set of tuples; adding is atomic under the GIL, workers share it)
         self._finite: set[tuple[str, int, int]] = set()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
@@ -60,8 +78,9 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self.get_rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1)
 
-    def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        """Rows r0..r1-1 (along dim 0) of one tensor, read from its file alone (a 0-dim tensor has one row)."""
+    def get_rows(self, name: str, r0: int, r1: int, check: bool = True) -> torch.Tensor:
+        """Rows r0..r1-1 (along dim 0) of one tensor, read from its file alone (a 0-dim tensor has one row);
+        checked for NaN/Inf unless ``check`` is false."""
         path, start, entry = self._where[name]
         begin, end = entry["data_offsets"]
         shape, dtype = self.shapes[name], self.dtypes[name]
@@ -82,13 +101,10 @@ class CheckpointReader:
                     raise UserError(self.label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
                 got += n
         tensor = raw.view(dtype).reshape(shape)
-        if (name, r0, r1) not in self._finite:
-            check_finite(tensor, self.label, name, f" in {self.dir}")
-            self._finite.add((name, r0, r1))
-        return tensor
+        return self.check_rows(name, r0, r1, tensor) if check else tensor
 
 
-class MemorySource:
+class MemorySource(RowChecks):
     """The same interface over tensors already in memory (the in-memory merge)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], label: str, source_dir: Path | None = None):
@@ -96,7 +112,7 @@ class MemorySource:
         self.where = f" in {source_dir}" if source_dir is not None else ""
         self.shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         self.dtypes = {n: t.dtype for n, t in tensors.items()}
-        self._finite: set[tuple[str, int, int]] = set()  # as CheckpointReader's: each row range checked once
+        self._finite: set[tuple[str, int, int]] = set()
 
     def names(self) -> list[str]:
         return sorted(self.shapes)
@@ -104,12 +120,10 @@ class MemorySource:
     def get(self, name: str) -> torch.Tensor:
         return check_finite(self.tensors[name], self.label, name, self.where)
 
-    def get_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+    def get_rows(self, name: str, r0: int, r1: int, check: bool = True) -> torch.Tensor:
         """Rows r0..r1-1 (along dim 0) of one tensor, contiguous as CheckpointReader's are: a view of a contiguous
-        tensor (the mergers only read their inputs), a copy of a block of any other layout."""
+        tensor (the mergers only read their inputs), a copy of a block of any other layout; checked for NaN/Inf
+        unless ``check`` is false."""
         tensor = self.tensors[name]
         rows = (tensor[r0:r1] if tensor.dim() else tensor).contiguous()
-        if (name, r0, r1) not in self._finite:
-            check_finite(rows, self.label, name, self.where)
-            self._finite.add((name, r0, r1))
-        return rows
+        return self.check_rows(name, r0, r1, rows) if check else rows

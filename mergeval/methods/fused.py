@@ -111,14 +111,24 @@ def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
 # ---------------------------------------------------------------- one block
 
 
+class NonFinite(ValueError):
+    """``merge_rows(..., refuse_nonfinite=True)`` met NaN or Inf in an input block; ``index``: 0 the base, 1 + i
+    expert i (the first such input)."""
+
+    def __init__(self, index: int):
+        super().__init__(f"input {index} of the block holds NaN or Inf")
+        self.index = index
+
+
 def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list[float], elect: bool,
                lambda_: float, masks: list[torch.Tensor | None] | None = None, divisors: list[float] | None = None,
                cuts: list[tuple[float, int] | None] | None = None, vote_weighted: bool = False,
-               normalize: bool = True, divide_by: float = 0.0) -> torch.Tensor:
+               normalize: bool = True, divide_by: float = 0.0, refuse_nonfinite: bool = False) -> torch.Tensor:
     """The block ``b + lambda * combine(s_1..s_N)`` cast to the base's dtype (see the module's docstring).
 
     masks: per expert DARE's keep mask over the block (a bool tensor of its size) or None; divisors: per
-    expert, divide its kept entries by this (0: do not); cuts: per expert TIES' (tau, quota) or None."""
+    expert, divide its kept entries by this (0: do not); cuts: per expert TIES' (tau, quota) or None;
+    refuse_nonfinite: raise NonFinite when an input entry is NaN or Inf (the kernel counts them as it reads)."""
     kernel = _kernels()[1]
     n_exp, n = len(experts), base.numel()
     # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block
@@ -139,10 +149,13 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
         if c is not None:
             kinds[i], taus[i], quotas[i] = 2, c[0], c[1]
     out = torch.empty(n, dtype=torch.float32)
+    nonfinite = np.zeros(n_exp + 1, dtype=np.int64)
     kernel(base.reshape(-1).float().numpy(), e.numpy(), kinds, keep.numpy(),
            np.asarray(divisors or [0.0] * n_exp, np.float32), taus, quotas, np.asarray(weights, np.float32),
            all(x == 1.0 for x in weights), vote_weighted, elect, normalize, np.float32(divide_by),
-           np.float32(lambda_), out.numpy())
+           np.float32(lambda_), out.numpy(), nonfinite)
+    if refuse_nonfinite and nonfinite.any():
+        raise NonFinite(int(np.flatnonzero(nonfinite)[0]))
     return out.view(base.shape).to(base.dtype)
 
 

@@ -63,8 +63,10 @@ def keep_mask(mt, pos, threshold, out):
 
 @jit
 def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighted, elect, normalize,
-               divide_by, lam, out):
+               divide_by, lam, out, nonfinite):
     """One block: out = b + lam * combine(s), s_i = sparsified e_i - b (see the module's docstring).
+    nonfinite[0] (the base) and nonfinite[1 + i] (expert i) count the NaN and Inf entries of every input
+    (x - x is 0 for a finite x and NaN for NaN or Inf): the reader's own pass over the block is left out.
 
     kinds[i]: 0 keeps all of d_i, 1 keeps d_i where masks[i] (DARE; +0.0 elsewhere), 2 keeps |d_i| >
     cuts[i] and the first quotas[i] entries with |d_i| == cuts[i] (TIES' zero_dropped_; quotas counted
@@ -86,8 +88,17 @@ def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighte
     v = np.empty(n_exp, np.float32)
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
+        bi = b[start:start + m]
+        bad = 0
+        for j in range(m):
+            bad += 1 if bi[j] - bi[j] != zero else 0
+        nonfinite[0] += bad
         for i in range(n_exp):
-            si, ei, bi = s[i], e[i, start:start + m], b[start:start + m]
+            si, ei = s[i], e[i, start:start + m]
+            bad = 0
+            for j in range(m):
+                bad += 1 if ei[j] - ei[j] != zero else 0
+            nonfinite[1 + i] += bad
             if kinds[i] == 1:
                 mi = masks[i, start:start + m]
                 for j in range(m):

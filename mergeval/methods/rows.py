@@ -63,6 +63,7 @@ class TiesRows:
         # the cut depends on the inputs and the kept counts only, not on lambda or weights: run_plan's
         # ``prepared`` reuses it for every candidate of a sweep with the same densities
         self.prepared_key = ("ties", numel, tuple(self.k))
+        self.checks_inputs = kernel_applies(cfg, numel, n_experts, elect=True)  # see fused_options
 
     def prepared(self) -> list:
         return self.cut
@@ -123,7 +124,7 @@ class TiesRows:
         block's trim, done in place in each t_i's row of its stack."""
         if (options := fused_options(self.cfg, base, self.n, len(experts), elect=True)) is not None:
             cuts = [None if c is None else (c[0], c[1][offset]) for c in self.cut]
-            return fused.merge_rows(base, experts, cuts=cuts, **options)
+            return fused.merge_rows(base, experts, cuts=cuts, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, True, lambda d, i: self.trim_(d, i, offset))
 
 
@@ -136,6 +137,7 @@ class DareRows:
         self.density = [expert_value(cfg, "density", i) for i in range(n_experts)]
         self.masks: list[torch.Tensor | None] = [None] * n_experts
         self.rescale = _rescale(cfg)
+        self.checks_inputs = kernel_applies(cfg, numel, n_experts, elect)  # see fused_options
 
     def prepare(self, blocks) -> None:
         """Expert after expert, block after block: dare_drop's keep mask [u < density_i] from its draws in its
@@ -167,20 +169,26 @@ class DareRows:
             n = base.numel()
             masks = [None if m is None else m[offset:offset + n] for m in self.masks]
             divisors = [0.0 if m is None or self.rescale == "none" else d for m, d in zip(self.masks, self.density)]
-            return fused.merge_rows(base, experts, masks=masks, divisors=divisors, **options)
+            return fused.merge_rows(base, experts, masks=masks, divisors=divisors, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, self.elect, self._sparsify(offset))
+
+
+def kernel_applies(cfg, numel: int, n_experts: int, elect: bool) -> bool:
+    """Whether the compiled kernel merges this tensor's blocks wherever they are on the CPU: numba runs, the
+    tensor has fused.MIN_ENTRIES entries or more, fused.MAX_EXPERTS experts or fewer, and TIES' election counts
+    by sum. Such a row merger ``checks_inputs``: it refuses a block with NaN or Inf (``fused.NonFinite``), so the
+    engine leaves out the readers' own pass over the blocks it gives it on the CPU (execute.Blocks)."""
+    return fused.usable(numel) and n_experts <= fused.MAX_EXPERTS and (not elect or cfg.sign_rule == "sum")
 
 
 def fused_options(cfg, base: torch.Tensor, numel: int, n_experts: int, elect: bool) -> dict | None:
     """``fused.merge_rows``'s combine options for ``_combine``'s paper-mode arithmetic on this config, or None
-    where the compiled kernel does not apply (no numba, a tensor of fewer than fused.MIN_ENTRIES entries, not
-    the CPU, more than fused.MAX_EXPERTS experts, sign_rule count): the torch code then runs, the same bits."""
-    if not (fused.usable(numel) and base.device.type == "cpu" and n_experts <= fused.MAX_EXPERTS):
+    where the compiled kernel does not apply (``kernel_applies``; or the block is not on the CPU): the torch
+    code then runs, the same bits."""
+    if base.device.type != "cpu" or not kernel_applies(cfg, numel, n_experts, elect):
         return None
     w = expert_weights(cfg, n_experts)
     if elect:
-        if cfg.sign_rule != "sum":
-            return None
         return {"weights": w, "elect": True, "lambda_": cfg.lambda_,
                 "vote_weighted": compat.option(cfg, "weights_before_election", False, True),
                 "normalize": compat.option(cfg, "normalize", True, True, (True, False))}

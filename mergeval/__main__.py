@@ -11,7 +11,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import explain, failing_cleanly, loading_modules, run_cli  # noqa: F401  (explain: used by older imports)
+from mergeval.cli import explain  # noqa: F401  (used by older imports)
+from mergeval.cli import failing_cleanly, loading_modules, run_cli
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs

@@ -21,10 +21,10 @@ from omegaconf import DictConfig
 from mergeval.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
+from mergeval.models.sources import looks_like_path
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs
-    from mergeval.models.sources import looks_like_path
 
     register_configs()
 

@@ -215,6 +215,7 @@ class Blocks:
         self.merger, self.name, self.base, self.experts, self.spans, self.pool = \
             merger, name, base, experts, spans, pool
         self.per_row = math.prod(base.shapes[name][1:])
+        self.kernel_checks = getattr(merger, "checks_inputs", False)  # see merged
 
     def numels(self) -> list[int]:
         """Entries in each block, in order."""
@@ -234,7 +235,7 @@ class Blocks:
         every entry it reads) gets its CPU blocks unchecked, which saves the readers a pass over every input;
         when it refuses one, the readers' check names the input (the base first, then the experts in order)
         in the same one-line error as for any other merge."""
-        if not getattr(self.merger, "checks_inputs", False):
+        if not self.kernel_checks:
             return self.merger.merge(*self.read(span))
         offset, base, experts = self.read(span, check=False)
         if base.device.type != "cpu":  # the kernel runs on the CPU only; elsewhere the torch code merges

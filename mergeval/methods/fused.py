@@ -112,12 +112,8 @@ def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
 
 
 class NonFinite(ValueError):
-    """``merge_rows(..., refuse_nonfinite=True)`` met NaN or Inf in an input block; ``index``: 0 the base, 1 + i
-    expert i (the first such input)."""
-
-    def __init__(self, index: int):
-        super().__init__(f"input {index} of the block holds NaN or Inf")
-        self.index = index
+    """``merge_rows(..., refuse_nonfinite=True)`` met NaN or Inf in an input block (which input the caller's
+    readers tell: execute.Blocks.merged)."""
 
 
 def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list[float], elect: bool,
@@ -155,7 +151,7 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
            all(x == 1.0 for x in weights), vote_weighted, elect, normalize, np.float32(divide_by),
            np.float32(lambda_), out.numpy(), nonfinite)
     if refuse_nonfinite and nonfinite.any():
-        raise NonFinite(int(np.flatnonzero(nonfinite)[0]))
+        raise NonFinite("an input of the block holds NaN or Inf")
     return out.view(base.shape).to(base.dtype)
 
 

@@ -189,7 +189,14 @@ def failing_cleanly(job_dir: Path):
     """Around a job's work: on a user's mistake, a fault of the environment or an interruption, the job
     directory goes if it holds only Hydra's own files. A failure ends the process here with its one line and
     status 2 (an exception escaping the job would make Hydra log its own report first); an interruption goes
-    on to ``run_cli`` (Hydra lets BaseExceptions through unreported)."""
+    on to ``run_cli`` (Hydra lets BaseExceptions through unreported).
+
+    A job in a worker process (joblib's launcher) runs here without ``run_cli``'s set-up, so the hook that sends
+    a discarded interruption again is installed for the job's length: a Ctrl-C to a sweep's process group
+    reaches its workers too, and one that landed in a finalizer there (regex's ``Group.__del__``) printed
+    Python's five-line "Exception ignored" report before the sweep's one line, and left the job running."""
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_swallowed_interrupt
     try:
         yield
     except KeyboardInterrupt:
@@ -202,6 +209,8 @@ def failing_cleanly(job_dir: Path):
         discard_job_dir(job_dir)
         print(known.line(), file=sys.stderr)
         sys.exit(2)
+    finally:
+        sys.unraisablehook = previous_hook
 
 
 def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:

@@ -656,6 +656,43 @@ except KeyboardInterrupt as err:
     print("interrupted", type(err).__name__)
 """
 
+# A job in a worker process (joblib's launcher): no run_cli set-up, Python's own SIGINT handler. Ctrl-C to the
+# sweep's process group raises there too, and once it did so inside a finalizer (regex's Group.__del__).
+DISCARDED_IN_A_JOB = """
+import os, signal, sys, time
+from pathlib import Path
+from mergeval.cli import failing_cleanly
+
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # Python's handler raises here, where its KeyboardInterrupt is discarded
+            pass
+
+
+job = Path(sys.argv[1])
+job.mkdir()
+before = sys.unraisablehook
+try:
+    with failing_cleanly(job):
+        Finalized()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted", job.exists(), sys.unraisablehook is before)
+"""
+
+
+def test_an_interruption_discarded_inside_a_workers_job_still_interrupts_it(tmp_path):
+    out = subprocess.run([sys.executable, "-c", DISCARDED_IN_A_JOB, str(tmp_path / "job")], capture_output=True,
+                         text=True, env=child_env(), preexec_fn=default_signals, timeout=60)
+    assert out.stdout.split() == ["interrupted", "False", "True"], out.stdout + out.stderr[-2000:]
+    assert out.stderr == ""  # not Python's "Exception ignored in" report
+
+
 # The handler runs while importlib's own code runs (its module-lock callback holds the global import lock until
 # the next statement): it must not raise there, but deliver the interruption a moment later to the main thread,
 # here blocked in a wait.

@@ -79,6 +79,14 @@ def test_streaming_output_equals_the_in_memory_merge_bit_for_bit(name, params, t
     assert_same_tensors(read_dir(out), in_memory)
 
 
+def test_the_engine_and_the_methods_load_without_omegaconf(tmp_path):
+    """A merge called from Python (merge_throughput.py's child too) does not pay omegaconf's 0.1 s import: only
+    a pipeline stage's method is typed through it (methods/pipeline.py)."""
+    program = "import sys, mergeval.engine, mergeval.methods; print(sorted(m for m in sys.modules if 'omegaconf' in m))"
+    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_sharded_output_loads_with_transformers(tiny_dir, experts, tmp_path):
     method, cfg = method_and_cfg("ties")
     out = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "out", shard_size=20_000)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from mergeval.engine.plan import Unit
 from mergeval.engine.vocab import align
-from mergeval.methods import MergeMethod
+from mergeval.methods import MergeMethod, fused
 from mergeval.methods.fused import NonFinite
 
 # merging threads, one per core (at least 2, so reading overlaps merging; at most 8: memory grows with
@@ -266,7 +266,8 @@ def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, 
     (name,) = unit.names
     shape = base.shapes[name]
     numel = math.prod(shape)
-    if name in rows or numel < BLOCK_MIN or len(shape) == 0 or not base.dtypes[name].is_floating_point:
+    small = numel < BLOCK_MIN and not fused.loaded(numel)  # smaller tensors take the kernels once loaded
+    if name in rows or small or len(shape) == 0 or not base.dtypes[name].is_floating_point:
         return None
     gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
     merger = method.rows(unit.cfg, len(experts), numel, gen)

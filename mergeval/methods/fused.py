@@ -30,6 +30,7 @@ this file (numba's ``cache=True``), so a machine compiles each kernel once.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 
@@ -43,8 +44,18 @@ _MT_N = 624  # MT19937's state words (fused_kernels.py's too)
 
 def usable(numel: int) -> bool:
     """Whether to take the compiled path for a tensor of ``numel`` entries: numba's import and its kernels'
-    first load cost about a second per process, which only tensors of MIN_ENTRIES or more repay."""
-    return numel >= MIN_ENTRIES and available()
+    first load cost about a second per process, which only tensors of MIN_ENTRIES or more repay. Once a larger
+    tensor has loaded them, tensors down to an eighth of that take them too (``loaded``)."""
+    return (numel >= MIN_ENTRIES and available()) or loaded(numel)
+
+
+def loaded(numel: int) -> bool:
+    """Whether the kernels are already loaded in this process and a tensor of ``numel`` entries is worth them
+    (MIN_ENTRIES / 8 or more). The load was the only reason to leave such a tensor to torch's code, which takes
+    about 35 ns per entry for 2-expert DARE-TIES against the kernel's 1-2: SmolLM2-135M's key and value
+    projections (110K entries each, 5% of its entries) took a tenth of a merge's CPU time that way. Which
+    path a tensor takes never changes its bits (the kernels compute torch's)."""
+    return numel >= MIN_ENTRIES // 8 and _kernels.cache_info().currsize > 0
 
 
 @functools.cache
@@ -63,10 +74,36 @@ def available() -> bool:
 
 @functools.cache
 def _kernels():
-    """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba."""
-    from mergeval.methods import fused_kernels
+    """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba.
 
+    Loaded with the garbage collector paused: numba's import and its CPU target's registries (loaded here,
+    not in the first kernel call; their BLAS probe imports scipy.linalg) make objects that live as long as the
+    process, and the collections they set off (173 young, 15 middle and one full, after a command's start
+    froze torch's) walked them again and again while every merge worker waited for the kernels: the load
+    took 0.29-0.32 s after torch's import instead of 0.31-0.34 s."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        from mergeval.methods import fused_kernels
+
+        _load_registries()
+    finally:
+        if paused:
+            gc.enable()
     return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
+
+
+def _load_registries() -> None:
+    """What numba does at the first call of any compiled function, done here (under ``_kernels``' paused
+    collector) instead of inside that call: its CPU target loads its registries of implementations."""
+    try:
+        from numba.core.compiler_lock import global_compiler_lock
+        from numba.core.registry import cpu_target
+
+        with global_compiler_lock:  # as numba's own compiles refresh it: another thread may be loading too
+            cpu_target.target_context.refresh()
+    except Exception:  # noqa: BLE001, S110  numba's internals moved: the first kernel call loads them as before
+        pass
 
 
 # ---------------------------------------------------------------- DARE's draws

@@ -27,16 +27,16 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+# omegaconf (0.1 s to import) is imported only where a stage's method is typed: the engine and the methods
+# load without it (a merge called from Python, merge_throughput.py's child); Hydra's commands import it anyway.
 from mergeval.errors import UserError
 from mergeval.methods.registry import METHODS, get_method, register
 
 
 @dataclass
 class StageConfig:
-    name: str = MISSING
+    name: str = "???"  # omegaconf.MISSING
     method: dict[str, Any] = field(default_factory=dict)  # {name: <method>, <its parameters>}
     base: str = "base"
     inputs: list[str] = field(default_factory=list)
@@ -58,6 +58,9 @@ def _typed(method_json: str, where: str):
         choices = ", ".join(sorted(m for m in METHODS if m != "pipeline"))
         raise UserError(f"{where}.name", f"unknown or unusable stage method '{name}'", f"choose one of: {choices}")
     method = get_method(name)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(method.config), spec))
     except OmegaConfBaseException as err:
@@ -67,6 +70,8 @@ def _typed(method_json: str, where: str):
 
 
 def stage_method(stage: StageConfig, index: int):
+    from omegaconf import OmegaConf
+
     method_dict = OmegaConf.to_container(stage.method) if OmegaConf.is_config(stage.method) else dict(stage.method)
     return _typed(json.dumps(method_dict, sort_keys=True), f"method.stages[{index}].method")
 

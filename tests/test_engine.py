@@ -23,7 +23,7 @@ from mergeval.engine.plan import build_plan, count_layers, depth, interpolate, l
 from mergeval.engine.reader import CheckpointReader, MemorySource
 from mergeval.engine.vocab import vocab_rows
 from mergeval.errors import UserError
-from mergeval.methods import METHODS, MergeMethod, get_method
+from mergeval.methods import METHODS, MergeMethod, fused, get_method
 from mergeval.models.checkpoint import load_model, load_tensors
 from tests.child import run_module
 
@@ -85,6 +85,32 @@ def test_the_engine_and_the_methods_load_without_omegaconf(tmp_path):
     program = "import sys, mergeval.engine, mergeval.methods; print(sorted(m for m in sys.modules if 'omegaconf' in m))"
     done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+LOADED_WHERE = """
+import sys, threading
+from pathlib import Path
+from mergeval.engine import execute, merge_to_disk
+from mergeval.methods import fused, get_method
+
+execute.BLOCK_MIN, execute.BLOCK_ENTRIES, fused.MIN_ENTRIES = 2, 300, 2  # the tiny model's tensors in row blocks
+where = []
+load = fused._load_registries
+fused._load_registries = lambda: (where.append(threading.current_thread().name), load())[1]
+method = get_method(sys.argv[1])
+merge_to_disk(method, method.config(), Path(sys.argv[2]), [Path(e) for e in sys.argv[3:5]], Path(sys.argv[5]), seed=0)
+print(where)
+"""
+
+
+@pytest.mark.skipif(not fused.available(), reason="numba is not installed")
+@pytest.mark.parametrize("name,where", [("dare_ties", "['MainThread']"), ("task_arithmetic", "[]")])
+def test_a_merge_loads_the_kernels_before_its_workers_start_and_only_where_they_apply(name, where, tiny_dir, experts,
+                                                                                      tmp_path):
+    """Loaded by the first worker, they kept the other waiting on numba's locks (execute._load_kernels_first)."""
+    out = subprocess.run([sys.executable, "-c", LOADED_WHERE, name, str(tiny_dir), *map(str, experts),
+                          str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert out.stdout.strip() == where, out.stdout + out.stderr[-2000:]
 
 
 def test_sharded_output_loads_with_transformers(tiny_dir, experts, tmp_path):

@@ -82,6 +82,8 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     # with more, each copy wakes torch's OpenMP helper, which then spin-waits on a core the workers need
     # (in-memory merges of the quickstart models, medians of 4, two rounds: TIES 2.87-3.14 -> 1.81-2.03 s,
     # DARE-TIES 1.54-1.59 -> 0.98-1.12 s, task arithmetic 2.08-2.64 -> 1.26-1.50 s).
+    if blocks:
+        _load_kernels_first(plan, method, base, len(experts))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=THREAD_NAME, initializer=torch.set_num_threads,
@@ -107,6 +109,24 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
         # a command that stopped for an interruption or an error does not wait for them (mergeval.cli.end_now).
         pool.shutdown(wait=finished, cancel_futures=True)
         torch.set_num_threads(threads)
+
+
+def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: int) -> None:
+    """Load the compiled kernels here, before the workers start, where the merge's first tensor in row blocks
+    will take them: its row merger's constructor decides that (``rows.kernel_applies``) and loads them.
+
+    Why: loaded by the first worker (0.3-0.4 s: numba's import and registries), they kept the other worker
+    waiting on numba's locks and the consumer on both, and the load took longer there than alone: in the
+    quickstart's DARE-TIES merge, 0.20-0.21 s before the merge and a merge 0.15-0.3 s shorter. A method whose
+    row mergers do not take the kernels (task arithmetic) loads nothing."""
+    if method.rows is None or not hasattr(base, "get_rows"):
+        return
+    for unit in plan:
+        if unit.kind == "tensor":
+            numel = math.prod(base.shapes[unit.names[0]])
+            if numel >= BLOCK_MIN:
+                method.rows(unit.cfg, n_experts, numel, torch.Generator())
+                return
 
 
 def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None,

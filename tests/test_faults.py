@@ -458,22 +458,24 @@ def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
 
 def merge_with_units(when: str) -> str:
     """A ``python -m mergeval.merge`` program whose merge units first run ``when`` (Python lines, indented by
-    four spaces), with ``call`` the unit's number in the order the workers start them."""
+    four spaces), with ``call`` the unit's number in the order the workers start them. A worker starts every unit
+    of a merge to disk in ``execute._blocks_of``, whether the unit is then merged whole or in row blocks (which
+    tensors take row blocks depends on whether the compiled kernels are loaded: ``fused.loaded``)."""
     return f"""
 import runpy, sys, threading, time
 from mergeval.engine import execute
 from mergeval.errors import UserError
 
-merge_unit, calls, lock = execute._merge_unit, [], threading.Lock()
+blocks_of, calls, lock = execute._blocks_of, [], threading.Lock()
 
 def unit(*args, **kwargs):
     with lock:
         calls.append(1)
         call = len(calls)
 {when}
-    return merge_unit(*args, **kwargs)
+    return blocks_of(*args, **kwargs)
 
-execute._merge_unit = unit
+execute._blocks_of = unit
 sys.argv[0] = "mergeval.merge"
 runpy.run_module("mergeval.merge", run_name="__main__", alter_sys=True)
 """

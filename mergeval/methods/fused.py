@@ -79,16 +79,16 @@ def _kernels():
     Loaded with the garbage collector paused: numba's import and its CPU target's registries (loaded here,
     not in the first kernel call; their BLAS probe imports scipy.linalg) make objects that live as long as the
     process, and the collections they set off (173 young, 15 middle and one full, after a command's start
-    froze torch's) walked them again and again while every merge worker waited for the kernels: the load
-    took 0.29-0.32 s after torch's import instead of 0.31-0.34 s."""
-    paused = gc.isenabled()
+    froze torch's) walked them again and again: the load took 0.29-0.32 s after torch's import instead of
+    0.31-0.34 s. A merge loads them before its workers start (``execute._load_kernels_first``)."""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         from mergeval.methods import fused_kernels
 
         _load_registries()
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
     return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
 

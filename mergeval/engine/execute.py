@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 from mergeval.engine.plan import Unit
 from mergeval.engine.vocab import align
 from mergeval.methods import MergeMethod, fused
-from mergeval.methods.fused import NonFinite
 
 # merging threads, one per core (at least 2, so reading overlaps merging; at most 8: memory grows with
 # the units in flight)
@@ -263,7 +262,7 @@ class Blocks:
             return self.merger.merge(offset, base, experts)
         try:
             return self.merger.merge(offset, base, experts)
-        except NonFinite:
+        except fused.NonFinite:
             self._check(span, base, experts)
             raise
 

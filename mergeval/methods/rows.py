@@ -122,7 +122,7 @@ class TiesRows:
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
         """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties()): ``_combine`` with this
         block's trim, done in place in each t_i's row of its stack."""
-        if (options := fused_options(self.cfg, base, self.n, len(experts), elect=True)) is not None:
+        if (options := fused_options(self.cfg, base, self.checks_inputs, len(experts), elect=True)) is not None:
             cuts = [None if c is None else (c[0], c[1][offset]) for c in self.cut]
             return fused.merge_rows(base, experts, cuts=cuts, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, True, lambda d, i: self.trim_(d, i, offset))
@@ -165,7 +165,7 @@ class DareRows:
         return sparsify
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
-        if (options := fused_options(self.cfg, base, self.n, len(experts), self.elect)) is not None:
+        if (options := fused_options(self.cfg, base, self.checks_inputs, len(experts), self.elect)) is not None:
             n = base.numel()
             masks = [None if m is None else m[offset:offset + n] for m in self.masks]
             divisors = [0.0 if m is None or self.rescale == "none" else d for m, d in zip(self.masks, self.density)]
@@ -181,11 +181,12 @@ def kernel_applies(cfg, numel: int, n_experts: int, elect: bool) -> bool:
     return fused.usable(numel) and n_experts <= fused.MAX_EXPERTS and (not elect or cfg.sign_rule == "sum")
 
 
-def fused_options(cfg, base: torch.Tensor, numel: int, n_experts: int, elect: bool) -> dict | None:
+def fused_options(cfg, base: torch.Tensor, kernel: bool, n_experts: int, elect: bool) -> dict | None:
     """``fused.merge_rows``'s combine options for ``_combine``'s paper-mode arithmetic on this config, or None
-    where the compiled kernel does not apply (``kernel_applies``; or the block is not on the CPU): the torch
+    where the compiled kernel does not apply (``kernel``: the row merger's ``kernel_applies``, decided once for
+    the tensor, so every block agrees with its ``checks_inputs``; or the block is not on the CPU): the torch
     code then runs, the same bits."""
-    if base.device.type != "cpu" or not kernel_applies(cfg, numel, n_experts, elect):
+    if not kernel or base.device.type != "cpu":
         return None
     w = expert_weights(cfg, n_experts)
     if elect:

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from mergeval.engine import execute, merge_into_model, merge_tensors, merge_to_d
 from mergeval.engine.plan import build_plan, count_layers, depth, interpolate, layer_of, resolve
 from mergeval.engine.reader import CheckpointReader, MemorySource
 from mergeval.engine.vocab import vocab_rows
+from mergeval.engine.writer import ShardWriter
 from mergeval.errors import UserError
 from mergeval.methods import METHODS, MergeMethod, fused, get_method
 from mergeval.models.checkpoint import load_model, load_tensors
@@ -111,6 +113,47 @@ def test_a_merge_loads_the_kernels_before_its_workers_start_and_only_where_they_
     out = subprocess.run([sys.executable, "-c", LOADED_WHERE, name, str(tiny_dir), *map(str, experts),
                           str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert out.stdout.strip() == where, out.stdout + out.stderr[-2000:]
+
+
+def test_row_blocks_are_written_in_place_by_the_threads_that_merge_them(tiny_dir, experts, tmp_path, monkeypatch):
+    """The workers write each merged row block at its offset in its shard (writer.ShardWriter._write_in_place):
+    the same bytes as the tensors merged whole and written by the consumer, one shard or several."""
+    method, cfg = method_and_cfg("dare_ties", density=0.5)
+    whole = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "whole", seed=3)
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every tensor of the tiny model in row blocks
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    writers, pwrite = [], os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (writers.append(threading.current_thread().name),
+                                                            pwrite(fd, data, at))[1])
+    blocks = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "blocks", seed=3)
+    assert len(writers) > 20 and all(name.startswith(execute.THREAD_NAME) for name in writers)
+    assert (blocks / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    sharded = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "sharded", seed=3, shard_size=40_000)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    assert_same_tensors(read_dir(sharded), read_dir(whole))
+
+
+def test_a_block_written_after_its_merge_stopped_lands_in_no_file(tmp_path):
+    """A worker may still finish a block after the merge stopped (an interruption, an error: run_plan does not
+    wait for it). Its write opens the shard by its path, so it fails once the merge's directory is removed
+    instead of writing into whatever file took over a closed descriptor's number."""
+    out = tmp_path / "out"
+    out.mkdir()
+    writer = ShardWriter(out, {"w": ((4, 3), torch.float32)})
+    handed = []
+
+    class Interrupted:
+        def written(self, write):
+            handed.append(write)  # a worker holds this while the merge stops
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        writer.write("w", Interrupted())
+    writer.close()
+    shutil.rmtree(out)
+    with pytest.raises(FileNotFoundError):
+        handed[0](2, torch.ones(2, 3))
+    assert not out.exists()
 
 
 def test_sharded_output_loads_with_transformers(tiny_dir, experts, tmp_path):

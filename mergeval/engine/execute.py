@@ -235,6 +235,12 @@ class Blocks:
             merger, name, base, experts, spans, pool
         self.per_row = math.prod(base.shapes[name][1:])
         self.kernel_checks = getattr(merger, "checks_inputs", False)  # see merged
+        self.dtype: torch.dtype | None = None  # the dtype the blocks are cast to (``cast``); None: as merged
+
+    def cast(self, dtype: torch.dtype) -> Blocks:
+        """These blocks, each cast to ``dtype`` by the thread that merges it."""
+        self.dtype = dtype
+        return self
 
     def numels(self) -> list[int]:
         """Entries in each block, in order."""
@@ -250,6 +256,11 @@ class Blocks:
         return map(self.read, self.spans)
 
     def merged(self, span: tuple[int, int]) -> torch.Tensor:
+        """One block merged, in ``dtype`` when it is set."""
+        block = self._merged(span)
+        return block if self.dtype is None else block.to(self.dtype)
+
+    def _merged(self, span: tuple[int, int]) -> torch.Tensor:
         """One block merged. A merger that ``checks_inputs`` (the compiled kernel's, which counts NaN and Inf in
         every entry it reads) gets its CPU blocks unchecked, which saves the readers a pass over every input;
         when it refuses one, the readers' check names the input (the base first, then the experts in order)
@@ -273,6 +284,17 @@ class Blocks:
     def __iter__(self) -> Iterator[torch.Tensor]:
         for _, block in ordered(self.pool, self.merged, self.spans):
             yield block
+
+    def written(self, write: Callable[[int, torch.Tensor], None]) -> Iterator[int]:
+        """Every block merged and handed to ``write(first row, block)`` by the thread that merged it (the
+        writer's writes in place: writer.ShardWriter); yields each block's number of rows in order, once its
+        write has returned."""
+        def merge_and_write(span: tuple[int, int]) -> int:
+            write(span[0], self.merged(span))
+            return span[1] - span[0]
+
+        for _, rows in ordered(self.pool, merge_and_write, self.spans):
+            yield rows
 
 
 def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool,

@@ -133,6 +133,37 @@ def test_row_blocks_are_written_in_place_by_the_threads_that_merge_them(tiny_dir
     assert_same_tensors(read_dir(sharded), read_dir(whole))
 
 
+@pytest.mark.skipif(not fused.available(), reason="numba is not installed")
+@pytest.mark.parametrize("name", ["dare_ties", "ties"])
+def test_the_kernel_takes_the_experts_rows_read_into_one_stack(name, tiny_dir, experts, tmp_path, monkeypatch):
+    """Blocks merged by the compiled kernel read the experts' float32 rows straight into one stack, which
+    fused.merge_rows takes as it is (no copy per expert per block): the same bytes as the whole-tensor merge."""
+    method, cfg = method_and_cfg(name, density=0.5)
+    whole = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "whole", seed=4)
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2)  # the tiny model's tensors take the kernel
+    given, merge_rows = [], fused.merge_rows
+    monkeypatch.setattr(fused, "merge_rows", lambda base, rows, **kw: (given.append(type(rows)),
+                                                                        merge_rows(base, rows, **kw))[1])
+    blocks = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "blocks", seed=4)
+    assert len(given) > 20 and set(given) == {fused.StackedRows}
+    assert (blocks / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+
+def test_rows_are_read_into_a_given_tensor_of_their_shape_and_dtype_only(tiny_dir):
+    reader = CheckpointReader(tiny_dir, "modelset.base")
+    name = next(n for n in reader.names() if len(reader.shapes[n]) == 2)
+    rows = (2, *reader.shapes[name][1:])
+    into = torch.empty(rows, dtype=reader.dtypes[name])
+    assert reader.get_rows(name, 1, 3, out=into) is into
+    assert torch.equal(into, reader.get(name)[1:3])
+    for wrong in (torch.empty(rows, dtype=torch.float64), torch.empty((3, *rows[1:]), dtype=into.dtype),
+                  torch.empty(rows[::-1], dtype=into.dtype).t()):
+        with pytest.raises(ValueError, match="out is"):
+            reader.get_rows(name, 1, 3, out=wrong)
+
+
 def test_a_block_written_after_its_merge_stopped_lands_in_no_file(tmp_path):
     """A worker may still finish a block after the merge stopped (an interruption, an error: run_plan does not
     wait for it). Its write opens the shard by its path, so it fails once the merge's directory is removed

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergeval.engine.plan import Unit
+from mergeval.engine.reader import CheckpointReader
 from mergeval.engine.vocab import align
 from mergeval.methods import MergeMethod, fused
 
@@ -235,6 +236,9 @@ class Blocks:
             merger, name, base, experts, spans, pool
         self.per_row = math.prod(base.shapes[name][1:])
         self.kernel_checks = getattr(merger, "checks_inputs", False)  # see merged
+        # the compiled kernel's float32 experts are read into one stack, which it takes as it is (fused.StackedRows)
+        self.stack_experts = self.kernel_checks and all(isinstance(e, CheckpointReader) and
+                                                        e.dtypes[name] == torch.float32 for e in experts)
         self.dtype: torch.dtype | None = None  # the dtype the blocks are cast to (``cast``); None: as merged
 
     def cast(self, dtype: torch.dtype) -> Blocks:
@@ -248,8 +252,14 @@ class Blocks:
 
     def read(self, span: tuple[int, int], check: bool = True):
         """(flat offset of the block, base rows, each expert's rows); ``check=False``: not checked for NaN/Inf."""
-        return (span[0] * self.per_row, self.base.get_rows(self.name, *span, check=check),
-                [e.get_rows(self.name, *span, check=check) for e in self.experts])
+        base = self.base.get_rows(self.name, *span, check=check)
+        if not self.stack_experts:
+            return span[0] * self.per_row, base, [e.get_rows(self.name, *span, check=check) for e in self.experts]
+        stack = torch.empty((len(self.experts), *base.shape), dtype=torch.float32)
+        experts = fused.StackedRows(e.get_rows(self.name, *span, check=check, out=stack[i])
+                                    for i, e in enumerate(self.experts))
+        experts.stacked = stack
+        return span[0] * self.per_row, base, experts
 
     def read_all(self) -> Iterator:
         """``read`` of every block in order (a merger's passes; the reads are the page cache's)."""

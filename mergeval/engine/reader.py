@@ -19,6 +19,7 @@ refuses, for the same error).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,9 +79,10 @@ class CheckpointReader(RowChecks):
     def get(self, name: str) -> torch.Tensor:
         return self.get_rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1)
 
-    def get_rows(self, name: str, r0: int, r1: int, check: bool = True) -> torch.Tensor:
+    def get_rows(self, name: str, r0: int, r1: int, check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows r0..r1-1 (along dim 0) of one tensor, read from its file alone (a 0-dim tensor has one row);
-        checked for NaN/Inf unless ``check`` is false."""
+        checked for NaN/Inf unless ``check`` is false. ``out``: a contiguous tensor of those rows' shape and
+        dtype to read them into (execute.Blocks reads the experts' rows into one stack that way)."""
         path, start, entry = self._where[name]
         begin, end = entry["data_offsets"]
         shape, dtype = self.shapes[name], self.dtypes[name]
@@ -88,20 +90,36 @@ class CheckpointReader(RowChecks):
         row_bytes = (end - begin) // rows if rows else 0
         begin, end = begin + r0 * row_bytes, begin + r1 * row_bytes
         shape = (r1 - r0, *shape[1:]) if shape else shape
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
-        raw = torch.empty(end - begin, dtype=torch.uint8)  # uninitialised: every byte is read into it below
-        buf = raw.numpy()
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start + begin)
-            view, got = memoryview(buf), 0
-            while got < len(buf):
-                n = f.readinto(view[got:])
-                if not n:
-                    raise UserError(self.label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
-                got += n
-        tensor = raw.view(dtype).reshape(shape)
-        return self.check_rows(name, r0, r1, tensor) if check else tensor
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)  # uninitialised: every byte is read into it below
+        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"get_rows of {name}: out is {list(out.shape)} {out.dtype}, not {list(shape)} {dtype}")
+        if end > begin:
+            _read_into(path, start + begin, out.view(-1).view(torch.uint8).numpy(), self.label, name)
+        return self.check_rows(name, r0, r1, out) if check else out
+
+
+def _read_into(path: Path, offset: int, buf, label: str, name: str) -> None:
+    """Fill ``buf`` with the bytes of ``path`` from ``offset`` (``os.preadv``: no file object, no seek; the read
+    releases the GIL)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view, got = memoryview(buf), 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got) if hasattr(os, "preadv") else _pread_into(fd, view[got:],
+                                                                                                   offset + got)
+            if not n:
+                raise UserError(label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
+            got += n
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """``os.preadv`` where the platform lacks it (Windows, macOS before 11): a seek and a read."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        return f.readinto(view)
 
 
 class MemorySource(RowChecks):

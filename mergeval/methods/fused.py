@@ -183,6 +183,14 @@ def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
 # ---------------------------------------------------------------- one block
 
 
+class StackedRows(list):
+    """The experts' rows of a block (a list, one tensor per expert), each a view of ``stacked``, one contiguous
+    float32 tensor of shape (experts, *block): ``merge_rows`` reads them from it instead of copying each into a
+    stack of its own (execute.Blocks reads them into it)."""
+
+    stacked: torch.Tensor
+
+
 class NonFinite(ValueError):
     """``merge_rows(..., refuse_nonfinite=True)`` met NaN or Inf in an input block (which input the caller's
     readers tell: execute.Blocks.merged)."""
@@ -201,9 +209,12 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
     n_exp, n = len(experts), base.numel()
     # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block
     # outlives fragmented glibc's heap (select.Threshold._count_numpy)
-    e = torch.empty((n_exp, n), dtype=torch.float32)
-    for i, x in enumerate(experts):
-        e[i].copy_(x.reshape(-1))  # cast to float32 on the way
+    if isinstance(experts, StackedRows):
+        e = experts.stacked.view(n_exp, n)
+    else:
+        e = torch.empty((n_exp, n), dtype=torch.float32)
+        for i, x in enumerate(experts):
+            e[i].copy_(x.reshape(-1))  # cast to float32 on the way
     kinds = np.zeros(n_exp, dtype=np.int8)
     # rows of experts without a mask are never read (kinds[i] != 1)
     keep = torch.empty((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=torch.bool)

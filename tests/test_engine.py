@@ -164,6 +164,20 @@ def test_rows_are_read_into_a_given_tensor_of_their_shape_and_dtype_only(tiny_di
             reader.get_rows(name, 1, 3, out=wrong)
 
 
+def test_without_positioned_reads_and_writes_a_merge_seeks_instead_with_the_same_bytes(tiny_dir, experts, tmp_path,
+                                                                                          monkeypatch):
+    """Where the platform has no os.preadv / os.pwrite (Windows), the reader and the in-place writer seek on
+    their own descriptor and give the same bytes."""
+    method, cfg = method_and_cfg("ties", density=0.5)
+    monkeypatch.setattr(execute, "BLOCK_MIN", 2)
+    monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
+    positioned = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "positioned", seed=2)
+    monkeypatch.delattr(os, "preadv")
+    monkeypatch.delattr(os, "pwrite")
+    seeking = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "seeking", seed=2)
+    assert (seeking / "model.safetensors").read_bytes() == (positioned / "model.safetensors").read_bytes()
+
+
 def test_a_block_written_after_its_merge_stopped_lands_in_no_file(tmp_path):
     """A worker may still finish a block after the merge stopped (an interruption, an error: run_plan does not
     wait for it). Its write opens the shard by its path, so it fails once the merge's directory is removed

@@ -102,7 +102,7 @@ class CheckpointReader(RowChecks):
 def _read_into(path: Path, offset: int, buf, label: str, name: str) -> None:
     """Fill ``buf`` with the bytes of ``path`` from ``offset`` (``os.preadv``: no file object, no seek; the read
     releases the GIL)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))  # O_BINARY: Windows' reads would translate
     try:
         view, got = memoryview(buf), 0
         while got < len(view):

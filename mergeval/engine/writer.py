@@ -129,10 +129,10 @@ class ShardWriter:
         def write_block(first_row: int, block: torch.Tensor) -> None:
             _check_block(name, block, expected, shape, dtype, whole=False)
             data, at = _bytes_of(block), start + first_row * row_bytes
-            fd = os.open(path, os.O_WRONLY)
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
             try:
                 while data:
-                    done = os.pwrite(fd, data, at)
+                    done = os.pwrite(fd, data, at) if hasattr(os, "pwrite") else _seek_and_write(fd, data, at)
                     data, at = data[done:], at + done
             finally:
                 os.close(fd)
@@ -163,6 +163,12 @@ def _check_block(name: str, block: torch.Tensor, expected: str, shape, dtype, wh
     if name != expected or block_shape != (shape if whole else shape[1:]) or block.dtype != dtype:
         raise ValueError(f"writer expected {expected} {list(shape)} {dtype}, got {name} "
                          f"{list(block.shape)} {block.dtype}")
+
+
+def _seek_and_write(fd: int, data: memoryview, at: int) -> int:
+    """``os.pwrite`` where the platform lacks it (Windows): a seek and a write on this block's own descriptor."""
+    os.lseek(fd, at, os.SEEK_SET)
+    return os.write(fd, data)
 
 
 def _bytes_of(block: torch.Tensor) -> memoryview:

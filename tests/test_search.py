@@ -374,6 +374,26 @@ def test_a_recipe_value_is_written_in_hydras_grammar():
     assert hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'
 
 
+def test_a_finished_search_leaves_its_trials_in_the_stores_own_file(cache, tmp_path):
+    """Optuna's pooled connections are closed when the search ends (search.study.opened_study): while one stayed
+    open, SQLite kept everything written since in the "-wal" file beside the store, so the store's file alone,
+    copied elsewhere, held no trials."""
+    import sqlite3
+
+    store = tmp_path / "results.sqlite"
+    out = run_module("mergeval.search", *SMALL, "search.n_trials=2", "search.test=false", f"cache_dir={cache}",
+                     f"store.path={store}", f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not Path(f"{store}-wal").exists()
+    alone = tmp_path / "copy.sqlite"
+    alone.write_bytes(store.read_bytes())
+    db = sqlite3.connect(alone)
+    try:
+        assert db.execute("SELECT count(*) FROM trials").fetchone()[0] >= 2
+    finally:
+        db.close()
+
+
 def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
     out = run_module("mergeval.search", "+experiment=tiny", "search.space={lambda_: {low: 2, high: 1}}",
                      f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)

@@ -108,49 +108,49 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
     s, cache = cfg.search, cache_root(cfg.cache_dir)
     validation_cfg = _validation_config(cfg)
     name = studies.study_name(cfg, space.digest(), eval_settings(validation_cfg))
-    study, orphans = studies.open_study(cfg, cache, name, space.digest())
-    lap("checks")
+    with studies.opened_study(cfg, cache, name, space.digest()) as (study, orphans):
+        lap("checks")
 
-    tasks, n_val = list(cfg.benchmark.tasks), s.validation_items
-    owners = stage1_tasks(cfg)
-    trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
-    heldout = heldout_items(list(owners), s.heldout_items, cfg.benchmark.n_items, trained, cfg.modelset.train)
-    suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=n_val)
-    base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
-                     pad_id, cfg.eval.device)
-    models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
-    lap("models")
-    reference = {t: r["perplexity"] for t, r in reference_perplexities(models, owners, scorer).items()}
-    store = open_store(cfg, cache)
-    validation = Bench(validation_cfg, suite, tasks, suite.digests, store, tokenizer)
-    stages = Stages(cfg, method, len(expert_dirs), models, constituents, scorer, reference, validation,
-                    constituent_scores(validation, constituents, models), choices_per_item(suite.generated_dir, tasks,
-                                                                                           n_val),
-                    n_val, min(n_val - 1, stage2_limit(s.stage2_fraction, n_val)), cache, base_dir)
-    reference_cost = sum(len(scorer.sequences[t]) * len(roles) for t, roles in owners.items())
-    lap("constituents")
+        tasks, n_val = list(cfg.benchmark.tasks), s.validation_items
+        owners = stage1_tasks(cfg)
+        trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
+        heldout = heldout_items(list(owners), s.heldout_items, cfg.benchmark.n_items, trained, cfg.modelset.train)
+        suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=n_val)
+        base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
+                         pad_id, cfg.eval.device)
+        models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
+        lap("models")
+        reference = {t: r["perplexity"] for t, r in reference_perplexities(models, owners, scorer).items()}
+        store = open_store(cfg, cache)
+        validation = Bench(validation_cfg, suite, tasks, suite.digests, store, tokenizer)
+        stages = Stages(cfg, method, len(expert_dirs), models, constituents, scorer, reference, validation,
+                        constituent_scores(validation, constituents, models),
+                        choices_per_item(suite.generated_dir, tasks, n_val),
+                        n_val, min(n_val - 1, stage2_limit(s.stage2_fraction, n_val)), cache, base_dir)
+        reference_cost = sum(len(scorer.sequences[t]) * len(roles) for t, roles in owners.items())
+        lap("constituents")
 
-    print(f"search: scoring the default recipe ({describe(_searched(cfg, space))}) on the validation split",
-          flush=True)
-    baseline = score(stages, {}, {})
-    outcome = SearchOutcome(name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline,
-                            orphans=orphans)
-    print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
-    if s.start_from_default:
-        _seed_default(study, space, baseline)
-    lap("baseline")
-    _tune(study, space, stages, outcome)
-    lap("trials")
-    _best(study, space, stages, outcome)
-    outcome.cost = _cost(study, stages, reference_cost)
-    if s.test and outcome.best is not None:
-        outcome.test = _test(cfg, cache, store, tokenizer, models, stages, outcome)
-        lap("test")
-    outcome.timings = lap.timings
-    return outcome
+        print(f"search: scoring the default recipe ({describe(_searched(cfg, space))}) on the validation split",
+              flush=True)
+        baseline = score(stages, {}, {})
+        outcome = SearchOutcome(name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline,
+                                orphans=orphans)
+        print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
+        if s.start_from_default:
+            _seed_default(study, space, baseline)
+        lap("baseline")
+        _tune(study, space, stages, outcome)
+        lap("trials")
+        _best(study, space, stages, outcome)
+        outcome.cost = _cost(study, stages, reference_cost)
+        if s.test and outcome.best is not None:
+            outcome.test = _test(cfg, cache, store, tokenizer, models, stages, outcome)
+            lap("test")
+        outcome.timings = lap.timings
+        return outcome
 
 
 def _validation_config(cfg: DictConfig) -> DictConfig:

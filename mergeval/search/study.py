@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
@@ -91,25 +92,34 @@ def sampler(s, offset: int = 0):
     return optuna.samplers.RandomSampler(seed=seed)
 
 
-def open_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
-    """(the study ``name``, created or loaded, maximised; the numbers of its trials found orphaned and failed).
-    A study that searched another space or objective is refused."""
+@contextmanager
+def opened_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
+    """Inside the block: (the study ``name``, created or loaded, maximised; the numbers of its trials found
+    orphaned and failed). A study that searched another space or objective is refused. The storage's
+    connections are closed when the block ends."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     s = cfg.search
     pruner = StagePruner(s.keep_percent, s.startup_trials, s.prune_at) if s.pruner == "stages" \
         else optuna.pruners.NopPruner()
     storage = optuna.storages.RDBStorage(storage_url(cfg, cache))
-    study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
-                                sampler=sampler(cfg.search), pruner=pruner, load_if_exists=True)
-    study.sampler = sampler(cfg.search, offset=len(study.trials))
-    identity = {"space": space_digest, "objective": cfg.search.objective}
-    known = study.user_attrs.get("identity")
-    if known is None:
-        study.set_user_attr("identity", identity)
-    elif known != identity:
-        raise UserError("search.study", f"study '{name}' searched {known}, this search {identity}",
-                        "name another study with search.study=..., or search what it searched")
-    return study, fail_orphans(study, storage)
+    try:
+        study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                    sampler=sampler(cfg.search), pruner=pruner, load_if_exists=True)
+        study.sampler = sampler(cfg.search, offset=len(study.trials))
+        identity = {"space": space_digest, "objective": cfg.search.objective}
+        known = study.user_attrs.get("identity")
+        if known is None:
+            study.set_user_attr("identity", identity)
+        elif known != identity:
+            raise UserError("search.study", f"study '{name}' searched {known}, this search {identity}",
+                            "name another study with search.study=..., or search what it searched")
+        yield study, fail_orphans(study, storage)
+    finally:
+        # The storage's pooled connections, closed: while one stays open, SQLite cannot fold its write-ahead log
+        # into the store's file, so a store copied without its "-wal" file lacked the search's trials (and every
+        # record written meanwhile) after the command had ended.
+        storage.remove_session()
+        storage.engine.dispose()
 
 
 def fail_orphans(study, storage) -> list[int]:

@@ -261,6 +261,27 @@ def test_a_command_loads_the_kernels_without_numbas_blas_probe():
     assert out.stdout.split() == ["False", "scipy.linalg"], out.stdout + out.stderr[-2000:]
 
 
+THREADED = """
+import threading
+from mergeval.methods import fused
+seen = []
+with fused._numba_blas_probe_skipped():
+    try:
+        import scipy.linalg
+    except ImportError:
+        seen.append("refused here,")
+    other = threading.Thread(target=lambda: seen.append(__import__("scipy.linalg").linalg.__name__))
+    other.start()
+    other.join()
+print(*seen)
+"""
+
+
+def test_only_the_loading_thread_is_kept_from_importing_scipy_linalg():
+    out = subprocess.run([sys.executable, "-c", THREADED], capture_output=True, text=True, timeout=300, check=False)
+    assert out.stdout.strip() == "refused here, scipy.linalg", out.stdout + out.stderr[-2000:]
+
+
 def stable_sort_placed(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor:
     """The definition: by_rank placed at each entry's position in a stable ascending sort of |rows| per row."""
     out = torch.empty(rows.shape)

@@ -36,6 +36,7 @@ import importlib.abc
 import math
 import os
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -101,17 +102,21 @@ def _kernels():
 
 
 class _NoScipyLinalg(importlib.abc.MetaPathFinder):
-    """An import finder under which ``scipy.linalg`` and its submodules cannot be imported."""
+    """An import finder under which ``scipy.linalg`` and its submodules cannot be imported by the thread that
+    made it (another thread's imports go on as usual)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
 
     def find_spec(self, name, path=None, target=None):
-        if name == "scipy.linalg" or name.startswith("scipy.linalg."):
+        if threading.get_ident() == self.thread and (name == "scipy.linalg" or name.startswith("scipy.linalg.")):
             raise ImportError(f"{name}: not imported while mergeval loads its kernels")
         # anything else: None, the next finder's
 
 
 @contextlib.contextmanager
 def _numba_blas_probe_skipped():
-    """Inside the block, importing scipy.linalg fails (unless it is already imported).
+    """Inside the block, importing scipy.linalg from this thread fails (unless it is already imported).
 
     Why: numba's registries (``numba.np.arraymath``) probe for a BLAS by importing scipy.linalg, which these
     kernels never call: 0.09 s, and scipy's OpenBLAS starts a thread that spins for 0.1 s on the core the

@@ -106,8 +106,7 @@ def _read_into(path: Path, offset: int, buf, label: str, name: str) -> None:
     try:
         view, got = memoryview(buf), 0
         while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got) if hasattr(os, "preadv") else _pread_into(fd, view[got:],
-                                                                                                   offset + got)
+            n = _read_at(fd, view[got:], offset + got)
             if not n:
                 raise UserError(label, f"'{path}' ends inside tensor {name}", "re-save that checkpoint")
             got += n
@@ -115,8 +114,11 @@ def _read_into(path: Path, offset: int, buf, label: str, name: str) -> None:
         os.close(fd)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """``os.preadv`` where the platform lacks it (Windows, macOS before 11): a seek and a read."""
+def _read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset``: ``os.preadv``, or where the platform lacks it (Windows, macOS before
+    11) a seek and a read; the number of bytes read."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
     os.lseek(fd, offset, os.SEEK_SET)
     with open(fd, "rb", buffering=0, closefd=False) as f:
         return f.readinto(view)

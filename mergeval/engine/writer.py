@@ -132,7 +132,7 @@ class ShardWriter:
             fd = os.open(path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
             try:
                 while data:
-                    done = os.pwrite(fd, data, at) if hasattr(os, "pwrite") else _seek_and_write(fd, data, at)
+                    done = _write_at(fd, data, at)
                     data, at = data[done:], at + done
             finally:
                 os.close(fd)
@@ -165,8 +165,11 @@ def _check_block(name: str, block: torch.Tensor, expected: str, shape, dtype, wh
                          f"{list(block.shape)} {block.dtype}")
 
 
-def _seek_and_write(fd: int, data: memoryview, at: int) -> int:
-    """``os.pwrite`` where the platform lacks it (Windows): a seek and a write on this block's own descriptor."""
+def _write_at(fd: int, data: memoryview, at: int) -> int:
+    """Write ``data`` at offset ``at``: ``os.pwrite``, or where the platform lacks it (Windows) a seek and a write
+    on this block's own descriptor; the number of bytes written."""
+    if hasattr(os, "pwrite"):
+        return os.pwrite(fd, data, at)
     os.lseek(fd, at, os.SEEK_SET)
     return os.write(fd, data)
 

@@ -84,7 +84,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
-    from mergeval.models.fingerprint import fingerprint_state_dict
+    from mergeval.models.fingerprint import fingerprint_state_dict, model_identity
     quiet_transformers(cfg.verbose)
     lap = Laps()
     timings = lap.timings
@@ -122,7 +122,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
                                           dtype=getattr(torch, cfg.eval.dtype))
-        models.append(ModelInfo(MERGED, f"{method.name}", fingerprint_state_dict(merged), merge="this run"))
+        weights = fingerprint_state_dict(merged)  # evaluated in the base's architecture, with its tokenizer
+        models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run",
+                                weights=weights))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
     record_models(store, models)
     lap("merge")

@@ -57,7 +57,7 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     cache = cache_root(cfg.cache_dir)
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
-    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.fingerprint} for m in models]
+    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
     out = merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True, out_dtype=cfg.out_dtype)
     from mergeval.interop import mergekit_config

@@ -18,11 +18,14 @@ OLD_METRIC = "acc,none"  # the only metric of result.json files from before per-
 class ModelInfo:
     role: str  # "base", an expert's name, or "merged"
     source: str
+    # models.fingerprint.model_identity: the weights and every file that can change the model's outputs as this
+    # run evaluates it (its config, the tokenizer it is evaluated with). The results store keys scores by it.
     fingerprint: str
     path: str | None = None
     task: str | None = None  # the expert's own task
     evaluated: str | None = None  # "this run", "reused from the results store" or "partly reused ..." (some tasks)
     merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
+    weights: str | None = None  # models.fingerprint.fingerprint: the tensors alone (None for a merge not redone)
 
 
 @dataclass

@@ -115,12 +115,11 @@ def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]
 def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     """Fill method_cfg.validation_scores from validation evaluations; returns (new cfg, details for result.json)."""
     import torch
-    from transformers import AutoTokenizer
 
     from mergeval.eval.harness import Harness
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.models.checkpoint import load_model
+    from mergeval.models.checkpoint import load_model, load_tokenizer
     from mergeval.runtime import library_bars
     from mergeval.store import open_store
 
@@ -139,7 +138,8 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
         if got is None:
             print(f"mergeval: ranking: evaluating {info.role} on the validation split", flush=True)
             harness = harness or Harness.for_run(cfg, suite, suite.entries, None)
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(info.path)
+            # the base's tokenizer, as a run evaluates every model: part of each model's identity (resolve.py)
+            tokenizer = tokenizer or load_tokenizer(Path(models[0].path))
             model = load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
             with library_bars(cfg.verbose):
                 fresh = harness.score(model, tokenizer)

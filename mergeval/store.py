@@ -8,7 +8,7 @@ time: a process killed at any point leaves either the whole write or none of
 it, and concurrent writers wait for each other instead of failing or losing
 rows.
 
-Tables (schema v5, ``store_backends/schema.py``; v1-v4 SQLite files are migrated in place on open):
+Tables (schema v6, ``store_backends/schema.py``; older stores are migrated in place on open):
 
 - ``runs``: one row per run. ``start_run`` inserts it as ``running`` with its
   process (host, pid, start time); ``finish_run`` completes it exactly once
@@ -19,7 +19,12 @@ Tables (schema v5, ``store_backends/schema.py``; v1-v4 SQLite files are migrated
   process gone: then it becomes ``interrupted`` with a note. Never half finished.
   ``config_hash`` (v5, nullable, indexed) identifies the run's configuration, so
   a resumed sweep finds the configurations already finished (``finished_run``).
-- ``models``: content fingerprint -> source and architecture (from config.json).
+- ``models``: model identity -> source, architecture (from config.json) and the
+  weights' fingerprint. A model's identity (``models.fingerprint.model_identity``,
+  called its fingerprint in the columns below) covers its tensors and every file
+  that can change its outputs: config, generation config, the tokenizer it is
+  evaluated with. Stores before v6 keyed by the tensors alone; their rows are
+  never matched again (see schema.py).
 - ``evaluations``: (model fingerprint, task digest, settings hash) -> every
   metric the task reported (``{"acc_norm,none": [value, stderr], ...}``; a
   run reads the one it reports, so changing ``benchmark.metrics`` needs no
@@ -64,7 +69,8 @@ from mergeval.errors import UserError
 from mergeval.eval.settings import PerTask
 from mergeval.store_backends import is_server_url, open_backend, sqlalchemy_url, sqlite_path
 from mergeval.store_backends.schema import (_CURRENT, _EVALUATIONS, _NEW_IN_V2, _RUNS_V2,  # noqa: F401 (tests)
-                                            DEFAULT_METRIC, SCHEMA_VERSION, _canonical, _dump, create, migrate)
+                                            DEFAULT_METRIC, SCHEMA_VERSION, _canonical, _dump, create, migrate,
+                                            stale_rows)
 
 CLAIM_TIMEOUT_S = 300.0  # default store.claim_timeout_s: another host's claim not renewed this long is dead
 STATUSES = ("running", "finished", "failed", "interrupted")
@@ -179,6 +185,12 @@ class Store:
                                 f"(v{SCHEMA_VERSION})", f"upgrade mergeval or use another {self.field}")
             elif version < SCHEMA_VERSION:
                 migrate(db, version)
+                stale = stale_rows(db)  # every row so far was keyed by weights alone
+                if any(stale):  # said once: the migration happens once per store
+                    print(f"mergeval: the results store {self.location} was keyed by model weights alone; its "
+                          f"{stale[0]} stored evaluations and {stale[1]} merges stay for the record but are not "
+                          "reused (a model's config and tokenizer now count too): models are evaluated once more",
+                          flush=True)
 
     def _version(self, db) -> int:
         if not self._db.table_exists(db, "meta"):
@@ -309,21 +321,22 @@ class Store:
     # models and merges
 
     def put_model(self, fingerprint: str, source: str, architecture: Mapping | None = None,
-                  path: str | None = None) -> None:
-        """Record a model the first time its fingerprint is seen (a copy elsewhere keeps the first row)."""
+                  path: str | None = None, weights: str | None = None) -> None:
+        """Record a model the first time its identity is seen (a copy elsewhere keeps the first row)."""
         with self._write() as db:
-            db.execute("INSERT INTO models VALUES (?,?,?,?,?) ON CONFLICT (fingerprint) DO NOTHING",
+            db.execute("INSERT INTO models (fingerprint, source, architecture, path, created, weights) "
+                       "VALUES (?,?,?,?,?,?) ON CONFLICT (fingerprint) DO NOTHING",
                        (fingerprint, source, None if architecture is None else _canonical(architecture), path,
-                        time.time()))
+                        time.time(), weights))
 
     def model(self, fingerprint: str) -> dict | None:
         with self._read() as db:
-            row = db.execute("SELECT source, architecture, path FROM models WHERE fingerprint=?",
+            row = db.execute("SELECT source, architecture, path, weights FROM models WHERE fingerprint=?",
                              (fingerprint,)).fetchone()
         if row is None:
             return None
         return {"fingerprint": fingerprint, "source": row[0], "architecture": row[1] and json.loads(row[1]),
-                "path": row[2]}
+                "path": row[2], "weights": row[3]}
 
     def get_merge(self, key: str) -> str | None:
         """The output fingerprint of the merge with this ``merge_key``, if it was ever done."""
@@ -584,4 +597,4 @@ def record_models(store: Store, models) -> None:
             arch = architecture_of(json.loads((source_dir / "config.json").read_text()))
         except (OSError, TypeError, ValueError):  # no path or no readable config.json: the row keeps no architecture
             arch = None
-        store.put_model(info.fingerprint, info.source, arch, info.path)
+        store.put_model(info.fingerprint, info.source, arch, info.path, getattr(info, "weights", None))

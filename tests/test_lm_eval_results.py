@@ -190,9 +190,9 @@ def test_the_saved_merge_loads_and_its_card_has_inputs_and_evaluation(imported_r
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "README.md"} <= {p.name for p in where.iterdir()}
     assert AutoModelForCausalLM.from_pretrained(where).num_parameters() > 0
-    assert fingerprint(where) == merged.fingerprint  # the bytes saved are the merge that was scored
+    assert fingerprint(where) == merged.weights  # the bytes saved are the merge that was scored
     card = (where / "README.md").read_text()
-    assert all(m.fingerprint in card for m in outcome.models[:-1]) and "task_arithmetic" in card
+    assert all(m.weights in card for m in outcome.models[:-1]) and "task_arithmetic" in card
     row = next(line for line in card.splitlines() if line.startswith(f"| {TASK} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:3] == [TASK, "acc,none", "8"]

@@ -162,10 +162,10 @@ def test_a_merge_is_reused_only_when_its_output_is_scored_with_these_settings(tm
 
 def test_models_keep_source_and_architecture(tmp_path):
     store = Store(tmp_path / "r.sqlite")
-    store.put_model("fp", "zoo:tiny", {"hidden_size": 32}, "/models/tiny")
+    store.put_model("fp", "zoo:tiny", {"hidden_size": 32}, "/models/tiny", weights="w")
     store.put_model("fp", "a copy", None, "/elsewhere")
     assert store.model("fp") == {"fingerprint": "fp", "source": "zoo:tiny", "architecture": {"hidden_size": 32},
-                                 "path": "/models/tiny"}
+                                 "path": "/models/tiny", "weights": "w"}
     assert store.model("unknown") is None
 
 
@@ -408,7 +408,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
                        (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
                         json.dumps({"macro_gain": 2.5})))
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 5
+    assert store.schema_version() == SCHEMA_VERSION == 6
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
     kept, gone = store.run("kept"), store.run("gone")
     assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0

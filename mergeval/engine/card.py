@@ -23,7 +23,7 @@ def model_card(method: str, method_version: int, config: dict, inputs: list[dict
     give the same bits only at the same version), mergeval version, one row per input (role, source, path,
     fingerprint), the config as YAML."""
     rows = "\n".join(f"| {i.get('role', '')} | `{i.get('source', '')}` | `{i.get('path', '')}` | "
-                     f"`{i.get('fingerprint', '')}` |" for i in inputs)
+                     f"`{i.get('weights') or i.get('fingerprint', '')}` |" for i in inputs)  # the tensors' fingerprint
     return f"""---
 library_name: transformers
 tags:

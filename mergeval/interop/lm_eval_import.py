@@ -235,7 +235,7 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     from mergeval.eval.harness import _row_score
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.models.fingerprint import fingerprint
+    from mergeval.models.fingerprint import fingerprint, model_identity
     from mergeval.models.sources import resolve_source
     from mergeval.paths import cache_root
     from mergeval.runtime import apply_offline
@@ -248,14 +248,17 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     data = read_results(path)
     check_settings(data, cfg)
     model_dir = resolve_source(model_spec, "--model", cache, cfg.offline)
-    fp = fingerprint(model_dir, cache / "fingerprints.json", "--model")
+    weights = fingerprint(model_dir, cache / "fingerprints.json", "--model")
+    # lm_eval evaluated it with its own config and tokenizer: the scores are stored under that identity (a run
+    # reuses them for an expert whose tokenizer files are the base's, as a run evaluates it with the base's)
+    fp = model_identity(weights, model_dir)
     pretrained = model_args(data["config"]).get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).expanduser().is_dir() and \
             Path(pretrained).expanduser().resolve() != model_dir:
         theirs = fingerprint(Path(pretrained).expanduser().resolve(), cache / "fingerprints.json", "RESULTS")
-        if theirs != fp:
+        if theirs != weights:
             raise UserError("--model", f"the results are of {pretrained} (fingerprint {theirs}), not of {model_spec} "
-                            f"({fp})", "give the model lm_eval evaluated")
+                            f"({weights})", "give the model lm_eval evaluated")
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
     names = [n for n in suite.names if n in data["results"]]
     if not names:
@@ -280,7 +283,7 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
         scores[name] = {**score.as_dict(), "metrics": score.metrics}
     settings, digests = suite.per_task(eval_settings(cfg)), {n: suite.digests[n] for n in names}
     store = open_store(cfg, cache)
-    record_models(store, [ModelInfo("imported", model_spec, fp, str(model_dir))])
+    record_models(store, [ModelInfo("imported", model_spec, fp, str(model_dir), weights=weights)])
     kept_path = None
     if kept:
         kept_path = str(samples_io.write(samples_io.path_for(cache, fp, settings_hash(settings.run), digests), kept))

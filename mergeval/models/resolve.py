@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from mergeval.errors import UserError
 from mergeval.models.checkpoint import check_compatible
-from mergeval.models.fingerprint import fingerprint
+from mergeval.models.fingerprint import fingerprint, model_identity
 from mergeval.models.sources import resolve_source
 from mergeval.outcome import ModelInfo
 
@@ -26,7 +26,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
              for name, e in cfg.modelset.experts.items() if e.source is not None}
     base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
     check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
-    models = [ModelInfo("base", cfg.modelset.base, fingerprint(base_dir, fp_cache), str(base_dir))]
+    models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache)]
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
         if name in given:
@@ -36,19 +36,26 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
                               f"modelset.experts.{name}.domain")
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
-        models.append(ModelInfo(name, source, fingerprint(path, fp_cache), str(path), expert.task))
+        models.append(_info(name, source, path, base_dir, fp_cache, expert.task))
         _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
     check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
     return base_dir, expert_dirs, models
 
 
+def _info(role: str, source: str, path: Path, base_dir: Path, fp_cache: Path, task: str | None = None) -> ModelInfo:
+    """A model's row: its weights' fingerprint and its identity as a run evaluates it (its own config, the
+    base's tokenizer: every model of a run is evaluated with the tokenizer the merge has)."""
+    weights = fingerprint(path, fp_cache)
+    return ModelInfo(role, source, model_identity(weights, path, base_dir), str(path), task, weights=weights)
+
+
 def _refuse_a_copy(models: list[ModelInfo]) -> None:
-    """The last expert of ``models`` must differ (by fingerprint) from the base and from every earlier expert.
+    """The last expert of ``models`` must differ (by its weights) from the base and from every earlier expert.
 
     A copy of the base has a zero task vector, and its "does not beat the base" warning sent users to train it
     longer; a second copy of an expert silently counts its task vector twice. Both are modelset mistakes."""
     last = models[-1]
-    first = next((m for m in models[:-1] if m.fingerprint == last.fingerprint), None)
+    first = next((m for m in models[:-1] if m.weights == last.weights), None)
     if first is None:
         return
     if first.role == "base":

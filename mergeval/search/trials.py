@@ -116,14 +116,12 @@ def objective(kind: str, scores: dict, constituent_scores: dict, constituents: l
 def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
     """Score one recipe stage by stage; with an Optuna ``trial``, report each stage and stop when it is pruned
     (``state=PRUNED``); without one (the method's default), every stage runs."""
-    from mergeval.models.fingerprint import fingerprint_state_dict
-
     started = time.perf_counter()
     s = stages.cfg.search
     config = recipe_config(stages, overrides)
     out = Scored(params, _plain(config))
     tensors = stages.models.merged(Candidate("trial", stages.method, config, params, "search"))
-    out.fingerprint = fingerprint_state_dict(tensors)
+    out.fingerprint = stages.models.identity(tensors)
     model = stages.models.live(tensors)
     del tensors
 

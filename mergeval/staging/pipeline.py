@@ -234,6 +234,13 @@ class Models:
         return merge_sources(cand.method, cand.config, self.sources[0], self.sources[1:], self.cfg.seed,
                              vocab_policy=self.cfg.vocab_policy, prepared=self.prepared)
 
+    def identity(self, tensors: dict) -> str:
+        """The identity of a merge held in ``tensors`` (models.fingerprint.model_identity): it is evaluated in the
+        base's architecture with the base's tokenizer, as a run evaluates its merge."""
+        from mergeval.models.fingerprint import fingerprint_state_dict, model_identity
+
+        return model_identity(fingerprint_state_dict(tensors), self.base_dir)
+
     def live(self, tensors: dict):
         from mergeval.models.checkpoint import load_model
 
@@ -359,8 +366,6 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
     the source models the guide's early stop compares with. It does not change
     the ranking (see :func:`mergeval.metrics.perplexity.mean_log_ratio`).
     """
-    from mergeval.models.fingerprint import fingerprint_state_dict
-
     print(f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates on "
           f"{sum(len(s) for s in scorer.sequences.values())} held-out texts of {', '.join(owners)}", flush=True)
     outcome.reference = reference_perplexities(models, owners, scorer)
@@ -369,7 +374,7 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
         tensors = models.merged(cand)
         res = CandidateResult(cand.label, cand.method.name, cand.params,
                               OmegaConf.to_container(OmegaConf.structured(cand.config)),
-                              fingerprint_state_dict(tensors))
+                              models.identity(tensors))
         res.perplexity = scorer.perplexities(models.live(tensors))
         del tensors
         res.log_ratio = _finite_or_inf(mean_log_ratio(res.perplexity, reference))

@@ -1,4 +1,4 @@
-"""The results store's schema (v5) as SQL, and the in-place migrations of older SQLite stores.
+"""The results store's schema (v6) as SQL, and the in-place migrations of older SQLite stores.
 
 The DDL is written once, in SQLite's types; a backend adapts it (``ddl``: PostgreSQL gets 8-byte numbers).
 A PostgreSQL store is created at the current version; the v1 -> v4 migrations rebuild SQLite tables and only
@@ -12,7 +12,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
 
 _RUNS_COLUMNS = """
@@ -90,6 +90,13 @@ _NEW_IN_V5 = [
     "CREATE INDEX runs_by_config_hash ON runs (config_hash)",
     "ALTER TABLE claims ADD COLUMN renewed REAL",
 ]
+# v6: models are keyed by their identity as evaluated (models/fingerprint.py: the weights with the config and
+# tokenizer files), no longer by their tensors alone; ``weights`` keeps the tensors' fingerprint beside it.
+# Rows written before are kept for the record but never match a v6 key (an identity is never a tensor
+# fingerprint), so no score stored under the old key is served again: each model is evaluated once more.
+_NEW_IN_V6 = [
+    "ALTER TABLE models ADD COLUMN weights TEXT",
+]
 
 
 def _canonical(value) -> str:
@@ -157,6 +164,20 @@ def _migrate_v4_to_v5(db: sqlite3.Connection) -> None:
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 
+def _migrate_v5_to_v6(db) -> None:
+    """v5 -> v6 inside the caller's transaction (SQLite or PostgreSQL): models gain ``weights``. Rows under the
+    old keys stay; no v6 key matches them."""
+    for statement in _NEW_IN_V6:
+        db.execute(statement)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
+def stale_rows(db) -> tuple[int, int]:
+    """(evaluations, merges) a store holds: before a v5 -> v6 migration, all keyed by tensors alone."""
+    return (db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0],
+            db.execute("SELECT COUNT(*) FROM merges").fetchone()[0])
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -167,17 +188,20 @@ def _read_json(path: Path) -> dict:
 
 def create(db, ddl) -> None:
     """A new store at the current version, inside the caller's transaction; ``ddl`` adapts each statement."""
-    for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5:
+    for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5 + _NEW_IN_V6:
         db.execute(ddl(statement))
     db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
 
-def migrate(db: sqlite3.Connection, version: int) -> None:
-    """An SQLite store of schema ``version`` (1-4) to the current one, inside the caller's transaction."""
+def migrate(db, version: int) -> None:
+    """A store of schema ``version`` (1-5; below 5 only SQLite files exist) to the current one, inside the
+    caller's transaction."""
     if version == 1:
         _migrate_v1_to_v2(db)
     if version <= 2:
         _migrate_v2_to_v3(db)
     if version <= 3:
         _migrate_v3_to_v4(db)
-    _migrate_v4_to_v5(db)
+    if version <= 4:
+        _migrate_v4_to_v5(db)
+    _migrate_v5_to_v6(db)

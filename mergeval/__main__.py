@@ -25,12 +25,15 @@ def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
     from mergeval import app, resume
+    from mergeval.checks import check_known_keys, check_resolves
     from mergeval.interop import mergekit_config
     from mergeval.report.table import render
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):
+        check_resolves(cfg)  # a bad interpolation: one line, before anything reads the config
         mergekit_config.apply(cfg)  # a mergekit file's method and models, before the title and the store name them
+        check_known_keys(cfg)  # before the store is opened: a misspelt +store.paht must not write to the default
         title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
         app.check_job_dir(cfg, out_dir)
         if resume.skip(cfg, out_dir, title):  # a resumed sweep's job whose configuration finished before

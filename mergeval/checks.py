@@ -53,20 +53,111 @@ def check_consistency_pairs(pairs: list[list[str]], tasks: list[str]) -> None:
             raise UserError("metric.consistency", f"{pair[0]} and {pair[1]} do not ask the same items", hint)
 
 
-def check_known_keys(cfg: DictConfig, method) -> None:
-    """A key added with ``+`` (``+method.densty=0.3``) slips past Hydra's schema check: name it and the fields."""
+def check_resolves(cfg: DictConfig) -> None:
+    """Every interpolation of ``cfg`` resolves (``seed=${oc.env:HOME}``, ``${nope.x}``, ``${oc.env:UNSET}``),
+    else one line with the fix its cause needs: a key or an environment variable that is not there is not a
+    type error. Run before anything is written, so a bad value leaves no job directory."""
+    from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException, UnsupportedInterpolationType
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as err:
+        raise _interpolation_error(err, InterpolationKeyError, UnsupportedInterpolationType) from None
+
+
+def _interpolation_error(err, key_error, unsupported) -> UserError:
+    import re
+
+    field = str(getattr(err, "full_key", "") or "config")
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    expression = re.search(r"interpolation '([^']*)'", text)
+    env = re.search(r"Environment variable '([^']+)' not found", str(err) + str(err.__cause__ or ""))
+    if env:
+        var = env.group(1)
+        return UserError(field, f"the environment variable {var} is not set",
+                         f"set it (export {var}=...) or give a default: ${{oc.env:{var},DEFAULT}}")
+    if isinstance(err, key_error):
+        missing = re.search(r"key '([^']+)'", text)
+        name = missing.group(1) if missing else text
+        return UserError(field, f"${{{name}}} names no field of the config",
+                         "refer to a field that exists (e.g. ${seed}, ${modelset.name}) or give the value itself")
+    if isinstance(err, unsupported):
+        resolver = re.search(r"interpolation type '?([\w.-]+)", text)
+        return UserError(field, f"no resolver named '{resolver.group(1) if resolver else text}'",
+                         "use one of OmegaConf's (oc.env, oc.select, ...) or give the value itself")
+    converted = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", text)
+    if converted:
+        value, _, kind = converted.groups()
+        via = f" ({expression.group(1)})" if expression else ""
+        kind = kind.lower()
+        article = "an" if kind[0] in "aeiou" else "a"
+        return UserError(field, f"the interpolation{via} gives '{value}', not {article} {kind}",
+                         f"give {article} {kind} value for {field}")
+    return UserError(field, f"cannot resolve its value ({text})", "fix the interpolation or give the value itself")
+
+
+def check_known_keys(cfg: DictConfig, schema=None) -> None:
+    """Every key of ``cfg`` is a field of its schema, at every depth (``sead``, ``store.paht``,
+    ``modelset.train.stpes``, ``modelset.experts.chem.sorce``, ``method.densty``): a key added with ``+`` slips
+    past Hydra's struct check, and a misspelt one would otherwise be ignored (``+store.paht=FILE`` wrote to the
+    default store). Free mappings (``eval.gen_kwargs``, ``benchmark.fewshot``...) keep any key. ``schema``: the
+    root dataclass (default: the run's, ``config.RunConfig``); ``method`` is read against the schema of the
+    method it names. Reads the config unresolved, so a bad interpolation is reported by its own check."""
+    from mergeval.config import RunConfig
+
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra", None)
+    _check_keys(plain, schema or RunConfig, "")
+
+
+def _check_keys(node: dict, schema, prefix: str) -> None:
     import dataclasses
+    import typing
 
-    from mergeval.config import BenchmarkConfig, EvalConfig, MetricConfig, ModelsetConfig
+    hints = typing.get_type_hints(schema)
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key, value in node.items():
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            where = f"the fields of {prefix[:-1]}" if prefix else "the top-level fields"
+            raise UserError(f"{prefix}{key}", "no such field (added with +?)",
+                            (f"did you mean {prefix}{near[0]}? " if near else "check the spelling; ")
+                            + f"{where} are: {', '.join(fields)}")
+        if not isinstance(value, dict):
+            continue
+        if prefix == "" and key == "method":  # Any in the schema: the fields of the method it names
+            if isinstance(value.get("name"), str) and value["name"] in _method_names():
+                _check_keys(value, get_method(value["name"]).config, "method.")
+            continue
+        inner, keyed = _schema_of(hints[key])
+        if inner is not None and keyed:  # dict[str, <dataclass>]: each value against it
+            for name, item in value.items():
+                if isinstance(item, dict):
+                    _check_keys(item, inner, f"{prefix}{key}.{name}.")
+        elif inner is not None:
+            _check_keys(value, inner, f"{prefix}{key}.")
 
-    schemas = {"method": method.config, "benchmark": BenchmarkConfig, "metric": MetricConfig, "eval": EvalConfig,
-               "modelset": ModelsetConfig}
-    for group, schema in schemas.items():
-        fields = [f.name for f in dataclasses.fields(schema)]
-        unknown = [k for k in cfg[group] if k not in fields]
-        if unknown:
-            raise UserError(f"{group}.{unknown[0]}", "no such field (added with +?)",
-                            f"check the spelling; the fields of {group} are: {', '.join(fields)}")
+
+def _schema_of(kind) -> tuple[type | None, bool]:
+    """(the dataclass a field's values are checked against, whether it is a mapping of them) for a field of type
+    ``kind`` (``X``, ``X | None``, ``dict[str, X]``); (None, False) for anything else (free values)."""
+    import dataclasses
+    import types
+    import typing
+
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    for option in [a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]:
+        if dataclasses.is_dataclass(option):
+            return option, False
+        if typing.get_origin(option) is dict and dataclasses.is_dataclass(typing.get_args(option)[1]):
+            return typing.get_args(option)[1], True
+    return None, False
+
+
+def _method_names() -> set[str]:
+    from mergeval.methods import METHODS
+
+    return set(METHODS)
 
 
 def check_mapping_keys(bench) -> None:
@@ -108,15 +199,17 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
                             "generate()", f"did you mean {near[0]}?" if near else "see transformers' GenerationConfig")
 
 
-def validate(cfg: DictConfig):
-    """All config checks that need no model: returns the method and its typed config.
+def validate(cfg: DictConfig, schema=None):
+    """All config checks that need no model: returns the method and its typed config. ``schema``: the root
+    dataclass the config's keys are checked against (``check_known_keys``; default the run's).
 
     With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place)."""
     from mergeval.interop import mergekit_config
 
+    check_resolves(cfg)
     mergekit_config.apply(cfg)
     method = get_method(cfg.method.name)
-    check_known_keys(cfg, method)
+    check_known_keys(cfg, schema)
     method_cfg = OmegaConf.to_object(cfg.method)
     generated = [t for t in cfg.benchmark.tasks if t in GENERATED]
     unknown = [t for t in cfg.benchmark.tasks if t.startswith(PREFIX) and t not in GENERATED]

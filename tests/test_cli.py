@@ -460,3 +460,72 @@ def test_a_checks_mistake_is_its_one_line_without_hydras_report(tmp_path, cache)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         out.stderr.strip()] and out.stderr.startswith("mergeval: error: benchmark.fewshot.mergeval_chem_cont:")
+
+
+# Every key a schema lacks, at every depth and in every group, in every command that composes a run's config:
+# the review found these four accepted (a misspelt +store.paht even wrote to the default store).
+MISSPELT_PLUS = [("+sead=5", "sead", "seed"), ("+evall.dtype=float32", "evall", "eval"),
+                 ("+store.paht=STORE", "store.paht", "store.path"),
+                 ("+modelset.train.stpes=3", "modelset.train.stpes", "modelset.train.steps"),
+                 ("+modelset.experts.chem.calibration.nn=3", "modelset.experts.chem.calibration.nn",
+                  "modelset.experts.chem.calibration.n"),
+                 ("+sweep.pol_s=1", "sweep.pol_s", "sweep.poll_s"), ("+staged.stage1_kep=2", "staged.stage1_kep",
+                                                                     "staged.stage1_keep")]
+
+
+@pytest.mark.parametrize("override,field,near", MISSPELT_PLUS)
+def test_check_known_keys_refuses_a_misspelt_key_at_any_depth(override, field, near):
+    from mergeval.checks import check_known_keys
+    from mergeval.errors import UserError
+
+    register_configs()
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=tiny", override.replace("STORE", "/tmp/s.sqlite")])
+    with pytest.raises(UserError) as err:
+        check_known_keys(cfg)
+    assert err.value.field == field and f"did you mean {near}?" in str(err.value)
+
+
+def test_free_mappings_and_every_shipped_experiment_pass_the_key_check():
+    from mergeval.checks import check_known_keys
+
+    register_configs()
+    experiments = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml"))
+    with initialize_config_module("mergeval.conf", version_base="1.3"):
+        for name in experiments:
+            check_known_keys(compose("config", overrides=[f"+experiment={name}"]))
+        check_known_keys(compose("config", overrides=["+experiment=tiny", "++eval.gen_kwargs.max_gen_toks=8",
+                                                      "++benchmark.fewshot.mergeval_chem_count=1"]))
+
+
+@pytest.mark.parametrize("module", ["mergeval", "mergeval.merge", "mergeval.search", "mergeval.staged"])
+def test_a_misspelt_plus_key_is_refused_by_every_command_before_it_writes(module, tmp_path):
+    store = tmp_path / "store.sqlite"
+    for override, field, _ in MISSPELT_PLUS[:4]:
+        out = run_module(module, "+experiment=tiny", f"cache_dir={tmp_path / 'cache'}",
+                         override.replace("STORE", str(store)), cwd=tmp_path, env=dict(os.environ), timeout=300)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()] and \
+            out.stderr.startswith(f"mergeval: error: {field}: no such field"), out.stderr[-2000:]
+    assert not store.exists() and not (tmp_path / "cache").exists() and not list(tmp_path.rglob(".hydra"))
+
+
+def test_a_misspelt_plus_key_is_refused_in_a_multirun_before_any_job(tmp_path):
+    out = mergeval("-m", "+experiment=tiny", "+sead=5", "method.lambda_=0.3,0.5", cwd=tmp_path)
+    assert out.returncode == 2 and "sead: no such field" in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.rglob("result.json"))
+
+
+@pytest.mark.parametrize("override,line", [
+    ("seed=${oc.env:HOME}", "seed: the interpolation (${oc.env:HOME}) gives '"),
+    ("seed=${nope.x}", "seed: ${nope.x} names no field of the config; refer to a field that exists"),
+    ("cache_dir=${oc.env:MERGEVAL_TEST_UNSET}", "cache_dir: the environment variable MERGEVAL_TEST_UNSET is not set; "
+                                                 "set it (export MERGEVAL_TEST_UNSET=...) or give a default"),
+    ("cache_dir=${nosuch:1}", "cache_dir: no resolver named 'nosuch'"),
+])
+def test_an_interpolation_that_cannot_resolve_is_one_line_with_a_fix_for_its_cause(override, line, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MERGEVAL_TEST_UNSET"}
+    out = run_module("mergeval", "+experiment=tiny", override, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith(f"mergeval: error: {line}"), out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and "type" not in out.stderr.split(";")[-1]
+    assert not list(tmp_path.rglob(".hydra")) and not (tmp_path / "outputs").exists()

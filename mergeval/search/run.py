@@ -64,7 +64,9 @@ class SearchOutcome:
 
 def prepare(cfg: DictConfig) -> tuple[object, Space]:
     """Every check that needs no model: the run config, the search section, the space. Returns (method, space)."""
-    validate(cfg)
+    from mergeval.search.config import SearchRunConfig
+
+    validate(cfg, SearchRunConfig)
     s = cfg.search
     studies.check_search(s)
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]

@@ -367,6 +367,7 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     except Exception as ex:
         known = None if full_error else user_failure(ex)
         if known is not None:
+            known = _in_job_dir(ex, known)
             print(known.line(), file=sys.stderr)
             _exit_after_error()
         line = None if full_error else explain(ex)
@@ -386,6 +387,37 @@ _AFTER_INTERRUPTION = {
                     "evaluations are reused"),
     "mergeval.merge": "; run the same command again to merge (experts already built are reused)",
 }
+
+
+def _in_job_dir(ex: BaseException, known: UserError) -> UserError:
+    """An OSError that reaches ``_run_cli`` unhandled came from Hydra itself, not from a job (``failing_cleanly``
+    handles those): making the job directory or writing its ``.hydra`` files on a full disk or past ``ulimit -f``.
+    Such a write names no file, so the line names the job directory, and what Hydra wrote of it goes (a
+    truncated hydra.yaml is worse than none). Hydra has reset its HydraConfig by then; the directory is read
+    from the frame of Hydra's ``run_job`` (its public function; ``output_dir`` is the directory it made)."""
+    os_error = os_error_in(ex)
+    job_dir, swept = _hydra_job_dir(ex.__traceback__) if os_error is not None else (None, False)
+    if job_dir is None:
+        return known
+    discard_job_dir(job_dir)
+    if os_error.filename is not None and not os.fsdecode(os_error.filename).startswith(str(job_dir)):
+        return known  # another file (a log file the user's config names): the line already names it
+    field = "hydra.sweep.dir" if swept else "hydra.run.dir"
+    return UserError(field, f"cannot write the job directory {job_dir} ({known.problem})",
+                     f"{known.fix}; or choose another directory with {field}=DIR")
+
+
+def _hydra_job_dir(tb) -> tuple[Path | None, bool]:
+    """(the job directory Hydra's ``run_job`` was setting up when the traceback ``tb`` was raised, whether it is
+    a sweep's job: run_job is given a sub-directory key), or (None, False)."""
+    found, swept = None, False
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "run_job" and frame.f_globals.get("__name__") == "hydra.core.utils":
+            found = frame.f_locals.get("output_dir", found)
+            swept = frame.f_locals.get("job_subdir_key") is not None
+        tb = tb.tb_next
+    return (Path(found).absolute(), swept) if isinstance(found, str) else (None, False)
 
 
 def _merge_abandoned() -> bool:

@@ -529,3 +529,26 @@ def test_an_interpolation_that_cannot_resolve_is_one_line_with_a_fix_for_its_cau
     assert out.returncode == 2 and out.stderr.startswith(f"mergeval: error: {line}"), out.stderr[-2000:]
     assert len(out.stderr.strip().splitlines()) == 1 and "type" not in out.stderr.split(";")[-1]
     assert not list(tmp_path.rglob(".hydra")) and not (tmp_path / "outputs").exists()
+
+
+def _limit_file_size(limit: int):
+    import resource
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.mark.parametrize("limit", [200, 1500])  # inside config.yaml, inside hydra.yaml
+def test_a_job_directory_past_the_file_size_limit_is_one_line_naming_it_and_is_removed(limit, tmp_path):
+    """Hydra writes the job directory's .hydra files before mergeval runs: past ``ulimit -f`` (or on a full disk)
+    that was a line without a path and a truncated config.yaml / hydra.yaml left behind."""
+    out = subprocess.run([sys.executable, "-m", "mergeval", "+experiment=tiny", "hydra.run.dir=job",
+                          f"store.path={tmp_path / 's.sqlite'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, preexec_fn=_limit_file_size(limit))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"mergeval: error: hydra.run.dir: cannot write the job directory {tmp_path / 'job'} (the file grew past "
+        "the file-size limit); raise the limit (ulimit -f) or write elsewhere; or choose another directory with "
+        "hydra.run.dir=DIR"], out.stderr[-2000:]
+    assert not (tmp_path / "job").exists()

@@ -60,9 +60,40 @@ def check_resolves(cfg: DictConfig) -> None:
     from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException, UnsupportedInterpolationType
 
     try:
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as err:
         raise _interpolation_error(err, InterpolationKeyError, UnsupportedInterpolationType) from None
+    _check_text(resolved, "")
+
+
+def _check_text(node, prefix: str) -> None:
+    """Every string of the resolved config is valid UTF-8: a path given in bytes that are not (Python decodes
+    them to lone surrogates) would otherwise fail deep inside, as a UnicodeEncodeError or a wrong diagnosis."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        field = f"{prefix}{key}" if isinstance(node, dict) else f"{prefix[:-1]}[{key}]"
+        if isinstance(value, str) and not is_utf8(value):
+            raise UserError(field, f"'{shown(value)}' has bytes that are not UTF-8 text", UTF8_FIX)
+        _check_text(value, f"{field}.")
+
+
+UTF8_FIX = "use a name that is valid UTF-8 (rename the file or directory, or link to it from such a path)"
+
+
+def shown(text: str) -> str:
+    """``text`` printable, bytes that are not UTF-8 written as \\xNN (as the OS gave them)."""
+    import os
+
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` (a path or value as Python decoded it from the OS) stands for valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _interpolation_error(err, key_error, unsupported) -> UserError:

@@ -83,6 +83,16 @@ def explain(ex: BaseException) -> str | None:
         where, got, schema = shape.groups()
         return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
                 f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
+    lexer = re.match(r"LexerNoViableAltException: (.*?)\s*$", str(ex).splitlines()[0] if str(ex) else "")
+    if isinstance(ex, HydraException) and lexer:  # an override the grammar cannot read (space, quote, bad byte)
+        arg = lexer.group(1).removesuffix("^").rstrip("; ")
+        key = arg.split("=", 1)[0].lstrip("+~") or arg
+        if any("\udc80" <= ch <= "\udcff" for ch in arg):  # bytes that are not UTF-8, as Python decodes argv
+            from mergeval.checks import UTF8_FIX, shown
+
+            return f"{shown(key)}: the value has bytes that are not UTF-8 text ({shown(arg)}); {UTF8_FIX}"
+        return (f"{key}: Hydra's override grammar cannot read the value ({arg}); quote it for Hydra inside the "
+                f"shell's quotes, e.g. \"{key}='...'\" (a ' inside: use \\' or the other quote)")
     if isinstance(ex, ValueError) and str(ex).startswith("Only one of --run, --multirun, --cfg"):  # Hydra's own
         return ("-m/--multirun, --cfg, --info: only one of them at a time; drop the others (--cfg job shows one "
                 "job's config: give it the sweep's first values without -m)")
@@ -200,6 +210,7 @@ def failing_cleanly(job_dir: Path):
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _redeliver_swallowed_interrupt
     try:
+        _check_job_dir_text(job_dir)
         yield
     except KeyboardInterrupt:
         discard_job_dir(job_dir)
@@ -213,6 +224,16 @@ def failing_cleanly(job_dir: Path):
         sys.exit(2)
     finally:
         sys.unraisablehook = previous_hook
+
+
+def _check_job_dir_text(job_dir: Path) -> None:
+    """The job directory's path is valid UTF-8: the results store and result.json keep it as text (a working
+    directory in another encoding made ``start_run`` fail with a UnicodeEncodeError)."""
+    from mergeval.checks import UTF8_FIX, is_utf8, shown
+
+    if not is_utf8(str(job_dir)):
+        raise UserError("hydra.run.dir", f"the job directory {shown(str(job_dir))} has bytes that are not UTF-8 text",
+                        f"{UTF8_FIX}; run from such a directory or set hydra.run.dir=DIR")
 
 
 def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:

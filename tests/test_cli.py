@@ -552,3 +552,33 @@ def test_a_job_directory_past_the_file_size_limit_is_one_line_naming_it_and_is_r
         "the file-size limit); raise the limit (ulimit -f) or write elsewhere; or choose another directory with "
         "hydra.run.dir=DIR"], out.stderr[-2000:]
     assert not (tmp_path / "job").exists()
+
+
+NOT_UTF8 = os.fsdecode(b"caf\xe9")  # a Latin-1 name, as Python decodes it from the OS
+
+
+@pytest.mark.parametrize("module", ["mergeval", "mergeval.merge"])
+@pytest.mark.parametrize("where", ["cwd", "output", "cache_dir", "store.path", "quoted cache_dir"])
+def test_a_path_that_is_not_utf8_is_one_line_naming_it(module, where, tmp_path):
+    """Never a UnicodeEncodeError traceback (the store's start_run), never a wrong diagnosis (a non-UTF-8
+    cache_dir was reported as an unknown task)."""
+    cwd = tmp_path / NOT_UTF8 if where == "cwd" else tmp_path
+    cwd.mkdir(exist_ok=True)
+    place = str(tmp_path / NOT_UTF8 / "x")
+    args = {"cwd": [], "output": [f"output={place}"], "cache_dir": [f"cache_dir={place}"],
+            "store.path": [f"store.path={place}"], "quoted cache_dir": [f"cache_dir='{place}'"]}[where]
+    out = subprocess.run([sys.executable, "-m", module, "+experiment=tiny", *args], cwd=cwd, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert "not UTF-8 text" in out.stderr and "caf\\xe9" in out.stderr, out.stderr
+    field = {"cwd": "hydra.run.dir", "quoted cache_dir": "cache_dir"}.get(where, where)
+    assert out.stderr.startswith(f"mergeval: error: {field}: "), out.stderr
+    assert not list(tmp_path.rglob(".hydra")) and not list(tmp_path.rglob("*.sqlite"))
+
+
+@pytest.mark.parametrize("override", ["output=/a b'c", "output=it's"])
+def test_a_value_the_override_grammar_cannot_read_says_to_quote_it(override, tmp_path):
+    out = mergeval("+experiment=tiny", override, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert out.stderr.startswith("mergeval: error: output: Hydra's override grammar cannot read the value") \
+        and "\"output='...'\"" in out.stderr and "Lexer" not in out.stderr, out.stderr

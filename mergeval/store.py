@@ -58,6 +58,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -218,7 +219,7 @@ class Store:
                       metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
         """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model (any subset)."""
         with self._read() as db:
-            return _stored(db, fingerprint, digests, settings, metrics)
+            return _stored(db, fingerprint, digests, settings, metrics, self._report)
 
     def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                         on_wait: Callable[[], None] | None = None, poll_s: float = 2.0,
@@ -238,7 +239,7 @@ class Store:
         waited = False
         while True:
             with self._write() as db:
-                got = _stored(db, fingerprint, digests, settings, metrics)
+                got = _stored(db, fingerprint, digests, settings, metrics, self._report)
                 missing = {task: digest for task, digest in digests.items() if task not in got}
                 if not missing:
                     return got
@@ -296,7 +297,13 @@ class Store:
         """task -> every metric stored for it (``{"acc,none": [value, stderr], ...}``), for the tasks stored."""
         with self._read() as db:
             rows = _rows(db, "metrics", fingerprint, digests, settings)
-        return {task: json.loads(found[0][1][0]) for task, found in rows.items()}
+        out = {}
+        for task, found in rows.items():
+            try:
+                out[task] = _json("metrics", found[0][1][0])
+            except Damaged as err:
+                self._report(f"the evaluation of {task} by model {fingerprint[:12]}", err)
+        return out
 
     def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
@@ -460,10 +467,56 @@ class Store:
             cursor = db.execute(f"SELECT * FROM runs{where} ORDER BY created, run_id", [v for _, v in filters])
             names = [d[0] for d in cursor.description]
             rows = cursor.fetchall()
-        return [{k: (json.loads(v) if k in _JSON_COLUMNS and v is not None else v) for k, v in zip(names, row)}
-                for row in rows]
+        out = []
+        for row in rows:
+            try:
+                out.append({k: (_json(k, v) if k in _JSON_COLUMNS and v is not None else _text(k, v))
+                            for k, v in zip(names, row)})
+            except Damaged as err:  # one damaged run never hides the others
+                self._report(f"run {_shown(row[names.index('run_id')])}", err)
+        return out
+
+    def _report(self, what: str, err: Damaged) -> None:
+        """One line on stderr for a damaged row (once per row and process); the caller goes on without it."""
+        line = f"mergeval: results store {self.location}: {what} is damaged ({err}); {err.then or 'left out'}"
+        if line not in _REPORTED:
+            _REPORTED.add(line)
+            print(line, file=sys.stderr, flush=True)
 
 _CHECKED: set[str] = set()  # stores this process has health-checked
+_REPORTED: set[str] = set()  # damaged rows this process has reported
+
+
+class Damaged(ValueError):
+    """A row whose text is not UTF-8 or whose JSON does not parse: PRAGMA integrity_check cannot see either.
+    ``then`` says what happens instead (e.g. the evaluation is run again)."""
+
+    def __init__(self, problem: str, then: str = ""):
+        super().__init__(problem)
+        self.then = then
+
+
+def _text(column: str, value):
+    """A text column as read; lone surrogates (bytes that were not UTF-8, store_backends/sqlite.py) are damage."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Damaged(f"{column}: not UTF-8 text") from None
+    return value
+
+
+def _json(column: str, value):
+    try:
+        return json.loads(_text(column, value))
+    except ValueError as err:
+        if isinstance(err, Damaged):
+            raise
+        raise Damaged(f"{column}: not valid JSON") from None
+
+
+def _shown(value) -> str:
+    return value.encode("utf-8", "backslashreplace").decode() if isinstance(value, str) else str(value)
 _HEARTBEAT_LOCK = threading.Lock()  # a heartbeat's stop decision and a new claim's start never interleave
 
 
@@ -532,14 +585,21 @@ def _rows(db, columns: str, fingerprint: str, digests: Mapping[str, str],
 
 
 def _stored(db, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-            metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
+            metrics: Mapping[str, str] | None = None, report=None) -> dict[str, dict]:
     """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model and settings (any
-    subset); a task stored without the metric asked for counts as not stored."""
+    subset); a task stored without the metric asked for counts as not stored, and so does a damaged row
+    (``report``-ed; the evaluation that follows replaces it)."""
     out = {}
     for task, rows in _rows(db, "metrics, n", fingerprint, digests, settings).items():
         metric = (metrics or {}).get(task, DEFAULT_METRIC)
         for _, (stored, n) in rows:
-            values = json.loads(stored)
+            try:
+                values = _json("metrics", stored)
+            except Damaged as err:
+                err.then = "it is evaluated again and the row replaced"
+                if report is not None:
+                    report(f"the evaluation of {task} by model {fingerprint[:12]}", err)
+                continue
             if metric in values:
                 out[task] = {"metric": metric, "value": values[metric][0], "stderr": values[metric][1], "n": n}
                 break

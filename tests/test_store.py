@@ -790,3 +790,43 @@ def test_a_server_faults_fix_names_the_setting_the_location_came_from(field):
 
     line = connect_fault("postgresql://me@h/db", Exception("connection refused"), field).line()
     assert line.startswith(f"mergeval: error: {field}: ") and f"correct the host and port in {field} " in line
+
+
+def test_a_damaged_row_that_passes_the_integrity_check_is_reported_once_and_skipped(tmp_path, capsys):
+    """Undecodable text in a run and invalid JSON in an evaluation's payload: PRAGMA integrity_check passes, and
+    the store once failed with a traceback on either. Now each is one line, and the rest of the store is read."""
+    path = tmp_path / "s.sqlite"
+    store = Store(path)
+    for run_id in ("good", "bad"):
+        store.start_run(run_id, experiment="e", method="m", config={"seed": 0}, versions={}, git={})
+    store.put_scores("fp", DIGESTS, SETTINGS, SCORES)
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs SET config=CAST(X'7B80FF7D' AS TEXT) WHERE run_id='bad'")
+        db.execute("UPDATE evaluations SET metrics='{not json' WHERE task='a'")
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert [r["run_id"] for r in store.runs()] == ["good"]
+    assert [r["run_id"] for r in store.runs()] == ["good"]
+    got = store.stored_scores("fp", DIGESTS, SETTINGS)
+    assert "a" not in got and "b" in got  # the damaged task counts as not stored: it is evaluated again
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"mergeval: results store {path}: run bad is damaged (config: not UTF-8 text); left out",
+                    f"mergeval: results store {path}: the evaluation of a by model fp is damaged (metrics: not "
+                    "valid JSON); it is evaluated again and the row replaced"]
+    store.put_scores("fp", {"a": DIGESTS["a"]}, SETTINGS, {"a": SCORES["a"]})  # the re-evaluation replaces it
+    assert store.stored_scores("fp", DIGESTS, SETTINGS) == store.get_scores("fp", DIGESTS, SETTINGS)
+    assert set(store.get_scores("fp", DIGESTS, SETTINGS)) == set(DIGESTS)
+
+
+def test_the_results_command_lists_the_rest_of_a_store_with_a_damaged_run(tmp_path):
+    path = tmp_path / "s.sqlite"
+    store = Store(path)
+    for run_id in ("good", "bad"):
+        store.start_run(run_id, experiment="e", method="m", config={"seed": 0}, versions={}, git={})
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs SET experiment=CAST(X'80' AS TEXT) WHERE run_id='bad'")
+    out = subprocess.run([sys.executable, "-m", "mergeval.results", "--store", str(path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"mergeval: results store {path}: run bad is damaged (experiment: not UTF-8 text); left out"]
+    assert "good"[:8] in out.stdout or "running" in out.stdout

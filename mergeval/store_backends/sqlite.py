@@ -23,6 +23,10 @@ DAMAGED_FIX = ("move the file aside and rerun (evaluations are then recomputed),
                "with `sqlite3 FILE .recover | sqlite3 NEW`")
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
 class SqliteBackend:
     name = "sqlite"
     IntegrityError = sqlite3.IntegrityError
@@ -42,6 +46,9 @@ class SqliteBackend:
 
     def connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)  # we issue BEGIN ourselves
+        # text that is not UTF-8 (a damaged row PRAGMA integrity_check does not see) reads as lone surrogates
+        # instead of failing the whole query: the store reports that row and goes on (store.py, damaged)
+        db.text_factory = _text
         try:
             db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
             to_wal(db)

@@ -83,6 +83,17 @@ def explain(ex: BaseException) -> str | None:
         where, got, schema = shape.groups()
         return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
                 f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
+    logging_setup = next((m for e in chain if isinstance(e, ValueError) and
+                          (m := re.match(r"Unable to configure (handler|formatter|filter|root logger)(?: '([^']+)')?",
+                                         str(e)))), None)
+    if logging_setup:  # logging.config could not build what hydra.job_logging / hydra_logging describes
+        kind, name = logging_setup.groups()
+        node = "job_logging" if _hydra_job_dir(ex.__traceback__)[0] is not None else "hydra_logging"
+        cause = next((e for e in chain[chain.index(next(e for e in chain if isinstance(e, ValueError))) + 1:]), None)
+        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})" if cause else ""
+        where = f"hydra.{node}.{kind}s.{name}" if name else f"hydra.{node}.root"
+        return (f"{where}: logging cannot set it up{why}; fix its settings, or drop the "
+                f"override to keep Hydra's default logging")
     lexer = re.match(r"LexerNoViableAltException: (.*?)\s*$", str(ex).splitlines()[0] if str(ex) else "")
     if isinstance(ex, HydraException) and lexer:  # an override the grammar cannot read (space, quote, bad byte)
         arg = lexer.group(1).removesuffix("^").rstrip("; ")
@@ -353,7 +364,12 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     progress = None
     try:
-        from mergeval.sweep_check import might_sweep
+        from mergeval.sweep_check import code_in_config, might_sweep
+
+        refused = code_in_config(sys.argv[1:])
+        if refused is not None:
+            print(f"mergeval: error: {refused}", file=sys.stderr)
+            sys.exit(2)
 
         if might_sweep(sys.argv[1:]):  # -m, or an experiment that sets hydra.mode=MULTIRUN
             from mergeval.sweep_check import check_sweep
@@ -392,6 +408,8 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
             print(known.line(), file=sys.stderr)
             _exit_after_error()
         line = None if full_error else explain(ex)
+        if line is not None and _hydra_job_dir(ex.__traceback__)[0] is not None:  # Hydra failed setting a job up
+            discard_job_dir(_hydra_job_dir(ex.__traceback__)[0])
         if line is None:  # unexpected: its traceback, as Python reports it, and status 1
             if _merge_abandoned():
                 sys.excepthook(type(ex), ex, ex.__traceback__)

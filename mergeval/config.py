@@ -79,6 +79,8 @@ class BenchmarkConfig:
     data: dict[str, dict[str, str]] = field(default_factory=dict)
     n_items: int = 200  # items per generated task
     limit: int | None = None  # evaluate only the first N items of each task (reduced runs)
+    # task YAMLs of include_path that load Python (lm-eval's !function) run it: only when this is true
+    allow_task_code: bool = False
 
 
 @dataclass

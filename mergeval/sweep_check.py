@@ -135,6 +135,40 @@ def _hydra_config(overrides: list[str]):
     return _composed_hydra(tuple(overrides))[0]
 
 
+def code_in_config(argv: list[str]) -> str | None:
+    """The one line for Hydra settings that would run code and come from a config file (an experiment, a
+    modelset, a file of ``--config-dir``) rather than the user's own command line: ``hydra.callbacks`` (Hydra
+    instantiates each ``_target_``), and logging handlers, formatters or filters made by a factory (``()``) or a
+    class outside the standard library's ``logging`` (``logging.config`` calls them). None when there are none.
+    Hydra's blocklist stops ``os.system``, not ``shutil.copyfile``: files must not be able to run code at all."""
+    rest, search = split_config_dir(argv)
+    if search is None:
+        return None
+    overrides = [a for a in rest if not a.startswith("-")]
+    hydra_cfg = _hydra_config(search + overrides)
+    if hydra_cfg is None:
+        return None
+    own = [a.lstrip("+~").split("=", 1)[0] for a in overrides]
+
+    def on_command_line(name: str) -> bool:
+        return any(key == f"hydra.{name}" or key.startswith((f"hydra.{name}.", f"hydra/{name}")) for key in own)
+
+    fix = "mergeval runs no code from config files; set it on your own command line if you mean it"
+    callbacks = hydra_cfg.get("callbacks") or {}
+    if callbacks and not on_command_line("callbacks"):
+        return f"hydra.callbacks: a config file sets {', '.join(map(str, callbacks))}, which run code; {fix}"
+    for node in ("job_logging", "hydra_logging"):
+        if on_command_line(node):
+            continue
+        for section in ("handlers", "formatters", "filters"):
+            for name, spec in ((hydra_cfg.get(node) or {}).get(section) or {}).items():
+                made_by = spec.get("()") or spec.get("class") if hasattr(spec, "get") else None
+                if made_by is not None and ("()" in spec or not str(made_by).startswith("logging.")):
+                    return (f"hydra.{node}.{section}.{name}: a config file makes it with {made_by}, which runs "
+                            f"code; {fix}")
+    return None
+
+
 def hydra_problem(argv: list[str]) -> str | None:
     """The one line for a mistake in the sweep's own Hydra settings (``hydra/launcher=paralel``): found before
     the progress line says "sweep 0/2 done" and Hydra then fails; None when there is none (a job's mistake

@@ -582,3 +582,60 @@ def test_a_value_the_override_grammar_cannot_read_says_to_quote_it(override, tmp
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
     assert out.stderr.startswith("mergeval: error: output: Hydra's override grammar cannot read the value") \
         and "\"output='...'\"" in out.stderr and "Lexer" not in out.stderr, out.stderr
+
+
+EXPERIMENTS_THAT_RUN_CODE = {
+    "callback": "hydra:\n  callbacks:\n    copy:\n      _target_: shutil.copyfile\n      src: {src}\n      dst: {dst}\n",
+    "handler": "hydra:\n  job_logging:\n    handlers:\n      console:\n        class: shutil.copyfile\n"
+               "        src: {src}\n        dst: {dst}\n",
+    "factory": "hydra:\n  hydra_logging:\n    formatters:\n      simple:\n        (): shutil.copyfile\n"
+               "        src: {src}\n        dst: {dst}\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPERIMENTS_THAT_RUN_CODE))
+def test_a_config_file_cannot_run_code_through_hydra(kind, tmp_path):
+    """An experiment could set hydra.callbacks with ``_target_: shutil.copyfile`` and it ran (Hydra's blocklist
+    stops os.system only); logging handlers built by a class or factory outside ``logging`` run code too."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "src").write_text("secret")
+    body = EXPERIMENTS_THAT_RUN_CODE[kind].format(src=tmp_path / "src", dst=tmp_path / "copied")
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - tiny\n" + body)
+    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=mine", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert "which run" in out.stderr and "mergeval runs no code from config files" in out.stderr, out.stderr
+    assert not (tmp_path / "copied").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_the_users_own_command_line_may_set_callbacks_and_a_bad_handler_is_one_line(tmp_path, cache):
+    from mergeval.sweep_check import code_in_config
+
+    assert code_in_config(["+experiment=tiny", "+hydra.callbacks.log._target_=hydra.experimental.callbacks."
+                                               "LogJobReturnCallback"]) is None
+    assert code_in_config(["+experiment=tiny"]) is None
+    out = mergeval("+experiment=tiny", f"hydra.job_logging.handlers.file.filename={tmp_path / 'no' / 'x.log'}",
+                   cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-3000:]
+    assert out.stderr.startswith("mergeval: error: hydra.job_logging.handlers.file: logging cannot set it up "
+                                 "(FileNotFoundError"), out.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_task_yamls_that_run_python_need_an_explicit_opt_in(tmp_path, cache):
+    from omegaconf import OmegaConf
+
+    from mergeval.errors import UserError
+    from mergeval.eval.suite import check_no_task_code
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "plain.yaml").write_text("task: plain\ndataset_path: json\n")
+    check_no_task_code(tasks, "benchmark.include_path[0]")
+    (tasks / "mine.yaml").write_text("task: mine\nprocess_docs: !function utils.process_docs\n")
+    with pytest.raises(UserError, match=r"mine.yaml runs Python code .*!function utils.process_docs.*"
+                                        r"benchmark.allow_task_code=true"):
+        check_no_task_code(tasks, "benchmark.include_path[0]")
+    out = mergeval("+experiment=tiny", f"benchmark.include_path=[{tasks}]", cwd=tmp_path)
+    assert out.returncode == 2 and "benchmark.include_path[0]:" in out.stderr and "allow_task_code" in out.stderr
+    assert OmegaConf.structured(__import__("mergeval.config", fromlist=["x"]).BenchmarkConfig).allow_task_code \
+        is False

@@ -31,6 +31,7 @@ import difflib
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,22 @@ def resolve_path(spec: str, field: str, want_dir: bool) -> Path:
         raise UserError(field, f"no such {kind} '{spec}'", f"give an existing {kind} (or shipped:<path> inside "
                         f"{SHIPPED})")
     return path.resolve()
+
+
+def check_no_task_code(directory: Path, field: str) -> None:
+    """A directory of the user's task YAMLs loads no Python: lm-eval imports and runs what ``!function`` names
+    (a task's ``utils.process_docs``, a metric) as the task is loaded, so a directory from elsewhere runs code.
+    Refused unless ``benchmark.allow_task_code=true`` says the user trusts it (as ``eval.allow_code_execution``
+    does for the code a model writes)."""
+    for yaml_file in sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*_yaml")):
+        try:
+            text = yaml_file.read_text(errors="replace")
+        except OSError:
+            continue  # lm-eval reports an unreadable file when it loads the directory
+        found = re.search(r"!function\s+(\S+)", text)
+        if found:
+            raise UserError(field, f"{yaml_file} runs Python code when lm-eval loads it (!function {found.group(1)})",
+                            "read that code, then set benchmark.allow_task_code=true if you trust the directory")
 
 
 @dataclass(frozen=True)
@@ -136,7 +153,11 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
     elif split != "test":
         raise UserError("method.order", "ranking experts on a validation split needs mergeval's generated tasks",
                         "give method.validation_scores or set method.order=given")
-    paths += [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
+    given = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
+    for i, (spec, path) in enumerate(zip(bench.include_path, given)):
+        if not spec.startswith(SHIPPED_PREFIX) and not bench.get("allow_task_code", False):
+            check_no_task_code(path, f"benchmark.include_path[{i}]")
+    paths += given
     _quiet_lm_eval()
     manager = _manager(paths, others + list(bench.data or {}), cache)
     unknown = [t for t in others if t not in manager.all_tasks]

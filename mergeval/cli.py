@@ -109,7 +109,14 @@ def explain(ex: BaseException) -> str | None:
                 "job's config: give it the sweep's first values without -m)")
     if isinstance(ex, HydraException):
         lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
-        return "; ".join(lines[:2])
+        key = next((ln.removeprefix("full_key:").strip() for ln in lines if ln.startswith("full_key:")), None)
+        lines = [ln for ln in lines if not ln.startswith("full_key:")]
+        text = ""  # a sentence wrapped over lines (Hydra's instantiation blocklist) stays one sentence
+        for ln in lines:
+            text += ln if not text else (" " if text[-1] not in ".:;!?" else "; ") + ln
+        if re.search(r"Target '[^']+' is blocklisted", text):
+            return f"{key or '_target_'}: {text.rstrip('.')}; use another _target_ (or none)"
+        return f"{key}: {text}" if key else "; ".join(lines[:2])
     return None
 
 
@@ -125,6 +132,30 @@ def discard_job_dir(job_dir: Path) -> None:
                 parent.rmdir()
             except OSError:  # not empty (other runs) or not ours to remove
                 break
+
+
+def discard_abandoned_job_dirs(job_dir: Path) -> None:
+    """Remove the job directories beside ``job_dir`` that a killed mergeval process left: only Hydra's files and
+    the temporary directory of a write that never finished, whose owner is proven gone (``proc.orphaned``: a
+    SIGKILLed ``mergeval.merge`` left ``.hydra``, its log and ``.tmp-...merged_model`` behind). A directory
+    without such proof may belong to a job still running (fine-tuning experts, say) and is left alone."""
+    import shutil
+
+    from mergeval.proc import orphaned
+
+    try:
+        siblings = [p for p in job_dir.parent.iterdir() if p.is_dir() and p != job_dir]
+    except OSError:
+        return
+    for sibling in siblings:
+        try:
+            entries = list(sibling.iterdir())
+        except OSError:
+            continue
+        temps = [p for p in entries if p.name.startswith(".tmp-")]
+        hydra_only = all(p.name == ".hydra" or p.suffix == ".log" or p in temps for p in entries)
+        if temps and hydra_only and all(orphaned(p.name) for p in temps):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -222,6 +253,7 @@ def failing_cleanly(job_dir: Path):
     sys.unraisablehook = _redeliver_swallowed_interrupt
     try:
         _check_job_dir_text(job_dir)
+        discard_abandoned_job_dirs(job_dir)
         yield
     except KeyboardInterrupt:
         discard_job_dir(job_dir)

@@ -639,3 +639,23 @@ def test_task_yamls_that_run_python_need_an_explicit_opt_in(tmp_path, cache):
     assert out.returncode == 2 and "benchmark.include_path[0]:" in out.stderr and "allow_task_code" in out.stderr
     assert OmegaConf.structured(__import__("mergeval.config", fromlist=["x"]).BenchmarkConfig).allow_task_code \
         is False
+
+
+def test_the_next_run_removes_the_job_directory_of_a_killed_merge(tmp_path, cache):
+    """A SIGKILLed ``mergeval.merge`` leaves .hydra, its log and the unfinished output's temporary directory;
+    the next command removes that job directory (its owner is proven gone), never one that may still be live."""
+    from mergeval.proc import tmp_prefix
+
+    dead = subprocess.run([sys.executable, "-c", "from mergeval.proc import tmp_prefix; "
+                           "print(tmp_prefix('merged_model'))"], capture_output=True, text=True, check=True)
+    day = tmp_path / "outputs" / "day"
+    killed, live, starting = day / "killed", day / "live", day / "starting"
+    for job, prefix in ((killed, dead.stdout.strip()), (live, tmp_prefix("merged_model")), (starting, None)):
+        (job / ".hydra").mkdir(parents=True)
+        (job / "merge.log").write_text("")
+        if prefix:
+            (job / f"{prefix}abc").mkdir()
+    out = run_module("mergeval.merge", "+experiment=tiny", f"hydra.run.dir={day / 'next'}", cwd=tmp_path,
+                     env=dict(os.environ), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not killed.exists() and live.exists() and starting.exists() and (day / "next" / "merged_model").is_dir()

@@ -184,3 +184,29 @@ def test_the_tokenizer_check_compares_bytes_before_parsing(tiny_dir, tmp_path, m
     (swapped / "tokenizer.json").write_text(json.dumps(doc))
     with pytest.raises(UserError, match=r"its tokenizer differs from the base's \(model in tokenizer.json\)"):
         check_compatible(tiny_dir, {"swapped": swapped})
+
+
+def test_a_damaged_build_in_mergevals_own_cache_is_removed_and_built_again(tmp_path, capsys):
+    """A truncated file in a checkpoint mergeval built itself (a full disk, a killed copy) is mergeval's to fix:
+    the line once told the user to re-download a model they never downloaded."""
+    from mergeval.zoo.tiny import zoo_dir
+
+    first = zoo_dir("tiny", tmp_path)
+    weights = fingerprint(first)
+    shard = first / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    again = zoo_dir("tiny", tmp_path)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mergeval:")]
+    assert again == first and fingerprint(again) == weights
+    assert len(said) == 1 and "zoo:tiny: the cached build" in said[0] and "building it again" in said[0]
+
+
+def test_a_bin_only_model_is_told_what_it_lacks(tiny_dir, tmp_path):
+    model = tmp_path / "bin_only"
+    model.mkdir()
+    (model / "config.json").write_text((tiny_dir / "config.json").read_text())
+    (model / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(UserError, match=r"has its weights only as pytorch_model.bin .*save_pretrained\(DIR, "
+                                        r"safe_serialization=True\)") as err:
+        resolve_source(str(model), "modelset.base", tmp_path, True)
+    assert "no config.json" not in str(err.value)

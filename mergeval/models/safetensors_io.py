@@ -94,6 +94,25 @@ def read_config(model_dir: Path, label: str = "modelset") -> dict:
     return config
 
 
+def cached_build_usable(target: Path, label: str) -> bool:
+    """Whether a checkpoint mergeval built into its own cache (the converted SmolLM2, a zoo model, a fine-tuned
+    expert) is there and whole. A damaged one (a file truncated by a full disk, a killed copy) is mergeval's to
+    fix, not the user's: it is removed, with one line saying so, and the caller builds it again."""
+    if not target.exists():
+        return False
+    try:
+        check_checkpoint(target, label)
+    except UserError as err:
+        import shutil
+        import sys
+
+        print(f"mergeval: {label}: the cached build {target} is damaged ({err.problem}); building it again",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(target, ignore_errors=True)
+        return False
+    return True
+
+
 def check_checkpoint(model_dir: Path, label: str) -> dict[str, tuple[int, ...]]:
     """Check config.json and every safetensors file of ``model_dir``; returns tensor name -> shape."""
     read_config(model_dir, label)

@@ -14,6 +14,7 @@ import importlib.util
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.models.safetensors_io import cached_build_usable
 from mergeval.paths import atomic_dir, one_builder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +38,7 @@ def smollm2_dir(cache: Path, field: str) -> Path:
     """The converted checkpoint directory, built on first use."""
     gguf = gguf_path(field)
     target = cache / "models" / f"smollm2-135m-instruct-q4_1-{gguf.stat().st_size}"
-    if target.exists():
+    if cached_build_usable(target, field):
         return target
     with one_builder(target, f"the converted {gguf.name}") as build:
         if build:

@@ -48,9 +48,15 @@ def _local_dir(path: Path, field: str) -> Path:
     if not path.is_dir():
         raise UserError(field, f"no such model directory '{path}'",
                         "point it at a directory with config.json and *.safetensors, or use smollm2 / hf:<org>/<name>")
-    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
-        raise UserError(field, f"'{path}' has no config.json and *.safetensors",
-                        "save the model with save_pretrained(..., safe_serialization=True) first")
+    if not (path / "config.json").exists():
+        raise UserError(field, f"'{path}' has no config.json", "point it at the directory save_pretrained wrote "
+                        "(config.json beside *.safetensors), or use smollm2 / hf:<org>/<name>")
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        what = (f"its weights only as {pickled[0]} (a PyTorch pickle, which mergeval does not load: unpickling can "
+                "run code)") if pickled else "no *.safetensors weights"
+        raise UserError(field, f"'{path}' has {what}", "convert it once: AutoModelForCausalLM.from_pretrained(DIR)"
+                        ".save_pretrained(DIR, safe_serialization=True)")
     return path.resolve()
 
 

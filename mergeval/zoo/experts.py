@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.paths import atomic_dir, one_builder
+from mergeval.models.safetensors_io import cached_build_usable
 from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, split_items
 
 # The held-out evaluation items the training pool must avoid (the benchmark's n_items
@@ -44,7 +45,7 @@ def expert_dir(base_dir: Path, base_fingerprint: str, domain: str, train, cache:
     if train_dtype(train) not in ("bfloat16", "float32"):
         raise UserError("modelset.train.dtype", f"unknown dtype '{train_dtype(train)}'", "use bfloat16 or float32")
     target = cache / "experts" / f"{domain}-{expert_key(base_fingerprint, domain, train)}"
-    if target.exists():
+    if cached_build_usable(target, field):
         return target
     with one_builder(target, f"expert '{domain}'") as build:
         if build:

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 from mergeval.paths import atomic_dir
+from mergeval.models.safetensors_io import cached_build_usable
 from mergeval.zoo.domains import DOMAINS, QUICKSTART_DOMAINS
 
 ZOO = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -21,7 +22,7 @@ ZOO = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, n
 def zoo_dir(name: str, cache: Path) -> Path:
     spec = ZOO[name]
     target = cache / "models" / ("zoo-" + name + "-" + "-".join(f"{v}" for v in spec.values()))
-    if not target.exists():
+    if not cached_build_usable(target, f"zoo:{name}"):
         with atomic_dir(target) as tmp:
             _build(tmp, **spec)
     return target

@@ -55,6 +55,23 @@ def check_job_dir(cfg: DictConfig, out_dir: Path) -> None:
                         "choose a new directory (by default each run gets its own) or remove that result.json")
 
 
+def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path]) -> None:
+    """A run evaluates its merge in the base's architecture: vocab_policy=truncate fits it only when no expert has
+    fewer vocabulary rows than the base (experts padded beyond the base: the shared rows are merged)."""
+    from mergeval.models.checkpoint import read_config, vocab_size
+
+    if policy != "truncate":
+        return
+    base = vocab_size(read_config(base_dir, "modelset.base"))
+    for name, path in expert_dirs.items():
+        theirs = vocab_size(read_config(path, f"modelset.experts.{name}"))
+        if base is not None and theirs is not None and theirs < base:
+            raise UserError("vocab_policy", f"truncate cuts the merge to expert {name}'s {theirs} vocabulary rows, "
+                            f"fewer than the base's {base}, so it cannot be evaluated in the base's architecture",
+                            "use vocab_policy=union (the base's rows for the tokens it lacks), or python -m "
+                            "mergeval.merge to write the truncated merge")
+
+
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     """One run, recorded in the results store: ``running`` from here, then ``failed`` on any error (a user's
     mistake, a fault, a bug), ``interrupted`` on Ctrl-C or SIGTERM, or ``finished`` by ``write_result``. A
@@ -90,16 +107,13 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     timings = lap.timings
 
     method, method_cfg = validate(cfg)
-    if cfg.vocab_policy == "truncate":  # the merge would not fit the base's architecture we evaluate it in
-        raise UserError("vocab_policy", "truncate changes the vocabulary size, so the merge cannot be evaluated "
-                        "in the base's architecture", "use vocab_policy=union, or python -m mergeval.merge to "
-                        "write the truncated merge")
     cache = cache_root(cfg.cache_dir)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)  # loads every task's data: missing data fails here
     check_rows(cfg, suite.rows)
     tasks = suite.names
     lap("load_tasks")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
+    _check_truncation(cfg.vocab_policy, base_dir, expert_dirs)
     lap("resolve_models")
     tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
     # either; a run whose merge and scores all come from the store never loads it (2-3 s of imports)

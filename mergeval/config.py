@@ -183,7 +183,8 @@ class RunConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     offline: bool = True  # hub ids resolve from the local Hugging Face cache only
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
-    vocab_policy: str = "error"  # inputs with different vocabularies: error | truncate | union (mergeval.engine.vocab)
+    # inputs with different vocabularies: error | base | truncate | union (mergeval.engine.vocab)
+    vocab_policy: str = "error"
     output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
     # dtype of the floating tensors a saved merge is written in (merge-only output, save_merged): float32 |
     # bfloat16 | float16; null keeps each tensor's dtype in the base. Merging itself always runs in float32.

@@ -19,7 +19,7 @@ from mergeval.engine.card import model_card
 from mergeval.engine.execute import Blocks, output_shapes, run_plan
 from mergeval.engine.plan import build_plan, check_plan
 from mergeval.engine.reader import CheckpointReader, MemorySource
-from mergeval.engine.vocab import vocab_rows
+from mergeval.engine.vocab import keep_base_rows, vocab_rows
 from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files, output_specs
 from mergeval.errors import UserError
 from mergeval.methods import MergeMethod
@@ -53,6 +53,7 @@ def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progres
     rows = vocab_rows(b.shapes, [e.shapes for e in es], [e.label for e in es], vocab_policy)
     plan = build_plan(method, cfg, b.dtypes)
     check_plan(method, plan, len(es))
+    plan = keep_base_rows(plan, rows, vocab_policy)
     out = {}
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
     # tensor: tests/test_rows.py), so they get the compiled kernels and every core (TIES of the quickstart
@@ -98,13 +99,15 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
     plan = build_plan(method, cfg, base.dtypes)
     check_plan(method, plan, len(experts))
+    plan = keep_base_rows(plan, rows, vocab_policy)
     state = model.state_dict()  # shares storage with the parameters (tied weights share one tensor)
     for name, shape in output_shapes(plan, base.shapes, rows).items():
         if name not in state:
             raise ValueError(f"checkpoint tensor {name} is not in the model's state dict")
         if tuple(state[name].shape) != shape:
             raise UserError("vocab_policy", f"the merge gives {name} shape {list(shape)} but the live model has "
-                            f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate")
+                            f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate, or keep the "
+                            "base's rows: vocab_policy=base")
     with torch.no_grad():
         for name, merged in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
             if isinstance(merged, Blocks):  # a large tensor merged a row block at a time: each block into its rows

@@ -19,7 +19,7 @@ from mergeval.engine.card import model_card
 from mergeval.engine.execute import output_shapes, run_plan
 from mergeval.engine.plan import build_plan, check_plan
 from mergeval.engine.reader import CheckpointReader
-from mergeval.engine.vocab import vocab_rows
+from mergeval.engine.vocab import keep_base_rows, vocab_rows
 from mergeval.engine.writer import DEFAULT_SHARD_SIZE, ShardWriter, cast_to, copy_model_files, output_specs
 from mergeval.errors import UserError
 from mergeval.methods import MergeMethod
@@ -54,6 +54,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
     plan = build_plan(method, method_cfg, base.dtypes)
     check_plan(method, plan, len(experts))
+    plan = keep_base_rows(plan, rows, vocab_policy)
     specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()},
                          out_dtype)
     tokenizer_role, tokenizer_dir, out_vocab = tokenizer_source(base_dir, named, vocab_policy if rows else "error")

@@ -8,6 +8,14 @@ error. Per tensor with R_b rows in the base and R_i in expert i:
     truncate  output rows R = min(R_b, R_1, ..., R_N); every input keeps its first R rows
     union     output rows R = R_b; expert i's rows R_i..R_b-1 are the base's rows
               (a zero task vector for the tokens it lacks); R_i > R_b is an error
+    base      output = the base's tensor as it is (R_b rows, no task vector): the experts'
+              embeddings and head are not merged, whatever rows they have. MergeBench's
+              choice for its Llama-3.2-3B experts, padded to 128,320 rows against the
+              base's 128,256. Tensors whose shapes agree are merged as usual.
+
+``truncate`` over experts padded beyond the base (R_i >= R_b for all i) merges the
+shared rows and gives the base's shape, so its merge evaluates in the base's
+architecture too.
 
 Neither policy maps tokens between different tokenizers: both assume the
 shared ids mean the same tokens (an extended tokenizer), as mergekit's
@@ -49,8 +57,28 @@ def vocab_rows(base: Mapping[str, Shape], experts: list[Mapping[str, Shape]], la
                             "cannot keep", "use vocab_policy=truncate, or make the model with the largest vocabulary "
                             "the base")
         for name, shape in differ.items():
-            rows[name] = base[name][0] if policy == "union" else min(rows.get(name, base[name][0]), shape[0])
+            rows[name] = base[name][0] if policy in ("union", "base") else min(rows.get(name, base[name][0]),
+                                                                               shape[0])
     return rows
+
+
+def keep_base_rows(plan: list, rows: Mapping[str, int], policy: str) -> list:
+    """The plan with every unit of a tensor whose inputs differ in rows made a copy of the base's tensor, under
+    ``policy`` base (the others unchanged)."""
+    import dataclasses
+
+    if policy != "base" or not rows:
+        return plan
+    out = []
+    for unit in plan:
+        if not any(name in rows for name in unit.names):
+            out.append(unit)
+        elif unit.kind == "tensor":
+            out.append(dataclasses.replace(unit, kind="copy"))
+        else:  # a layer-wise unit holding a vocabulary tensor: its other tensors need the layer
+            raise UserError("vocab_policy", f"{unit.key} merges {', '.join(unit.names)} together, and the base "
+                            "policy would keep some of them from the base alone", "use vocab_policy=truncate")
+    return out
 
 
 def align(base: torch.Tensor, experts: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -66,9 +66,10 @@ def architecture(config: dict) -> dict:
     return arch
 
 
-VOCAB_POLICIES = ("error", "truncate", "union")
-VOCAB_FIX = ("merge models that share the base's tokenizer, or set vocab_policy=truncate (all to the smallest "
-             "vocabulary) or vocab_policy=union (the base's vocabulary; the base's rows for tokens an expert lacks)")
+VOCAB_POLICIES = ("error", "truncate", "union", "base")
+VOCAB_FIX = ("merge models that share the base's tokenizer, or set vocab_policy=base (the base's embeddings and "
+             "head as they are: experts padded beyond the base), truncate (all to the smallest vocabulary) or union "
+             "(the base's vocabulary; the base's rows for tokens an expert lacks)")
 
 
 def check_vocab_policy(policy: str) -> None:

@@ -22,6 +22,7 @@ from mergeval.cli import discard_job_dir, failing_cleanly, loading_modules, run_
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
 from mergeval.models.sources import looks_like_path
+from mergeval.models.adapters import is_adapter
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs
@@ -119,9 +120,11 @@ def _locate(source: str, offline: bool) -> dict:
         return {"present": False, "where": "no such directory", "size": None,
                 "fetch": "point the source at a directory with config.json and *.safetensors"}
     if not source.startswith("hf:") and path.exists():
+        if is_adapter(path):
+            return {"present": True, "where": f"{path} (a PEFT adapter: applied to the base when loaded)",
+                    "size": dir_size(path), "fetch": None}
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-        why = "a PEFT adapter: merge it into its base first" if (path / "adapter_config.json").is_file() else \
-            "no config.json and *.safetensors"
+        why = "no config.json and *.safetensors"
         return {"present": ok, "where": str(path) if ok else why, "size": dir_size(path), "fetch": None if ok else
                 "save the full model with save_pretrained(..., safe_serialization=True)"}
     repo = source.removeprefix("hf:")
@@ -133,9 +136,9 @@ def _locate(source: str, offline: bool) -> dict:
                                        allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
     except Exception:  # the hub client raises several types for "not cached"
         return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch}
-    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
-        return {"present": False, "where": f"{local} holds a PEFT adapter, not a full model", "size": dir_size(local),
-                "fetch": "merge the adapter into its base (peft merge_and_unload) and point the source at the result"}
+    if is_adapter(local):
+        return {"present": True, "where": f"{local} (a PEFT adapter: applied to the base when loaded)",
+                "size": dir_size(local), "fetch": None}
     if not any(local.glob("*.safetensors")):
         return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch}
     return {"present": True, "where": str(local), "size": dir_size(local), "fetch": None}

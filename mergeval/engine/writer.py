@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 
 from mergeval.engine.reader import DTYPES, INDEX
+from mergeval.models.fingerprint import TOKENIZER_FILES
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3  # 5 GB, transformers' and mergekit's default
 SAFETENSORS_DTYPE = {dtype: code for code, dtype in DTYPES.items()}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mergeval.errors import UserError
+from mergeval.models.adapters import applied_adapter, is_adapter
 from mergeval.models.checkpoint import check_compatible
 from mergeval.models.fingerprint import fingerprint, model_identity
 from mergeval.models.sources import resolve_source
@@ -25,8 +26,15 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
     given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
              for name, e in cfg.modelset.experts.items() if e.source is not None}
     base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
-    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
+    if is_adapter(base_dir):
+        raise UserError("modelset.base", f"'{base_dir}' is a PEFT adapter, not a full model", "make the adapter's "
+                        "own base (base_model_name_or_path in adapter_config.json) the base and the adapter an expert")
     models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache)]
+    for name, path in given.items():  # adapters applied to the base, once (cached)
+        if is_adapter(path):
+            given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
+                                          f"modelset.experts.{name}.source")
+    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
         if name in given:

@@ -5,6 +5,8 @@ Sources:
   ``zoo:tiny``         a tiny random-initialised Llama built by mergeval (tests, demos)
   ``hf:<org>/<name>``  a Hugging Face hub id (``org/name`` alone works too when no such path exists)
   any other string     a local directory holding config.json and *.safetensors
+A directory (or hub repository) holding a PEFT LoRA adapter is returned as it is; ``resolve_models`` applies
+it to the modelset's base (models/adapters.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def _local_dir(path: Path, field: str) -> Path:
     if not path.is_dir():
         raise UserError(field, f"no such model directory '{path}'",
                         "point it at a directory with config.json and *.safetensors, or use smollm2 / hf:<org>/<name>")
+    from mergeval.models.adapters import is_adapter
+
+    if is_adapter(path):  # a PEFT adapter: applied to the modelset's base by resolve_models
+        return path.resolve()
     if not (path / "config.json").exists():
         raise UserError(field, f"'{path}' has no config.json", "point it at the directory save_pretrained wrote "
                         "(config.json beside *.safetensors), or use smollm2 / hf:<org>/<name>")

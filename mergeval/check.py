@@ -124,6 +124,8 @@ def _locate(source: str, offline: bool) -> dict:
             return {"present": True, "where": f"{path} (a PEFT adapter: applied to the base when loaded)",
                     "size": dir_size(path), "fetch": None}
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+        if ok and (quantized := _quantized(path)) is not None:
+            return quantized
         why = "no config.json and *.safetensors"
         return {"present": ok, "where": str(path) if ok else why, "size": dir_size(path), "fetch": None if ok else
                 "save the full model with save_pretrained(..., safe_serialization=True)"}
@@ -141,7 +143,22 @@ def _locate(source: str, offline: bool) -> dict:
                 "size": dir_size(local), "fetch": None}
     if not any(local.glob("*.safetensors")):
         return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch}
-    return {"present": True, "where": str(local), "size": dir_size(local), "fetch": None}
+    return _quantized(local) or {"present": True, "where": str(local), "size": dir_size(local), "fetch": None}
+
+
+def _quantized(path: Path) -> dict | None:
+    """A quantized checkpoint's row: present when mergeval dequantizes its format at load, else what to do."""
+    from mergeval.models.quantized import can_dequantize, describe, quantization_of
+
+    quant = quantization_of(path)
+    if quant is None:
+        return None
+    if can_dequantize(quant):
+        return {"present": True, "where": f"{path} (quantized, {describe(quant)}: dequantized when loaded)",
+                "size": dir_size(path), "fetch": None}
+    return {"present": False, "where": f"{path} is quantized ({describe(quant)}), which mergeval cannot dequantize",
+            "size": dir_size(path), "fetch": "use the unquantized checkpoint, or dequantize it where its kernels run "
+            "(from_pretrained(DIR).dequantize().save_pretrained(OUT))"}
 
 
 def _print_cost(cfg: DictConfig, console, n_models: int) -> None:

@@ -333,7 +333,7 @@ def test_save_merged_writes_a_loadable_model(tmp_path, cache):
     merged = read_result(result_file.parent)["models"][-1]
     from mergeval.models.fingerprint import fingerprint
 
-    assert fingerprint(Path(merged["path"])) == merged["fingerprint"]
+    assert fingerprint(Path(merged["path"])) == merged["weights"]
 
 
 def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):

@@ -10,6 +10,7 @@ from mergeval.errors import UserError
 from mergeval.models.adapters import applied_adapter, is_adapter
 from mergeval.models.checkpoint import check_compatible
 from mergeval.models.fingerprint import fingerprint, model_identity
+from mergeval.models.quantized import dequantized, quantization_of
 from mergeval.models.sources import resolve_source
 from mergeval.outcome import ModelInfo
 
@@ -25,11 +26,13 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
     fp_cache = cache / "fingerprints.json"
     given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
              for name, e in cfg.modelset.experts.items() if e.source is not None}
-    base_dir = resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline)
+    base_dir = _unquantized(resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline), cache,
+                            "modelset.base")
+    given = {name: _unquantized(path, cache, f"modelset.experts.{name}.source") for name, path in given.items()}
     if is_adapter(base_dir):
         raise UserError("modelset.base", f"'{base_dir}' is a PEFT adapter, not a full model", "make the adapter's "
                         "own base (base_model_name_or_path in adapter_config.json) the base and the adapter an expert")
-    models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache)]
+    models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache, field="modelset.base")]
     for name, path in given.items():  # adapters applied to the base, once (cached)
         if is_adapter(path):
             given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
@@ -44,16 +47,24 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
                               f"modelset.experts.{name}.domain")
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
-        models.append(_info(name, source, path, base_dir, fp_cache, expert.task))
+        models.append(_info(name, source, path, base_dir, fp_cache, expert.task, f"modelset.experts.{name}"))
         _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
     check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
     return base_dir, expert_dirs, models
 
 
-def _info(role: str, source: str, path: Path, base_dir: Path, fp_cache: Path, task: str | None = None) -> ModelInfo:
+def _unquantized(path: Path, cache: Path, field: str) -> Path:
+    """``path``, or its dequantized copy when config.json says it is quantized (models/quantized.py)."""
+    quant = quantization_of(path)
+    return path if quant is None else dequantized(path, quant, cache, field)
+
+
+def _info(role: str, source: str, path: Path, base_dir: Path, fp_cache: Path, task: str | None = None,
+          field: str = "modelset") -> ModelInfo:
     """A model's row: its weights' fingerprint and its identity as a run evaluates it (its own config, the
-    base's tokenizer: every model of a run is evaluated with the tokenizer the merge has)."""
-    weights = fingerprint(path, fp_cache)
+    base's tokenizer: every model of a run is evaluated with the tokenizer the merge has). A damaged
+    checkpoint is reported under ``field``."""
+    weights = fingerprint(path, fp_cache, field)
     return ModelInfo(role, source, model_identity(weights, path, base_dir), str(path), task, weights=weights)
 
 

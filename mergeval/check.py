@@ -7,6 +7,12 @@ is (a path, the Hugging Face cache) and its size. When every data set is
 local, it also loads the tasks and counts the requests and forward passes
 one model's evaluation takes. Then either ``ready`` (exit 0) or one line per
 missing piece with the command that fetches it (exit 2).
+
+With ``offline=false``, a hub model that is not in the local cache is looked up on the hub from its small
+metadata only (models/hub_metadata.py: the file list with sizes, config.json or adapter_config.json; never a
+weight): its row gives the files and bytes a run downloads, the total of all such models is printed, and every
+expert's config (from the hub or its directory) is compared with the base's: architecture, vocabulary (as
+``vocab_policy`` allows), an adapter's base. Each incompatibility is one more line, naming the expert.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
 from mergeval.models.sources import looks_like_path
 from mergeval.models.adapters import is_adapter
+from mergeval.models.hub_metadata import HUB_PATTERNS
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs
@@ -71,6 +78,12 @@ def check(cfg: DictConfig, console=None) -> list[str]:
     console.print(table)
     problems = [f"{m['field']}: {m['source']} ({m['where']}); fetch: {m['fetch']}" for m in models
                 if not m["present"]]
+    if not cfg.offline:
+        downloads = [m["download"] for m in models if m.get("download") is not None]
+        if downloads:
+            console.print(f"to download from the hub: {_size(sum(downloads))} ({len(downloads)} models not yet "
+                          "local; the fetch commands below)")
+        problems += _incompatibilities(cfg, models, console)
     seen = set()
     for d in data:
         if not d.present and d.source not in seen:
@@ -104,11 +117,102 @@ def _print_calibration_cost(cfg: DictConfig, console) -> None:
 
 
 def model_needs(cfg: DictConfig) -> list[dict]:
-    """The base and every expert: where each is, or that it is missing and how to fetch it."""
+    """The base and every expert: where each is, or that it is missing and how to fetch it. A row's ``dir`` is
+    its local directory; with ``offline=false``, a hub model not yet local is read from the hub's metadata
+    (``hub``: a HubModel; ``download``: the bytes a run downloads, where the model is usable)."""
     items = [("base", "modelset.base", cfg.modelset.base)]
     items += [(n, f"modelset.experts.{n}", e.source or f"finetune:{e.domain}") for n, e in cfg.modelset.experts.items()]
-    return [{"role": role, "field": field, "source": source, **_locate(source, cfg.offline)}
-            for role, field, source in items]
+    rows = []
+    for role, field, source in items:
+        row = {"role": role, "field": field, "source": source, **_locate(source, cfg.offline)}
+        if not cfg.offline and not row["present"] and row.get("repo"):
+            row.update(_on_hub(row["repo"], field))
+        rows.append(row)
+    return rows
+
+
+def _on_hub(repo: str, field: str) -> dict:
+    """A hub model's row from its metadata: the files and bytes a run downloads, or why a run could not use it."""
+    from mergeval.models.hub_metadata import hub_model
+    from mergeval.models.quantized import can_dequantize, describe
+
+    try:
+        hub = hub_model(repo, field)
+    except UserError as err:
+        return {"where": err.problem, "fetch": err.fix}
+    where = f"on the hub: {len(hub.download)} files, {_size(hub.download_size)} to download"
+    if not any(name.endswith(".safetensors") for name in hub.files):
+        pickled = sorted(name for name in hub.files if name.endswith((".bin", ".pt")))
+        return {"hub": hub, "where": "on the hub without *.safetensors weights" + (
+            f" (only {pickled[0]}, a PyTorch pickle, which mergeval does not load)" if pickled else ""),
+            "fetch": "convert it once where it loads: AutoModelForCausalLM.from_pretrained(ID).save_pretrained(DIR, "
+            "safe_serialization=True), then point the source at DIR"}
+    quant = hub.quantization
+    if quant is not None and not can_dequantize(quant):
+        return {"hub": hub, "where": f"{where}; quantized ({describe(quant)}), which mergeval cannot dequantize",
+                "fetch": DEQUANTIZE_FIX}
+    if quant is not None:
+        where += f"; quantized ({describe(quant)}): dequantized when loaded"
+    if hub.is_adapter:
+        where += f"; a PEFT adapter for {hub.adapter_base}"
+    return {"hub": hub, "where": where, "size": hub.download_size, "download": hub.download_size}
+
+
+def _incompatibilities(cfg: DictConfig, models: list[dict], console) -> list[str]:
+    """Each expert's config (hub metadata or its directory) against the base's, one line per expert that a run
+    would refuse: the architecture (as check_compatible compares it), the vocabulary (as ``vocab_policy``
+    allows: an allowed difference is a printed note), an adapter's base (check_adapter_base). A model whose
+    config is not known before it is built (smollm2, zoo:, finetune:) or not readable is not compared."""
+    from mergeval.models.adapters import check_adapter_base
+    from mergeval.models.checkpoint import check_vocab_policy
+
+    check_vocab_policy(cfg.vocab_policy)
+    base, *experts = models
+    base_dir = base.get("dir") or Path(cfg.modelset.base.removeprefix("hf:"))
+    problems = []
+    try:
+        base_config, _ = _configs(base)
+    except UserError as err:
+        return [str(err)]
+    for m in experts:
+        try:
+            config, adapter = _configs(m)
+            if adapter is not None:
+                check_adapter_base(adapter, cfg.modelset.base, base_dir, m["field"])
+            elif config is not None and base_config is not None:
+                note = _compare(m["field"], config, base_config, cfg.vocab_policy)
+                if note:
+                    console.print(note)
+        except UserError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _configs(row: dict) -> tuple[dict | None, dict | None]:
+    """A model row's (config.json, adapter_config.json) as far as known without downloading weights."""
+    from mergeval.models.adapters import adapter_config
+    from mergeval.models.safetensors_io import read_config
+
+    if row.get("hub") is not None:
+        return row["hub"].config, row["hub"].adapter
+    if row.get("dir") is None:
+        return None, None
+    if is_adapter(row["dir"]):
+        return None, adapter_config(row["dir"], row["field"])
+    return read_config(row["dir"], row["field"]), None
+
+
+def _compare(field: str, config: dict, base_config: dict, vocab_policy: str) -> str | None:
+    """A UserError for an architecture a merge with the base refuses (check_compatible's comparison of the
+    configs) or a vocabulary ``vocab_policy`` refuses; a note for a vocabulary difference it allows."""
+    from mergeval.models.checkpoint import check_architecture, check_vocab, vocab_size
+
+    check_architecture(field, config, base_config)
+    theirs, ours = vocab_size(config), vocab_size(base_config)
+    if theirs == ours:
+        return None
+    check_vocab(field, {}, {}, ours, theirs, vocab_policy)
+    return f"note: {field}: vocab_size {theirs} vs the base's {ours}, merged as vocab_policy={vocab_policy} says"
 
 
 def _locate(source: str, offline: bool) -> dict:
@@ -122,28 +226,30 @@ def _locate(source: str, offline: bool) -> dict:
     if not source.startswith("hf:") and path.exists():
         if is_adapter(path):
             return {"present": True, "where": f"{path} (a PEFT adapter: applied to the base when loaded)",
-                    "size": dir_size(path), "fetch": None}
+                    "size": dir_size(path), "fetch": None, "dir": path}
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
         if ok and (quantized := _quantized(path)) is not None:
             return quantized
         why = "no config.json and *.safetensors"
         return {"present": ok, "where": str(path) if ok else why, "size": dir_size(path), "fetch": None if ok else
-                "save the full model with save_pretrained(..., safe_serialization=True)"}
+                "save the full model with save_pretrained(..., safe_serialization=True)", "dir": path if ok else None}
     repo = source.removeprefix("hf:")
-    fetch = f"hf download {repo} --include '*.json' '*.safetensors' 'tokenizer*' '*.model' '*.txt'"
+    fetch = f"hf download {repo} --include " + " ".join(f"'{p}'" for p in HUB_PATTERNS)
     try:
         from huggingface_hub import snapshot_download
 
-        local = Path(snapshot_download(repo, local_files_only=True,
-                                       allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+        local = Path(snapshot_download(repo, local_files_only=True, allow_patterns=HUB_PATTERNS))
     except Exception:  # the hub client raises several types for "not cached"
-        return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch}
+        return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch,
+                "repo": repo}
     if is_adapter(local):
         return {"present": True, "where": f"{local} (a PEFT adapter: applied to the base when loaded)",
-                "size": dir_size(local), "fetch": None}
+                "size": dir_size(local), "fetch": None, "dir": local}
     if not any(local.glob("*.safetensors")):
-        return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch}
-    return _quantized(local) or {"present": True, "where": str(local), "size": dir_size(local), "fetch": None}
+        return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch,
+                "repo": repo}
+    return _quantized(local) or {"present": True, "where": str(local), "size": dir_size(local), "fetch": None,
+                                 "dir": local}
 
 
 def _quantized(path: Path) -> dict | None:
@@ -155,10 +261,13 @@ def _quantized(path: Path) -> dict | None:
         return None
     if can_dequantize(quant):
         return {"present": True, "where": f"{path} (quantized, {describe(quant)}: dequantized when loaded)",
-                "size": dir_size(path), "fetch": None}
+                "size": dir_size(path), "fetch": None, "dir": path}
     return {"present": False, "where": f"{path} is quantized ({describe(quant)}), which mergeval cannot dequantize",
-            "size": dir_size(path), "fetch": "use the unquantized checkpoint, or dequantize it where its kernels run "
-            "(from_pretrained(DIR).dequantize().save_pretrained(OUT))"}
+            "size": dir_size(path), "fetch": DEQUANTIZE_FIX}
+
+
+DEQUANTIZE_FIX = ("use the unquantized checkpoint, or dequantize it where its kernels run "
+                  "(from_pretrained(DIR).dequantize().save_pretrained(OUT))")
 
 
 def _print_cost(cfg: DictConfig, console, n_models: int) -> None:

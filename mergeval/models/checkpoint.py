@@ -94,6 +94,17 @@ def vocab_tensors(base_shapes: dict[str, tuple[int, ...]], shapes: dict[str, tup
             and shape[1:] == base_shapes[name][1:] and shape[0] == vocab and base_shapes[name][0] == base_vocab}
 
 
+def check_architecture(field: str, config: dict, base_config: dict) -> None:
+    """A UserError naming the first architecture field (ARCHITECTURE_FIELDS) in which ``config`` differs from the
+    base's; model_type, hidden_size and num_hidden_layers must be there in both or in neither."""
+    arch, base_arch = architecture(config), architecture(base_config)
+    for key in ARCHITECTURE_FIELDS:
+        if key in arch and key in base_arch and arch[key] != base_arch[key] or \
+                key in ("model_type", "hidden_size", "num_hidden_layers") and arch.get(key) != base_arch.get(key):
+            raise UserError(field, f"{key} is {arch.get(key)!r} but the base has {base_arch.get(key)!r}",
+                            "merge only models of the base's architecture (fine-tuned from the same base)")
+
+
 def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str = "error") -> None:
     """Fail before merging if an expert's architecture or any tensor shape differs from the base.
 
@@ -103,16 +114,10 @@ def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str 
     """
     check_vocab_policy(vocab_policy)
     base_cfg, base_shapes = read_config(base_dir, "modelset.base"), tensor_shapes(base_dir, "modelset.base")
-    base_arch = architecture(base_cfg)
     for name, path in others.items():
         field = f"modelset.experts.{name}"
         cfg = read_config(path, field)
-        arch = architecture(cfg)
-        for key in ARCHITECTURE_FIELDS:
-            if key in arch and key in base_arch and arch[key] != base_arch[key] or \
-                    key in ("model_type", "hidden_size", "num_hidden_layers") and arch.get(key) != base_arch.get(key):
-                raise UserError(field, f"{key} is {arch.get(key)!r} but the base has {base_arch.get(key)!r}",
-                                "merge only models of the base's architecture (fine-tuned from the same base)")
+        check_architecture(field, cfg, base_cfg)
         shapes = tensor_shapes(path, field)
         missing, extra = sorted(set(base_shapes) - set(shapes)), sorted(set(shapes) - set(base_shapes))
         if missing or extra:
@@ -125,7 +130,7 @@ def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str 
                 raise UserError(field, f"tensor {tensor} has shape {list(shape)} but the base has "
                                 f"{list(base_shapes[tensor])}", "merge only checkpoints with identical shapes")
         if vocab or vocab_size(cfg) != vocab_size(base_cfg):
-            _check_vocab(field, vocab, base_shapes, vocab_size(base_cfg), vocab_size(cfg), vocab_policy)
+            check_vocab(field, vocab, base_shapes, vocab_size(base_cfg), vocab_size(cfg), vocab_policy)
         if vocab_policy == "error":
             _check_tokenizer(field, base_dir, path)
 
@@ -176,7 +181,7 @@ def _check_tokenizer(field: str, base_dir: Path, path: Path) -> None:
                     "set vocab_policy=union or truncate to merge across vocabularies anyway")
 
 
-def _check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dict[str, tuple[int, ...]],
+def check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dict[str, tuple[int, ...]],
                  base_vocab: int | None, other_vocab: int | None, policy: str) -> None:
     listed = ", ".join(f"{t} {list(s)} vs the base's {list(base_shapes[t])}" for t, s in sorted(vocab.items()))
     if policy == "error":

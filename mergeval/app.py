@@ -24,7 +24,7 @@ from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
 from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.resolve import resolve_models
-from mergeval.outcome import MERGED, ModelInfo, Outcome
+from mergeval.outcome import MERGED, ModelInfo, Outcome, result_text
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
@@ -165,6 +165,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of entries to evaluate (usually all of them)
     dtype = getattr(torch, cfg.eval.dtype)
     scores: dict[str, dict[str, dict]] = {t: {} for t in tasks}
+    items: dict[str, dict[str, dict]] = {}  # task -> role -> per-item outcomes (Outcome.items)
     # The merge first, so it is released before each constituent is loaded: one model in memory at a time.
     for number, info in enumerate([models[-1], *models[:-1]], start=1):
         # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
@@ -195,7 +196,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings.run), evaluated),
                                  harness.samples)
             store.put_scores(info.fingerprint, evaluated, settings,
-                             {t: {**s.as_dict(), "metrics": s.metrics} for t, s in result.items()},
+                             {t: s.stored() for t, s in result.items()},
                              samples_path=str(kept))
             got = {**got, **{t: s.as_dict() for t, s in result.items()}}
             del model
@@ -204,7 +205,10 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         if entries or info.role == MERGED:  # a model was built or released (gc.collect: about 0.3 s here)
             release_memory()
         for task in tasks:
-            scores[task][info.role] = got[task]
+            score = dict(got[task])
+            if score.pop("items", None) is not None:
+                items.setdefault(task, {})[info.role] = got[task]["items"]
+            scores[task][info.role] = score
     lap("evaluate")
 
     rows = {t: {"metric": r.metric, "higher_is_better": r.higher_is_better, "output_type": r.output_type,
@@ -227,7 +231,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
 
         add_evaluation(Path(models[-1].path) / "README.md", scores, [m.role for m in models])
     return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info, rows=rows,
-                   task_settings=dict(settings.tasks))
+                   task_settings=dict(settings.tasks), items=items)
 
 
 def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
@@ -257,10 +261,12 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
         "hardware": outcome.hardware,
         "git": outcome.git,
         "device_memory": outcome.device_memory,  # peak GPU memory (eval.device=cuda); null on the CPU
+        # task -> role -> {"ids", "values"}: each item's outcome, for paired comparisons (metrics/paired.py)
+        "items": outcome.items,
     }
     path = out_dir / "result.json"
     try:
-        atomic_write_text(path, json.dumps(result, indent=2))
+        atomic_write_text(path, result_text(result))  # outcome.py
         mergekit_config.write_for_run(out_dir / "mergekit.yaml", cfg, outcome.models)  # when mergekit can express it
         store.finish_run(outcome.run_id, result_path=str(path), aggregates=outcome.aggregates,
                          timings=outcome.timings, models=result["models"], scores=outcome.scores)

@@ -8,6 +8,7 @@ result.json files written before mergeval reported other metrics hold
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 MERGED = "merged"
@@ -47,6 +48,9 @@ class Outcome:
     rows: dict[str, dict] = field(default_factory=dict)
     # task -> {num_fewshot, generates}: its part of the store key's settings (eval/settings.py, PerTask)
     task_settings: dict[str, dict] = field(default_factory=dict)
+    # task -> model role -> {"ids", "values"}: each item's outcome in the reported metric, where the metric is
+    # a mean over items (paired comparisons: metrics/paired.py)
+    items: dict[str, dict[str, dict]] = field(default_factory=dict)
 
 
 def score_value(score: dict) -> float:
@@ -70,3 +74,14 @@ def score_text(score: dict) -> str:
     digits = 3 if abs(value) < 100 else 1
     text = f"{value:.{digits}f}"
     return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"
+
+
+def result_text(result: dict) -> str:
+    """result.json's text: indented JSON, the per-item outcomes (last key) one compact line per task."""
+    rest = {k: v for k, v in result.items() if k != "items"}
+    text = json.dumps(rest, indent=2)
+    if not result.get("items"):
+        return text[:-2] + ',\n  "items": {}\n}'
+    lines = ",\n".join(f"    {json.dumps(task)}: {json.dumps(per, separators=(',', ':'))}"
+                        for task, per in result["items"].items())
+    return text[:-2] + ',\n  "items": {\n' + lines + "\n  }\n}"

@@ -144,8 +144,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
             with library_bars(cfg.verbose):
                 fresh = harness.score(model, tokenizer)
             got = {t: fresh[t].as_dict() for t in tasks}
-            store.put_scores(info.fingerprint, digests, settings, {t: {**got[t], "metrics": fresh[t].metrics}
-                                                                   for t in tasks})
+            store.put_scores(info.fingerprint, digests, settings, {t: fresh[t].stored() for t in tasks})
             del model
         per_task[info.role] = got
         scores.append(expert_score({t: got[t]["value"] for t in tasks}, method_cfg.rank_by, info.task,

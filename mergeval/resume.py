@@ -134,11 +134,12 @@ def adopt(run: dict, out_dir: Path) -> dict | None:
         print(f"mergeval: its result.json ({source}) is gone or unreadable; the store keeps its scores "
               f"(python -m mergeval.results)", file=sys.stderr, flush=True)
         return None
+    from mergeval.outcome import result_text
     from mergeval.paths import atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     result["resumed_from"] = {"run_id": run["run_id"], "result": str(source)}
-    atomic_write_text(out_dir / "result.json", json.dumps(result, indent=2))
+    atomic_write_text(out_dir / "result.json", result_text(result))
     return result
 
 

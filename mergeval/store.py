@@ -8,7 +8,7 @@ time: a process killed at any point leaves either the whole write or none of
 it, and concurrent writers wait for each other instead of failing or losing
 rows.
 
-Tables (schema v6, ``store_backends/schema.py``; older stores are migrated in place on open):
+Tables (schema v7, ``store_backends/schema.py``; older stores are migrated in place on open):
 
 - ``runs``: one row per run. ``start_run`` inserts it as ``running`` with its
   process (host, pid, start time); ``finish_run`` completes it exactly once
@@ -29,7 +29,8 @@ Tables (schema v6, ``store_backends/schema.py``; older stores are migrated in pl
   metric the task reported (``{"acc_norm,none": [value, stderr], ...}``; a
   run reads the one it reports, so changing ``benchmark.metrics`` needs no
   re-evaluation and a stored number is never read under another metric's
-  name), n, and the path of logged samples if any. The settings are
+  name), n, the path of logged samples if any, and each item's outcome in
+  every metric that is a mean over items (v7; for paired comparisons). The settings are
   everything besides model and task data that can change a score (limit,
   few-shot, precision, batch size, device, lm-eval version); a change to any
   key field is a miss. lm-eval's own request cache is not involved.
@@ -186,7 +187,7 @@ class Store:
                                 f"(v{SCHEMA_VERSION})", f"upgrade mergeval or use another {self.field}")
             elif version < SCHEMA_VERSION:
                 migrate(db, version)
-                stale = stale_rows(db)  # every row so far was keyed by weights alone
+                stale = stale_rows(db) if version < 6 else (0, 0)  # rows keyed by weights alone (before v6)
                 if any(stale):  # said once: the migration happens once per store
                     print(f"mergeval: the results store {self.location} was keyed by model weights alone; its "
                           f"{stale[0]} stored evaluations and {stale[1]} merges stay for the record but are not "
@@ -309,17 +310,20 @@ class Store:
                    scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
         """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces.
         Each score is ``{metric, value, stderr, n}``, with ``metrics`` (every key -> [value, stderr]) when the
-        task reported more than the one shown."""
+        task reported more than the one shown, and ``items_by_metric`` (key -> {"ids", "values"}: each item's
+        outcome; ``TaskScore.stored``) or ``items`` (the shown metric's) where it has them."""
         key, now = settings_hash(_run(settings)), time.time()
         own = {task: _of(settings, task) for task in scores}  # each task under its own key (eval/settings.py)
         with self._write() as db:
             db.executemany(
                 "INSERT INTO evaluations (model_fingerprint, task_digest, settings_hash, task, settings, metrics, n, "
-                "created, samples_path) VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, task_digest, "
-                "settings_hash) DO UPDATE SET task=excluded.task, settings=excluded.settings, "
-                "metrics=excluded.metrics, n=excluded.n, created=excluded.created, samples_path=excluded.samples_path",
+                "created, samples_path, items) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, "
+                "task_digest, settings_hash) DO UPDATE SET task=excluded.task, settings=excluded.settings, "
+                "metrics=excluded.metrics, n=excluded.n, created=excluded.created, "
+                "samples_path=excluded.samples_path, items=excluded.items",
                 [(fingerprint, digests[task], settings_hash(own[task]), task, _canonical(own[task]),
-                  _canonical(_all_metrics(s)), s["n"], now, samples_path) for task, s in scores.items()])
+                  _canonical(_all_metrics(s)), s["n"], now, samples_path, _all_items(s))
+                 for task, s in scores.items()])
             # this process's claims on the model end here (it may have evaluated more tasks than it claimed: a
             # group is evaluated whole when one of its members is missing)
             db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND (tasks_key=? OR "
@@ -552,6 +556,14 @@ def _all_metrics(score: Mapping) -> dict:
     return dict(score.get("metrics") or {score["metric"]: [score["value"], score["stderr"]]})
 
 
+def _all_items(score: Mapping) -> str | None:
+    """The ``items`` column of a score: every metric's per-item outcomes, or the shown metric's; None: none."""
+    items = score.get("items_by_metric")
+    if items is None and score.get("items") is not None:
+        items = {score["metric"]: score["items"]}
+    return _canonical(items) if items else None
+
+
 def _of(settings: Mapping | PerTask, task: str) -> Mapping:
     return settings.of(task) if isinstance(settings, PerTask) else settings
 
@@ -586,15 +598,16 @@ def _rows(db, columns: str, fingerprint: str, digests: Mapping[str, str],
 
 def _stored(db, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
             metrics: Mapping[str, str] | None = None, report=None) -> dict[str, dict]:
-    """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model and settings (any
-    subset); a task stored without the metric asked for counts as not stored, and so does a damaged row
+    """{task: {metric, value, stderr, n}} (+ ``items``: the metric's per-item outcomes, where kept) of the tasks of
+    ``digests`` stored for this model and settings (any subset); a task stored without the metric asked for counts as not stored, and so does a damaged row
     (``report``-ed; the evaluation that follows replaces it)."""
     out = {}
-    for task, rows in _rows(db, "metrics, n", fingerprint, digests, settings).items():
+    for task, rows in _rows(db, "metrics, n, items", fingerprint, digests, settings).items():
         metric = (metrics or {}).get(task, DEFAULT_METRIC)
-        for _, (stored, n) in rows:
+        for _, (stored, n, items) in rows:
             try:
                 values = _json("metrics", stored)
+                items = {} if items is None else _json("items", items)
             except Damaged as err:
                 err.then = "it is evaluated again and the row replaced"
                 if report is not None:
@@ -602,6 +615,8 @@ def _stored(db, fingerprint: str, digests: Mapping[str, str], settings: Mapping 
                 continue
             if metric in values:
                 out[task] = {"metric": metric, "value": values[metric][0], "stderr": values[metric][1], "n": n}
+                if isinstance(items, dict) and items.get(metric) is not None:
+                    out[task]["items"] = items[metric]
                 break
     return out
 

@@ -35,10 +35,13 @@ Checks a paper spec (a path, or a name on the spec search path: see
          stderr_margin: 3
 
    Each claim, and each repetition of it, is "pass", "fail", "undetermined"
-   (by rounding: the printed numbers allow it either way) or "not run" (the
-   runs given cannot evaluate it; the reason is printed). A claim on run
-   scores also prints its margin: how many combined stderrs it lies from its
-   verdict's threshold (positive: on the pass side; ``claims.stderr_units``).
+   (by rounding: the printed numbers allow it either way), "untestable" (a
+   precondition it ``requires`` - an expert learned its skill, there is
+   forgetting to measure - does not hold on that run) or "not run" (the runs
+   given cannot evaluate it; the reason is printed). A claim on run scores also
+   prints its margin: how many standard errors of the difference (paired item
+   by item where both sides are run values) it lies from its verdict's
+   threshold (positive: on the pass side; ``claims.stderr_units``).
 3. Recorded verdicts (``--recorded NAME``): each result the spec recorded
    under ``verdicts: NAME`` is compared with this run's; a changed verdict
    fails when it was recorded at least 1 stderr from its threshold, closer ones
@@ -57,13 +60,14 @@ Exit status:
      enforced recorded verdict changed instead); claims the runs given
      cannot evaluate are listed as "not run", with what would run them, and do
      not count (without ``--run`` that is every claim about runs, so ``verify
-     SPEC`` checks what the paper publishes); "undetermined" claims and "not
-     checkable" cells are listed and do not count either; with ``--strict`` all
-     three are failures (CI uses it with ``--tag`` / ``--claim`` to select what
-     its runs cover);
+     SPEC`` checks what the paper publishes); "undetermined" and "untestable"
+     claims and "not checkable" cells are listed and do not count either; with
+     ``--strict`` all four are failures (CI uses it with ``--tag`` / ``--claim``
+     to select what its runs cover);
   1  otherwise;
   2  a mistake to fix: a missing or invalid spec, an unreadable result.json, an
-     unknown tag or claim id (one line on stderr naming it).
+     unknown tag or claim id, ``--recorded`` or claims selected that are all
+     about runs without ``--run`` (one line on stderr naming it).
 """
 
 from __future__ import annotations
@@ -72,14 +76,14 @@ import argparse
 import sys
 
 from mergeval.errors import UserError
-from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluate_claim, load_runs,
+from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluate_claims, load_runs,
                             load_spec)
 from mergeval.specs.load import found, search_path
 from mergeval.specs.numbers import show_interval
 from mergeval.specs.recorded import ENFORCED_MARGIN, Comparison, combine, compare_with, record_block, show_margin
 from mergeval.specs.tables import CellCheck
 
-STATUSES = ("pass", "fail", "undetermined", "not run")
+STATUSES = ("pass", "fail", "undetermined", "untestable", "not run")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +126,19 @@ def select_claims(spec: Spec, tags: list[str], ids: list[str]):
     if not tags and not ids:
         return list(spec.claims)
     return [c for c in spec.claims if c.id in ids or set(c.tags) & set(tags)]
+
+
+def refuse_checking_nothing(args, claims) -> None:
+    """Without ``--run``, a command that could only check runs (a record to hold runs to, claims selected that all
+    need runs) would end "not run" with exit 0 as though it had checked something: one line instead."""
+    if args.run is not None:
+        return
+    if args.recorded:
+        raise UserError("--recorded", "compares runs with a record, and no --run is given",
+                        "add --run RESULT (a result.json or a sweep's directory) of the recorded setup")
+    if (args.tag or args.claim) and claims and all(c.uses_runs for c in claims):
+        raise UserError("--run", f"the {len(claims)} claim(s) selected are all about runs, and no --run is given",
+                        "add --run RESULT (a result.json or a sweep's directory), or select published claims")
 
 
 def refuse_unusable_runs(spec_name: str, runs, results: list[ClaimResult]) -> None:
@@ -244,7 +261,8 @@ def summary(checks: list[CellCheck], results: list[ClaimResult]) -> str:
     cells = f"{agree}/{len(checks)} derived cells agree" + "".join(f", {n} {s}" for s, n in others.items() if n)
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     undetermined = f", {counts['undetermined']} undetermined by rounding" if counts["undetermined"] else ""
-    return (f"{cells}; claims {counts['pass']} pass, {counts['fail']} fail{undetermined}, "
+    untestable = f", {counts['untestable']} untestable" if counts["untestable"] else ""
+    return (f"{cells}; claims {counts['pass']} pass, {counts['fail']} fail{undetermined}{untestable}, "
             f"{counts['not run']} not run")
 
 
@@ -256,8 +274,8 @@ def check_all(strict: bool) -> int:
         try:
             spec = load_spec(str(path))
             checks = spec.check_tables()
-            results = [r for c in spec.claims if not c.uses_runs for r in evaluate_claim(c, None, spec.tables,
-                                                                                         spec.metrics)]
+            published = [c for c in spec.claims if not c.uses_runs]
+            results = evaluate_claims(spec.claims, published, None, spec.tables, spec.metrics)
         except UserError as err:
             print(f"{name}: {err.line()}")
             worst = 2
@@ -295,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         claims = select_claims(spec, args.tag, args.claim)
         runs = load_runs(args.run) if args.run is not None else None
         checks = spec.check_tables()
-        results = [r for c in claims for r in evaluate_claim(c, runs, spec.tables, spec.metrics)]
+        refuse_checking_nothing(args, claims)
+        results = evaluate_claims(spec.claims, claims, runs, spec.tables, spec.metrics)
         refuse_unusable_runs(spec.name, runs, results)
         for name in args.recorded or []:
             if name not in spec.verdicts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from mergeval.config import register_configs
+from mergeval.metrics.paired import sample_variance
 from tests.child import run_module
 
 
@@ -261,6 +263,11 @@ def test_tiny_run_end_to_end(tmp_path, cache):
         for role in roles:
             s = result["scores"][task][role]
             assert s["metric"] == "acc,none" and 0 <= s["value"] <= 1 and s["stderr"] >= 0 and s["n"] == 24
+            # each item's outcome, kept for paired comparisons: they give the score and lm-eval's stderr
+            items = result["items"][task][role]
+            assert items["ids"] == list(range(24)) and set(items["values"]) <= {0, 1}
+            assert sum(items["values"]) / 24 == pytest.approx(s["value"])
+            assert math.sqrt(sample_variance(items["values"]) / 24) == pytest.approx(s["stderr"])
     agg = result["aggregates"]
     assert agg["macro_og"] <= agg["macro_gain"] and agg["scale"] == "percent"
     assert set(agg["normalized"]) == {"mergeval_chem_count", "mergeval_unit_convert"}

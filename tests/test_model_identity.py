@@ -173,7 +173,7 @@ def test_copies_with_another_config_never_share_scores(tmp_path, cache):
 
 def test_a_v5_store_is_migrated_without_serving_its_scores_and_says_so_once(tmp_path, capsys):
     from mergeval.store import Store
-    from mergeval.store_backends.schema import _CURRENT, _NEW_IN_V2, _NEW_IN_V5
+    from mergeval.store_backends.schema import _CURRENT, _NEW_IN_V2, _NEW_IN_V5, SCHEMA_VERSION
 
     path = tmp_path / "v5.sqlite"
     with sqlite3.connect(path) as db:
@@ -186,7 +186,7 @@ def test_a_v5_store_is_migrated_without_serving_its_scores_and_says_so_once(tmp_
     store = Store(path)
     said = capsys.readouterr().out
     assert said.count("\n") == 1 and "1 stored evaluations and 1 merges stay for the record but are not reused" in said
-    assert store.schema_version() == 6
+    assert store.schema_version() == SCHEMA_VERSION
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0] == 1  # kept for the record
     Store(path)

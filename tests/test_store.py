@@ -408,7 +408,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
                        (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
                         json.dumps({"macro_gain": 2.5})))
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 6
+    assert store.schema_version() == SCHEMA_VERSION == 7
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
     kept, gone = store.run("kept"), store.run("gone")
     assert kept["status"] == gone["status"] == "finished" and kept["finished"] == 100.0

@@ -43,7 +43,7 @@ def test_a_v4_store_gains_config_hash_and_keeps_its_rows(tmp_path):
                    "'{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)")
         db.execute("INSERT INTO claims VALUES ('fp', 's', 't', 'elsewhere', 1, 5.0)")
     store = Store(path)
-    assert store.schema_version() == SCHEMA_VERSION == 6 and integrity(path) == "ok"
+    assert store.schema_version() == SCHEMA_VERSION == 7 and integrity(path) == "ok"
     assert store.run("old")["aggregates"] == {"macro_gain": 1.5} and store.run("old")["config_hash"] is None
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT since, renewed FROM claims").fetchall() == [(5.0, None)]

@@ -29,16 +29,25 @@ BACKENDS = ("shared_prefix", "hflm", "vllm")
 
 @dataclass(frozen=True)
 class TaskScore:
-    """One row's result: the reported metric, and every metric the row has (``key -> [value, stderr]``)."""
+    """One row's result: the reported metric, every metric the row has (``key -> [value, stderr]``) and, for
+    each metric that is a mean over items, every item's value (``key -> {"ids": [..], "values": [..]}``: the
+    outcomes paired comparisons need, metrics/paired.py)."""
 
     metric: str
     value: float
     stderr: float | None  # None where lm-eval gives none (perplexities, a single item)
     n: int
     metrics: dict[str, list]
+    items: dict[str, dict] | None = None
 
     def as_dict(self) -> dict:
-        return {"metric": self.metric, "value": self.value, "stderr": self.stderr, "n": self.n}
+        """The reported metric, with its items where it has them (``items``: None otherwise)."""
+        return {"metric": self.metric, "value": self.value, "stderr": self.stderr, "n": self.n,
+                "items": (self.items or {}).get(self.metric)}
+
+    def stored(self) -> dict:
+        """What the results store keeps: ``as_dict`` with every metric and every metric's items."""
+        return {**self.as_dict(), "metrics": self.metrics, "items_by_metric": self.items}
 
 
 def check_backend(backend: str, device: str) -> None:
@@ -83,7 +92,7 @@ class Harness:
 
         lm, cleanup = _language_model(self.backend, model, tokenizer, self.batch_size)
         try:
-            out = evaluate(lm=lm, task_dict=self.task_dict, limit=self.limit, samples=samples, log_samples=False,
+            out = evaluate(lm=lm, task_dict=self.task_dict, limit=self.limit, samples=samples, log_samples=True,
                            verbosity="ERROR", **self.prompting)
         finally:
             cleanup()
@@ -120,7 +129,36 @@ def _row_score(out: dict, name: str, metric: str, task_dict: dict) -> TaskScore:
     else:
         n = sum(int(out["n-samples"][t.task_name]["effective"]) for t in task_dict["groups"][name].get_all_tasks())
     value, stderr = metrics[metric]
-    return TaskScore(metric, value, stderr, n, metrics)
+    return TaskScore(metric, value, stderr, n, metrics, _item_outcomes(out, name, task_dict, metrics))
+
+
+def _item_outcomes(out: dict, name: str, task_dict: dict, metrics: dict[str, list]) -> dict[str, dict]:
+    """metric key -> {"ids", "values"}: each item's value, for every metric whose reported value is the mean of
+    its items' (acc, acc_norm, exact_match, ...; not corpus-level ones such as bleu, f1 over a corpus or
+    perplexity, whose items are not numbers or do not average to the score). A group's items are its tasks'
+    items in order, ids ``"task/doc_id"``, kept where the group's value is their plain mean (weighted by size)."""
+    if name in task_dict["tasks"]:
+        parts = [(name, out.get("samples", {}).get(name, []), False)]
+    else:
+        parts = [(t.task_name, out.get("samples", {}).get(t.task_name, []), True)
+                 for t in task_dict["groups"][name].get_all_tasks()]
+    per: dict[str, tuple[list, list]] = {}
+    for task, logged, prefixed in parts:
+        for sample in sorted(logged, key=lambda s: s["doc_id"]):
+            for metric in sample.get("metrics", []):
+                value = sample.get(metric)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    continue
+                ids, values = per.setdefault(f"{metric},{sample['filter']}", ([], []))
+                ids.append(f"{task}/{sample['doc_id']}" if prefixed else sample["doc_id"])
+                values.append(int(value) if float(value).is_integer() else float(value))
+    kept = {}
+    for key, (ids, values) in per.items():
+        reported = metrics.get(key, [None])[0]
+        if reported is not None and values and math.isclose(math.fsum(values) / len(values), reported,
+                                                              rel_tol=1e-6, abs_tol=1e-9):
+            kept[key] = {"ids": ids, "values": values}
+    return kept
 
 
 def _language_model(backend: str, model, tokenizer, batch_size: int):

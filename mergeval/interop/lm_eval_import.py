@@ -266,6 +266,7 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
                         "compose the benchmark the file was evaluated on (+experiment=..., benchmark.tasks=...)")
     task_dict = suite.subset(suite.entries)
     kept: dict[str, list[dict]] = {}
+    logged: dict[str, list[dict]] = {}  # lm_eval's sample rows: each item's metrics (the store's item outcomes)
     for name in names:
         if name not in suite.loaded["tasks"]:
             continue  # a group: its members are checked
@@ -274,13 +275,12 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
         docs = docs[:int(cfg.benchmark.limit) if cfg.benchmark.limit and cfg.benchmark.limit >= 1 else None]
         rows = read_samples(sample_files[name]) if name in sample_files else None
         check_task(data, name, task, docs, rows)
+        if rows is not None:
+            logged[name] = rows
         if rows is not None and task.get_config("output_type") == "multiple_choice":
             kept[name] = mergeval_samples(task, rows)
-    out = {"results": data["results"], "n-samples": data.get("n-samples", {})}
-    scores = {}
-    for name in names:
-        score = _row_score(out, name, suite.rows[name].metric, task_dict)
-        scores[name] = {**score.as_dict(), "metrics": score.metrics}
+    out = {"results": data["results"], "n-samples": data.get("n-samples", {}), "samples": logged}
+    scores = {name: _row_score(out, name, suite.rows[name].metric, task_dict).stored() for name in names}
     settings, digests = suite.per_task(eval_settings(cfg)), {n: suite.digests[n] for n in names}
     store = open_store(cfg, cache)
     record_models(store, [ModelInfo("imported", model_spec, fp, str(model_dir), weights=weights)])

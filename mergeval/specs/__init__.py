@@ -14,10 +14,10 @@ The language is documented in docs/specs.md.
 ``python -m mergeval.verify`` is the command line on top of these.
 """
 
-from mergeval.specs.claims import Claim, ClaimResult, compare, evaluate_claim
+from mergeval.specs.claims import Claim, ClaimResult, compare, evaluate_claim, evaluate_claims
 from mergeval.specs.load import Spec, available, find_spec, load_spec
 from mergeval.specs.runs import Measured, Run, load_runs
 from mergeval.specs.tables import CellCheck, check_tables
 
 __all__ = ["CellCheck", "Claim", "ClaimResult", "Measured", "Run", "Spec", "available", "check_tables", "compare",
-           "evaluate_claim", "find_spec", "load_runs", "load_spec"]
+           "evaluate_claim", "evaluate_claims", "find_spec", "load_runs", "load_spec"]

@@ -11,7 +11,8 @@ A claim (one item of a spec's ``claims`` list)::
       op: ">"                              # >  >=  <  <=  ==
       right: {where: {method: task_arithmetic}, metric: overall}
       tolerance: 0.5                       # optional, >= 0, lenient, in the operands' units
-      stderr_margin: 2                     # optional, >= 0, in combined standard errors
+      stderr_margin: 2                     # optional, >= 0, in (paired) standard errors of l - r
+      requires: [experts_learn]            # optional: preconditions (see "Untestable")
 
 Operands:
 
@@ -51,8 +52,12 @@ task) in the operands' strings; ``for_each: {var: [a, b]}`` repeats it for
 each listed value of ``{var}``; ``for_each: {var: {rows: T, except: [..]}}``
 (or ``columns: T``) for every row (column) of table T as it stands.
 
-Verdict, with l, r the operand values, se = sqrt(se_l^2 + se_r^2) (published
-cells and numbers have no stderr), k = stderr_margin, t = tolerance:
+Verdict, with l, r the operand values, se the standard error of l - r,
+k = stderr_margin, t = tolerance. Two run values are compared paired: se is
+taken item by item over the outcomes both were computed from (models scored on
+the same items; metrics/paired.py), which is what lets a small benchmark tell
+two similar models apart; where outcomes are not kept it is sqrt(se_l^2 +
+se_r^2), and against a published cell or a number it is the run value's own:
 
     >  / <  : pass iff  d >  k*se - t     where d = l - r  (for <: d = r - l)
     >= / <= : pass iff  d >= k*se - t
@@ -66,10 +71,20 @@ d there, "fail" when it holds for none, and "undetermined" (by rounding) when
 it holds for some: the printed numbers cannot settle it. A claim whose runs
 are not there (no ``--run``, no matching run, a missing score, an undefined
 aggregate) is "not run", with the reason.
+
+Untestable: a finding about merges means something only where its
+preconditions hold (each expert learned its skill; there is forgetting to
+measure). A claim lists them by id under ``requires``; a result of it is
+"untestable" unless every result of each required claim on the same run and
+repetition (the same run where both read one run, the same values of the
+variables both bind) passes, at its own stated margin. Its detail names the
+precondition that did not hold. Required claims are evaluated with the claims
+that need them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -81,13 +96,14 @@ from typing import Any
 from mergeval.errors import UserError
 from mergeval.specs.numbers import show_interval
 from mergeval.specs.quantified import Line, extreme, members, parse_line, quantifier_values, rank_verdict
+from mergeval.metrics.paired import paired_stderr, total
 from mergeval.specs.runs import Measured, NotRun, Run, RunMetric, matches
 from mergeval.specs.tables import Table, cell_interval, find_cell, match_name, name_text
 
 OPS = (">", ">=", "<", "<=", "==")
 REDUCTIONS = ("min", "max", "mean", "range", "std")
 AGGREGATES = ("macro_gain", "macro_og", "normalized_mean")  # plus normalized.<task>
-_CLAIM_KEYS = {"id", "says", "tags", "where", "for_each", "left", "op", "right", "tolerance", "stderr_margin",
+_CLAIM_KEYS = {"id", "says", "tags", "where", "for_each", "left", "op", "right", "tolerance", "stderr_margin", "requires",
                "argmax", "argmin", "is", "rank", "first", "last", "best"}
 _RANK_FORMS = {"argmax": {"is"}, "argmin": {"is"}, "rank": {"first", "last", "best"}}
 _ID = re.compile(r"[A-Za-z0-9_]+")
@@ -132,6 +148,7 @@ class Claim:
     tolerance: float = 0.0
     stderr_margin: float = 0.0
     rank: Rank | None = None  # a ranking claim has no left/op/right
+    requires: tuple[str, ...] = ()  # preconditions: ids of claims that must pass (module docstring)
 
     @property
     def operands(self) -> list[Operand]:
@@ -146,13 +163,16 @@ class Claim:
 class ClaimResult:
     id: str  # the claim's id, with its repetition (run, expert, variable) in brackets
     says: str
-    status: str  # pass | fail | undetermined | not run
+    status: str  # pass | fail | undetermined | untestable | not run
     op: str
     left: Measured | None = None
     right: Measured | None = None
     detail: str = ""
     uses_runs: bool = False
     margin: float | None = None  # stderrs from the verdict's threshold (see stderr_units); None: no stderr
+    claim: str = ""  # the claim's own id (``id`` adds the repetition)
+    run: str | None = None  # the run's path where the result reads one run
+    binding: tuple = ()  # the repetition's (variable, value) pairs
 
 
 # ---------------------------------------------------------------- verdict
@@ -167,7 +187,7 @@ def stderr_units(left: Measured, op: str, right: Measured, tolerance: float = 0.
     scores, which is why CI enforces only recorded verdicts at least 1 away (specs/recorded.py). None when
     neither operand has a stderr (published cells, numbers): such a verdict does not move with sampling.
     """
-    se = math.hypot(left.stderr, right.stderr)
+    se = combined_stderr(left, right)
     if se == 0:
         return None
     if op == "==":
@@ -176,10 +196,18 @@ def stderr_units(left: Measured, op: str, right: Measured, tolerance: float = 0.
     return (d + tolerance) / se - stderr_margin
 
 
+def combined_stderr(left: Measured, right: Measured) -> float:
+    """se of l - r: paired item by item where both are run values (metrics/paired.py), else
+    sqrt(se_l^2 + se_r^2) (a published cell or a number has none)."""
+    if left.form is not None and right.form is not None:
+        return paired_stderr(left.form - right.form)
+    return math.hypot(left.stderr, right.stderr)
+
+
 def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
             stderr_margin: float = 0.0) -> tuple[str, str]:
     """The verdict of one relation (pass | fail | undetermined; formula in the module docstring) and why."""
-    se = math.hypot(left.stderr, right.stderr)
+    se = combined_stderr(left, right)
     (l_lo, l_hi), (r_lo, r_hi) = left.bounds, right.bounds
     if op == "==":
         allowed = tolerance + stderr_margin * se
@@ -200,7 +228,9 @@ def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
         status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"
     sym = ">" if op in (">", "<") else ">="
     gap = "l - r" if op in (">", ">=") else "r - l"
-    margin = f" ({stderr_margin:g} x se {se:.3g})" if stderr_margin and se else ""
+    kind = "paired se" if left.form is not None and right.form is not None and (left.form - right.form).paired \
+        else "se"
+    margin = f" ({stderr_margin:g} x {kind} {se:.3g})" if stderr_margin and se else ""
     return status, f"{gap} = {d:+.4g}{_within(d_lo, d_hi)}, needs {sym} {need:+.4g}{margin}"
 
 
@@ -227,20 +257,47 @@ def parse_claims(raw: Any, field: str, tables: Mapping[str, Table], metrics: Map
                             "use a unique name of letters, digits, _")
         seen.add(cid)
         claims.append(_parse_claim(body, where, tables, metrics))
+    for claim in claims:
+        for need in claim.requires:
+            if need not in seen or need == claim.id:
+                raise UserError(f"{field}.{claim.id}.requires", f"'{need}' is not another claim of this spec",
+                                f"name claims of the spec ({', '.join(sorted(seen - {claim.id}))[:200]})")
+    _order(claims, field)
     return claims
+
+
+def _order(claims: list[Claim], field: str) -> list[str]:
+    """Claim ids with every claim after the claims it requires; a cycle is a UserError."""
+    by_id, done, out = {c.id: c for c in claims}, set(), []
+
+    def visit(cid: str, path: tuple[str, ...]) -> None:
+        if cid in done:
+            return
+        if cid in path:
+            raise UserError(f"{field}.{cid}.requires", f"requires itself through {' -> '.join((*path, cid))}",
+                            "a precondition cannot depend on the claim it guards")
+        for need in by_id[cid].requires:
+            visit(need, (*path, cid))
+        done.add(cid)
+        out.append(cid)
+
+    for claim in claims:
+        visit(claim.id, ())
+    return out
 
 
 def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> Claim:
     forms = [k for k in _RANK_FORMS if k in body]
     relation = {"left", "op", "right"}
-    allowed = {"id", "says", "tags", "where", "for_each"} | (
+    allowed = {"id", "says", "tags", "where", "for_each", "requires"} | (
         {forms[0], *_RANK_FORMS[forms[0]]} if len(forms) == 1 else relation | {"tolerance", "stderr_margin"})
     unknown = set(body) - allowed
     missing = ({"says"} | (set() if forms else relation)) - set(body)
     if unknown or missing or len(forms) > 1:
         raise UserError(where, f"missing keys {sorted(missing)}, keys that do not belong {sorted(unknown)}",
                         "a claim has id, says and either left, op, right (+ tolerance, stderr_margin) or one of "
-                        "argmax/argmin (+ is) or rank (+ first, last, best); optional: tags, where, for_each")
+                        "argmax/argmin (+ is) or rank (+ first, last, best); optional: tags, where, for_each, "
+                        "requires")
     numbers = {}
     for key in ("tolerance", "stderr_margin"):
         value = body.get(key, 0.0)
@@ -253,7 +310,11 @@ def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics
         raise UserError(f"{where}.tags", "must be a list of names", "write tags: [ci]")
     claim_where = _where(body.get("where"), f"{where}.where")
     for_each = _for_each(body.get("for_each"), f"{where}.for_each", tables)
-    common = dict(id=str(body["id"]), says=str(body["says"]), tags=tuple(tags), where=claim_where, for_each=for_each)
+    requires = body.get("requires") or []
+    if not isinstance(requires, list) or not all(isinstance(r, str) and _ID.fullmatch(r) for r in requires):
+        raise UserError(f"{where}.requires", "must be a list of claim ids", "write requires: [experts_learn]")
+    common = dict(id=str(body["id"]), says=str(body["says"]), tags=tuple(tags), where=claim_where, for_each=for_each,
+                  requires=tuple(requires))
     if forms:
         claim = Claim(left=None, op=forms[0], right=None, rank=_rank(forms[0], body, where), **common)
     else:
@@ -459,7 +520,8 @@ def _value_in_run(op: Operand, run: Run, binding: Mapping[str, Any], metrics: Ma
         node = node[part]
     if node is None or isinstance(node, bool) or not isinstance(node, (int, float)):
         raise NotRun(f"{run.label}: aggregate '{name}' is undefined ({node!r})")
-    return Measured(float(node), run.aggregate_stderr(name))  # macro_gain / macro_og: from the task stderrs
+    form = run.aggregate_form(name)  # macro_gain / macro_og: a combination of the task scores
+    return Measured(float(node)) if form is None else Measured.linear(float(node), form)
 
 
 def _reduce(how: str, measured: list[Measured]) -> Measured:
@@ -467,15 +529,17 @@ def _reduce(how: str, measured: list[Measured]) -> Measured:
     values = [m.value for m in measured]
     low = min(measured, key=lambda m: m.value)
     high = max(measured, key=lambda m: m.value)
-    if how == "min":
-        return Measured(low.value, low.stderr)
-    if how == "max":
-        return Measured(high.value, high.stderr)
-    if how == "mean":
-        return Measured(math.fsum(values) / len(values), math.sqrt(math.fsum(m.stderr ** 2 for m in measured)) / len(values))
-    if how == "range":
-        return Measured(high.value - low.value, math.hypot(high.stderr, low.stderr))
-    return Measured(statistics.stdev(values))
+    forms = [m.form for m in measured]
+    if how in ("min", "max"):
+        return low if how == "min" else high
+    if how == "std":
+        return Measured(statistics.stdev(values))
+    value = math.fsum(values) / len(values) if how == "mean" else high.value - low.value
+    if any(f is None for f in forms):  # no combination to pair: the runs taken as scored independently
+        se = (math.sqrt(math.fsum(m.stderr ** 2 for m in measured)) / len(values) if how == "mean"
+              else math.hypot(high.stderr, low.stderr))
+        return Measured(value, se)
+    return Measured.linear(value, total(forms) * (1.0 / len(forms)) if how == "mean" else high.form - low.form)
 
 
 def _select(runs: list[Run], where: dict) -> list[Run]:
@@ -516,6 +580,43 @@ def label(cid: str, parts: list[str]) -> str:
 def _show(value: Any) -> str:
     text = name_text(value)
     return text if text is not None else str(value)
+
+
+def evaluate_claims(claims: list[Claim], selected: list[Claim], runs: list[Run] | None,
+                    tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> list[ClaimResult]:
+    """The results of the ``selected`` claims and of every claim they require (in the spec's order), each made
+    "untestable" where a precondition does not hold (module docstring)."""
+    by_id = {c.id: c for c in claims}
+    wanted: set[str] = set()
+    stack = [c.id for c in selected]
+    while stack:
+        cid = stack.pop()
+        if cid not in wanted:
+            wanted.add(cid)
+            stack += by_id[cid].requires
+    got: dict[str, list[ClaimResult]] = {}
+    for cid in _order([c for c in claims if c.id in wanted], "claims"):  # preconditions first
+        got[cid] = [_gate(r, by_id[cid], got) for r in evaluate_claim(by_id[cid], runs, tables, metrics)]
+    return [r for c in claims if c.id in wanted for r in got[c.id]]
+
+
+def _gate(result: ClaimResult, claim: Claim, got: Mapping[str, list[ClaimResult]]) -> ClaimResult:
+    """``result``, or "untestable" when a result of a required claim on its run and repetition does not pass.
+    Its margin is then the precondition's (how far that is from holding), so a record enforces it as firmly."""
+    if result.status == "not run" or not claim.requires:
+        return result
+    for need in claim.requires:
+        mine = dict(result.binding)
+        related = [p for p in got[need] if (p.run is None or result.run is None or p.run == result.run)
+                   and all(mine.get(k, v) == v for k, v in p.binding)]
+        failing = [p for p in related if p.status != "pass"]
+        if not related or failing:
+            why = (f"precondition {need} has no result here" if not related else
+                   f"precondition {failing[0].id} is {failing[0].status}" +
+                   (f" ({failing[0].margin:+.2f} se)" if failing[0].margin is not None else ""))
+            return dataclasses.replace(result, status="untestable", detail=f"{why}; as measured: {result.status}, "
+                                       f"{result.detail}", margin=failing[0].margin if failing else None)
+    return result
 
 
 def evaluate_claim(claim: Claim, runs: list[Run] | None, tables: Mapping[str, Table],
@@ -579,10 +680,13 @@ def _judge(claim, cid, run, runs, binding, tables, metrics) -> ClaimResult:
         left = _operand_value(claim.left, claim, lone.get(id(claim.left), run), runs, binding, tables, metrics)
         right = _operand_value(claim.right, claim, lone.get(id(claim.right), run), runs, binding, tables, metrics)
     except NotRun as reason:
-        return ClaimResult(cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs)
+        return ClaimResult(cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs,
+                           claim=claim.id)
     status, detail = compare(left, claim.op, right, claim.tolerance, claim.stderr_margin)
     return ClaimResult(cid, claim.says, status, claim.op, left, right, detail, claim.uses_runs,
-                       stderr_units(left, claim.op, right, claim.tolerance, claim.stderr_margin))
+                       stderr_units(left, claim.op, right, claim.tolerance, claim.stderr_margin), claim=claim.id,
+                       run=None if run is None else run.path,
+                       binding=tuple((k, str(v)) for k, v in binding.items() if k != "task"))
 
 
 def _judge_rank(claim: Claim, parts: list[str], binding: Mapping[str, Any],

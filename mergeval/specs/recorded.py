@@ -9,7 +9,7 @@ result on a run it names::
         claims:
           mini_curriculum_beats_reverse: pass +2.31
           mini_cmm_beats_experts (expert=chem): fail -0.42
-          macro_og_at_most_macro_gain: pass    # no margin: the operands carry no stderr
+          cmm_best_general_average: pass       # no margin: published cells carry no stderr
 
 A claim result's id is as ``verify`` prints it (repetitions in brackets). The
 margin is ``ClaimResult.margin`` (``claims.stderr_units``): how many combined
@@ -46,8 +46,8 @@ from mergeval.errors import UserError
 from mergeval.specs.claims import ClaimResult
 
 ENFORCED_MARGIN = 1.0
-VERDICTS = ("pass", "fail", "undetermined", "not run")
-_ENTRY = re.compile(r"^(pass|fail|undetermined|not run)(?:\s+([+-]?\d+(?:\.\d*)?))?$")
+VERDICTS = ("pass", "fail", "undetermined", "untestable", "not run")
+_ENTRY = re.compile(r"^(pass|fail|undetermined|untestable|not run)(?:\s+([+-]?\d+(?:\.\d*)?))?$")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,13 @@
       ``metrics.groups.forgetting`` mean drop from base to the role;
       ``tasks: null`` means the run's tasks that are no expert's own task;
       stderr = s * sqrt(sum_t (se_base,t^2 + se_role,t^2)) / T.
+
+Every value a run gives is linear in its task scores, and carries that
+combination (``Measured.form``, metrics/paired.py) over the run's per-item
+outcomes (result.json ``items``): a claim that compares two of them takes the
+standard error of their difference item by item, so models scored on the same
+items are compared paired. The stderrs above are each value's own (the
+independent-task formulas are what ``paired_stderr`` gives for one value).
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mergeval.errors import UserError
 from mergeval.metrics.groups import forgetting, group_mean
+from mergeval.metrics.paired import Linear, Outcomes, paired_stderr, total
 from mergeval.outcome import score_value
 from mergeval.paths import result_files_below
 
@@ -53,6 +61,12 @@ class Measured:
     text: str | None = None  # a published cell's value as printed
     lo: float | None = None  # the interval the true value lies in; None = exactly value
     hi: float | None = None
+    # a run value's linear combination of per-item outcomes (module docstring); None: a published cell, a number
+    form: Linear | None = field(default=None, compare=False)
+
+    @classmethod
+    def linear(cls, value: float, form: Linear) -> Measured:
+        return cls(value, paired_stderr(form), form=form)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -67,6 +81,7 @@ class Run:
     models: list
     aggregates: dict
     index: int = 0  # position among the runs given, for short references in reports
+    items: dict = field(default_factory=dict)  # task -> role -> {"ids", "values"} (result.json ``items``)
 
     @property
     def short(self) -> str:
@@ -89,28 +104,39 @@ class Run:
             s = self.scores[task][role]
         except KeyError:
             raise NotRun(f"{self.label} has no score for role '{role}' on task '{task}'") from None
-        return Measured(float(score_value(s)), float(s.get("stderr") or 0.0))
+        stderr = float(s.get("stderr") or 0.0)
+        kept = (self.items.get(task) or {}).get(role) or {}
+        outcomes = Outcomes(task, stderr, tuple(kept.get("ids", ())), tuple(kept.get("values", ())))
+        # the run's own stderr stands, the items only pair it with others (they agree: s(x)/sqrt(n))
+        # keyed by this run object (two runs may share a path in tests; their outcomes pair by item ids anyway)
+        return Measured(float(score_value(s)), stderr, form=Linear.of((id(self), role, task), outcomes))
 
-    def aggregate_stderr(self, name: str) -> float:
-        """The stderr of ``macro_gain`` / ``macro_og`` from the task stderrs; 0 for any other aggregate.
+    def aggregate_form(self, name: str) -> Linear | None:
+        """``macro_gain`` / ``macro_og`` as a combination of task scores; None for any other aggregate.
 
         Both are linear in the scores of the T aggregated tasks (the run's tasks but ``excluded``), with the
         merge's weight c/T on each task (c = 100 for scale percent, else 1). Macro-Gain's constituents weigh
         -c/(N T) each; Macro-OG's best constituent (argmax of the task averages, held fixed) weighs -c/T. With
-        independent scores: se = (c/T) sqrt(sum_t se_merged,t^2 + sum_i w_i^2 sum_t se_i,t^2), w_i = 1/N or 1.
+        independent scores: se = (c/T) sqrt(sum_t se_merged,t^2 + sum_i w_i^2 sum_t se_i,t^2), w_i = 1/N or 1;
+        paired, the items of each task are combined first (metrics/paired.py).
         """
         agg = self.aggregates
         if name not in ("macro_gain", "macro_og") or not agg.get("constituents"):
-            return 0.0
+            return None
         tasks = [t for t in self.scores if t not in (agg.get("excluded") or {})]
         factor = (100.0 if agg.get("scale") == "percent" else 1.0) / len(tasks)
         roles = list(agg["constituents"])
         if name == "macro_og":
             roles = [max(roles, key=lambda r: sum(self.score(t, r).value for t in tasks))]
         weight = 1.0 / len(roles)
-        var = sum(self.score(t, "merged").stderr ** 2 for t in tasks)
-        var += sum((weight * self.score(t, r).stderr) ** 2 for r in roles for t in tasks)
-        return factor * math.sqrt(var)
+        merged = total([self.score(t, "merged").form for t in tasks])
+        constituents = total([self.score(t, r).form for r in roles for t in tasks])
+        return (merged - constituents * weight) * factor
+
+    def aggregate_stderr(self, name: str) -> float:
+        """The stderr of ``macro_gain`` / ``macro_og`` (``aggregate_form``), 0 for any other aggregate."""
+        form = self.aggregate_form(name)
+        return 0.0 if form is None else paired_stderr(form)
 
 
 def load_runs(paths: list[str]) -> list[Run]:
@@ -143,7 +169,8 @@ def _load_run(path: Path) -> Run:
     if missing:
         raise UserError("--run", f"{path} is not a mergeval result.json (no {', '.join(missing)})",
                         "give a result.json written by python -m mergeval")
-    return Run(str(path), data["config"], data["scores"], data["models"], data["aggregates"])
+    items = data.get("items") if isinstance(data.get("items"), dict) else {}
+    return Run(str(path), data["config"], data["scores"], data["models"], data["aggregates"], items=items)
 
 
 def config_value(run: Run, key: str) -> Any:
@@ -202,8 +229,7 @@ class RunMetric:
         # group_mean is linear in the scores: its weight on task t is f(e_t) - f(0)
         zero = f(dict.fromkeys(tasks, 0.0))
         weight = {t: f({u: float(u == t) for u in tasks}) - zero for t in tasks}
-        stderr = math.sqrt(math.fsum((weight[t] * got[t].stderr) ** 2 for t in tasks))
-        return Measured(value, stderr)
+        return Measured.linear(value, total([got[t].form * weight[t] for t in dict.fromkeys(tasks)]))
 
     def _forgetting(self, run: Run, role: str) -> Measured:
         own = {task for _, task in run.experts()}
@@ -214,8 +240,8 @@ class RunMetric:
         other = {t: run.score(t, role) for t in tasks}
         scale = float(self.body.get("scale", 1.0))
         drop = forgetting({t: m.value for t, m in base.items()}, {t: m.value for t, m in other.items()})["mean"]
-        se = math.sqrt(math.fsum(base[t].stderr ** 2 + other[t].stderr ** 2 for t in tasks)) / len(tasks)
-        return Measured(scale * drop, scale * se)
+        form = total([base[t].form - other[t].form for t in base]) * (scale / len(base))
+        return Measured.linear(scale * drop, form)
 
     def label(self, run: Run) -> str:
         return f"metric {self.name} on {run.label}"

@@ -145,9 +145,10 @@ class Bench:
             samples = {t: items for t, items in samples.items() if t in harness.task_dict["tasks"]}
         model = make_model()
         with library_bars(self.cfg.verbose):
-            fresh = {t: s.as_dict() for t, s in harness.score(model, self.tokenizer, samples=samples).items()}
-        self.store.put_scores(fingerprint, {t: self.digests[t] for t in fresh}, settings, fresh)
-        return {**got, **fresh}, THIS_RUN, sum(harness.requests.values())
+            fresh = harness.score(model, self.tokenizer, samples=samples)
+        self.store.put_scores(fingerprint, {t: self.digests[t] for t in fresh}, settings,
+                              {t: s.stored() for t, s in fresh.items()})
+        return {**got, **{t: s.as_dict() for t, s in fresh.items()}}, THIS_RUN, sum(harness.requests.values())
 
 
 def choices_per_item(task_dir: Path, tasks: list[str], n: int) -> dict[str, list[int]]:

@@ -1,4 +1,4 @@
-"""The results store's schema (v6) as SQL, and the in-place migrations of older SQLite stores.
+"""The results store's schema (v7) as SQL, and the in-place migrations of older SQLite stores.
 
 The DDL is written once, in SQLite's types; a backend adapts it (``ddl``: PostgreSQL gets 8-byte numbers).
 A PostgreSQL store is created at the current version; the v1 -> v4 migrations rebuild SQLite tables and only
@@ -12,7 +12,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DEFAULT_METRIC = "acc,none"  # what v2 stored (generated tasks report only acc)
 
 _RUNS_COLUMNS = """
@@ -97,6 +97,12 @@ _NEW_IN_V5 = [
 _NEW_IN_V6 = [
     "ALTER TABLE models ADD COLUMN weights TEXT",
 ]
+# v7: an evaluation keeps its per-item outcomes (``items``: metric key -> {"ids", "values"}, for the metrics
+# that are means over items), which paired comparisons need (metrics/paired.py). NULL for rows before: their
+# scores stand and are reused; a comparison that reads them takes them as independent.
+_NEW_IN_V7 = [
+    "ALTER TABLE evaluations ADD COLUMN items TEXT",
+]
 
 
 def _canonical(value) -> str:
@@ -172,6 +178,13 @@ def _migrate_v5_to_v6(db) -> None:
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 
+def _migrate_v6_to_v7(db) -> None:
+    """v6 -> v7 inside the caller's transaction (SQLite or PostgreSQL): evaluations gain ``items``."""
+    for statement in _NEW_IN_V7:
+        db.execute(statement)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+
 def stale_rows(db) -> tuple[int, int]:
     """(evaluations, merges) a store holds: before a v5 -> v6 migration, all keyed by tensors alone."""
     return (db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0],
@@ -188,13 +201,13 @@ def _read_json(path: Path) -> dict:
 
 def create(db, ddl) -> None:
     """A new store at the current version, inside the caller's transaction; ``ddl`` adapts each statement."""
-    for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5 + _NEW_IN_V6:
+    for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5 + _NEW_IN_V6 + _NEW_IN_V7:
         db.execute(ddl(statement))
     db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
 
 
 def migrate(db, version: int) -> None:
-    """A store of schema ``version`` (1-5; below 5 only SQLite files exist) to the current one, inside the
+    """A store of schema ``version`` (1-6; below 5 only SQLite files exist) to the current one, inside the
     caller's transaction."""
     if version == 1:
         _migrate_v1_to_v2(db)
@@ -204,4 +217,6 @@ def migrate(db, version: int) -> None:
         _migrate_v3_to_v4(db)
     if version <= 4:
         _migrate_v4_to_v5(db)
-    _migrate_v5_to_v6(db)
+    if version <= 5:
+        _migrate_v5_to_v6(db)
+    _migrate_v6_to_v7(db)

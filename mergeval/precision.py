@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 RESOLVER = "mergeval_dtype"
+BACKEND_RESOLVER = "mergeval_backend"
 
 
 @functools.cache
@@ -45,9 +46,19 @@ def auto_dtype(device: str = "cpu") -> str:
     return "bfloat16" if bf16_native(device) else "float32"
 
 
+def auto_backend(dtype: str) -> str:
+    """The default scorer for a precision: the shared-prefix scorer in float32, where it gives lm-eval's answers
+    (each choice's log-likelihood within 1e-4 of HFLM's: tests/test_scorer.py), and lm-eval's own HFLM in any
+    other precision, where the two round differently and move a few percent of answers
+    (tests/test_scorer_bf16.py): the default numbers are always the ``lm_eval`` command line's."""
+    return "shared_prefix" if dtype == "float32" else "hflm"
+
+
 def register_resolver() -> None:
-    """``${mergeval_dtype:<device>}`` for the configs (idempotent)."""
+    """``${mergeval_dtype:<device>}`` and ``${mergeval_backend:<dtype>}`` for the configs (idempotent)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, lambda device="cpu": auto_dtype(str(device)))
+    if not OmegaConf.has_resolver(BACKEND_RESOLVER):
+        OmegaConf.register_new_resolver(BACKEND_RESOLVER, lambda dtype="float32": auto_backend(str(dtype)))

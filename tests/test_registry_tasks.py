@@ -51,31 +51,37 @@ def eval_cfg(**over):
     return OmegaConf.merge(OmegaConf.structured(EvalConfig(dtype="float32", gen_kwargs={"max_gen_toks": MAX_GEN})), over)
 
 
-@pytest.fixture(scope="module")
-def cli(tiny_dir, cache, tmp_path_factory) -> dict:
-    """The lm_eval command line on the tiny model: results and per-sample outputs per task."""
+def lm_eval_cli(model_dir, cache, where, dtype: str = "float32", tasks: list[str] = TASKS) -> dict:
+    """The lm_eval command line (batch size 1) on a model over the shipped files: results and per-sample outputs
+    per task. ``where``: an empty directory for its include path and output."""
     from mergeval.eval.task_index import task_manager
 
     registry = task_manager(None, include_defaults=True, cache=cache)
-    inc = tmp_path_factory.mktemp("include")
-    for task in TASKS:
+    inc, out = where / "include", where / "cli"
+    inc.mkdir()
+    for task in tasks:
         cfg = {"include": str(registry.task_index[task].yaml_path), "task": task, "tag": None, "dataset_path": "json",
                "dataset_name": None, "dataset_kwargs": {"data_files": _files(task)}}
         (inc / f"{task}.yaml").write_text(json.dumps(cfg))
-    out = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-           f"pretrained={tiny_dir},dtype=float32", "--tasks", ",".join(TASKS), "--include_path", str(inc),
+           f"pretrained={model_dir},dtype={dtype}", "--tasks", ",".join(tasks), "--include_path", str(inc),
            "--batch_size", "1", "--device", "cpu", "--output_path", str(out), "--log_samples",
            "--gen_kwargs", f"max_gen_toks={MAX_GEN}"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     samples = {}
-    for task in TASKS:
+    for task in tasks:
         path = next(out.rglob(f"samples_{task}_*.jsonl"))
         samples[task] = {row["doc_id"]: row for row in map(json.loads, path.read_text().splitlines())}
     return {"results": results["results"], "samples": samples}
+
+
+@pytest.fixture(scope="module")
+def cli(tiny_dir, cache, tmp_path_factory) -> dict:
+    """The lm_eval command line on the tiny model in float32."""
+    return lm_eval_cli(tiny_dir, cache, tmp_path_factory.mktemp("cli"))
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,7 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
                                                                                           "detail"],
                           [[r.id, r.status] + ([show_margin(r.margin)] if margins else [])
                            + [_fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
+    out += power_lines(spec, results)
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     if not counts["not run"]:
         note = ""
@@ -232,6 +233,38 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     code = exit_status(checks, results, strict)
     out.append(f"\nverdict: {summary(checks, results)}{note} -> exit {code}")
     return "\n".join(out)
+
+
+DECIDED_BY = 2.0  # a central finding is decided when its verdict is this many stderrs from its threshold
+
+
+def power_lines(spec: Spec, results: list[ClaimResult]) -> list[str]:
+    """For the central findings (tag ``central``) that are not decided by DECIDED_BY stderrs, and the
+    preconditions (claims others require) that fall short of their margin: how many items per task would
+    settle them if the effect stays as measured (metrics/paired.py)."""
+    from mergeval.metrics.paired import items_to_decide, items_to_pass
+
+    claims = {c.id: c for c in spec.claims}
+    required = {need for c in spec.claims for need in c.requires}
+    lines = []
+    for r in results:
+        claim = claims.get(r.claim)
+        forms = [m.form for m in (r.left, r.right) if m is not None and m.form is not None]
+        n = max((f.items for f in forms), default=0)
+        margin = r.own_margin if r.status == "untestable" else r.margin  # what the claim itself measured
+        if claim is None or margin is None or not n:
+            continue
+        if "central" in claim.tags and abs(margin) < DECIDED_BY:
+            need = items_to_decide(margin, claim.stderr_margin, n, DECIDED_BY)
+            lines.append(f"  central finding {r.id}: {margin:+.2f} se on {n} items per task; "
+                         + (f"about {need} would decide it by {DECIDED_BY:g} se" if need else
+                            "no effect measured: no number of items decides it") + " (the effect as measured)")
+        elif r.claim in required and margin < 0:
+            need = items_to_pass(margin, claim.stderr_margin, n)
+            lines.append(f"  precondition {r.id}: {margin:+.2f} se on {n} items per task; "
+                         + (f"about {need} would let it hold by {claim.stderr_margin:g} se"
+                            if need else "its effect is not on the pass side") + " (the effect as measured)")
+    return ["\npower (items per task that would settle what this run does not):", *lines] if lines else []
 
 
 def recorded_report(name: str, comparisons: list[Comparison]) -> str:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.metrics.paired import Linear, Outcomes, paired_stderr, sample_variance
+from mergeval.metrics.paired import Linear, Outcomes, items_to_decide, items_to_pass, paired_stderr, sample_variance
 
 
 def outcomes(values, task="t", stderr=None):
@@ -93,3 +93,32 @@ def test_the_same_key_twice_adds_its_coefficients():
     form = Linear.of("x", x) + Linear.of("x", x)
     assert paired_stderr(form) == pytest.approx(2 * x.stderr)
     assert paired_stderr(form - Linear.of("x", x) * 2) == 0.0
+
+
+def test_items_to_decide_hand_derived():
+    # measured 1 se above the threshold of a "by 1 se" claim (z = 2) on 20 items: 2 se from it at z = 3,
+    # sqrt(n'/20) = 1.5, n' = 45
+    assert items_to_decide(1.0, 1.0, 20) == 45
+    assert items_to_decide(2.5, 1.0, 20) == 20  # already decided
+    assert items_to_decide(-0.5, 0.0, 20) == 320  # fails by half a se: (2 / 0.5)^2 = 16 times the items
+    assert items_to_decide(-1.0, 1.0, 20) is None  # no effect at all
+
+
+@given(st.floats(-5, 5), st.sampled_from([0.0, 1.0, 2.0, 3.0]), st.integers(5, 500))
+def test_items_to_decide_decides(margin, k, n):
+    need = items_to_decide(margin, k, n)
+    z = margin + k
+    if need is None:
+        assert z == 0 or n * max((k + 2) / abs(z), abs(2 - k) / abs(z)) ** 2 > 1e9
+        return
+    assert need >= n
+    assert abs(z * math.sqrt(need / n) - k) >= 2 - 1e-9  # decided with that many items
+    if need > n + 1:
+        assert abs(z * math.sqrt((need - 2) / n) - k) < 2  # and not with noticeably fewer
+
+
+def test_items_to_pass():
+    # 3 se asked, 1.5 measured (margin -1.5) on 20 items: (3 / 1.5)^2 = 4 times the items
+    assert items_to_pass(-1.5, 3.0, 20) == 80
+    assert items_to_pass(0.2, 3.0, 20) == 20
+    assert items_to_pass(-3.5, 3.0, 20) is None  # the effect is on the other side

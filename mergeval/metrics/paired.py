@@ -76,6 +76,11 @@ class Linear:
         """Whether every term has per-item outcomes (else the stderr takes some terms as independent)."""
         return all(outcomes.paired for outcomes, _ in self.terms.values())
 
+    @property
+    def items(self) -> int:
+        """The most items any of its tasks holds (0 where none are kept)."""
+        return max((len(outcomes.values) for outcomes, _ in self.terms.values()), default=0)
+
 
 def total(forms: Sequence[Linear]) -> Linear:
     out = Linear()
@@ -111,3 +116,40 @@ def paired_stderr(form: Linear) -> float:
             var.append(sample_variance(z) / len(z))
         var.extend((c * o.stderr) ** 2 for o, c in alone)
     return math.sqrt(math.fsum(var))
+
+
+def items_to_decide(margin: float, stderr_margin: float, n: int, by: float = 2.0) -> int | None:
+    """Items per task a comparison needs for its verdict to be ``by`` standard errors from its threshold, if the
+    effect stays as measured on ``n`` items.
+
+    With z = (d + t) / se the measured effect in stderrs (``margin`` = z - k, k = ``stderr_margin``) and se
+    shrinking as 1/sqrt(n), n' items give z' = z sqrt(n'/n); the verdict is decided when |z' - k| >= by:
+
+        already (|z - k| >= by)  -> n
+        z > 0                    -> n' = n ((k + by) / z)^2       (it passes)
+        z < 0, k < by            -> n' = n ((by - k) / -z)^2      (it fails)
+        z = 0                    -> None (no effect measured: no number of items decides it)
+
+    None too where that would take more than a billion items.
+    """
+    z = margin + stderr_margin
+    if abs(margin) >= by:
+        return n
+    if z == 0:
+        return None
+    ratio = ((stderr_margin + by) / z) ** 2 if z > 0 else ((by - stderr_margin) / -z) ** 2
+    return math.ceil(n * ratio) if n * ratio <= 1e9 else None
+
+
+def items_to_pass(margin: float, stderr_margin: float, n: int) -> int | None:
+    """Items per task a comparison that falls short of its ``stderr_margin`` (``margin`` < 0) needs to pass it,
+    if the effect stays as measured on ``n`` items: z' = z sqrt(n'/n) >= k, so n' = n (k / z)^2 for z > 0
+    (z = margin + k); ``n`` where it passes already; None where the effect is not on the pass side at all
+    (z <= 0) or it would take more than a billion items."""
+    z = margin + stderr_margin
+    if margin >= 0:
+        return n
+    if z <= 0:
+        return None
+    ratio = (stderr_margin / z) ** 2
+    return math.ceil(n * ratio) if n * ratio <= 1e9 else None

@@ -75,9 +75,11 @@ aggregate) is "not run", with the reason.
 Untestable: a finding about merges means something only where its
 preconditions hold (each expert learned its skill; there is forgetting to
 measure). A claim lists them by id under ``requires``; a result of it is
-"untestable" unless every result of each required claim on the same run and
-repetition (the same run where both read one run, the same values of the
-variables both bind) passes, at its own stated margin. Its detail names the
+"untestable" unless every result of each required claim for the same
+repetition (the same values of the variables both bind) passes, at its own
+stated margin: its result on the same run where it was checked on that run,
+else its results wherever they were (a precondition on a sweep's experts is
+checked on one of its runs). Its detail names the
 precondition that did not hold. Required claims are evaluated with the claims
 that need them.
 """
@@ -173,6 +175,8 @@ class ClaimResult:
     claim: str = ""  # the claim's own id (``id`` adds the repetition)
     run: str | None = None  # the run's path where the result reads one run
     binding: tuple = ()  # the repetition's (variable, value) pairs
+    own_margin: float | None = None  # untestable: the margin the claim itself measured (``margin`` is then the
+    # precondition's)
 
 
 # ---------------------------------------------------------------- verdict
@@ -228,8 +232,8 @@ def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
         status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"
     sym = ">" if op in (">", "<") else ">="
     gap = "l - r" if op in (">", ">=") else "r - l"
-    kind = "paired se" if left.form is not None and right.form is not None and (left.form - right.form).paired \
-        else "se"
+    forms = [f for f in (left.form, right.form) if f is not None]
+    kind = "paired se" if forms and (forms[0] if len(forms) == 1 else forms[0] - forms[1]).paired else "se"
     margin = f" ({stderr_margin:g} x {kind} {se:.3g})" if stderr_margin and se else ""
     return status, f"{gap} = {d:+.4g}{_within(d_lo, d_hi)}, needs {sym} {need:+.4g}{margin}"
 
@@ -607,15 +611,19 @@ def _gate(result: ClaimResult, claim: Claim, got: Mapping[str, list[ClaimResult]
         return result
     for need in claim.requires:
         mine = dict(result.binding)
-        related = [p for p in got[need] if (p.run is None or result.run is None or p.run == result.run)
-                   and all(mine.get(k, v) == v for k, v in p.binding)]
+        related = [p for p in got[need] if all(mine.get(k, v) == v for k, v in p.binding)]
+        # on the same run where the precondition was checked on it; else wherever it was (the experts of a
+        # sweep are the same in all its runs, and a precondition on them is checked on one)
+        here = [p for p in related if p.run is not None and p.run == result.run]
+        related = here or related
         failing = [p for p in related if p.status != "pass"]
         if not related or failing:
             why = (f"precondition {need} has no result here" if not related else
                    f"precondition {failing[0].id} is {failing[0].status}" +
                    (f" ({failing[0].margin:+.2f} se)" if failing[0].margin is not None else ""))
             return dataclasses.replace(result, status="untestable", detail=f"{why}; as measured: {result.status}, "
-                                       f"{result.detail}", margin=failing[0].margin if failing else None)
+                                       f"{result.detail}", margin=failing[0].margin if failing else None,
+                                       own_margin=result.margin)
     return result
 
 

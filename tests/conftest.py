@@ -44,13 +44,17 @@ SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 
 
 # The modules that take minutes, collected first; with pyproject's --no-loadscope-reorder they also start first,
-# so the longest (the reproductions) overlaps the rest of the suite on the other worker.
+# so the longest (the reproductions) overlaps the rest of the suite on the other worker. Their tests are marked
+# ``slow``: ``python -m pytest -m "not slow"`` is the inner loop.
 SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
-                "test_quickstart_e2e.py")
+                "test_quickstart_e2e.py", "test_default_scorer_parity.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
     def order(item) -> float:
         # The reproductions' later groups (test_reproductions_mini.py) come after the other slow modules: by then

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -162,19 +163,50 @@ class Interrupted(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so every cleanup that handles one handles both."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    if _in_import_machinery(frame):
-        _redeliver_later(signal.SIGTERM)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut our own cleanup short
-    raise Interrupted("SIGTERM")
+# The interruption (its signal) that this command has not yet reported, or None. From the first signal until
+# ``run_cli`` reports it, the signal is sent again to the main thread every RESEND_S seconds, and its handler raises
+# again wherever no interruption is already on its way up: native code can swallow the exception a handler raises
+# (the suite saw a Ctrl-C raised inside numpy's extension-module import, under numba's, vanish, and the merge
+# finished with status 0), as can a weakref callback or a finalizer. A command that returns with one unreported
+# is reported as interrupted all the same (``_run_cli``).
+_unreported: int | None = None
+RESEND_S = 0.25
 
 
-def _on_sigint(signum, frame) -> None:
-    if _in_import_machinery(frame):
-        _redeliver_later(signal.SIGINT)
+def _on_signal(signum, frame) -> None:
+    """SIGTERM's and SIGINT's handler in a command: raise the interruption (``Interrupted`` or KeyboardInterrupt)
+    unless one is already propagating here (its cleanup must not be cut short by a second one) or the handler
+    runs inside importlib's own code (see ``_in_import_machinery``); the resender delivers it again then."""
+    global _unreported
+    if _unreported is None:
+        _unreported = signum
+        _start_resending()
+    if _in_import_machinery(frame) or isinstance(sys.exc_info()[1], KeyboardInterrupt):
         return
-    raise KeyboardInterrupt
+    raise Interrupted("SIGTERM") if _unreported == signal.SIGTERM else KeyboardInterrupt
+
+
+def _start_resending() -> None:
+    import threading
+
+    main = threading.main_thread().ident
+
+    def resend() -> None:
+        while True:
+            time.sleep(RESEND_S)
+            signum = _unreported
+            if signum is None:
+                return
+            signal.pthread_kill(main, signum)  # to the main thread itself: see _redeliver_later
+
+    threading.Thread(target=resend, name="mergeval-interruption", daemon=True).start()
+
+
+def interruption_reported() -> None:
+    """The command has reported its interruption (or is ending without the interpreter's teardown): stop sending
+    it again."""
+    global _unreported
+    _unreported = None
 
 
 def _in_import_machinery(frame) -> bool:
@@ -198,10 +230,11 @@ def _redeliver_later(signum: int) -> None:
 def _redeliver_swallowed_interrupt(unraisable) -> None:
     """``sys.unraisablehook``: Python discards an exception raised where nothing can catch it (a weakref
     callback, ``__del__``). A SIGTERM whose handler ran there was lost: the suite once saw it raised inside
-    importlib's module-lock callback during an import, and the run went on to finish with status 0. So the
-    signal is sent again, and handled in the code that can stop. Ctrl-C's KeyboardInterrupt can be lost the
-    same way and is re-sent the same way; anything else goes to Python's own hook. One raised while the
-    interpreter waits for threads at exit ends the process at once, with status 2 (below)."""
+    importlib's module-lock callback during an import, and the run went on to finish with status 0. In a
+    command the resender sends it again (``_on_signal``); in a process with Python's own SIGINT handler (a
+    sweep's worker, see ``failing_cleanly``) it is sent again from here. Anything else goes to Python's own
+    hook. One raised while the interpreter waits for threads at exit ends the process at once, with status 2
+    (below)."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         import threading
 
@@ -211,9 +244,9 @@ def _redeliver_swallowed_interrupt(unraisable) -> None:
             # exception", status -6: a Ctrl-C or SIGTERM while a thread ran a matrix product at exit did so in 3
             # runs of 3). The command is ending anyway: end it now, as an interruption.
             end_now(2)
+        if _unreported is not None:
+            return
         signum = signal.SIGTERM if isinstance(unraisable.exc_value, Interrupted) else signal.SIGINT
-        if signum == signal.SIGTERM:
-            signal.signal(signal.SIGTERM, _on_sigterm)
         # A moment later: sent from here, the handler would run inside this hook, where its exception would be
         # discarded again. If it lands in another such place, this runs once more.
         _redeliver_later(signum)
@@ -224,9 +257,9 @@ def _redeliver_swallowed_interrupt(unraisable) -> None:
 def handle_sigterm() -> None:
     """SIGTERM raises ``Interrupted`` (a KeyboardInterrupt) in the main thread; neither it nor Ctrl-C is lost
     on the way."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Python's own: a KeyboardInterrupt
-        signal.signal(signal.SIGINT, _on_sigint)
+        signal.signal(signal.SIGINT, _on_signal)
     sys.unraisablehook = _redeliver_swallowed_interrupt
 
 
@@ -362,6 +395,7 @@ def end_now(status: int) -> NoReturn:
     handlers the exception ran through; the abandoned threads only compute, so nothing is lost with them."""
     import ctypes
 
+    interruption_reported()
     try:
         atexit._run_exitfuncs()
     finally:
@@ -422,7 +456,10 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
             raise
         if progress is not None:
             progress.stop(final=True)
+        if _unreported is not None:  # interrupted, and the exception was swallowed on its way (see _on_signal)
+            raise Interrupted("SIGTERM") if _unreported == signal.SIGTERM else KeyboardInterrupt
     except KeyboardInterrupt as err:
+        interruption_reported()
         if full_error:
             raise
         which = "SIGTERM" if isinstance(err, Interrupted) else "Ctrl-C"

@@ -412,11 +412,14 @@ def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: 
         proc = subprocess.Popen(merge_cmd(models, out), cwd=parent, env=dict(child_env(), PYTHONFAULTHANDLER="1"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=default_signals)
-        if started(parent, proc, out.name):
+        # frozen with the temporary directory still there: the merge is mid-write. It may also have renamed it into
+        # place between the glob and the freeze (CI saw one exit 0 that way); then it is a merge that finished first
+        if started(parent, proc, out.name) and any(parent.glob(f".tmp-{out.name}-*")):
             proc.send_signal(sig)
             proc.send_signal(signal.SIGCONT)
             _, err = proc.communicate(timeout=120)
             return proc.returncode, err, out
+        proc.send_signal(signal.SIGCONT)
         _, err = proc.communicate()
         assert proc.returncode == 0 and whole(out), err[-3000:]
     pytest.fail(f"none of {attempts} merges could be caught while writing")

@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import explain  # noqa: F401  (used by older imports)
+from mergeval.errors import explain  # noqa: F401  (used by older imports)
 from mergeval.cli import failing_cleanly, loading_modules, run_cli
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start

@@ -23,7 +23,7 @@ from mergeval.errors import UserError
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
 from mergeval.models.checkpoint import load_tensors, load_tokenizer
-from mergeval.models.resolve import resolve_models
+from mergeval.zoo.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo, Outcome, result_text
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions

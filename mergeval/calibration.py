@@ -46,10 +46,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import lru_cache
 from pathlib import Path
 
 from mergeval.errors import UserError
+from mergeval.methods.statistics import META_FILE, STATS_FILE, read_stat  # noqa: F401  (the layout the methods read)
 from mergeval.paths import atomic_dir
 
 # A statistic's implementation version, part of its cache key: raised when the same model and data give other
@@ -59,7 +59,6 @@ CUT_VERSION = 1  # the cached magnitude cuts (``magnitude_cut``)
 BATCH = 16  # examples per forward + backward where a statistic sums over them (localize)
 KINDS = ("fisher", "gram", "localize")
 SPLITS = ("train", "validation")
-STATS_FILE, META_FILE = "stats.safetensors", "meta.json"
 
 
 # ---------------------------------------------------------------- data
@@ -331,20 +330,6 @@ def gram(model, examples) -> tuple[dict, dict]:
         live.clear()
     tensors = {f"{n}.weight": (g / tokens).contiguous() for n, g in acc.items() if n not in aliases}
     return tensors, {"tokens": tokens, "aliases": {f"{n}.weight": f"{o}.weight" for n, o in aliases.items()}}
-
-
-@lru_cache(maxsize=64)
-def _aliases(directory: str) -> dict[str, str]:
-    return json.loads((Path(directory) / META_FILE).read_text()).get("aliases", {})
-
-
-def read_stat(directory: str, name: str):
-    """One statistic tensor (``name`` is the parameter's name; a shared Gram matrix is found by alias), or None."""
-    from safetensors import safe_open
-
-    key = _aliases(directory).get(name, name)
-    with safe_open(str(Path(directory) / STATS_FILE), "pt") as f:
-        return f.get_tensor(key) if key in f.keys() else None
 
 
 # ---------------------------------------------------------------- a run's statistics

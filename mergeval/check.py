@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from mergeval.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
 from mergeval.errors import UserError
 from mergeval.paths import cache_root, dir_size
-from mergeval.models.sources import looks_like_path
+from mergeval.zoo.sources import looks_like_path
 from mergeval.models.adapters import is_adapter
 from mergeval.models.hub_metadata import HUB_PATTERNS
 

@@ -7,12 +7,12 @@ import functools
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergeval.errors import UserError
+from mergeval.errors import UTF8_FIX, UserError, is_utf8, shown  # noqa: F401  (checks' callers import them here)
 from mergeval.eval.harness import check_backend
 from mergeval.eval.tasks import GENERATED, LETTERED, PREFIX, check_tasks, items_of, same_items
 from mergeval.methods import get_method
 from mergeval.models.checkpoint import check_vocab_policy
-from mergeval.progress import check_best
+from mergeval.metrics.aggregates import NUMBERS, TABLES
 from mergeval.zoo.domains import DOMAINS
 
 
@@ -75,25 +75,6 @@ def _check_text(node, prefix: str) -> None:
         if isinstance(value, str) and not is_utf8(value):
             raise UserError(field, f"'{shown(value)}' has bytes that are not UTF-8 text", UTF8_FIX)
         _check_text(value, f"{field}.")
-
-
-UTF8_FIX = "use a name that is valid UTF-8 (rename the file or directory, or link to it from such a path)"
-
-
-def shown(text: str) -> str:
-    """``text`` printable, bytes that are not UTF-8 written as \\xNN (as the OS gave them)."""
-    import os
-
-    return os.fsencode(text).decode("utf-8", "backslashreplace")
-
-
-def is_utf8(text: str) -> bool:
-    """Whether ``text`` (a path or value as Python decoded it from the OS) stands for valid UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _interpolation_error(err, key_error, unsupported) -> UserError:
@@ -332,3 +313,13 @@ def check_rows(cfg: DictConfig, rows: dict) -> None:
             raise UserError(field, f"'{task}' reports {row.metric}, where lower is better, which the aggregates "
                             "cannot use", f"leave {task} out there, or pick a higher-is-better metric with "
                             f"benchmark.metrics.{task}")
+
+
+def check_best(best: str) -> None:
+    """``sweep.best`` names a number among a run's aggregates (a typo would silently drop the best-so-far)."""
+    head, _, rest = best.partition(".")
+    if (head in NUMBERS and not rest) or (head in TABLES and rest):
+        return
+    raise UserError("sweep.best", f"'{best}' is not a number among a run's aggregates",
+                    f"use one of {', '.join(NUMBERS)}, or a value inside {', '.join(TABLES)} with dots "
+                    "(e.g. forgetting.mean; see a run's result.json)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import re
 import signal
 import sys
 import time
@@ -28,97 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mergeval import runtime
-from mergeval.errors import UserError, from_os_error, os_error_in
-
-
-def explain(ex: BaseException) -> str | None:
-    """One line for a Hydra/OmegaConf composition error, or None if it is not one."""
-    import yaml
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    chain, cur = [], ex
-    while cur is not None:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    # An error inside an overridden value (e.g. a rule in method.rules) names its key relative to that value.
-    target = next((m.group(1) for e in chain if (m := re.search(r"Could not override '([^']+)'", str(e)))), None)
-    for err in chain:
-        key = getattr(err, "full_key", None)
-        if key and target and not str(key).startswith(target) and not target.startswith(f"{key}."):
-            key = f"{target}[...].{key}"  # not where the override points, nor above it (a misspelt group)
-        if isinstance(err, OmegaConfBaseException) and key:
-            msg = str(err).splitlines()[0]
-            if "not in" in msg or "is not in struct" in msg:
-                return f"{key}: no such field; check the spelling (see conf/ for the fields of each group)"
-            entry = re.match(r"Invalid type assigned: dict is not a subclass of (\w+)", msg)
-            added = next((m.group(1).lstrip("+~") for e in chain
-                          if (m := re.search(r"Error merging override ([^=\s]+)=", str(e)))), None)
-            if entry and added:  # a new key of metric.groups or modelset.experts, whose values are dataclasses
-                return (f"{added}: a new {entry.group(1)} cannot be added from the command line (OmegaConf "
-                        "keeps the value a plain mapping there); write it in a config file: a file of "
-                        f"conf/{added.split('.')[0]}/ or an experiment (yours with --config-dir)")
-            return f"{key}: {msg}; fix the value's type"
-    bad_yaml = next((e for e in chain if isinstance(e, yaml.YAMLError)), None)
-    if bad_yaml is not None:  # a config file of the user's (--config-dir, an experiment file) that YAML cannot read
-        mark = getattr(bad_yaml, "problem_mark", None)
-        where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark else "a config file"
-        problem = getattr(bad_yaml, "problem", None) or str(bad_yaml).splitlines()[0]
-        return f"{where}: not valid YAML ({problem}); fix the file's syntax there"
-    if isinstance(ex, MissingConfigException):
-        found = re.search(r"Could not find '([^']+)/([^/']+)'", str(ex))
-        options = re.findall(r"^\t(\S+)$", str(ex), flags=re.M)
-        options = [o for o in options if not o.endswith("_schema")]
-        if found:
-            group, name = found.groups()
-            return f"{group}: unknown option '{name}'; choose one of: {', '.join(options) or '(none)'}"
-        return str(ex).splitlines()[0]
-    # A submitit (Slurm) job that ended with mergeval's one-line error: submitit's report quotes its stderr.
-    if type(ex).__name__ in ("UncompletedJobError", "FailedJobError"):
-        found = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
-        if found:
-            return found[-1]
-    shape = re.search(r"In '([^']+)': ValidationError.*?Invalid type assigned: (\w+) is not a subclass of (\w+)",
-                      str(ex), flags=re.S)
-    if shape:  # a config file of the user's whose top level is not a mapping of the group's fields
-        where, got, schema = shape.groups()
-        return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
-                f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
-    logging_setup = next((m for e in chain if isinstance(e, ValueError) and
-                          (m := re.match(r"Unable to configure (handler|formatter|filter|root logger)(?: '([^']+)')?",
-                                         str(e)))), None)
-    if logging_setup:  # logging.config could not build what hydra.job_logging / hydra_logging describes
-        kind, name = logging_setup.groups()
-        node = "job_logging" if _hydra_job_dir(ex.__traceback__)[0] is not None else "hydra_logging"
-        cause = next((e for e in chain[chain.index(next(e for e in chain if isinstance(e, ValueError))) + 1:]), None)
-        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})" if cause else ""
-        where = f"hydra.{node}.{kind}s.{name}" if name else f"hydra.{node}.root"
-        return (f"{where}: logging cannot set it up{why}; fix its settings, or drop the "
-                f"override to keep Hydra's default logging")
-    lexer = re.match(r"LexerNoViableAltException: (.*?)\s*$", str(ex).splitlines()[0] if str(ex) else "")
-    if isinstance(ex, HydraException) and lexer:  # an override the grammar cannot read (space, quote, bad byte)
-        arg = lexer.group(1).removesuffix("^").rstrip("; ")
-        key = arg.split("=", 1)[0].lstrip("+~") or arg
-        if any("\udc80" <= ch <= "\udcff" for ch in arg):  # bytes that are not UTF-8, as Python decodes argv
-            from mergeval.checks import UTF8_FIX, shown
-
-            return f"{shown(key)}: the value has bytes that are not UTF-8 text ({shown(arg)}); {UTF8_FIX}"
-        return (f"{key}: Hydra's override grammar cannot read the value ({arg}); quote it for Hydra inside the "
-                f"shell's quotes, e.g. \"{key}='...'\" (a ' inside: use \\' or the other quote)")
-    if isinstance(ex, ValueError) and str(ex).startswith("Only one of --run, --multirun, --cfg"):  # Hydra's own
-        return ("-m/--multirun, --cfg, --info: only one of them at a time; drop the others (--cfg job shows one "
-                "job's config: give it the sweep's first values without -m)")
-    if isinstance(ex, HydraException):
-        lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
-        key = next((ln.removeprefix("full_key:").strip() for ln in lines if ln.startswith("full_key:")), None)
-        lines = [ln for ln in lines if not ln.startswith("full_key:")]
-        text = ""  # a sentence wrapped over lines (Hydra's instantiation blocklist) stays one sentence
-        for ln in lines:
-            text += ln if not text else (" " if text[-1] not in ".:;!?" else "; ") + ln
-        if re.search(r"Target '[^']+' is blocklisted", text):
-            return f"{key or '_target_'}: {text.rstrip('.')}; use another _target_ (or none)"
-        return f"{key}: {text}" if key else "; ".join(lines[:2])
-    return None
+from mergeval.errors import UserError, explain, from_os_error, hydra_job_dir, os_error_in
 
 
 def discard_job_dir(job_dir: Path) -> None:
@@ -305,20 +214,21 @@ def failing_cleanly(job_dir: Path):
 def _check_job_dir_text(job_dir: Path) -> None:
     """The job directory's path is valid UTF-8: the results store and result.json keep it as text (a working
     directory in another encoding made ``start_run`` fail with a UnicodeEncodeError)."""
-    from mergeval.checks import UTF8_FIX, is_utf8, shown
+    from mergeval.errors import UTF8_FIX, is_utf8, shown
 
     if not is_utf8(str(job_dir)):
         raise UserError("hydra.run.dir", f"the job directory {shown(str(job_dir))} has bytes that are not UTF-8 text",
                         f"{UTF8_FIX}; run from such a directory or set hydra.run.dir=DIR")
 
 
-def run_cli(hydra_main, entry: str = "mergeval", summary: str = "") -> None:
+def run_cli(hydra_main, entry: str = "mergeval", summary: str = "", sections: dict | None = None) -> None:
     """Run a Hydra main with mergeval's error contract: a UserError, a composition error, a fault of the
     environment or an interruption (Ctrl-C, SIGTERM) is one line on stderr and exit status 2;
     HYDRA_FULL_ERROR=1 shows the traceback instead. ``--help``/``-h`` print mergeval's help for ``entry``
-    (mergeval/help.py); Hydra's stays at --hydra-help."""
+    (mergeval/help.py); Hydra's stays at --hydra-help. ``sections``: the command's own top-level config sections
+    and their schemas (mergeval.search's ``search``), whose mappings take new keys as the run config's do."""
     atexit.register(skip_final_collection)
-    _run_cli(hydra_main, entry, summary)
+    _run_cli(hydra_main, entry, summary, sections)
     end_finished()
 
 
@@ -408,7 +318,7 @@ def end_now(status: int) -> NoReturn:
         os._exit(status)
 
 
-def _run_cli(hydra_main, entry: str, summary: str) -> None:
+def _run_cli(hydra_main, entry: str, summary: str, sections: dict | None) -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         from mergeval.help import help_text
 
@@ -421,8 +331,8 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
     from mergeval.config import open_mappings, open_sweeper_params
 
     # eval.gen_kwargs={...} as the README writes it, and a mapping's key in an experiment's sweep (config.py)
-    sys.argv[1:] = open_mappings(sys.argv[1:], search=entry == "mergeval.search")
-    open_sweeper_params(search=entry == "mergeval.search")
+    sys.argv[1:] = open_mappings(sys.argv[1:], sections)
+    open_sweeper_params(sections)
     # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
     # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
     # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise
@@ -477,8 +387,8 @@ def _run_cli(hydra_main, entry: str, summary: str) -> None:
             print(known.line(), file=sys.stderr)
             _exit_after_error()
         line = None if full_error else explain(ex)
-        if line is not None and _hydra_job_dir(ex.__traceback__)[0] is not None:  # Hydra failed setting a job up
-            discard_job_dir(_hydra_job_dir(ex.__traceback__)[0])
+        if line is not None and hydra_job_dir(ex.__traceback__)[0] is not None:  # Hydra failed setting a job up
+            discard_job_dir(hydra_job_dir(ex.__traceback__)[0])
         if line is None:  # unexpected: its traceback, as Python reports it, and status 1
             if _merge_abandoned():
                 sys.excepthook(type(ex), ex, ex.__traceback__)
@@ -504,7 +414,7 @@ def _in_job_dir(ex: BaseException, known: UserError) -> UserError:
     truncated hydra.yaml is worse than none). Hydra has reset its HydraConfig by then; the directory is read
     from the frame of Hydra's ``run_job`` (its public function; ``output_dir`` is the directory it made)."""
     os_error = os_error_in(ex)
-    job_dir, swept = _hydra_job_dir(ex.__traceback__) if os_error is not None else (None, False)
+    job_dir, swept = hydra_job_dir(ex.__traceback__) if os_error is not None else (None, False)
     if job_dir is None:
         return known
     discard_job_dir(job_dir)
@@ -513,19 +423,6 @@ def _in_job_dir(ex: BaseException, known: UserError) -> UserError:
     field = "hydra.sweep.dir" if swept else "hydra.run.dir"
     return UserError(field, f"cannot write the job directory {job_dir} ({known.problem})",
                      f"{known.fix}; or choose another directory with {field}=DIR")
-
-
-def _hydra_job_dir(tb) -> tuple[Path | None, bool]:
-    """(the job directory Hydra's ``run_job`` was setting up when the traceback ``tb`` was raised, whether it is
-    a sweep's job: run_job is given a sub-directory key), or (None, False)."""
-    found, swept = None, False
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "run_job" and frame.f_globals.get("__name__") == "hydra.core.utils":
-            found = frame.f_locals.get("output_dir", found)
-            swept = frame.f_locals.get("job_subdir_key") is not None
-        tb = tb.tb_next
-    return (Path(found).absolute(), swept) if isinstance(found, str) else (None, False)
 
 
 def _merge_abandoned() -> bool:

@@ -207,17 +207,16 @@ def register_configs() -> None:
         cs.store(group="method", name=f"{name}_schema", node=method.config)
 
 
-def mapping_fields(schema=None, prefix: str = "", search: bool = False) -> set[str]:
+def mapping_fields(schema=None, prefix: str = "", sections: dict | None = None) -> set[str]:
     """Dotted names of the schema's free mappings (``eval.gen_kwargs``, ``benchmark.fewshot``, ...): fields
     whose keys the user chooses, with values that have no fields of their own (not ``modelset.experts``,
     whose values are ExpertConfigs: a misspelt field of an expert must stay an error). Without ``schema``: the
-    run config's and every method's (under ``method.``), and with ``search`` the search section's."""
+    run config's and every method's (under ``method.``), and those of ``sections`` (a command's own top-level
+    sections, such as mergeval.search's ``{"search": SearchConfig}``)."""
     if schema is None:
         found = mapping_fields(RunConfig)
-        if search:  # only python -m mergeval.search has the section: elsewhere ++ would add it
-            from mergeval.search.config import SearchConfig
-
-            found |= mapping_fields(SearchConfig, "search.")
+        for name, section in (sections or {}).items():  # only the command that has a section: elsewhere ++ would add it
+            found |= mapping_fields(section, f"{name}.")
         for method in METHODS.values():
             found |= mapping_fields(method.config, "method.")
         return found
@@ -236,7 +235,7 @@ def mapping_fields(schema=None, prefix: str = "", search: bool = False) -> set[s
     return found
 
 
-def open_sweeper_params(search: bool = False) -> None:
+def open_sweeper_params(sections: dict | None = None) -> None:
     """Hydra's basic sweeper reads ``hydra.sweeper.params`` as ``open_mappings`` reads the command line, so an
     experiment can sweep a mapping's new key (``benchmark.fewshot.mmlu: 0,5``) as the command line can; without
     this, struct mode refused it as "no such field". Set on Hydra's class in mergeval's own command lines
@@ -250,24 +249,24 @@ def open_sweeper_params(search: bool = False) -> None:
     target = f"{basic_sweeper.__name__}.BasicSweeper"
     for cls in {basic_sweeper.BasicSweeper, Plugins.instance().class_name_to_class.get(target)} - {None}:
         if not getattr(cls._parse_config, "opens_mappings", False):
-            cls._parse_config = _opened(cls._parse_config, search)
+            cls._parse_config = _opened(cls._parse_config, sections)
 
 
-def _opened(parse_config, search: bool):
+def _opened(parse_config, sections: dict | None):
     def _parse_config(self) -> list[str]:
-        return open_mappings(parse_config(self), search=search)
+        return open_mappings(parse_config(self), sections)
 
     _parse_config.opens_mappings = True
     return _parse_config
 
 
-def open_mappings(args: list[str], search: bool = False) -> list[str]:
+def open_mappings(args: list[str], sections: dict | None = None) -> list[str]:
     """Command-line overrides of a mapping field or one of its keys (``eval.gen_kwargs={max_gen_toks: 256}``,
     ``benchmark.fewshot.mmlu=5``) as Hydra's ``++`` (set, or add). Why: Hydra composes the schema in struct
     mode, which refuses every key a mapping does not have yet, so the README's ``eval.gen_kwargs={...}`` failed
     with "no such field"; a mapping's keys are the user's to choose, and its values are still checked against
     the field's type. Everything else is left as it is (a misspelt field stays an error)."""
-    fields = mapping_fields(search=search)
+    fields = mapping_fields(sections=sections)
     out = []
     for arg in args:
         key = arg.split("=", 1)[0]

@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> None:
 def merge(cfg: DictConfig, job_dir: Path) -> Path:
     """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir."""
     from mergeval.checks import validate
-    from mergeval.models.resolve import resolve_models
+    from mergeval.zoo.resolve import resolve_models
     from mergeval.ranking import prepare_method, refuse_ranking
     from mergeval.engine import merge_to_disk
     from mergeval.engine.card import merge_config

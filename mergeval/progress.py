@@ -26,7 +26,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from mergeval.errors import UserError
 
 
 @dataclass
@@ -43,22 +42,6 @@ class Tally:
     before: int = 0  # of done: finished before the sweep started
     best: tuple[float, str] | None = None  # (value, label)
     seen: set[str] = field(default_factory=set)
-
-
-# The aggregates of a result.json that hold numbers (summary.aggregate's, then the opt-in metrics app.py adds):
-# the first ones are numbers, the others tables of them (``forgetting.mean``, ``groups.<group>.merged``).
-NUMBERS = ("macro_gain", "macro_og", "normalized_mean")
-TABLES = ("normalized", "groups", "forgetting", "calibration", "consistency", "similarity")
-
-
-def check_best(best: str) -> None:
-    """``sweep.best`` names a number among a run's aggregates (a typo would silently drop the best-so-far)."""
-    head, _, rest = best.partition(".")
-    if (head in NUMBERS and not rest) or (head in TABLES and rest):
-        return
-    raise UserError("sweep.best", f"'{best}' is not a number among a run's aggregates",
-                    f"use one of {', '.join(NUMBERS)}, or a value inside {', '.join(TABLES)} with dots "
-                    "(e.g. forgetting.mean; see a run's result.json)")
 
 
 def aggregate_value(aggregates: dict, dotted: str) -> float | None:

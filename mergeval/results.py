@@ -13,13 +13,11 @@ import argparse
 import csv
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 from mergeval.errors import UserError
 from mergeval.outcome import score_value
-from mergeval.paths import cache_root
-from mergeval.store import STATUSES, Store
-from mergeval.store_backends import is_server_url, sqlite_path
+from mergeval.report.data import add_filters, benchmark_of, filtered_runs, parse_since  # noqa: F401  (re-exported)
+from mergeval.store import STATUSES, Store, default_store_path, open_existing  # noqa: F401  (re-exported)
 
 # experiment: the run's modelset (the store's column); benchmark: its benchmark's name (from the config)
 COLUMNS = ["created", "status", "run_id", "experiment", "benchmark", "method", "params", "macro_gain", "macro_og",
@@ -52,41 +50,12 @@ def run_row(run: dict) -> dict:
     return row
 
 
-def benchmark_of(run: dict) -> str | None:
-    return ((run["config"] or {}).get("benchmark") or {}).get("name")
-
-
 def table_columns(rows: list[dict]) -> list[str]:
     """COLUMNS, then every ``merged:<task>`` column in the order tasks first appear."""
     extra = []
     for row in rows:
         extra += [k for k in row if k not in COLUMNS and k not in extra]
     return COLUMNS + extra
-
-
-def parse_since(text: str) -> float:
-    """An ISO date or date-time (UTC unless it names a zone) as epoch seconds."""
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError as err:
-        raise UserError("--since", f"'{text}' is not an ISO date or date-time", "use e.g. 2026-11-30 or "
-                        "2026-11-30T08:00") from err
-    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def default_store_path() -> Path:
-    return cache_root(None) / "results.sqlite"
-
-
-def open_existing(path: str | None) -> Store:
-    """The store at ``path`` (default: the cache's), which must exist: listing never creates one. A
-    ``postgresql://`` URL opens the server's store (mergeval/store_backends)."""
-    if is_server_url(path):
-        return Store(path, field="--store")
-    where = sqlite_path(path) if path else default_store_path()
-    if not where.exists():
-        raise UserError("--store", f"no results store at {where}", "run python -m mergeval first or pass --store PATH")
-    return Store(where, field="--store")
 
 
 def write_csv(rows: list[dict], path: str) -> None:
@@ -161,23 +130,6 @@ def print_table(rows: list[dict], title: str, params: tuple[list[str], list[str]
     if footer:
         console.print("params shared by every listed run of a method (left out above):\n  " + "\n  ".join(footer),
                       highlight=False, soft_wrap=True)
-
-
-def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
-    """The run filters shared with ``python -m mergeval.report`` (which reports finished runs only)."""
-    parser.add_argument("--experiment", help="only runs of this modelset (the experiment column)")
-    parser.add_argument("--benchmark", help="only runs on this benchmark (its name: quickstart, "
-                        "quickstart_registry, ...)")
-    parser.add_argument("--method", help="only runs of this merge method")
-    if status:
-        parser.add_argument("--status", choices=STATUSES, help="only runs in this state")
-    parser.add_argument("--since", help="only runs started at or after this ISO date/time (UTC)")
-
-
-def filtered_runs(store: Store, args: argparse.Namespace) -> list[dict]:
-    since = None if args.since is None else parse_since(args.since)
-    runs = store.runs(args.experiment, args.method, getattr(args, "status", None), since)
-    return runs if args.benchmark is None else [r for r in runs if benchmark_of(r) == args.benchmark]
 
 
 def main(argv: list[str] | None = None) -> int:

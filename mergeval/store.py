@@ -68,6 +68,7 @@ from pathlib import Path
 
 from mergeval import proc
 from mergeval.errors import UserError
+from mergeval.paths import cache_root
 from mergeval.eval.settings import PerTask
 from mergeval.store_backends import is_server_url, open_backend, sqlalchemy_url, sqlite_path
 from mergeval.store_backends.schema import (_CURRENT, _EVALUATIONS, _NEW_IN_V2, _RUNS_V2,  # noqa: F401 (tests)
@@ -673,3 +674,18 @@ def record_models(store: Store, models) -> None:
         except (OSError, TypeError, ValueError):  # no path or no readable config.json: the row keeps no architecture
             arch = None
         store.put_model(info.fingerprint, info.source, arch, info.path, getattr(info, "weights", None))
+
+
+def default_store_path() -> Path:
+    return cache_root(None) / "results.sqlite"
+
+
+def open_existing(path: str | None) -> Store:
+    """The store at ``path`` (default: the cache's), which must exist: listing never creates one. A
+    ``postgresql://`` URL opens the server's store (mergeval/store_backends)."""
+    if is_server_url(path):
+        return Store(path, field="--store")
+    where = sqlite_path(path) if path else default_store_path()
+    if not where.exists():
+        raise UserError("--store", f"no results store at {where}", "run python -m mergeval first or pass --store PATH")
+    return Store(where, field="--store")

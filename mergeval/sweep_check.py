@@ -173,7 +173,7 @@ def hydra_problem(argv: list[str]) -> str | None:
     """The one line for a mistake in the sweep's own Hydra settings (``hydra/launcher=paralel``): found before
     the progress line says "sweep 0/2 done" and Hydra then fails; None when there is none (a job's mistake
     is check_sweep's, per job)."""
-    from mergeval.cli import explain
+    from mergeval.errors import explain
 
     argv, search = split_config_dir(argv)
     error = _composed_hydra(tuple((search or []) + [a for a in argv if not a.startswith("-")]))[1]
@@ -201,7 +201,7 @@ def check_sweep(argv: list[str]) -> list[str]:
     from hydra import compose, initialize_config_module
 
     from mergeval.checks import validate
-    from mergeval.cli import explain
+    from mergeval.errors import explain
 
     problem = hydra_problem(argv)
     if problem is not None:

@@ -77,7 +77,9 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
     assert cfg.metric.weights == {"domains": 2.0}
     # search.space only for mergeval.search: elsewhere ++ would add a search section to a plain run
     assert open_mappings(["search.space.x=1"]) == ["search.space.x=1"]
-    assert open_mappings(["search.space.x=1"], search=True) == ["++search.space.x=1"]
+    from mergeval.search.config import SearchConfig
+
+    assert open_mappings(["search.space.x=1"], {"search": SearchConfig}) == ["++search.space.x=1"]
 
 
 def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_path, cache):
@@ -175,7 +177,7 @@ def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
                                      ("macro_gain.mean", False)])
 def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
     from mergeval.errors import UserError
-    from mergeval.progress import check_best
+    from mergeval.checks import check_best
 
     if ok:
         check_best(best)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from mergeval.errors import UserError
 from mergeval.models.checkpoint import check_compatible, load_model, load_tensors
 from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict
-from mergeval.models.sources import resolve_source
+from mergeval.zoo.sources import resolve_source
 
 
 def copy_with(src, dst, change=None):

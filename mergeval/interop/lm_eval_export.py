@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     import argparse
     import sys
 
-    from mergeval.results import open_existing
+    from mergeval.store import open_existing
 
     parser = argparse.ArgumentParser(prog="python -m mergeval.results export",
                                      description="Write a run's models as lm_eval results files.")

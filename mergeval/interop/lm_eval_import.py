@@ -236,7 +236,7 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
     from mergeval.models.fingerprint import fingerprint, model_identity
-    from mergeval.models.sources import resolve_source
+    from mergeval.zoo.sources import resolve_source
     from mergeval.paths import cache_root
     from mergeval.runtime import apply_offline
     from mergeval.store import open_store, record_models, settings_hash

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from mergeval.errors import UserError
-from mergeval.models.sources import looks_like_path
+from mergeval.zoo.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
            "della", "della_linear", "slerp", "model_stock", "sce")

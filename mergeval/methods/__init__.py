@@ -9,4 +9,10 @@ merged tensor. Methods never see files, models or configs of other tensors.
 
 from mergeval.methods.registry import METHODS, MergeMethod, get_method
 
+# Each family registers its methods when imported; the registry imports none of them (no import cycle).
+from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401,I001
+from mergeval.methods import data_aware, masks  # noqa: E402,F401
+from mergeval.methods import pipeline  # noqa: E402,F401  (after the others: its stages name them)
+from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked forms of ties and DARE)
+
 __all__ = ["METHODS", "MergeMethod", "get_method"]

@@ -69,7 +69,7 @@ def _validate_regmean(cfg: RegMeanConfig, n_experts: int) -> None:
 
 
 def _stats(cfg, name: str, method: str) -> list[torch.Tensor | None]:
-    from mergeval.calibration import read_stat
+    from mergeval.methods.statistics import read_stat
 
     if cfg.statistics is None:
         raise UserError("method.statistics", f"{method} needs each expert's calibration statistics",

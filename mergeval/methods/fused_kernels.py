@@ -12,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from mergeval.methods.fused import _MT_N
 from mergeval.methods.task_vector import SIGN_SAFE as _SIGN_SAFE
 
 CHUNK = 512  # entries per step of merge_rows: its scratch rows stay in the L1 cache
 SIGN_SAFE = np.float32(_SIGN_SAFE)  # beyond it every summation order has one sign (task_vector.sign_of_sum)
 
 jit = njit(nogil=True, cache=True, error_model="numpy")
+
+_MT_N = 624  # MT19937's state words: the algorithm's constant (fused._state_of reads torch's state with it)
 
 
 @jit

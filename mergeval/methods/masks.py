@@ -187,7 +187,7 @@ def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[d
     while accumulating it) and without its L1 term (0 by default there).
     Stitch: overlapping regions averaged.
     """
-    from mergeval.calibration import read_stat
+    from mergeval.methods.statistics import read_stat
 
     if cfg.statistics is None or cfg.thresholds is None:
         raise UserError("method.statistics", "localize_stitch_trained needs each expert's calibration gradient",

@@ -1,4 +1,4 @@
-"""Name -> merge method. Importing this module registers the built-in methods.
+"""Name -> merge method. The package (``mergeval.methods``) registers the built-in methods on import.
 
 Two kinds of method:
 
@@ -285,10 +285,3 @@ def blame_rule(index: int, param: str, where: str):
         problem = err.problem if err.field == f"method.{param}" else f"{err.field} {err.problem}"
         fix = err.fix.replace(f"method.{param}=", f"{field}=")
         raise UserError(field, f"{problem} ({where})" if where else problem, fix) from None
-
-
-# Registration happens on import of the method families.
-from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401
-from mergeval.methods import data_aware, masks  # noqa: E402,F401
-from mergeval.methods import pipeline  # noqa: E402,F401  (last: its stages name the others)
-from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked forms of ties and DARE)

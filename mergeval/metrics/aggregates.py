@@ -17,6 +17,11 @@ from collections.abc import Iterable, Sequence
 
 _SCALES = {"fraction": 1.0, "percent": 100.0}
 
+# The aggregates of a result.json that hold numbers (summary.aggregate's, then the opt-in metrics app.py adds):
+# the first ones are numbers, the others tables of them (``forgetting.mean``, ``groups.<group>.merged``).
+NUMBERS = ("macro_gain", "macro_og", "normalized_mean")
+TABLES = ("normalized", "groups", "forgetting", "calibration", "consistency", "similarity")
+
 
 def _mean(xs: Sequence[float]) -> float:
     # fsum is correctly rounded, so the mean does not depend on the order of xs.

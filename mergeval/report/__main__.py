@@ -19,7 +19,8 @@ from pathlib import Path
 from mergeval.errors import UserError
 from mergeval.outcome import score_value
 from mergeval.report import data, markdown
-from mergeval.results import add_filters, benchmark_of, default_store_path, open_existing, parse_since
+from mergeval.report.data import add_filters, benchmark_of, parse_since
+from mergeval.store import default_store_path, open_existing
 
 
 def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[str] | None = None,

@@ -8,6 +8,7 @@ model's role is ``merged``; every other non-base role is an expert.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ from datetime import datetime, timezone
 from mergeval.errors import UserError
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
 from mergeval.outcome import MERGED, score_metric, score_text, score_value
+from mergeval.store import STATUSES, Store
 
 BASE = "base"
 PREFERRED_PARAMS = ("lambda_", "density")  # the hyperparameters a sweep most often varies
@@ -290,3 +292,36 @@ def _score_text(score: dict) -> str:
 
 def _aggregate_text(value: float, scale: str | None) -> str:
     return f"{value:+.2f} pts" if scale == "percent" else f"{value:+.4f}"
+
+
+# The run filters that python -m mergeval.results and python -m mergeval.report share.
+
+def benchmark_of(run: dict) -> str | None:
+    return ((run["config"] or {}).get("benchmark") or {}).get("name")
+
+
+def parse_since(text: str) -> float:
+    """An ISO date or date-time (UTC unless it names a zone) as epoch seconds."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as err:
+        raise UserError("--since", f"'{text}' is not an ISO date or date-time", "use e.g. 2026-11-30 or "
+                        "2026-11-30T08:00") from err
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def add_filters(parser: argparse.ArgumentParser, status: bool = True) -> None:
+    """The run filters shared with ``python -m mergeval.report`` (which reports finished runs only)."""
+    parser.add_argument("--experiment", help="only runs of this modelset (the experiment column)")
+    parser.add_argument("--benchmark", help="only runs on this benchmark (its name: quickstart, "
+                        "quickstart_registry, ...)")
+    parser.add_argument("--method", help="only runs of this merge method")
+    if status:
+        parser.add_argument("--status", choices=STATUSES, help="only runs in this state")
+    parser.add_argument("--since", help="only runs started at or after this ISO date/time (UTC)")
+
+
+def filtered_runs(store: Store, args: argparse.Namespace) -> list[dict]:
+    since = None if args.since is None else parse_since(args.since)
+    runs = store.runs(args.experiment, args.method, getattr(args, "status", None), since)
+    return runs if args.benchmark is None else [r for r in runs if benchmark_of(r) == args.benchmark]

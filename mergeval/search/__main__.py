@@ -46,8 +46,10 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
+    from mergeval.search.config import SearchConfig
+
     run_cli(main, "mergeval.search", "Tune a merge method's coefficients with Optuna on a validation split; "
-            "see search.* fields and conf/search/.")
+            "see search.* fields and conf/search/.", sections={"search": SearchConfig})
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
 
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.models.resolve import resolve_models
+    from mergeval.zoo.resolve import resolve_models
     from mergeval.paths import cache_root
     from mergeval.runtime import Laps, apply_offline, quiet_transformers
     from mergeval.staging.heldout import heldout_items

@@ -41,7 +41,7 @@ from mergeval.eval.settings import eval_settings
 from mergeval.eval.suite import build_suite
 from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
-from mergeval.models.resolve import resolve_models
+from mergeval.zoo.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo
 from mergeval.paths import cache_root
 from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers

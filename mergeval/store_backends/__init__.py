@@ -24,7 +24,6 @@ study storage): ``sqlalchemy_url`` gives its URL.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 SERVER_SCHEMES = ("postgresql://", "postgres://")
@@ -41,11 +40,6 @@ def sqlite_path(location: str | Path) -> Path:
     if text.startswith("sqlite:///"):
         text = text[len("sqlite:///"):]
     return Path(text).expanduser()
-
-
-def masked(url: str) -> str:
-    """A server URL as it may be printed: the password, if any, replaced by ``***``."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def sqlalchemy_url(location: str | Path) -> str:

@@ -17,12 +17,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from mergeval.errors import UserError
-from mergeval.store_backends import masked
 
 CONNECT_TIMEOUT_S = 10  # an unreachable server fails after this long, not after the OS's TCP timeout
 LOCK_TIMEOUT_S = 120  # as SQLite's busy timeout: a writer waits this long for another's transaction
 WRITE_LOCK = 0x6D657267  # the advisory lock key all mergeval writers of one database share ("merg")
 INSTALL_FIX = "pip install 'mergeval[cluster]' (psycopg), or use an SQLite file for store.url"
+
+
+def masked(url: str) -> str:
+    """A server URL as it may be printed: the password, if any, replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def _psycopg():

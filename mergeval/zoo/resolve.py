@@ -11,7 +11,7 @@ from mergeval.models.adapters import applied_adapter, is_adapter
 from mergeval.models.checkpoint import check_compatible
 from mergeval.models.fingerprint import fingerprint, model_identity
 from mergeval.models.quantized import dequantized, quantization_of
-from mergeval.models.sources import resolve_source
+from mergeval.zoo.sources import resolve_source
 from mergeval.outcome import ModelInfo
 
 

@@ -342,7 +342,7 @@ def model_sets(args, work: Path) -> list[tuple[str, Callable[[], tuple[Path, lis
             sets.append(("given", lambda: (Path(args.base), [Path(e) for e in args.experts]), args.repeats))
         elif name == "quickstart":
             cache = Path(args.cache or os.environ.get("MERGEVAL_CACHE") or _default_cache())
-            sets.append(("quickstart", lambda: quickstart_models(cache), args.repeats))
+            sets.append(("quickstart", lambda cache=cache: quickstart_models(cache), args.repeats))
         elif name == "smoke":
             sets.append(("smoke", lambda: smoke_models(work / "smoke"), args.repeats))
         else:

@@ -59,12 +59,12 @@ def main() -> None:
     import numpy as np
     import torch
     from lm_eval.models.huggingface import HFLM
+    from sweep_cost import find_models
     from transformers import AutoTokenizer
 
     from mergeval.eval.scorer import SharedPrefixLM
     from mergeval.eval.tasks import write_tasks
     from mergeval.models.checkpoint import load_model
-    from sweep_cost import find_models
 
     if set(args.roles) == {"base"}:  # no expert needed: do not build them
         from mergeval.models.smollm2 import smollm2_dir

@@ -6,13 +6,12 @@ mergeval/cli.py); HYDRA_FULL_ERROR=1 shows the full traceback instead.
 
 from __future__ import annotations
 
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.errors import explain  # noqa: F401  (used by older imports)
 from mergeval.cli import failing_cleanly, loading_modules, run_cli
+from mergeval.errors import explain  # noqa: F401  (used by older imports)
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs

@@ -12,27 +12,35 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.checks import check_rows, validate
-from mergeval.interop import mergekit_config
 from mergeval.errors import UserError
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
+from mergeval.interop import mergekit_config
 from mergeval.models.checkpoint import load_tensors, load_tokenizer
-from mergeval.zoo.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo, Outcome, result_text
 from mergeval.paths import atomic_write_text, cache_root
 from mergeval.provenance import git_commit, hardware, package_versions
 from mergeval.ranking import prepare_method
 from mergeval.resume import config_hash
-from mergeval.runtime import (Laps, apply_offline, library_bars, peak_device_memory, quiet_transformers, release_memory,
-                              reset_device_memory_peak, survivors_frozen)
+from mergeval.runtime import (
+    Laps,
+    apply_offline,
+    library_bars,
+    peak_device_memory,
+    quiet_transformers,
+    release_memory,
+    reset_device_memory_peak,
+    survivors_frozen,
+)
 from mergeval.store import merge_key, open_store, record_models, settings_hash
 from mergeval.summary import aggregable, aggregate
+from mergeval.zoo.resolve import resolve_models
 
 
 def check_job_dir(cfg: DictConfig, out_dir: Path) -> None:
@@ -172,7 +180,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         # sweep jobs wait for the one evaluating a shared constituent.
         got = {} if cfg.eval.force else store.claim_or_scores(
             info.fingerprint, digests, settings,
-            lambda: print(f"mergeval: waiting for another job evaluating {info.role}", flush=True), metrics=metrics)
+            lambda role=info.role: print(f"mergeval: waiting for another job evaluating {role}", flush=True),
+            metrics=metrics)
         entries = [e for e in suite.entries if any(t not in got for t in suite.rows_of([e]))]
         info.evaluated = ("reused from the results store" if not entries else "this run" if not got
                           else "partly reused from the results store")
@@ -243,7 +252,7 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
     result = {
         "run_id": outcome.run_id,
         "status": "finished",
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "seeds": {"run": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0},
         "models": [vars(m) for m in outcome.models],

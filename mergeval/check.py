@@ -26,10 +26,10 @@ from omegaconf import DictConfig
 
 from mergeval.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
 from mergeval.errors import UserError
-from mergeval.paths import cache_root, dir_size
-from mergeval.zoo.sources import looks_like_path
 from mergeval.models.adapters import is_adapter
 from mergeval.models.hub_metadata import HUB_PATTERNS
+from mergeval.paths import cache_root, dir_size
+from mergeval.zoo.sources import looks_like_path
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
     from mergeval.config import register_configs
@@ -103,9 +103,9 @@ def check(cfg: DictConfig, console=None) -> list[str]:
 
 def _print_calibration_cost(cfg: DictConfig, console) -> None:
     """fisher / regmean: the passes over each expert's calibration data (once per model and data; then cached)."""
-    from mergeval.methods.data_aware import STATISTICS
+    from mergeval.methods import get_method
 
-    kind = STATISTICS.get(cfg.method.name)
+    kind = get_method(cfg.method.name).needs.statistics
     if kind is None or cfg.method.get("statistics") is not None:
         return
     per = "forward pass" if kind == "gram" else "forward + backward pass"

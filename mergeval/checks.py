@@ -11,8 +11,8 @@ from mergeval.errors import UTF8_FIX, UserError, is_utf8, shown  # noqa: F401  (
 from mergeval.eval.harness import check_backend
 from mergeval.eval.tasks import GENERATED, LETTERED, PREFIX, check_tasks, items_of, same_items
 from mergeval.methods import get_method
-from mergeval.models.checkpoint import check_vocab_policy
 from mergeval.metrics.aggregates import NUMBERS, TABLES
+from mergeval.models.checkpoint import check_vocab_policy
 from mergeval.zoo.domains import DOMAINS
 
 
@@ -247,19 +247,17 @@ def validate(cfg: DictConfig, schema=None):
             from mergeval.calibration import check_calibration
 
             check_calibration(expert.calibration, f"modelset.experts.{name}.calibration", cfg.benchmark.n_items)
-    if method.name == "pipeline":  # stages refer to experts by their modelset names
+    if method.needs.expert_names:  # a pipeline's stages refer to experts by their modelset names
         method_cfg.expert_names = list(experts)
     method.validate(method_cfg, len(experts))
-    from mergeval.methods.data_aware import STATISTICS
-
-    if method.name in STATISTICS and method_cfg.statistics is None:  # before minutes of building experts
+    if method.needs.statistics and method_cfg.statistics is None:  # before minutes of building experts
         missing = [n for n, e in experts.items() if e.get("calibration") is None]
         if missing:
             field = f"modelset.experts.{missing[0]}.calibration"
             raise UserError(field, f"method {method.name} needs calibration data for every expert",
                             f"set {field}={{task: {experts[missing[0]].domain or '<generated domain>'}, split: "
                             "train, n: 64}")
-    if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
+    if method.needs.ranking and method_cfg.order != "given" and method_cfg.validation_scores is None:
         if not generated:
             raise UserError("method.order", "ranking experts needs a validation split, which only mergeval's "
                             "generated tasks have", "give method.validation_scores or set method.order=given")

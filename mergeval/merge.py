@@ -38,11 +38,11 @@ def main(cfg: DictConfig) -> None:
 def merge(cfg: DictConfig, job_dir: Path) -> Path:
     """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir."""
     from mergeval.checks import validate
-    from mergeval.zoo.resolve import resolve_models
-    from mergeval.ranking import prepare_method, refuse_ranking
     from mergeval.engine import merge_to_disk
     from mergeval.engine.card import merge_config
     from mergeval.paths import cache_root, check_creatable
+    from mergeval.ranking import prepare_method, refuse_ranking
+    from mergeval.zoo.resolve import resolve_models
 
     method, method_cfg = validate(cfg)
     refuse_ranking(method, method_cfg)  # before minutes of building experts

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 
 
-
 @dataclass
 class SweepJob:
     label: str  # the job's swept overrides, e.g. "method=ties, method.lambda_=1.0"

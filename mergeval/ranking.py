@@ -26,25 +26,22 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
                    can_evaluate: bool):
     """What a method needs from the models before merging: hierarchical's head counts (the base's config.json),
     CMM's validation ranking (evaluations; refused when the caller cannot evaluate). Returns (cfg, merge_info)."""
-    if method.name == "hierarchical":
+    needs = method.needs
+    if needs.head_counts:
         from mergeval.methods.hierarchical import fill_head_counts
         from mergeval.models.checkpoint import read_config
 
         method_cfg = fill_head_counts(method_cfg, read_config(base_dir))
     merge_info = merge_details(method.name, method_cfg, models)
-    from mergeval.methods.data_aware import STATISTICS
-
-    if (method.name == "localize_stitch_trained" or method.name == "localize_stitch" and method_cfg.scope == "model") \
-            and method_cfg.thresholds is None:
+    if needs.magnitude_cuts and getattr(method_cfg, "scope", "model") == "model" and method_cfg.thresholds is None:
         from mergeval.calibration import fill_thresholds
 
         method_cfg, details = fill_thresholds(method_cfg, base_dir, models, cache)
         merge_info = {**merge_info, **details}
-    if method.name in STATISTICS and method_cfg.statistics is None:  # each expert's, computed once and cached
+    if needs.statistics and method_cfg.statistics is None:  # each expert's, computed once and cached
         from mergeval.calibration import fill_statistics
 
-        method_cfg, details = fill_statistics(cfg, method.name, STATISTICS[method.name], method_cfg, models, cache,
-                                              base_dir)
+        method_cfg, details = fill_statistics(cfg, method.name, needs.statistics, method_cfg, models, cache, base_dir)
         merge_info = {**merge_info, **details}
     if "needs_ranking" in merge_info:
         if not can_evaluate:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from mergeval.errors import UserError
 from mergeval.outcome import score_value
@@ -36,7 +36,7 @@ def run_row(run: dict) -> dict:
     agg = run["aggregates"] or {}
     finished = run["finished"]
     row = {
-        "created": datetime.fromtimestamp(run["created"], timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.fromtimestamp(run["created"], UTC).isoformat(timespec="seconds"),
         "status": run["status"], "run_id": run["run_id"], "experiment": run["experiment"],
         "benchmark": benchmark_of(run), "method": run["method"],
         "params": method_params(run["config"].get("method", {})), "macro_gain": agg.get("macro_gain"),

@@ -10,7 +10,6 @@ is a result, not an error (exit 0).
 
 from __future__ import annotations
 
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig

@@ -68,12 +68,22 @@ from pathlib import Path
 
 from mergeval import proc
 from mergeval.errors import UserError
-from mergeval.paths import cache_root
 from mergeval.eval.settings import PerTask
+from mergeval.paths import cache_root
 from mergeval.store_backends import is_server_url, open_backend, sqlalchemy_url, sqlite_path
-from mergeval.store_backends.schema import (_CURRENT, _EVALUATIONS, _NEW_IN_V2, _RUNS_V2,  # noqa: F401 (tests)
-                                            DEFAULT_METRIC, SCHEMA_VERSION, _canonical, _dump, create, migrate,
-                                            stale_rows)
+from mergeval.store_backends.schema import (  # noqa: F401 (tests)
+    _CURRENT,
+    _EVALUATIONS,
+    _NEW_IN_V2,
+    _RUNS_V2,
+    DEFAULT_METRIC,
+    SCHEMA_VERSION,
+    _canonical,
+    _dump,
+    create,
+    migrate,
+    stale_rows,
+)
 
 CLAIM_TIMEOUT_S = 300.0  # default store.claim_timeout_s: another host's claim not renewed this long is dead
 STATUSES = ("running", "finished", "failed", "interrupted")

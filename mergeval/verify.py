@@ -76,8 +76,7 @@ import argparse
 import sys
 
 from mergeval.errors import UserError
-from mergeval.specs import (ClaimResult, Measured, Run, Spec, available, evaluate_claims, load_runs,
-                            load_spec)
+from mergeval.specs import ClaimResult, Measured, Run, Spec, available, evaluate_claims, load_runs, load_spec
 from mergeval.specs.load import found, search_path
 from mergeval.specs.numbers import show_interval
 from mergeval.specs.recorded import ENFORCED_MARGIN, Comparison, combine, compare_with, record_block, show_margin

@@ -176,8 +176,8 @@ def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
                                      ("groups.math.merged", True), ("macro_gian", False), ("normalized", False),
                                      ("macro_gain.mean", False)])
 def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
-    from mergeval.errors import UserError
     from mergeval.checks import check_best
+    from mergeval.errors import UserError
 
     if ok:
         check_best(best)

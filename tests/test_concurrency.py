@@ -22,7 +22,6 @@ import textwrap
 import time
 from pathlib import Path
 
-
 # The child: builds the tiny zoo model, then a one-step expert from it, with ``atomic_dir`` gated (see module
 # docstring). argv: cache, sync directory, "0" | "1", "ordered" (1 renames after 0) | "together".
 CHILD = textwrap.dedent("""

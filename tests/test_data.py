@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mergeval.eval.tasks import GENERATED, task_digest, write_tasks
 from mergeval.errors import UserError
+from mergeval.eval.tasks import GENERATED, task_digest, write_tasks
 from mergeval.zoo.domains import DOMAINS, eval_items, split_items
 from mergeval.zoo.general import general_items
 

@@ -274,10 +274,10 @@ def dense_grams(model_dir, items):
 
 def _engine_merge(name, base, experts, items, root, cache, **params):
     from mergeval.engine import merge_to_disk
-    from mergeval.methods.data_aware import STATISTICS
+    from mergeval.methods import get_method
     from mergeval.models.fingerprint import fingerprint
 
-    dirs = [str(statistics_dir(STATISTICS[name], e, fingerprint(e), its, cache)[0]) for e, its in zip(experts, items)]
+    dirs = [str(statistics_dir(get_method(name).needs.statistics, e, fingerprint(e), its, cache)[0]) for e, its in zip(experts, items)]
     method = METHODS[name]
     cfg = method.config(statistics=dirs, **params)
     method.validate(cfg, len(experts))

@@ -11,8 +11,13 @@ from hypothesis import strategies as st
 
 from mergeval.errors import UserError
 from mergeval.methods import get_method
-from mergeval.methods.hierarchical import (HierarchicalConfig, cosine_weight, fill_head_counts, head_permutation,
-                                           permute_heads)
+from mergeval.methods.hierarchical import (
+    HierarchicalConfig,
+    cosine_weight,
+    fill_head_counts,
+    head_permutation,
+    permute_heads,
+)
 
 HEADS, KV = 4, 2
 method = get_method("hierarchical")
@@ -131,9 +136,9 @@ def test_bad_configs():
     filled = fill_head_counts(HierarchicalConfig(), {"num_attention_heads": 9, "num_key_value_heads": 3})
     assert (filled.num_attention_heads, filled.num_key_value_heads) == (9, 3)
     # counts given against the base's config.json were once used as given, aligning the wrong head slices
-    for given, key in (({"num_attention_heads": 8}, "num_attention_heads"), ({"num_key_value_heads": 1}, "num_key_value_heads")):
+    for counts, key in (({"num_attention_heads": 8}, "num_attention_heads"), ({"num_key_value_heads": 1}, "num_key_value_heads")):
         with pytest.raises(UserError, match="the base's config.json says") as err:
-            fill_head_counts(HierarchicalConfig(**given), {"num_attention_heads": 4, "num_key_value_heads": 2})
+            fill_head_counts(HierarchicalConfig(**counts), {"num_attention_heads": 4, "num_key_value_heads": 2})
         assert err.value.field == f"method.{key}"
     same = fill_head_counts(HierarchicalConfig(num_attention_heads=4), {"num_attention_heads": 4, "num_key_value_heads": 2})
     assert (same.num_attention_heads, same.num_key_value_heads) == (4, 2)

@@ -15,8 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mergeval.methods.select as select
-from mergeval.methods.select import (Threshold, exact, first_ties_drop, first_ties_mask, keep_only_,
-                                     zero_dropped_)
+from mergeval.methods.select import Threshold, exact, first_ties_drop, first_ties_mask, keep_only_, zero_dropped_
 from mergeval.methods.task_vector import disjoint_merge, sign_of_sum, weighted_sum
 
 VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.75, 3.0, 1e-40, -1e-40, 2.0 ** -20, 1e30, -7.25])

@@ -44,3 +44,24 @@ def test_a_cycle_through_a_lazy_import_is_caught(tmp_path):
 def test_a_method_reaching_evaluation_is_caught(tmp_path):
     out = lint_imports(planted(tmp_path, "methods/geometric.py", "from mergeval.eval import harness"))
     assert out.returncode != 0 and "are pure" in out.stdout and "BROKEN" in out.stdout, out.stdout[-3000:]
+
+
+def test_what_a_method_needs_is_declared_where_it_is_registered():
+    """The run, merge-only, staged and search paths read ``MergeMethod.needs``; no module outside the methods
+    tests a method's name to decide what to prepare (mergekit's configuration mapping, interop/, names
+    mergekit's own methods)."""
+    import re
+
+    from mergeval.calibration import KINDS
+    from mergeval.methods import METHODS
+
+    assert {n: m.needs.statistics for n, m in METHODS.items() if m.needs.statistics} == {
+        "fisher": "fisher", "regmean": "gram", "localize_stitch_trained": "localize"}
+    assert all(m.needs.statistics in (None, *KINDS) for m in METHODS.values())
+    assert {n for n, m in METHODS.items() if m.needs.at_run_time()} == {"cmm", "hierarchical", "pipeline"}
+    names = "|".join(sorted(METHODS, key=len, reverse=True))
+    by_name = re.compile(rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})""")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "mergeval").rglob("*.py"))
+             if "methods" not in p.parts and "interop" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), start=1) if by_name.search(line)]
+    assert not found, found

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from mergeval.errors import UserError
-from mergeval.interop.lm_eval_import import compose_run_config, import_results, main as import_main
+from mergeval.interop.lm_eval_import import compose_run_config, import_results
+from mergeval.interop.lm_eval_import import main as import_main
 from mergeval.store import Store
 
 TASK = "mergeval_chem_count"

@@ -89,7 +89,7 @@ def mergeval_merge(doc: dict) -> tuple[dict[str, torch.Tensor], object, str, lis
 def close(ours, theirs, atol=1e-6):
     assert sorted(ours) == sorted(theirs)
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours[name], theirs[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def examples(m: dict[str, Path]) -> dict[str, dict]:

@@ -176,7 +176,7 @@ def run_mergeval(tiny: Tiny, method: str, params: dict, experts: list[Path],
 def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], atol: float = ATOL) -> None:
     assert sorted(ours) == sorted(theirs)
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours[name], theirs[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- deterministic methods: same tensors

@@ -18,7 +18,6 @@ from mergeval.metrics.perplexity import degradation, log_perplexity, mean_log_ra
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
 from mergeval.metrics.uncertainty import bootstrap_ci, bootstrap_stderr, mean_ci
 
-
 # ---------------------------------------------------------------- calibration
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergeval.models.fingerprint import (TOKENIZER_FILES, fingerprint, fingerprint_state_dict, is_inert,
-                                         model_identity)
+from mergeval.models.fingerprint import TOKENIZER_FILES, fingerprint, fingerprint_state_dict, is_inert, model_identity
 
 
 def _copy(src: Path, dst: Path) -> Path:

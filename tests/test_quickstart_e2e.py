@@ -8,6 +8,7 @@ job works on a fresh machine (about two minutes on two cores).
 from __future__ import annotations
 
 import json
+
 from tests.child import run_module
 
 

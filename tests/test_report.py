@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -135,7 +135,7 @@ def test_filters_and_labels():
     runs = sweep()
     assert [r["run_id"] for r in data.filter_results(runs, method="ties")] == ["ti03", "ti10", "ti10b"]
     assert data.filter_results(runs, experiment="other") == []
-    since = datetime(2026, 11, 30, 8, 5, tzinfo=timezone.utc).timestamp()
+    since = datetime(2026, 11, 30, 8, 5, tzinfo=UTC).timestamp()
     assert [r["run_id"] for r in data.filter_results(runs, since=since)] == ["ti10", "ti10b", "lin"]
     varying = data.varying_params(runs)
     assert varying == {"task_arithmetic": ["lambda_"], "ties": ["density", "lambda_"], "linear": []}

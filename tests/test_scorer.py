@@ -105,9 +105,8 @@ def test_mask_keeps_choices_apart():
 
 def test_harness_backends_agree(tiny_dir, tmp_path):
     """The whole lm-eval path on a generated task: the same accuracy with either backend."""
-    from transformers import AutoTokenizer
-
     from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
 
     from mergeval.config import BenchmarkConfig, EvalConfig
     from mergeval.eval.harness import Harness

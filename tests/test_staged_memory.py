@@ -49,10 +49,10 @@ def test_available_memory_is_a_positive_byte_count():
 
 def test_a_kept_candidate_is_the_same_model_bit_for_bit_as_merging_it_again(cache):
     """In bfloat16 (the cast from the float32 merge matters), after another candidate overwrote the live model."""
-    from mergeval.zoo.resolve import resolve_models
     from mergeval.paths import cache_root
     from mergeval.staging.pipeline import Models
     from mergeval.staging.plan import make_plan
+    from mergeval.zoo.resolve import resolve_models
 
     cfg = compose_staged(f"cache_dir={cache}")
     plan = make_plan(cfg.staged, len(cfg.modelset.experts))
@@ -77,10 +77,10 @@ def test_constituents_read_from_their_files_merge_to_the_same_bits(cache, monkey
     """Where the constituents do not fit in memory each merge reads them from the files: the same merges."""
     from mergeval.engine import execute
     from mergeval.engine.reader import CheckpointReader, MemorySource
-    from mergeval.zoo.resolve import resolve_models
     from mergeval.paths import cache_root
     from mergeval.staging import pipeline
     from mergeval.staging.plan import make_plan
+    from mergeval.zoo.resolve import resolve_models
 
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every matrix in row blocks of about 300 entries, too
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)

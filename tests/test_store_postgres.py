@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.postgres_server import Server, free_port, why_not
 from tests.child import run_module
+from tests.postgres_server import Server, free_port, why_not
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGESTS = {"a": "d1", "b": "d2"}

@@ -431,6 +431,7 @@ def test_a_ray_job_that_exits_ends_the_sweep_with_its_code():
     letting Ray report a crashed worker: the sweep ends with the first non-zero code once every job ended;
     a job that exited 0 counts as completed."""
     from hydra.core.utils import JobReturn, JobStatus
+
     from hydra_plugins.mergeval_ray_launcher.ray_launcher import _Exited, _job_exit_code, _returns
 
     done = JobReturn(overrides=["method=ties"], status=JobStatus.COMPLETED)

@@ -7,8 +7,7 @@ import os
 
 
 def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path, monkeypatch):
-    from lm_eval.tasks import TaskManager
-    from lm_eval.tasks import _index
+    from lm_eval.tasks import TaskManager, _index
 
     from mergeval.eval import task_index
     from mergeval.eval.task_index import task_manager

@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from mergeval.errors import UserError
 
-
 _SUITES: dict = {}
 
 

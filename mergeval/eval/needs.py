@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeval.errors import UserError
-from mergeval.paths import dir_size
 from mergeval.eval.tasks import GENERATED
+from mergeval.paths import dir_size
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class SharedPrefixLM(HFLM):
                               override_bs: int | None = None) -> list[tuple[float, bool]]:
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)  # context ids -> request indices
         too_long = []
-        for i, (_, ctx, cont) in enumerate(requests):
+        for i, (_, ctx, _cont) in enumerate(requests):
             groups[tuple(ctx)].append(i)
         fitting = {}
         for ctx, idx in groups.items():

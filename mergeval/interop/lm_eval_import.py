@@ -236,11 +236,11 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
     from mergeval.models.fingerprint import fingerprint, model_identity
-    from mergeval.zoo.sources import resolve_source
+    from mergeval.outcome import ModelInfo
     from mergeval.paths import cache_root
     from mergeval.runtime import apply_offline
     from mergeval.store import open_store, record_models, settings_hash
-    from mergeval.outcome import ModelInfo
+    from mergeval.zoo.sources import resolve_source
 
     apply_offline(cfg.offline)
     cache = cache_root(cfg.cache_dir)

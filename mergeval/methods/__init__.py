@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (the registration order below matters)
 """Merge methods: a registry from config name to a pure per-tensor function.
 
 A method is a ``MergeMethod``: its config dataclass (the Hydra schema of
@@ -9,10 +10,11 @@ merged tensor. Methods never see files, models or configs of other tensors.
 
 from mergeval.methods.registry import METHODS, MergeMethod, get_method
 
-# Each family registers its methods when imported; the registry imports none of them (no import cycle).
-from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: E402,F401,I001
-from mergeval.methods import data_aware, masks  # noqa: E402,F401
-from mergeval.methods import pipeline  # noqa: E402,F401  (after the others: its stages name them)
-from mergeval.methods import rows  # noqa: E402,F401  (adds the row-chunked forms of ties and DARE)
+# Each family registers its methods when imported (the registry imports none of them: no import cycle), in this
+# order: the pipeline's stages name the others, and rows adds the row-block forms of methods registered before.
+from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: F401
+from mergeval.methods import data_aware, masks  # noqa: F401
+from mergeval.methods import pipeline  # noqa: F401
+from mergeval.methods import rows  # noqa: F401
 
 __all__ = ["METHODS", "MergeMethod", "get_method"]

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods.registry import register
+from mergeval.methods.registry import Needs, register
 
 SCHEDULES = ("constant", "linear", "exponential")
 ORDERS = ("ranked", "reverse", "given")
@@ -123,7 +123,7 @@ def _validate(cfg: CmmConfig, n_experts: int) -> None:
 
 
 # version 2: ties at the trim cut kept by position (1: in torch.topk's order)
-@register("cmm", CmmConfig, _validate, version=2)
+@register("cmm", CmmConfig, _validate, version=2, needs=Needs(ranking=True))
 def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: torch.Generator) -> torch.Tensor:
     """Curriculum merge: theta_0 = b; theta_k = (1 - c_k) theta_{k-1} + c_k e_pi(k) (interpolate),
     theta_{k-1} + c_k d_pi(k) (additive) or TIES(b; [theta_{k-1}, e_pi(k)], [1 - c_k, c_k]) (ties_step);

@@ -21,10 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods.registry import register_layer
-
-# method -> the statistic it needs from each expert's calibration data (calibration.KINDS)
-STATISTICS = {"fisher": "fisher", "regmean": "gram", "localize_stitch_trained": "localize"}
+from mergeval.methods.registry import Needs, register_layer
 
 
 @dataclass
@@ -88,7 +85,7 @@ def fisher_merge(experts: list[torch.Tensor], fishers: list[torch.Tensor], epsil
     return num / den
 
 
-@register_layer("fisher", FisherConfig, _validate_fisher)
+@register_layer("fisher", FisherConfig, _validate_fisher, needs=Needs(statistics="fisher"))
 def merge_fisher(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: FisherConfig,
                  gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Fisher merging: ``theta = sum_i (F_i + eps) theta_i / sum_i (F_i + eps)`` per parameter entry.
@@ -141,7 +138,7 @@ def regmean_linear(weights: list[torch.Tensor], grams: list[torch.Tensor], alpha
     return solved.T
 
 
-@register_layer("regmean", RegMeanConfig, _validate_regmean)
+@register_layer("regmean", RegMeanConfig, _validate_regmean, needs=Needs(statistics="gram"))
 def merge_regmean(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: RegMeanConfig,
                   gen: torch.Generator) -> dict[str, torch.Tensor]:
     """RegMean: per linear layer ``W = (sum_i G~_i)^-1 sum_i G~_i W_i`` (in ``x W^T`` form), else the average.

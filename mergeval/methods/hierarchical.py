@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods.registry import register_layer
+from mergeval.methods.registry import Needs, register_layer
 
 LAYER = re.compile(r"^(.*\.layers\.\d+\.)")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -149,7 +149,7 @@ def permute_heads(tensors: dict[str, torch.Tensor], prefix: str, perm: list[int]
     return out
 
 
-@register_layer("hierarchical", HierarchicalConfig, _validate, merge=hierarchical_tensor)
+@register_layer("hierarchical", HierarchicalConfig, _validate, merge=hierarchical_tensor, needs=Needs(head_counts=True))
 def hierarchical(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: HierarchicalConfig,
                 gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One layer: align B's heads to A's, w_l from the layer's task vectors, theta_l = (1 - w_l) A_l + w_l B'_l."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.errors import UserError
-from mergeval.methods.registry import register, register_layer
+from mergeval.methods.registry import Needs, register, register_layer
 
 
 @dataclass
@@ -103,7 +103,7 @@ def top_mask(delta: torch.Tensor, sparsity: float) -> torch.Tensor:
     return mask.view(delta.shape)
 
 
-@register("localize_stitch", LocalizeStitchConfig, _validate_stitch)
+@register("localize_stitch", LocalizeStitchConfig, _validate_stitch, needs=Needs(magnitude_cuts=True))
 def merge_localize_stitch(base: torch.Tensor, experts: list[torch.Tensor], cfg: LocalizeStitchConfig,
                           gen: torch.Generator) -> torch.Tensor:
     """Localize-and-Stitch, data-free: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t``.
@@ -170,7 +170,8 @@ def stitch(base: torch.Tensor, deltas: list[torch.Tensor], masks: list[torch.Ten
     return base + sum(m * d for m, d in zip(masks, deltas)) / count
 
 
-@register_layer("localize_stitch_trained", LocalizeStitchTrainedConfig, _validate_trained)
+@register_layer("localize_stitch_trained", LocalizeStitchTrainedConfig, _validate_trained,
+                needs=Needs(statistics="localize", magnitude_cuts=True))
 def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]],
                                   cfg: LocalizeStitchTrainedConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Localize-and-Stitch, data-driven: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t`` with trained masks.

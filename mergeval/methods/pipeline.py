@@ -31,7 +31,7 @@ import torch
 # omegaconf (0.1 s to import) is imported only where a stage's method is typed: the engine and the methods
 # load without it (a merge called from Python, merge_throughput.py's child); Hydra's commands import it anyway.
 from mergeval.errors import UserError
-from mergeval.methods.registry import METHODS, get_method, register
+from mergeval.methods.registry import METHODS, Needs, get_method, register
 
 
 @dataclass
@@ -65,7 +65,8 @@ def _typed(method_json: str, where: str):
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(method.config), spec))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
-        raise UserError(f"{where}.{key}".rstrip("."), str(err).splitlines()[0], "fix the stage's method parameters")
+        raise UserError(f"{where}.{key}".rstrip("."), str(err).splitlines()[0],
+                        "fix the stage's method parameters") from None
     return method, cfg
 
 
@@ -114,7 +115,7 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
                             "feed it to a later stage or remove it")
 
 
-@register("pipeline", PipelineConfig, _validate, version=2)  # 2: its steps' TIES sums in order
+@register("pipeline", PipelineConfig, _validate, version=2, needs=Needs(expert_names=True))  # 2: its steps' TIES sums in order
 def pipeline(base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig,
              gen: torch.Generator) -> torch.Tensor:
     """out_s = method_s(value(base_s), [value(x) for x in inputs_s]) for each stage s; returns the last out_s."""

@@ -63,6 +63,30 @@ parameters beat its global ones)."""
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a method needs prepared from the models before it merges, beyond its config; the run, merge-only,
+    staged and search paths read it here (``ranking.prepare_method`` does the preparing), never a method's name.
+
+    statistics: the calibration statistic (``calibration.KINDS``) each expert must supply, from its
+        ``modelset.experts.<name>.calibration`` data, filled into ``method.statistics``;
+    magnitude_cuts: each expert's k-th largest ``|tau|`` over the whole model, filled into ``method.thresholds``
+        (where the config has a ``scope``, only for ``scope=model``);
+    head_counts: the base's attention head counts, from its config.json;
+    ranking: the experts ranked by evaluations on a validation split (a caller that cannot evaluate refuses it);
+    expert_names: the modelset's expert names (a pipeline's stages name experts)."""
+
+    statistics: str | None = None
+    magnitude_cuts: bool = False
+    head_counts: bool = False
+    ranking: bool = False
+    expert_names: bool = False
+
+    def at_run_time(self) -> bool:
+        """Whether only a full run can prepare it (staged sweeps merge candidates as they are)."""
+        return self.head_counts or self.ranking or self.expert_names
+
+
+@dataclass(frozen=True)
 class MergeMethod:
     name: str
     config: type  # the schema, with ``rules`` added by registration
@@ -76,6 +100,7 @@ class MergeMethod:
     # implementation version: raised whenever the method's output for the same inputs, config and seed
     # changes, so a merge stored under an earlier version is not taken for this one's (store.merge_key)
     version: int = 1
+    needs: Needs = Needs()
 
 
 PER_EXPERT = ("density", "gamma", "epsilon")  # besides weight: the per-model parameters mergekit also has
@@ -83,18 +108,19 @@ METHODS: dict[str, MergeMethod] = {}
 _DERIVED: dict[type, type] = {}  # method config -> its schema with rules (shared configs derive once)
 
 
-def register(name: str, config: type, validate: ValidateFn, version: int = 1):
+def register(name: str, config: type, validate: ValidateFn, version: int = 1, needs: Needs = Needs()):
     """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``;
-    ``version``: the implementation version (``MergeMethod.version``)."""
+    ``version``: the implementation version (``MergeMethod.version``); ``needs``: what it needs prepared."""
     def wrap(fn: MergeFn) -> MergeFn:
         METHODS[name] = MergeMethod(name, with_rules(config), fn, _validating_rules(validate),
-                                    (fn.__doc__ or "").strip(), version=version)
+                                    (fn.__doc__ or "").strip(), version=version, needs=needs)
         return fn
 
     return wrap
 
 
-def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None):
+def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None,
+                   needs: Needs = Needs()):
     """Register a layer-at-a-time method: ``@register_layer(name, Config, validate)`` on
     ``merge_layer(base: dict[str, Tensor], experts: list[dict[str, Tensor]], cfg, gen) -> dict[str, Tensor]``.
 
@@ -102,7 +128,7 @@ def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn
     (else ``merge_layer`` gets them as one-tensor groups)."""
     def wrap(fn: LayerMergeFn) -> LayerMergeFn:
         METHODS[name] = MergeMethod(name, with_rules(config), merge, _validating_rules(validate),
-                                    (fn.__doc__ or "").strip(), merge_layer=fn)
+                                    (fn.__doc__ or "").strip(), merge_layer=fn, needs=needs)
         return fn
 
     return wrap

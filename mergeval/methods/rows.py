@@ -78,7 +78,7 @@ class TiesRows:
         if not select:
             return
         offsets = []
-        for offset, base, experts in blocks.read_all():  # pass 0: |d_i| only where it is sampled
+        for _offset, base, experts in blocks.read_all():  # pass 0: |d_i| only where it is sampled
             b = base.reshape(-1)
             for i, sel in select.items():
                 at = sel.positions(b.numel())

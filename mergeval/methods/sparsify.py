@@ -41,8 +41,15 @@ from mergeval.methods import compat, fused
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register
 from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
-from mergeval.methods.task_vector import (_check_lambda, _check_weights, check_ties_options, disjoint_merge,
-                                          kept_count, trim_to_density, weighted_sum)
+from mergeval.methods.task_vector import (
+    _check_lambda,
+    _check_weights,
+    check_ties_options,
+    disjoint_merge,
+    kept_count,
+    trim_to_density,
+    weighted_sum,
+)
 
 RESCALES_DARE = ("inverse_density", "l1", "none")
 RESCALES_DELLA = ("inverse_prob", "l1", "none")

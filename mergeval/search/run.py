@@ -94,14 +94,21 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
 
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.zoo.resolve import resolve_models
     from mergeval.paths import cache_root
     from mergeval.runtime import Laps, apply_offline, quiet_transformers
     from mergeval.staging.heldout import heldout_items
     from mergeval.staging.nll import answer_sequences
-    from mergeval.staging.pipeline import (Bench, HeldOut, Models, choices_per_item, constituent_scores,
-                                           reference_perplexities, stage1_tasks)
+    from mergeval.staging.pipeline import (
+        Bench,
+        HeldOut,
+        Models,
+        choices_per_item,
+        constituent_scores,
+        reference_perplexities,
+        stage1_tasks,
+    )
     from mergeval.store import open_store
+    from mergeval.zoo.resolve import resolve_models
 
     quiet_transformers(cfg.verbose)
     apply_offline(cfg.offline)
@@ -271,7 +278,7 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     constituents = constituent_scores(bench, stages.constituents, models)
     out = {"constituents": constituents}
     for label, recipe in (("default", outcome.baseline), ("best", outcome.best)):
-        def make_model(config=recipe.config):
+        def make_model(config=recipe.config, label=label):
             from mergeval.staging.plan import Candidate
 
             typed = OmegaConf.to_object(OmegaConf.merge(stages.method.config, config))

@@ -96,9 +96,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergeval.errors import UserError
+from mergeval.metrics.paired import paired_stderr, total
 from mergeval.specs.numbers import show_interval
 from mergeval.specs.quantified import Line, extreme, members, parse_line, quantifier_values, rank_verdict
-from mergeval.metrics.paired import paired_stderr, total
 from mergeval.specs.runs import Measured, NotRun, Run, RunMetric, matches
 from mergeval.specs.tables import Table, cell_interval, find_cell, match_name, name_text
 
@@ -455,7 +455,7 @@ def _check_expanded_cells(claim: Claim, field: str, tables: Mapping[str, Table])
             if op.kind == "cell":
                 find_cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), field)
             elif op.line is not None:
-                members(op.line.fill(lambda s: str(_fill(s, binding))), tables, f"{field}.{op.kind}")
+                members(op.line.fill(lambda s, binding=binding: str(_fill(s, binding))), tables, f"{field}.{op.kind}")
         if claim.rank is not None:
             _rank_members(claim, binding, tables, field)
 

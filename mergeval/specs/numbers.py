@@ -124,8 +124,8 @@ def show_interval(lo: float, hi: float, signed: bool = False, digits: int = 6) -
     1% of the width of the true one, float noise dropped: ``[-0.0005, 0.0005]``, ``[12345.675, 12345.685]``
     (not ``[12345.7, 12345.7]``)."""
     sign, close = "+" if signed else "", 0.01 * (hi - lo)
-    for digits in range(digits, 16):
-        a, b = f"{lo:{sign}.{digits}g}", f"{hi:{sign}.{digits}g}"
+    for shown in range(digits, 16):
+        a, b = f"{lo:{sign}.{shown}g}", f"{hi:{sign}.{shown}g}"
         if abs(float(a) - lo) <= close and abs(float(b) - hi) <= close:
             break
     return f"[{a}, {b}]"

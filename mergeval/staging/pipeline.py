@@ -41,7 +41,6 @@ from mergeval.eval.settings import eval_settings
 from mergeval.eval.suite import build_suite
 from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
-from mergeval.zoo.resolve import resolve_models
 from mergeval.outcome import MERGED, ModelInfo
 from mergeval.paths import cache_root
 from mergeval.runtime import Laps, apply_offline, library_bars, quiet_transformers
@@ -53,6 +52,7 @@ from mergeval.staging.plan import Candidate, Plan, make_plan, stage2_limit
 from mergeval.staging.selection import best_first, combine, mean_accuracy, promote
 from mergeval.store import open_store
 from mergeval.summary import aggregate
+from mergeval.zoo.resolve import resolve_models
 
 THIS_RUN, REUSED = "this run", "reused from the results store"
 CONSTITUENTS_IN_MEMORY = 0.5  # share of the free memory the base's and experts' tensors may take (else read lazily)
@@ -348,13 +348,12 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
 def _data_aware(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
     """Candidates that need calibration statistics (fisher, regmean) or localize_stitch's magnitude cuts get
     them as a run does (``ranking.prepare_method``; computed once per model and data, then cached)."""
-    from mergeval.methods.data_aware import STATISTICS
-    from mergeval.ranking import prepare_method
-
     import dataclasses
 
+    from mergeval.ranking import prepare_method
+
     for i, cand in enumerate(plan.candidates):
-        if cand.method.name in STATISTICS or cand.method.name.startswith("localize_stitch"):
+        if cand.method.needs.statistics or cand.method.needs.magnitude_cuts:
             config, _ = prepare_method(cfg, cand.method, cand.config, constituents, base_dir, cache, can_evaluate=False)
             plan.candidates[i] = dataclasses.replace(cand, config=config)
 

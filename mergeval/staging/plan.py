@@ -69,11 +69,6 @@ def _specs(staged) -> list[tuple[str, dict]]:
     return specs
 
 
-# Methods that need run-time preparation beyond their config (expert rankings, head counts read from the
-# base, expert names): ``python -m mergeval`` prepares them; a staged sweep merges candidates as they are.
-NEEDS_PREPARATION = frozenset({"cmm", "hierarchical", "pipeline"})
-
-
 def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
     """The method's structured config with ``spec`` merged in, validated; errors name ``path``."""
     name_path = path if path.startswith("staged.grid.") else f"{path}.name"  # a grid's key is the method name
@@ -81,7 +76,7 @@ def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
         method = get_method(spec["name"])
     except UserError as err:
         raise UserError(name_path, err.problem, err.fix) from None
-    if method.name in NEEDS_PREPARATION:
+    if method.needs.at_run_time():  # python -m mergeval prepares those; a staged sweep merges candidates as they are
         raise UserError(name_path, f"{method.name} needs run-time preparation that staged sweeps do not do",
                         "sweep it with python -m mergeval -m instead")
     params = {k: v for k, v in spec.items() if k != "name"}

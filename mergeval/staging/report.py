@@ -6,7 +6,7 @@ import json
 import math
 import uuid
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,7 +38,7 @@ def to_json(cfg: DictConfig, outcome: StagedOutcome) -> dict:
         candidates.append(row)
     return _jsonable({
         "run_id": uuid.uuid4().hex,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "seeds": {"merge": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0, "heldout_data": 0},
         "tasks": outcome.tasks,

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from mergeval.errors import UserError
-from mergeval.paths import atomic_dir, one_builder
 from mergeval.models.safetensors_io import cached_build_usable
+from mergeval.paths import atomic_dir, one_builder
 from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, split_items
 
 # The held-out evaluation items the training pool must avoid (the benchmark's n_items

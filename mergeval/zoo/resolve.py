@@ -11,8 +11,8 @@ from mergeval.models.adapters import applied_adapter, is_adapter
 from mergeval.models.checkpoint import check_compatible
 from mergeval.models.fingerprint import fingerprint, model_identity
 from mergeval.models.quantized import dequantized, quantization_of
-from mergeval.zoo.sources import resolve_source
 from mergeval.outcome import ModelInfo
+from mergeval.zoo.sources import resolve_source
 
 
 def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:

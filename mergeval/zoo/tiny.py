@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from mergeval.paths import atomic_dir
 from mergeval.models.safetensors_io import cached_build_usable
+from mergeval.paths import atomic_dir
 from mergeval.zoo.domains import DOMAINS, QUICKSTART_DOMAINS
 
 ZOO = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

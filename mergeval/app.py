@@ -124,7 +124,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     _check_truncation(cfg.vocab_policy, base_dir, expert_dirs)
     lap("resolve_models")
     tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
-    # either; a run whose merge and scores all come from the store never loads it (2-3 s of imports)
+    # either; a run whose merge and scores all come from the store never loads it (nor imports what it needs)
     method_cfg, merge_info = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
     if "validation_scores" in merge_info:
         lap("rank_experts")
@@ -211,7 +211,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             del model
         if info.role == MERGED:
             merged_model = None  # released before the constituents are loaded
-        if entries or info.role == MERGED:  # a model was built or released (gc.collect: about 0.3 s here)
+        if entries or info.role == MERGED:  # a model was built or released (a full gc.collect is not free)
             release_memory()
         for task in tasks:
             score = dict(got[task])

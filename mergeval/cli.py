@@ -150,8 +150,8 @@ def _redeliver_swallowed_interrupt(unraisable) -> None:
         if unraisable.object is threading:  # raised while the interpreter waited for threads at exit
             # Python would go on to its teardown with those threads still running, and one inside torch or numba
             # then aborts the process when it next takes the GIL ("terminate called without an active
-            # exception", status -6: a Ctrl-C or SIGTERM while a thread ran a matrix product at exit did so in 3
-            # runs of 3). The command is ending anyway: end it now, as an interruption.
+            # exception", status -6, as a Ctrl-C or SIGTERM while a thread runs a matrix product at exit does).
+            # The command is ending anyway: end it now, as an interruption.
             end_now(2)
         if _unreported is not None:
             return
@@ -240,11 +240,11 @@ def loading_modules(module_name: str):
     as a library (a test, a notebook) the module changes nothing about the collector.
 
     Why: importing torch, numba and hydra makes hundreds of thousands of objects that live as long as the
-    process, and each of the collector's full passes walks all of them. In ``python -m mergeval.merge`` of two
-    SmolLM2-135M experts (DARE-TIES, 3.1-3.5 s in all) the collector ran for 0.39-0.45 s: five full passes
-    of 12-130 ms, two during the imports and the rest later, over the same loaded objects. Paused and frozen,
-    it ran for 0.03-0.04 s. Freezing keeps what the imports made for the process's life, which is where
-    modules and their tables live anyway; only garbage in reference cycles left by an import is kept too.
+    process, and each of the collector's full passes walks all of them: the passes the imports trigger, and
+    every later one, spend their time on objects that can never be freed, a noticeable share of a short
+    command such as ``python -m mergeval.merge``. Paused and frozen, later passes skip them. Freezing keeps
+    what the imports made for the process's life, which is where modules and their tables live anyway; only
+    garbage in reference cycles left by an import is kept too.
     It also marks the process as a command's (``runtime.command_process``)."""
     command = module_name == "__main__" or Path(sys.argv[0]).name == "mergeval"
     if command:
@@ -263,12 +263,11 @@ def loading_modules(module_name: str):
 def skip_final_collection() -> None:
     """At exit (an atexit handler): put every object still alive in the collector's permanent generation.
 
-    The interpreter's last garbage collection walks every object that torch, numba, transformers and the run
-    created, to free memory that the process's end hands back anyway: between a merge's end and its
-    process's end (2 experts of SmolLM2-135M, DARE-TIES) it took 1.25-1.47 s, and 0.21-0.31 s after this.
-    The rest of the exit is unchanged (the other atexit handlers, such as logging's flush, and the modules'
-    teardown); only objects held in reference cycles are not finalized, which Python never promises at exit,
-    and a command has closed its files, stores and directories before it returns."""
+    The interpreter's last garbage collection walks every object that torch, numba, transformers and the run created, to
+    free memory that the process's end hands back anyway; after a short merge it was most of the time between the
+    merge's end and the process's end. The rest of the exit is unchanged (the other atexit handlers, such as logging's
+    flush, and the modules' teardown); only objects held in reference cycles are not finalized, which Python never
+    promises at exit, and a command has closed its files, stores and directories before it returns."""
     gc.freeze()
 
 
@@ -277,12 +276,12 @@ def end_finished() -> None:
     returns (the ordinary exit follows) where this process is not a command (``runtime.command_process``) or
     another non-daemon thread still runs, which the ordinary exit would wait for.
 
-    Why: after the last collection is skipped (``skip_final_collection``), the teardown still takes each
-    module's objects apart one by one, torch's, numba's and the BLAS libraries' included, to free memory that
-    the process's end hands back anyway: 0.11-0.12 s after the benchmark's DARE-TIES merge of the quickstart
-    models against 0.02 s this way. What a command promises is done by then: its files, stores and directories
-    closed, and the atexit handlers (logging's flush, weakref finalizers such as temporary directories') still
-    run; only objects' own ``__del__`` at teardown is skipped, which Python does not promise at exit either."""
+    Why: after the last collection is skipped (``skip_final_collection``), the teardown still takes each module's
+    objects apart one by one, torch's, numba's and the BLAS libraries' included, to free memory that the process's end
+    hands back anyway, several times as long as ending at once. What a command promises is done by then: its files,
+    stores and directories closed, and the atexit handlers (logging's flush, weakref finalizers such as temporary
+    directories') still run; only objects' own ``__del__`` at teardown is skipped, which Python does not promise at exit
+    either."""
     import threading
 
     if not runtime.command_process:
@@ -298,11 +297,11 @@ def end_now(status: int) -> NoReturn:
     the process ends without the interpreter's teardown.
 
     Why: a merge stopped early leaves its worker threads to finish the units they were merging
-    (``engine.execute.run_plan``), and the teardown would wait for them (3.1 s for DELLA on SmolLM2's
-    embedding; an 8B Llama's has 19 times its entries) and then finalize torch, numba and the BLAS libraries
-    with threads around. Everything the command promises on an interruption or a failure (no half-written
-    output, the run recorded as interrupted or failed, its claims released) is done before this point, in the
-    handlers the exception ran through; the abandoned threads only compute, so nothing is lost with them."""
+    (``engine.execute.run_plan``), and the teardown would wait for them (as long as the slowest unit, DELLA's ranks over
+    a whole embedding, takes; an 8B Llama's has 19 times SmolLM2's entries) and then finalize torch, numba and the BLAS
+    libraries with threads around. Everything the command promises on an interruption or a failure (no half-written
+    output, the run recorded as interrupted or failed, its claims released) is done before this point, in the handlers
+    the exception ran through; the abandoned threads only compute, so nothing is lost with them."""
     import ctypes
 
     interruption_reported()

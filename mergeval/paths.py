@@ -183,6 +183,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     remove_orphans(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
     try:
+        # mkstemp makes the file owner-only; the result is an ordinary file, as open() would make it (result.json
+        # and mergekit.yaml were 0600 beside a run's other 0644 files)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -2,11 +2,8 @@
 
 Why not always bfloat16: on an x86 CPU without AVX-512 (AVX2 only) oneDNN has
 no bfloat16 kernels and PyTorch's bfloat16 matrix products fall back to slow
-reference code. Measured on a 2-core AMD EPYC with AVX2 only (torch 2.13 CPU):
-one fine-tuning step of SmolLM2-135M (8 x 26 tokens) took 43.6 s in bfloat16
-autocast against 2.8 s in float32, and a 1024 x 1024 product ran at 0.8
-against 30 GFLOP/s (the same run, another job beside it); the quickstart would
-take hours there instead of minutes.
+reference code, more than an order of magnitude slower than float32: fine-tuning
+and evaluation, the quickstart included, would become impractically slow there.
 
 ``eval.dtype`` and ``modelset.train.dtype`` default to the interpolation
 ``${mergeval_dtype:<device>}``, which resolves here, when the config is read,

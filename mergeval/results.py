@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         from mergeval.interop.lm_eval_export import main as export_main
 
         return export_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mergeval.results", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mergeval.results", description=__doc__.splitlines()[0],
+        epilog="subcommands: 'python -m mergeval.results export RUN_ID DIR' writes a run's models as lm_eval results "
+               "files; 'python -m mergeval.results import RESULTS --model SOURCE' stores an lm_eval results file "
+               "(each has its own --help)")
     parser.add_argument("--store", help="the results store: an SQLite file (default: <cache>/results.sqlite) or "
                                         "a postgresql:// URL")
     add_filters(parser)

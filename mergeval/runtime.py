@@ -109,7 +109,7 @@ def survivors_frozen():
     """A run's scope, in which each ``release_memory`` collection walks only the objects made since the last.
 
     A full collection walks every tracked object of the process, most of them made by importing torch,
-    transformers and lm-eval (about 400K objects: 0.25-0.3 s a walk on a 2-core AMD EPYC), and a run
+    transformers and lm-eval (hundreds of thousands of objects, each walk a noticeable pause), and a run
     collects after each model it releases. Inside this block, ``release_memory`` hands what survives its
     collection to ``gc.freeze``: at that point no model is alive (the released one has just been freed),
     so what survives is the imports and the run's own state, which live to the run's end anyway. The next
@@ -117,9 +117,9 @@ def survivors_frozen():
     what exists at its start too (no model of this run exists yet; in a sweep, the earlier jobs' imports),
     so a sweep job's first collection is as cheap. At the block's end ``gc.unfreeze`` gives everything back
     to the collector, so nothing is kept beyond the run: a cycle that was garbage at a freeze is collected
-    by the first collection after the block (measured, four releases per run of the tiny experiment, in
-    process, an idle 2-core AMD EPYC: 0.25-0.27 s per collection without this block, 0.002-0.003 s inside
-    it; the process's first run's first collection 0.17 s, as it walks the imports that run made).
+    by the first collection after the block. Inside the block a collection costs in proportion to what the
+    run made since the last one, not to everything the process has imported (only a process's first run's
+    first collection still walks the imports that run made).
     """
     import gc
 
@@ -139,7 +139,7 @@ def release_memory() -> None:
 
     Freed tensors go back to glibc's heap, not always to the OS: glibc raises its mmap threshold after large
     frees, so the next model's tensors come from the heap and the freed space stays mapped. Without this, each
-    model evaluated in turn raised the run's peak (measured: +9% from 2 to 4 experts of a 309M model);
+    model evaluated in turn would raise the run's peak, which would then grow with the number of experts;
     ``malloc_trim`` hands the free pages back (a no-op where glibc is not the allocator); on a GPU, torch's
     caching allocator releases the model's device memory.
     """

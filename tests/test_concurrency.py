@@ -240,3 +240,21 @@ def test_a_writer_killed_at_random_points_leaves_old_or_new_content_never_partia
         check_dirs(tmp_path)
         start = latest + 1  # the next writer continues the sequence, so n only grows
     assert latest > 0  # some writes completed between kills
+
+
+def test_a_file_written_whole_gets_the_mode_open_would_give_it(tmp_path):
+    """result.json, mergekit.yaml and exported results were 0600 (mkstemp's) beside a run's other files."""
+    import stat
+
+    from mergeval.paths import atomic_write_text
+
+    for umask in (0o022, 0o077):
+        before = os.umask(umask)
+        try:
+            atomic_write_text(tmp_path / f"result-{umask:o}.json", "{}")
+            with open(tmp_path / f"plain-{umask:o}.json", "w") as f:
+                f.write("{}")
+        finally:
+            os.umask(before)
+        modes = {stat.S_IMODE((tmp_path / f"{name}-{umask:o}.json").stat().st_mode) for name in ("result", "plain")}
+        assert modes == {0o666 & ~umask}, (oct(umask), modes)

@@ -236,3 +236,25 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
     for k in full:  # mergekit rounds its float32 result once too: at most one bfloat16 step apart
         step = torch.finfo(torch.bfloat16).eps * full[k].abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
         assert ((theirs[k].float() - ours[k].float()).abs() <= step).all(), k
+
+
+@pytest.mark.parametrize("key,value,fix", [
+    ("slices", [{"sources": []}], "merge whole models with models:"),
+    ("tokenizer", {"source": "union"}, "drop tokenizer:"),
+    ("chat_template", "chatml", "drop chat_template:"),
+])
+def test_each_unsupported_key_gets_a_fix_that_fits_it(key, value, fix):
+    with pytest.raises(UserError) as err:
+        from_mergekit({"merge_method": "linear", key: value, "models": [{"model": "a", "parameters": {"weight": 1}}]})
+    assert err.value.field == f"mergekit.{key}" and err.value.fix.startswith(fix), err.value
+
+
+def test_a_global_value_that_every_model_overrides_is_not_exported():
+    method = get_method("ties")
+    every = to_mergekit(method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, {"density": 0.7}]),
+                        "b", ["e1", "e2"])
+    assert "density" not in every["parameters"]
+    assert [m["parameters"]["density"] for m in every["models"]] == [0.3, 0.7]
+    some = to_mergekit(method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, None]), "b",
+                       ["e1", "e2"])
+    assert some["parameters"]["density"] == 0.5  # the second model reads it

@@ -33,8 +33,8 @@ WORKERS = max(2, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaf
 WINDOW = WORKERS  # units (or row blocks) read and merged ahead of the consumer: memory about WINDOW + 1 units,
 # plus, while a large unit runs, the finished smaller ones behind it (at most its size: ``ordered``)
 # tensors of at least BLOCK_MIN entries are merged in row blocks of about BLOCK_ENTRIES where the method allows.
-# 256K (1 MiB of float32 per working copy): on the quickstart models peak RSS 494 -> 324 MiB (dare_ties) and
-# 450 -> 373 MiB (ties) against 4M / 1M, the same bits, no slower within the noise of a busy machine
+# 256K (1 MiB of float32 per working copy): small enough that the blocks in flight keep the peak memory well
+# below larger blocks' (4M / 1M), large enough to cost no speed; the bits are the same whatever the block size
 BLOCK_MIN = 1 << 18
 BLOCK_ENTRIES = 1 << 18
 THREAD_NAME = "mergeval-merge"  # the workers' name prefix, by which ``abandoned_units`` finds them
@@ -79,9 +79,8 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     # disable=None: a bar only on a terminal, so piped stderr keeps errors on one line
     bar = tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True)
     # The consumer's own torch work (copies into a live model, casts) runs on one thread while it iterates:
-    # with more, each copy wakes torch's OpenMP helper, which then spin-waits on a core the workers need
-    # (in-memory merges of the quickstart models, medians of 4, two rounds: TIES 2.87-3.14 -> 1.81-2.03 s,
-    # DARE-TIES 1.54-1.59 -> 0.98-1.12 s, task arithmetic 2.08-2.64 -> 1.26-1.50 s).
+    # with more, each copy wakes torch's OpenMP helper, which then spin-waits on a core the workers need and
+    # slows the whole in-memory merge down.
     if blocks:
         _load_kernels_first(plan, method, base, len(experts))
     threads = torch.get_num_threads()
@@ -104,8 +103,8 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     finally:
         # Stopped early (an interruption, an error, a consumer that stopped iterating): units not started are
         # cancelled and the running ones are not waited for, since their results would be thrown away. Waiting
-        # made Ctrl-C take as long as the slowest running unit (DELLA's ranks over SmolLM2's embedding: 3.1 s
-        # after SIGTERM; proportionally more on larger models). The abandoned threads end with their unit;
+        # made Ctrl-C take as long as the slowest running unit (DELLA's ranks over a whole embedding, longer
+        # the larger the model). The abandoned threads end with their unit;
         # a command that stopped for an interruption or an error does not wait for them (mergeval.cli.end_now).
         pool.shutdown(wait=finished, cancel_futures=True)
         torch.set_num_threads(threads)
@@ -115,9 +114,9 @@ def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: 
     """Load the compiled kernels here, before the workers start, where the merge's first tensor in row blocks
     will take them: its row merger's constructor decides that (``rows.kernel_applies``) and loads them.
 
-    Why: loaded by the first worker (0.3-0.4 s: numba's import and registries), they kept the other worker
-    waiting on numba's locks and the consumer on both, and the load took longer there than alone: in the
-    quickstart's DARE-TIES merge, 0.20-0.21 s before the merge and a merge 0.15-0.3 s shorter. A method whose
+    Why: loaded by the first worker (numba's import and registries), they kept the other worker waiting on
+    numba's locks and the consumer on both, and the load took longer there than alone; loaded here it runs
+    uncontended and the merge that follows is shorter by more than the load costs. A method whose
     row mergers do not take the kernels (task arithmetic) loads nothing."""
     if method.rows is None or not hasattr(base, "get_rows"):
         return

@@ -56,8 +56,8 @@ def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progres
     plan = keep_base_rows(plan, rows, vocab_policy)
     out = {}
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
-    # tensor: tests/test_rows.py), so they get the compiled kernels and every core (TIES of the quickstart
-    # models: 2.8-3.0 s whole, 1.3-1.4 s in blocks)
+    # tensor: tests/test_rows.py), so they get the compiled kernels and every core; merged whole, a large tensor
+    # runs on one worker while the others idle
     for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared):
         if isinstance(merged, Blocks):
             whole = torch.empty(b.shapes[name], dtype=b.dtypes[name])
@@ -71,8 +71,8 @@ def copy_blocks(blocks: Blocks, target: torch.Tensor) -> None:
     """Each merged row block copied into its rows of ``target`` (cast to its dtype), in order as it comes.
 
     Here the consuming thread copies (the writer has the workers write: writer.ShardWriter._write_in_place):
-    copying into a live model's tensors from the workers measured no faster (benchmarks/live_merge.py,
-    DARE-TIES of the quickstart models: 0.96-0.99 s either way), and a worker still finishing a block after
+    copying into a live model's tensors from the workers gains no speed (benchmarks/live_merge.py compares
+    the two), and a worker still finishing a block after
     an interruption would change the caller's model after the merge had stopped."""
     rows = target.view(target.shape[0], -1)
     for (r0, r1), block in zip(blocks.spans, blocks):
@@ -85,8 +85,8 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
     Memory: the model plus one unit's inputs, or for a large tensor of a method with a row-chunked form
-    (TIES, DARE) a few row blocks of each input (benchmarks/live_merge.py: five-expert TIES of SmolLM2-135M
-    peaks at 1056 MiB against 3840 MiB merged a tensor at a time). The model keeps its dtype (merging
+    (TIES, DARE) a few row blocks of each input, rather than a whole tensor of every input at once, which
+    grows with the number of experts (benchmarks/live_merge.py measures the peak). The model keeps its dtype (merging
     runs in float32 per unit; results are cast on copy). vocab_policy=truncate
     changes shapes and needs a model of the truncated size: merge to disk instead.
     """

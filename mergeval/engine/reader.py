@@ -6,8 +6,8 @@ named by ``model.safetensors.index.json`` when there is one, else all
 with ``readinto`` into a fresh buffer. It deliberately does not memory-map the
 files (as ``safetensors.safe_open`` does): pages of a mapping that were read
 stay in the process's resident set until it is unmapped, so a merge through
-mappings grew its RSS by the size of all inputs (measured: +190 MB of RssFile
-over three 68 MB checkpoints); plain reads leave only the tensors in use.
+mappings grows its RSS by the size of all inputs; plain reads leave only the
+tensors in use.
 
 Every tensor is checked for NaN/Inf when it is read, so a bad input is found
 without a separate pass and named in a one-line error. A row block read with

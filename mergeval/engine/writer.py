@@ -112,11 +112,10 @@ class ShardWriter:
         """Write a tensor's row blocks (an execute.Blocks) at their offsets in the shard, each by the thread that
         merged it (``os.pwrite``), as they are merged; the number of rows written.
 
-        Why: copying the output into the page cache can be the slowest memory traffic of a merge to disk (on a
-        2-core Xeon VM about 0.7 GB/s into pages the file gets new, where reading the inputs ran at 7 GB/s), and
-        the one consuming thread did all of it: under perf, in the quickstart's DARE-TIES merge, it wrote for
-        0.4 s of the merge's last 0.8 s while the workers idled half the time (the merge 1.65 -> 1.25 s this
-        way; outside perf the whole command 0.02 s faster, as the first touch's cost varies). Each block's
+        Why: copying the output into the page cache can be the slowest memory traffic of a merge to disk (the
+        pages the file gets new are first touched by the copy, far slower than reading the inputs), and one
+        consuming thread doing all of it made the workers wait on it at the merge's end; written by the
+        threads that merged them, the blocks' copies run in parallel with the merging. Each block's
         write opens the shard by its path: a thread still finishing a block after the merge stopped (an
         interruption, an error) can only write into that shard, never into a file opened later under a
         reused descriptor; the shard is removed with the merge's temporary directory."""

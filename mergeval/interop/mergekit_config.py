@@ -51,8 +51,15 @@ SAME_IN_BOTH_MODES = ("linear", "task_arithmetic")
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
-UNSUPPORTED_TOP = {"slices": "layer slices (frankenmerges)", "modules": "per-module merges",
-                   "tokenizer": "tokenizer construction", "chat_template": "chat template replacement"}
+# mergekit's top-level keys mergeval does not support: (what they do, the fix)
+UNSUPPORTED_TOP = {
+    "slices": ("layer slices (frankenmerges)", "merge whole models with models:"),
+    "modules": ("per-module merges", "merge whole models with models:"),
+    "tokenizer": ("tokenizer construction", "drop tokenizer: (the merge keeps the base's tokenizer), or build the "
+                  "tokenizer with mergekit"),
+    "chat_template": ("chat template replacement", "drop chat_template: (the merge keeps the base's template); set "
+                      "another in the merged model's tokenizer_config.json"),
+}
 
 
 # ---------------------------------------------------------------- in
@@ -134,9 +141,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     """(method config dict, modelset dict, notes) for a mergekit configuration (module docstring)."""
     from mergeval.methods import get_method
 
-    for key, what in UNSUPPORTED_TOP.items():
+    for key, (what, fix) in UNSUPPORTED_TOP.items():
         if doc.get(key):
-            raise UserError(f"{where}.{key}", f"{what} has no mergeval counterpart", "merge whole models with models:")
+            raise UserError(f"{where}.{key}", f"{what} has no mergeval counterpart", fix)
     known = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
              "slices", "modules", "tokenizer", "chat_template", "name"}
     for key in doc:
@@ -328,6 +335,9 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
                 pe = (getattr(method_cfg, "per_expert", None) or [])
                 if i < len(pe) and pe[i] and pe[i].get(p) is not None:
                     own[i][p] = pe[i][p]
+        for p in PER_MODEL[1:]:  # every model has its own: mergekit never reads the global one
+            if own and all(p in o for o in own) and not isinstance(shared.get(p), list):
+                shared.pop(p, None)
     for rule in getattr(method_cfg, "rules", None) or []:
         match, params = rule_items(rule)
         expert = params.pop("expert", None)

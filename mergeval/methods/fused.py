@@ -2,16 +2,15 @@
 
 The methods' definitions are the torch functions in ``task_vector.py``, ``sparsify.py`` and ``select.py``;
 this module computes the same bits in one pass per block instead of a dozen. Every torch operation there
-is a full pass over the block, and on one thread they cost 0.3-7 ns per entry each (a bool-to-float cast
-7, ``masked_fill_`` 4): a 2-expert DARE-TIES block took about 35 ns per output entry. The kernel here
-reads each input entry once and keeps the rest in registers.
+is a full pass over the block through memory, so a block's cost is its dozen passes, not its arithmetic.
+The kernel here reads each input entry once and keeps the rest in registers.
 
 * ``keep_draws(gen, n, density)``: DARE's keep mask ``torch.rand(n, generator=gen) < density``, drawn by
   this module's Mersenne Twister from ``gen``'s own state, which it then advances exactly as torch.rand
   would. torch's CPU generator is MT19937 and ``torch.rand`` makes each float32 from one 32-bit output,
   ``(word & 0xFFFFFF) * 2^-24``, so ``u < d`` (compared in float32) is ``word & 0xFFFFFF < ceil(d32 * 2^24)``
-  with ``d32`` the density rounded to float32. On one thread of a 2-core AMD EPYC (AVX2): 0.75-0.88
-  against 5.0-5.5 ns per entry for ``torch.rand(n) < d`` (1.5 ns before its loop was vectorized).
+  with ``d32`` the density rounded to float32: the mask comes from the words in one pass, without the
+  float tensor and the comparison pass of ``torch.rand(n) < d``.
 * ``merge_rows(...)``: ``b + lambda * combine(s_1..s_N)`` for one block, where ``s_i`` is d_i = e_i - b
   kept by a DARE mask (then divided by its density) or by a TIES cut (|d_i| > tau_i, plus the first
   ``quota_i`` entries with |d_i| == tau_i), and combine is TIES' election and disjoint mean or sum
@@ -50,16 +49,16 @@ _MT_N = 624  # MT19937's state words (fused_kernels.py's too)
 
 def usable(numel: int) -> bool:
     """Whether to take the compiled path for a tensor of ``numel`` entries: numba's import and its kernels'
-    first load cost about a second per process, which only tensors of MIN_ENTRIES or more repay. Once a larger
+    first load are a fixed cost per process, which only tensors of MIN_ENTRIES or more repay. Once a larger
     tensor has loaded them, tensors down to an eighth of that take them too (``loaded``)."""
     return (numel >= MIN_ENTRIES and available()) or loaded(numel)
 
 
 def loaded(numel: int) -> bool:
     """Whether the kernels are already loaded in this process and a tensor of ``numel`` entries is worth them
-    (MIN_ENTRIES / 8 or more). The load was the only reason to leave such a tensor to torch's code, which takes
-    about 35 ns per entry for 2-expert DARE-TIES against the kernel's 1-2: SmolLM2-135M's key and value
-    projections (110K entries each, 5% of its entries) took a tenth of a merge's CPU time that way. Which
+    (MIN_ENTRIES / 8 or more). The load was the only reason to leave such a tensor to torch's code, which is
+    many times slower per entry than the kernel: left there, small projections (SmolLM2-135M's key and value
+    projections are 5% of its entries) would take a share of a merge's CPU time far beyond their size. Which
     path a tensor takes never changes its bits (the kernels compute torch's)."""
     return numel >= MIN_ENTRIES // 8 and _kernels.cache_info().currsize > 0
 
@@ -84,10 +83,10 @@ def _kernels():
 
     Loaded with the garbage collector paused: numba's import and its CPU target's registries (loaded here,
     not in the first kernel call; their BLAS probe imports scipy.linalg) make objects that live as long as the
-    process, and the collections they set off (173 young, 15 middle and one full, after a command's start
-    froze torch's) walked them again and again: the load took 0.29-0.32 s after torch's import instead of
-    0.31-0.34 s. In a command's process numba's BLAS probe is skipped (``_numba_blas_probe_skipped``). A merge
-    loads them before its workers start (``execute._load_kernels_first``)."""
+    process, and the collections they set off (young, middle and full ones, even after a command's start
+    froze torch's) would walk them again and again while the load runs. In a command's process numba's BLAS
+    probe is skipped (``_numba_blas_probe_skipped``). A merge loads them before its workers start
+    (``execute._load_kernels_first``)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -118,12 +117,11 @@ class _NoScipyLinalg(importlib.abc.MetaPathFinder):
 def _numba_blas_probe_skipped():
     """Inside the block, importing scipy.linalg from this thread fails (unless it is already imported).
 
-    Why: numba's registries (``numba.np.arraymath``) probe for a BLAS by importing scipy.linalg, which these
-    kernels never call: 0.09 s, and scipy's OpenBLAS starts a thread that spins for 0.1 s on the core the
-    merge's second worker is about to take. Without it, the benchmark's DARE-TIES child of the quickstart
-    models (``benchmarks/merge_throughput.py``) took a median 2.26 s against 2.38 s. What numba gives up: its
-    np.correlate and np.convolve then take numba's own loop instead of BLAS's dot in this process (np.dot and
-    np.linalg import scipy.linalg when first compiled, after the block). Used only in a command's process
+    Why: numba's registries (``numba.np.arraymath``) probe for a BLAS by importing scipy.linalg, which these kernels
+    never call: the import costs time, and scipy's OpenBLAS starts a thread that spins on the core the merge's second
+    worker is about to take, so the merge starts later (``benchmarks/merge_throughput.py`` measures it). What numba
+    gives up: its np.correlate and np.convolve then take numba's own loop instead of BLAS's dot in this process (np.dot
+    and np.linalg import scipy.linalg when first compiled, after the block). Used only in a command's process
     (``runtime.command_process``), which runs no one else's compiled code."""
     finder = _NoScipyLinalg()
     sys.meta_path.insert(0, finder)
@@ -264,9 +262,9 @@ def placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor | 
     """``out[i, j] = by_rank[rank of |rows[i, j]| in row i]`` (stable ascending ranks: ties by position) for a
     float32 CPU tensor, as ``sparsify._placed_by_rank`` defines it, or None where an entry is not finite.
 
-    A radix sort by the magnitudes' 31 bits instead of a comparison sort of 64-bit keys: on one thread of a
-    2-core AMD EPYC, 0.48 against 2.8-3.0 s for SmolLM2's 28M-entry embedding as one row, and 0.51 against
-    2.8 s ranked by rows of 576; 12 bytes of scratch per entry, as the keys and ``out`` of the sort."""
+    A radix sort by the magnitudes' 31 bits instead of a comparison sort of 64-bit keys: a fixed number of
+    passes however long the row, several times faster on an embedding whether ranked as one row or by rows;
+    12 bytes of scratch per entry, as the keys and ``out`` of the sort."""
     r, n = rows.shape
     index = torch.int32 if r * n < 2 ** 31 else torch.int64
     # from torch's allocator, like merge_rows' working arrays (glibc's heap in the engine's threads)

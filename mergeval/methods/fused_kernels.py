@@ -165,7 +165,7 @@ def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighte
             if normalize:
                 for j in range(m):
                     tau[j] = tau[j] / (one if mass[j] == zero else mass[j])
-        oi = out[start:start + m]  # a slice: indexing out[start + j] kept this loop scalar (the kernel took 1.7x)
+        oi = out[start:start + m]  # a slice: indexing out[start + j] kept this loop scalar (not vectorized)
         for j in range(m):
             oi[j] = tau[j] * lam + bi[j]
 

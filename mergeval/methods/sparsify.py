@@ -260,8 +260,8 @@ def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: torch.Gene
 
 
 def _keep_draws(like: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """[u < density] per entry of ``like``, u from ``_uniform``: by fused.keep_draws (the same draws, 3-4x
-    faster) for large tensors where it runs."""
+    """[u < density] per entry of ``like``, u from ``_uniform``: by fused.keep_draws (the same draws, in one
+    compiled pass) for large tensors where it runs."""
     if fused.usable(like.numel()) and gen.device.type == "cpu":
         return torch.from_numpy(fused.keep_draws(gen, like.numel(), density)).view(like.shape).to(like.device)
     return _uniform(like, gen) < density
@@ -315,15 +315,15 @@ def _placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor |
     None where this way does not apply (not a finite float32 CPU tensor, or the keys need more than 63 bits).
 
     A tensor the compiled kernels take (``fused.usable``) is ranked by ``fused.placed_by_rank``'s radix sort
-    (4-12 times faster, the same ranks); the rest, and every tensor without numba, as follows.
-    The same ranks as ``torch.sort(stable=True)``, 2.6 times faster on SmolLM2's 28M-entry embedding (2.46 s
-    against 6.44 s, one thread; the sort itself about six times): each entry becomes one int64 key
+    (faster still, the same ranks); the rest, and every tensor without numba, as follows.
+    The same ranks as ``torch.sort(stable=True)``, faster than that sort with its temporaries: each entry
+    becomes one int64 key
     ``row | float bits | column`` (the bits of a float32 with its sign cleared order as its magnitude), and
     the keys are all distinct, so one plain NumPy sort (vectorised) puts every row's entries in stable order.
     The keys are the only n-entry temporary: no |rows|, no finiteness mask, no column index array."""
     if rows.device.type != "cpu" or rows.dtype != torch.float32:
         return None
-    if fused.usable(rows.numel()):  # the same ranks by a radix sort (fused.placed_by_rank): 4-12x faster
+    if fused.usable(rows.numel()):  # the same ranks by a radix sort (fused.placed_by_rank), faster
         return fused.placed_by_rank(rows, by_rank)
     r, n = rows.shape
     col_bits, row_bits = (n - 1).bit_length(), (r - 1).bit_length()

@@ -104,7 +104,7 @@ def dominant_basis(delta_m: Tensor, eps: float = 0.05) -> Tensor:
 
     From the eigendecomposition of the smaller Gram matrix rather than an SVD: M M^T = U S^2 U^T when M has
     no more rows than columns, else M^T M = V S^2 V^T and U_k = M V_k S_k^-1. The same subspace (the
-    singular values are the square roots of the eigenvalues, clamped at 0), 2.5-50 times faster on a
+    singular values are the square roots of the eigenvalues, clamped at 0), much faster than an SVD on a
     transformer's matrices. Accurate where SAR looks: every kept sigma_k is at least eps ||M||_F / sqrt(rank)
     (else the tail after k-1 would already be within eps^2 of the energy), so its eigenvalue is far above
     float64's rounding of the largest one. With eps = 0 every singular value above rounding counts, and

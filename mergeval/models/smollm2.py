@@ -50,9 +50,9 @@ def smollm2_dir(cache: Path, field: str) -> Path:
 def _parsed_once():
     """Within the block, gguf's reader and tensor-name table are built once per argument.
 
-    transformers parses the whole GGUF file for the config, the tokenizer and the weights (about 4 s each
-    here: the 49,152-token vocabulary field by field) and rebuilds gguf's tensor-name table for every module
-    of the model (about 8 s). Both are pure functions of their arguments and their results are only read,
+    transformers parses the whole GGUF file for the config, the tokenizer and the weights (three slow parses:
+    the 49,152-token vocabulary field by field) and rebuilds gguf's tensor-name table for every module of the
+    model, the conversion's largest costs. Both are pure functions of their arguments and their results are only read,
     so sharing them gives the same tensors and tokenizer (tests/test_models.py pins the converted weights'
     fingerprint)."""
     import gguf

@@ -21,7 +21,7 @@ from mergeval.zoo.finetune import prompt
 # The implementation version of token_nlls: raised whenever its values for the same model and sequences change,
 # so a search study (whose pruning read them) is not resumed across it. 2: vocabulary logits only from the
 # batch's first scored position (the same values in bfloat16 and in batches; a float32 row scored alone moved
-# by up to 5e-7 on the tiny model, a matrix product over fewer rows).
+# by float rounding, a matrix product over fewer rows).
 NLL_VERSION = 2
 
 

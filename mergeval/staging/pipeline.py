@@ -202,7 +202,7 @@ class Models:
 
     One candidate is in the live model at a time; ``kept`` holds promoted
     candidates' weights between stages (kept.py). The live model is built once and then
-    reloaded in place (0.1 s instead of a 5 s ``from_pretrained`` for SmolLM2):
+    reloaded in place (a copy of the tensors, far cheaper than a ``from_pretrained``):
     every merge carries the same tensor names, so each load overwrites exactly
     what the previous one wrote, and the copy into the eval dtype rounds as a
     fresh load does.

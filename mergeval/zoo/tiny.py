@@ -1,4 +1,4 @@
-"""A tiny random-initialised Llama with its own small tokenizer, built in about a second.
+"""A tiny random-initialised Llama with its own small tokenizer, cheap enough to build in every test run.
 
 Same architecture family and code path as SmolLM2 (LlamaForCausalLM, tied
 embeddings, grouped-query attention), so tests exercise the real merge and

@@ -251,6 +251,13 @@ def test_linear_with_the_base_as_a_model(tiny):
 
 
 @requires_mergekit
+@pytest.mark.parametrize("t", [0.0, 1e-4, 0.01, 1.0])
+def test_nearswap_same_tensors_as_mergekit_bit_for_bit(tiny, t):
+    theirs = run_mergekit(tiny, "nearswap", [(tiny.base, {}), (tiny.slerp_expert, {})], {"t": t})
+    assert_same_tensors(run_mergeval(tiny, "nearswap", {"t": t}, [tiny.slerp_expert])[0], theirs, atol=0)
+
+
+@requires_mergekit
 @pytest.mark.parametrize("t", [0.3, 0.5, 1.0])
 def test_slerp_same_tensors_as_mergekit(tiny, t):
     theirs = run_mergekit(tiny, "slerp", [(tiny.base, {}), (tiny.slerp_expert, {})], {"t": t})

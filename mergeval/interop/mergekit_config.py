@@ -46,8 +46,8 @@ from mergeval.errors import UserError
 from mergeval.zoo.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock", "sce")
-SAME_IN_BOTH_MODES = ("linear", "task_arithmetic")
+           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap")
+SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", "nearswap")  # nearswap has one mode: mergekit's
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
@@ -362,7 +362,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     paths = ([base] if getattr(method_cfg, "include_base", False) else []) + list(experts)
     models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
     doc: dict[str, Any] = {"merge_method": name}
-    if name == "slerp":
+    if name in ("slerp", "nearswap"):  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
     if name != "linear":
         doc["base_model"] = base

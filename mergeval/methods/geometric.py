@@ -1,4 +1,4 @@
-"""Geometric methods: SLERP between the base and one expert, and Model Stock.
+"""Geometric methods: SLERP and NearSwap between the base and one expert, and Model Stock.
 
 Notation as in ``task_vector.py``, per tensor: ``b`` the base, ``e_i`` expert i
 (i = 1..N), ``d_i = e_i - b``. Each tensor is treated as one flattened vector
@@ -30,6 +30,13 @@ class SlerpConfig:
 
 
 @dataclass
+class NearSwapConfig:
+    name: str = "nearswap"
+    t: float = 0.0001  # the distance below which an entry takes the expert's value (mergekit's example config)
+    compat: str = "paper"  # both modes are the same: the method is mergekit's own
+
+
+@dataclass
 class ModelStockConfig:
     name: str = "model_stock"
     filter_wise: bool = False  # true: one cos/t per row (last dim) of each matrix, as mergekit's option
@@ -42,6 +49,15 @@ def _validate_slerp(cfg: SlerpConfig, n_experts: int) -> None:
         raise UserError("method.t", f"must be in [0, 1], got {cfg.t}", "set e.g. method.t=0.5")
     if n_experts != 1:
         raise UserError("modelset.experts", f"slerp interpolates the base and exactly one expert, got {n_experts}",
+                        "list exactly one expert in the modelset")
+
+
+def _validate_nearswap(cfg: NearSwapConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
+    if not (math.isfinite(cfg.t) and cfg.t >= 0):
+        raise UserError("method.t", f"must be a distance of 0 or more, got {cfg.t}", "set e.g. method.t=0.0001")
+    if n_experts != 1:
+        raise UserError("modelset.experts", f"nearswap moves the base toward exactly one expert, got {n_experts}",
                         "list exactly one expert in the modelset")
 
 
@@ -151,3 +167,20 @@ def _model_stock_mergekit(base: torch.Tensor, experts: list[torch.Tensor], filte
     t = torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, 1, denominator))
     mean = sum(es) / n
     return (t * mean + (1 - t) * b).reshape(base.shape).to(base.dtype)
+
+
+
+@register("nearswap", NearSwapConfig, _validate_nearswap)
+def nearswap(base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: torch.Generator) -> torch.Tensor:
+    """NearSwap (mergekit's ``nearswap``): entry by entry, the base moves toward the one expert by at most ``t``.
+
+        w      = clamp(t / max(|e - b|, 1e-6), 0, 1)
+        merged = w * e + (1 - w) * b
+
+    Where the two are within ``t`` of each other (w = 1) the entry is the expert's; farther apart it moves
+    ``t`` toward it, so entries where the fine-tune changed much keep the base's value nearly. t = 0 gives the
+    base. In float32, in mergekit's order of operations (the same tensors as mergekit 0.1.5)."""
+    (expert,) = experts
+    b, e = base.float(), expert.float()
+    w = (float(cfg.t) / (b - e).abs().clamp(min=1e-6)).clamp(min=0, max=1)
+    return (w * e + (1 - w) * b).to(base.dtype)

@@ -219,6 +219,10 @@ def validate(cfg: DictConfig, schema=None):
     from mergeval.interop import mergekit_config
 
     check_resolves(cfg)
+    if cfg.eval.device == "auto":  # given as a value (the default resolves by itself): the device that will run
+        from mergeval.precision import auto_device
+
+        cfg.eval.device = auto_device("auto")
     mergekit_config.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, schema)

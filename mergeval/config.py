@@ -124,7 +124,9 @@ class EvalConfig:
     # By default the lm_eval CLI's answers in the run's precision: shared_prefix in float32, hflm otherwise
     # (precision.auto_backend); resolved when the config is read, so result.json holds the one that ran.
     backend: str = "${mergeval_backend:${.dtype}}"
-    device: str = "cpu"
+    # "auto": a CUDA GPU where torch sees one, else the CPU; resolved when the config is read, so result.json and
+    # the store's keys hold the device that ran. Or name one: cpu, cuda, cuda:1, mps...
+    device: str = "${mergeval_device:auto}"
     force: bool = False  # re-evaluate even when the results store already holds this evaluation
     # prompting, as lm_eval's flags of the same names (all part of the store key)
     apply_chat_template: bool = False

@@ -22,6 +22,16 @@ import functools
 
 RESOLVER = "mergeval_dtype"
 BACKEND_RESOLVER = "mergeval_backend"
+DEVICE_RESOLVER = "mergeval_device"
+
+
+def auto_device(device: str = "auto") -> str:
+    """``device`` as given, or for ``auto`` a CUDA GPU where torch sees one, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.cache
@@ -30,7 +40,7 @@ def bf16_native(device: str = "cpu") -> bool:
     a CPU where oneDNN has bfloat16 kernels (AVX-512 or newer x86, Arm with BF16)."""
     import torch
 
-    kind = device.split(":")[0]
+    kind = auto_device(device).split(":")[0]
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if kind == "cpu":
@@ -52,9 +62,12 @@ def auto_backend(dtype: str) -> str:
 
 
 def register_resolver() -> None:
-    """``${mergeval_dtype:<device>}`` and ``${mergeval_backend:<dtype>}`` for the configs (idempotent)."""
+    """``${mergeval_dtype:<device>}``, ``${mergeval_backend:<dtype>}`` and ``${mergeval_device:auto}`` for the
+    configs (idempotent)."""
     from omegaconf import OmegaConf
 
+    if not OmegaConf.has_resolver(DEVICE_RESOLVER):
+        OmegaConf.register_new_resolver(DEVICE_RESOLVER, lambda device="auto": auto_device(str(device)))
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, lambda device="cpu": auto_dtype(str(device)))
     if not OmegaConf.has_resolver(BACKEND_RESOLVER):

@@ -48,7 +48,8 @@ SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 # ``slow``: ``python -m pytest -m "not slow"`` is the inner loop.
 SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
                 "test_quickstart_e2e.py", "test_default_scorer_parity.py", "test_lm_eval_results.py",
-                "test_benchmarks_smoke.py", "test_first_hour.py")
+                "test_benchmarks_smoke.py", "test_first_hour.py", "test_docs.py", "test_faults.py",
+                "test_store_postgres.py", "test_concurrency.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -86,3 +86,29 @@ def test_fine_tuning_runs_in_either_precision(tiny_dir):
         assert all(t.dtype == torch.float32 for t in after[dtype].values())  # weights stay float32 either way
     # the precisions differ: bfloat16 autocast rounds the products' inputs, float32 does not
     assert any(not torch.equal(after["bfloat16"][k], after["float32"][k]) for k in before)
+
+
+def test_the_default_device_is_a_gpu_where_torch_sees_one(monkeypatch):
+    """eval.device defaults to auto: resolved when the config is read, so result.json and the store's keys hold
+    the device that ran (on a CPU machine the literal "cpu" of before: stored evaluations stay valid)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert composed().eval.device == "cpu"
+    assert config_hash(composed()) == config_hash(composed("eval.device=cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(precision, "bf16_native", lambda device="cpu": device == "cuda")
+    assert composed().eval.device == "cuda" and composed().eval.dtype == "bfloat16"
+    assert composed("eval.device=cpu").eval.device == "cpu"  # a named device wins
+    assert precision.auto_device("cuda:1") == "cuda:1"
+
+
+def test_auto_given_as_a_value_is_resolved_before_anything_runs(monkeypatch):
+    import torch
+
+    from mergeval.checks import validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = composed("eval.device=auto")
+    validate(cfg)
+    assert cfg.eval.device == "cpu" and cfg.eval.dtype == precision.auto_dtype("cpu")

@@ -3,7 +3,7 @@
 One evaluation as a run does it (``Harness.score``: lm-eval builds the requests,
 tokenizes, mergeval's shared-prefix scorer runs the forward passes, lm-eval
 computes the metrics) of SmolLM2-135M-Instruct on the quickstart's three tasks,
-in this machine's default precision (mergeval/precision.py), with the model's
+in this machine's default precision (mergeval/core/precision.py), with the model's
 ``forward`` timed from the inside. Then the floor: the exact inputs the scorer
 fed the model (captured during the evaluation: the same token ids, positions,
 masks and batch shapes) replayed through the model alone, nothing else
@@ -72,13 +72,13 @@ def main() -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from mergeval.config import BenchmarkConfig, EvalConfig
+    from mergeval.core.precision import auto_dtype
     from mergeval.eval.harness import Harness
     from mergeval.eval.scorer import SharedPrefixLM
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
     from mergeval.models.smollm2 import smollm2_dir
-    from mergeval.precision import auto_dtype
+    from mergeval.run.config import BenchmarkConfig, EvalConfig
 
     dtype = auto_dtype("cpu")
     base = smollm2_dir(args.cache, "modelset.base")

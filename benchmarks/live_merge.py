@@ -47,7 +47,7 @@ def main() -> None:
 
     import torch
 
-    from mergeval.engine.memory import merge_into_model
+    from mergeval.merge.memory import merge_into_model
     from mergeval.methods import get_method
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint_state_dict

@@ -5,7 +5,7 @@ safetensors in a temporary directory) at several depths with the same width
 and vocabulary, so the largest single tensor (the embedding) is the same at
 every size while the parameter count grows. Each size is a base and two
 experts (base + small noise); a TIES merge of the three runs through
-``mergeval.engine.merge_to_disk`` (what ``python -m mergeval.merge`` runs) in a
+``mergeval.merge.merge_to_disk`` (what ``python -m mergeval.merge`` runs) in a
 fresh subprocess, which reports its own peak resident set size (VmHWM; see CHILD).
 
 Per size it prints: parameters, one checkpoint's bytes, the largest tensor's
@@ -49,7 +49,7 @@ def status_kib(key):
     return int(next(l for l in path.read_text().splitlines() if l.startswith(key + ":")).split()[1])
 
 
-from mergeval.engine import merge_to_disk
+from mergeval.merge import merge_to_disk
 from mergeval.methods import get_method
 
 base, e1, e2, out = map(Path, sys.argv[1:5])
@@ -80,8 +80,8 @@ def write_checkpoint(out: Path, config, shapes: dict, dtype: torch.dtype, expert
 
     Written one tensor at a time with mergeval's streaming writer, in 256 MB shards
     (so the reader's index path is exercised for the larger sizes)."""
-    from mergeval.engine import tensor_seed
-    from mergeval.engine.writer import ShardWriter
+    from mergeval.merge import tensor_seed
+    from mergeval.merge.writer import ShardWriter
 
     out.mkdir(parents=True)
     config.save_pretrained(out)

@@ -14,7 +14,7 @@ defaults, mergeval's ``ties`` with weights_before_election=true) and ``dare_ties
 random drop: mergeval's paper mode rescales kept entries by 1/density, mergekit's by the L1 norm, and the
 random draws differ, so the outputs agree only in scale). Both tools compute and write in the base's dtype,
 tokenizer copied, model card written. Each run is a fresh child process (interpreter start and imports
-included, as a user pays them): mergeval calls ``mergeval.engine.merge_to_disk``, mergekit runs its CLI
+included, as a user pays them): mergeval calls ``mergeval.merge.merge_to_disk``, mergekit runs its CLI
 ``mergekit-yaml CONFIG OUT --copy-tokenizer --device cpu --no-lazy-unpickle --quiet`` (the inputs are
 safetensors, so lazy unpickling would not apply anyway). The order alternates between repeats; the input
 files are read once before timing so both tools start from a warm page cache, and every run starts after
@@ -35,7 +35,7 @@ start and end says how busy the machine was, and on a VM the share of CPU time t
 /proc/stat) how much of the machine it really had.
 
 ``--startup`` also times each tool's start alone (``mergekit-yaml --help``; a Python that imports
-mergeval's engine and methods and ends as its command lines do, ``mergeval.cli.skip_final_collection``),
+mergeval's engine and methods and ends as its command lines do, ``mergeval.run.cli.skip_final_collection``),
 the fixed cost included in every merge above, so the merge work proper can be told from interpreter start,
 imports and exit.
 
@@ -91,7 +91,7 @@ def smoke_models(root: Path) -> tuple[Path, list[Path]]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     base = zoo_dir("tiny", root / "cache")
     tensors = load_file(str(base / "model.safetensors"))
@@ -117,8 +117,8 @@ def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Pa
     base + small random deltas, written one tensor at a time."""
     import torch
 
-    from mergeval.engine.writer import ShardWriter
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.merge.writer import ShardWriter
+    from mergeval.models.zoo.tiny import zoo_dir
 
     hidden, layers, inter, heads, kv, vocab = SYNTHETIC[size]
     hd = hidden // heads
@@ -229,9 +229,9 @@ def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inp
 
 def startup_commands() -> dict[str, list[str]]:
     """Each tool's start alone: its interpreter and imports, no merge."""
-    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.cli import end_finished, loading_modules, "
+    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import end_finished, loading_modules, "
                          "skip_final_collection; atexit.register(skip_final_collection)\n"
-                         "with loading_modules(__name__): import mergeval.engine, mergeval.methods\n"
+                         "with loading_modules(__name__): import mergeval.merge, mergeval.methods\n"
                          "end_finished()"],
             "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
 
@@ -243,10 +243,10 @@ def child_mergeval(spec_path: str) -> None:
     ``cli.end_finished``)."""
     import atexit
 
-    from mergeval.cli import end_finished, loading_modules, skip_final_collection
+    from mergeval.run.cli import end_finished, loading_modules, skip_final_collection
 
     with loading_modules(__name__):  # this script is the program here, as mergeval.merge is in its command
-        from mergeval.engine import merge_to_disk
+        from mergeval.merge import merge_to_disk
         from mergeval.methods import get_method
 
     atexit.register(skip_final_collection)
@@ -460,14 +460,14 @@ def steal_share(start: list[int] | None, end: list[int] | None) -> float | None:
 
 
 def parameter_count(model_dir: Path) -> int:
-    from mergeval.engine.reader import CheckpointReader
+    from mergeval.merge.reader import CheckpointReader
 
     reader = CheckpointReader(model_dir, "base")
     return sum(math.prod(s) for s in reader.shapes.values())
 
 
 def _default_cache() -> str:
-    from mergeval.paths import cache_root
+    from mergeval.core.paths import cache_root
 
     return str(cache_root(None))
 

@@ -31,7 +31,7 @@ def load(sweep: Path) -> list[dict]:
     ``.hydra/hydra.yaml``; e.g. cmm_reverse, mergebench_soup), else the method's name."""
     import yaml
 
-    from mergeval.paths import result_files_below
+    from mergeval.core.paths import result_files_below
 
     runs = []
     for path in result_files_below(sweep):

@@ -37,10 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
-from mergeval.precision import auto_dtype  # noqa: E402
+from mergeval.core.precision import auto_dtype  # noqa: E402
 
 # evaluated in mergeval's default precision for the device: bfloat16 where it runs natively, else float32 (where
-# bfloat16 products are many times slower; mergeval/precision.py). float32 doubles the live model's bytes.
+# bfloat16 products are many times slower; mergeval/core/precision.py). float32 doubles the live model's bytes.
 
 BUILD = """
 import json, shutil, sys
@@ -48,8 +48,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch
 from merge_memory import llama_specs, write_checkpoint
-from mergeval.paths import cache_root
-from mergeval.zoo.tiny import zoo_dir
+from mergeval.core.paths import cache_root
+from mergeval.models.zoo.tiny import zoo_dir
 
 work, experts, layers, hidden, intermediate = Path(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:7])
 tiny = zoo_dir("tiny", cache_root(str(work / "zoo-cache")))

@@ -7,7 +7,7 @@
 
 Runs ``python -m mergeval.staged`` with ``staged.full=true``: the three stages,
 then the full benchmark on every candidate. Costs are counted from the data
-(forward passes = scored sequences; see mergeval/staging/cost.py), so they do
+(forward passes = scored sequences; see mergeval/staged/cost.py), so they do
 not depend on the machine; wall-clock seconds per phase are printed beside
 them. By default the evaluations go to a fresh results store in a temporary
 directory, so every phase really runs (constituents included); ``--store PATH``
@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydra import compose, initialize_config_module
 
-    from mergeval.config import register_configs
-    from mergeval.staging.pipeline import run_staged
+    from mergeval.run.config import register_configs
+    from mergeval.staged.pipeline import run_staged
 
     overrides = [f"+experiment={'tiny_staged' if args.smoke else 'quickstart_staged'}", "staged.full=true"]
     if args.lambdas:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="staged-pick-")
     overrides.append(f"store.path={args.store or Path(tmp.name) / 'results.sqlite'}")
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=overrides + args.overrides)
 
     start = time.perf_counter()

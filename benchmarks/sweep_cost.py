@@ -25,7 +25,7 @@ side on this machine:
 
 Both sides evaluate the same task files (mergeval's generated tasks), in
 mergeval's default precision for this CPU (bfloat16 where it runs natively,
-else float32: mergeval/precision.py) with batch size 32, on the CPU, with the
+else float32: mergeval/core/precision.py) with batch size 32, on the CPU, with the
 log-softmax in float32 (the ``lm_eval`` side gets ``softmax_dtype=float32``,
 which mergeval's scorer always uses; lm-eval's default would round
 log-probabilities to bfloat16). The experts
@@ -56,8 +56,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from mergeval.core.precision import auto_dtype  # noqa: E402
 from mergeval.eval.scorer import ACCURACY_TOLERANCE  # noqa: E402
-from mergeval.precision import auto_dtype  # noqa: E402
 
 TASKS = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_general_facts"]
 METHODS = ["task_arithmetic", "ties"]
@@ -81,10 +81,10 @@ def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
     """The quickstart base and experts inside a mergeval cache (built there first if missing)."""
     from omegaconf import OmegaConf
 
-    from mergeval.config import TrainConfig
     from mergeval.models.fingerprint import fingerprint
     from mergeval.models.smollm2 import smollm2_dir
-    from mergeval.zoo.experts import expert_dir
+    from mergeval.models.zoo.experts import expert_dir
+    from mergeval.run.config import TrainConfig
 
     base = smollm2_dir(cache, "--cache")
     base_fp = fingerprint(base, cache / "fingerprints.json")
@@ -150,7 +150,7 @@ def full_means(sweep: Path) -> dict[str, float]:
     """Each configuration's mean accuracy over the tasks of its merged model (labelled as ``merge_label``), from
     a full sweep's result.json files: what the staged sweep ranks its finalists by, computed by the same function
     (``math.fsum``), so equal accuracies in another task order are a tie here too."""
-    from mergeval.staging.selection import mean_accuracy
+    from mergeval.staged.selection import mean_accuracy
 
     means = {}
     for path in sorted(sweep.rglob("result.json")):

@@ -269,7 +269,7 @@ def registered_schemas() -> dict[str, type]:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from mergeval.search.config import register_search_configs
+    from mergeval.search.schema import register_search_configs
 
     register_search_configs()
     found: dict[str, type] = {}
@@ -316,7 +316,7 @@ def config_page() -> str:
     schemas = registered_schemas()
     out = ["# Configuration", "",
            "Generated at every build from the structured-config schemas registered in Hydra's ConfigStore "
-           "(`mergeval/config.py`, `mergeval/search/config.py`) and from the YAML files of `conf/`. Every "
+           "(`mergeval/run/config.py`, `mergeval/search/schema.py`) and from the YAML files of `conf/`. Every "
            "field below can be set on the command line (`eval.dtype=float32`) or in a YAML of your own; an "
            "unknown field or a value of the wrong type is a one-line error before anything runs. The merge "
            "methods' fields are on [Merge methods](methods.md).", "",
@@ -368,8 +368,8 @@ def config_page() -> str:
 
 def commands() -> list[tuple[str, list[str]]]:
     """Every command line: ``mergeval`` and each of its modules with a ``__main__`` guard or a ``__main__.py``,
-    in the order of ``mergeval.help.ENTRY_POINTS`` (others after it), and subcommands dispatched on argv[0]."""
-    from mergeval.help import ENTRY_POINTS
+    in the order of ``mergeval.run.help.ENTRY_POINTS`` (others after it), and subcommands dispatched on argv[0]."""
+    from mergeval.run.help import ENTRY_POINTS
 
     found = set()
     for path in (ROOT / "mergeval").rglob("*.py"):
@@ -401,7 +401,7 @@ def help_of(module: str, sub: list[str]) -> str:
 
 
 def cli_page() -> str:
-    from mergeval.help import ENTRY_POINTS
+    from mergeval.run.help import ENTRY_POINTS
 
     listed = commands()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:

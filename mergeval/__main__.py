@@ -1,7 +1,7 @@
 """``python -m mergeval``: the Hydra entry point (thin: compose, run, report, record).
 
 Mistakes a user can make end in one line on stderr and exit status 2 (see
-mergeval/cli.py); HYDRA_FULL_ERROR=1 shows the full traceback instead.
+mergeval/run/cli.py); HYDRA_FULL_ERROR=1 shows the full traceback instead.
 """
 
 from __future__ import annotations
@@ -10,23 +10,22 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import failing_cleanly, loading_modules, run_cli
-from mergeval.errors import explain  # noqa: F401  (used by older imports)
+from mergeval.core.errors import explain  # noqa: F401  (used by older imports)
+from mergeval.run.cli import failing_cleanly, loading_modules, run_cli
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
-    from mergeval.config import register_configs
+    from mergeval.run.config import register_configs
 
     register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://mergeval.run.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
-    from mergeval import app, resume
-    from mergeval.checks import check_known_keys, check_resolves
-    from mergeval.interop import mergekit_config
     from mergeval.report.table import render
+    from mergeval.run import app, mergekit_config, resume
+    from mergeval.run.checks import check_known_keys, check_resolves
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):

@@ -82,7 +82,7 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dir(cache) -> Path:
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     return zoo_dir("tiny", cache)
 

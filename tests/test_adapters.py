@@ -65,8 +65,8 @@ def test_an_adapter_is_applied_as_merge_and_unload_would(adapters, tiny_dir, tmp
 
 
 def test_adapters_as_experts_merge_and_evaluate_in_a_run_and_merge_only(adapters, tiny_dir, tmp_path):
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     outcome = app.run(compose_run_config(_overrides(tiny_dir, adapters, f"store.path={tmp_path / 's.sqlite'}",
                                                     f"cache_dir={tmp_path / 'cache'}")), tmp_path / "run")
@@ -89,7 +89,7 @@ def test_an_adapter_of_another_base_is_one_line(adapters, tiny_dir, tmp_path):
     assert out.stderr.startswith(f"mergeval: error: modelset.experts.chem.source: is a LoRA adapter for {tmp_path}, "
                                  "not for the modelset's base"), out.stderr
     hub = _adapter(tiny_dir, tmp_path / "hub", 4, base_name="meta-llama/Llama-3.2-3B")
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
     from mergeval.models.adapters import adapter_config, check_adapter_base
 
     with pytest.raises(UserError, match="for meta-llama/Llama-3.2-3B, not for the modelset's base hf:org/other"):

@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from mergeval.config import MetricConfig, MetricGroup
-from mergeval.outcome import MERGED, ModelInfo, fixed, score_text, score_value
-from mergeval.summary import LOWER_IS_BETTER, OUT_OF_RANGE, aggregable, aggregate, constituent_roles
+from mergeval.core.outcome import MERGED, ModelInfo, fixed, score_text, score_value
+from mergeval.run.config import MetricConfig, MetricGroup
+from mergeval.run.summary import LOWER_IS_BETTER, OUT_OF_RANGE, aggregable, aggregate, constituent_roles
 
 #            base  chem  units merged
 TABLE = {"chem": (0.20, 0.60, 0.30, 0.50),

@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from tests.child import run_module
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from mergeval.config import register_configs
 from mergeval.metrics.paired import sample_variance
+from mergeval.run.config import register_configs
 from tests.child import run_module
 
 
@@ -24,7 +24,7 @@ def mergeval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_the_default_composes_the_quickstart():
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config")
         assert (cfg.modelset.name, cfg.benchmark.name, cfg.method.name) == ("quickstart", "quickstart",
                                                                             "task_arithmetic")
@@ -63,21 +63,21 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
     Fields with a schema stay checked: a misspelt field, or a misspelt field of an expert."""
     from hydra import compose, initialize_config_module
 
-    from mergeval.config import open_mappings, register_configs
+    from mergeval.run.config import open_mappings, register_configs
 
     args = ["eval.gen_kwargs={max_gen_toks: 256}", "benchmark.fewshot.mergeval_units=2", "eval.gen_kwarg={}",
             "modelset.experts.units.sourc=x", "+eval.gen_kwargs.top_k=1", "-m", "eval.dtype=float32"]
     assert open_mappings(args) == ["++" + args[0], "++" + args[1], *args[2:]]
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=tiny", *open_mappings(args[:2])])
     assert (cfg.eval.gen_kwargs, cfg.benchmark.fewshot) == ({"max_gen_toks": 256}, {"mergeval_units": 2})
-    with initialize_config_module("mergeval.conf", version_base="1.3"):  # an optional mapping: {} by default
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):  # an optional mapping: {} by default
         cfg = compose("config", overrides=["+experiment=tiny", *open_mappings(["metric.weights.domains=2"])])
     assert cfg.metric.weights == {"domains": 2.0}
     # search.space only for mergeval.search: elsewhere ++ would add a search section to a plain run
     assert open_mappings(["search.space.x=1"]) == ["search.space.x=1"]
-    from mergeval.search.config import SearchConfig
+    from mergeval.search.schema import SearchConfig
 
     assert open_mappings(["search.space.x=1"], {"search": SearchConfig}) == ["++search.space.x=1"]
 
@@ -176,8 +176,8 @@ def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
                                      ("groups.math.merged", True), ("macro_gian", False), ("normalized", False),
                                      ("macro_gain.mean", False)])
 def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
-    from mergeval.checks import check_best
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
+    from mergeval.run.checks import check_best
 
     if ok:
         check_best(best)
@@ -190,7 +190,7 @@ def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
 def test_an_expert_that_is_a_copy_is_refused(copy_of, tmp_path, cache):
     """A copy of the base (zero task vector) or of another expert (its task vector counted twice) once merged
     without a word; the base's copy only drew a "train the expert longer" warning."""
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     source = zoo_dir("tiny", cache) if copy_of == "the base" else None
     units = [f"modelset.experts.units.source={source}"] if source else ["modelset.experts.units.domain=chem_count"]
@@ -218,7 +218,7 @@ def test_an_expert_with_another_tokenizer_is_refused(tmp_path, cache):
     ids swapped, the vocabulary's size unchanged) was once scored with the base's without a word."""
     import shutil
 
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     expert = tmp_path / "expert"
     shutil.copytree(zoo_dir("tiny", cache), expert)
@@ -237,7 +237,7 @@ def test_an_expert_with_another_tokenizer_is_refused(tmp_path, cache):
 
 
 def test_mismatched_architecture_is_one_line(tmp_path, cache):
-    from mergeval.zoo.tiny import ZOO, zoo_dir
+    from mergeval.models.zoo.tiny import ZOO, zoo_dir
 
     ZOO["tiny_wide"] = dict(ZOO["tiny"], hidden_size=48)  # same process only: build the odd model here
     wide = zoo_dir("tiny_wide", cache)
@@ -366,11 +366,11 @@ def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
                                          ("raise UserError('method.density', 'is 2', 'use a value in (0, 1]')", 2)])
 def test_the_exit_skips_the_last_collection_of_what_the_command_made(body, status, tmp_path):
     """run_cli's atexit handler freezes what is alive, after the command's own work and before the
-    interpreter's last collection (mergeval.cli.skip_final_collection), also after an error's exit 2."""
+    interpreter's last collection (mergeval.run.cli.skip_final_collection), also after an error's exit 2."""
     program = f"""
 import atexit, gc, sys
-from mergeval.cli import run_cli
-from mergeval.errors import UserError
+from mergeval.run.cli import run_cli
+from mergeval.core.errors import UserError
 atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count(), flush=True))  # runs after run_cli's
 kept = [[i] for i in range(1000)]
 def main():
@@ -389,7 +389,7 @@ run_cli(main)
 
 ENDING = """
 import atexit, os, sys, threading, time
-from mergeval.cli import loading_modules, run_cli
+from mergeval.run.cli import loading_modules, run_cli
 if os.environ["AS"] != "library":
     with loading_modules("__main__"):  # as a command module that is the program marks its process
         pass
@@ -454,7 +454,7 @@ cli()
 
 
 def test_importing_a_command_as_a_library_leaves_the_collector_alone(tmp_path):
-    program = ("import gc; import mergeval.merge, mergeval.__main__, mergeval.staged, mergeval.check, "
+    program = ("import gc; import mergeval.merge.__main__, mergeval.__main__, mergeval.staged, mergeval.check, "
                "mergeval.search.__main__; print(gc.get_freeze_count(), gc.isenabled())")
     done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "True"]
@@ -484,11 +484,11 @@ MISSPELT_PLUS = [("+sead=5", "sead", "seed"), ("+evall.dtype=float32", "evall", 
 
 @pytest.mark.parametrize("override,field,near", MISSPELT_PLUS)
 def test_check_known_keys_refuses_a_misspelt_key_at_any_depth(override, field, near):
-    from mergeval.checks import check_known_keys
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
+    from mergeval.run.checks import check_known_keys
 
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=tiny", override.replace("STORE", "/tmp/s.sqlite")])
     with pytest.raises(UserError) as err:
         check_known_keys(cfg)
@@ -496,11 +496,11 @@ def test_check_known_keys_refuses_a_misspelt_key_at_any_depth(override, field, n
 
 
 def test_free_mappings_and_every_shipped_experiment_pass_the_key_check():
-    from mergeval.checks import check_known_keys
+    from mergeval.run.checks import check_known_keys
 
     register_configs()
     experiments = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml"))
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for name in experiments:
             check_known_keys(compose("config", overrides=[f"+experiment={name}"]))
         check_known_keys(compose("config", overrides=["+experiment=tiny", "++eval.gen_kwargs.max_gen_toks=8",
@@ -617,7 +617,7 @@ def test_a_config_file_cannot_run_code_through_hydra(kind, tmp_path):
 
 
 def test_the_users_own_command_line_may_set_callbacks_and_a_bad_handler_is_one_line(tmp_path, cache):
-    from mergeval.sweep_check import code_in_config
+    from mergeval.run.sweep_check import code_in_config
 
     assert code_in_config(["+experiment=tiny", "+hydra.callbacks.log._target_=hydra.experimental.callbacks."
                                                "LogJobReturnCallback"]) is None
@@ -633,7 +633,7 @@ def test_the_users_own_command_line_may_set_callbacks_and_a_bad_handler_is_one_l
 def test_task_yamls_that_run_python_need_an_explicit_opt_in(tmp_path, cache):
     from omegaconf import OmegaConf
 
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
     from mergeval.eval.suite import check_no_task_code
 
     tasks = tmp_path / "tasks"
@@ -646,16 +646,16 @@ def test_task_yamls_that_run_python_need_an_explicit_opt_in(tmp_path, cache):
         check_no_task_code(tasks, "benchmark.include_path[0]")
     out = mergeval("+experiment=tiny", f"benchmark.include_path=[{tasks}]", cwd=tmp_path)
     assert out.returncode == 2 and "benchmark.include_path[0]:" in out.stderr and "allow_task_code" in out.stderr
-    assert OmegaConf.structured(__import__("mergeval.config", fromlist=["x"]).BenchmarkConfig).allow_task_code \
+    assert OmegaConf.structured(__import__("mergeval.run.config", fromlist=["x"]).BenchmarkConfig).allow_task_code \
         is False
 
 
 def test_the_next_run_removes_the_job_directory_of_a_killed_merge(tmp_path, cache):
     """A SIGKILLed ``mergeval.merge`` leaves .hydra, its log and the unfinished output's temporary directory;
     the next command removes that job directory (its owner is proven gone), never one that may still be live."""
-    from mergeval.proc import tmp_prefix
+    from mergeval.core.proc import tmp_prefix
 
-    dead = subprocess.run([sys.executable, "-c", "from mergeval.proc import tmp_prefix; "
+    dead = subprocess.run([sys.executable, "-c", "from mergeval.core.proc import tmp_prefix; "
                            "print(tmp_prefix('merged_model'))"], capture_output=True, text=True, check=True)
     day = tmp_path / "outputs" / "day"
     killed, live, starting = day / "killed", day / "live", day / "starting"

@@ -107,10 +107,10 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
 def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
     from hydra import compose, initialize_config_module
 
-    from mergeval.config import register_configs
+    from mergeval.run.config import register_configs
 
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"method={preset}"])
     assert cfg.method.name == name and {k: cfg.method[k] for k in values} == values
 

@@ -27,10 +27,10 @@ from pathlib import Path
 CHILD = textwrap.dedent("""
     import contextlib, json, os, sys, time
     from pathlib import Path
-    import mergeval.paths, mergeval.zoo.experts as experts, mergeval.zoo.tiny as tiny
+    import mergeval.core.paths, mergeval.models.zoo.experts as experts, mergeval.models.zoo.tiny as tiny
 
     cache, sync, me, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    real_dir, real_replace = mergeval.paths.atomic_dir, os.replace
+    real_dir, real_replace = mergeval.core.paths.atomic_dir, os.replace
 
     def wait_for(*names):
         while not all((sync / n).exists() for n in names):
@@ -103,7 +103,7 @@ def test_two_processes_building_the_same_model_and_expert_both_succeed_with_one_
 LOCKED = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    import mergeval.zoo.experts as experts, mergeval.zoo.tiny as tiny
+    import mergeval.models.zoo.experts as experts, mergeval.models.zoo.tiny as tiny
 
     cache, sync, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     real_build = experts._build
@@ -149,7 +149,7 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(tmp_path):
 ATOMIC_DIR_PAIR = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from mergeval.paths import atomic_dir
+    from mergeval.core.paths import atomic_dir
 
     final, sync, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     real_replace = os.replace
@@ -186,7 +186,7 @@ def test_two_builders_renaming_at_the_same_moment_both_succeed(tmp_path):
 WRITER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from mergeval.paths import atomic_dir, atomic_write_text
+    from mergeval.core.paths import atomic_dir, atomic_write_text
 
     root, start = Path(sys.argv[1]), int(sys.argv[2])
     print("ready", flush=True)
@@ -246,7 +246,7 @@ def test_a_file_written_whole_gets_the_mode_open_would_give_it(tmp_path):
     """result.json, mergekit.yaml and exported results were 0600 (mkstemp's) beside a run's other files."""
     import stat
 
-    from mergeval.paths import atomic_write_text
+    from mergeval.core.paths import atomic_write_text
 
     for umask in (0o022, 0o077):
         before = os.umask(umask)

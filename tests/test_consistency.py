@@ -9,14 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from mergeval.checks import check_metric_config
-from mergeval.config import MetricConfig
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.core.outcome import ModelInfo, Outcome
 from mergeval.eval.tasks import GENERATED, check_tasks, lettered_prompt, task_digest, write_tasks
 from mergeval.metrics.calibration import format_agreement
 from mergeval.metrics.composed import consistency
-from mergeval.outcome import ModelInfo, Outcome
 from mergeval.report.table import render
+from mergeval.run.checks import check_metric_config
+from mergeval.run.config import MetricConfig
 from tests.test_cli import mergeval
 from tests.test_cli_methods import result_of
 

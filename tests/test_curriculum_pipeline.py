@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import get_method
 from mergeval.methods.curriculum import CmmConfig, merge_order, schedule
 from mergeval.methods.pipeline import PipelineConfig, StageConfig
 from mergeval.methods.task_vector import TaskArithmeticConfig, TiesConfig
-from mergeval.ranking import near_ties, score_stderr
+from mergeval.run.ranking import near_ties, score_stderr
 
 GEN = torch.Generator().manual_seed(0)
 cmm = get_method("cmm")

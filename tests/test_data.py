@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.eval.tasks import GENERATED, task_digest, write_tasks
-from mergeval.zoo.domains import DOMAINS, eval_items, split_items
-from mergeval.zoo.general import general_items
+from mergeval.models.zoo.domains import DOMAINS, eval_items, split_items
+from mergeval.models.zoo.general import general_items
 
 
 def well_formed(items):

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.calibration import calibration_items, check_calibration, data_digest, statistics_dir
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.merge.expert_statistics import calibration_items, check_calibration, data_digest, statistics_dir
 from mergeval.methods import METHODS
 from mergeval.methods.data_aware import fisher_merge, regmean_linear, shrink
 from mergeval.methods.masks import tall_masks, top_mask
@@ -174,8 +174,8 @@ def test_calibration_from_lm_eval_tasks_uses_their_own_splits_never_the_scored_o
     examples are rendered by the task itself (its doc_to_text, gold choice after the target delimiter)."""
     from omegaconf import OmegaConf
 
-    from mergeval.calibration import compute
-    from mergeval.config import BenchmarkConfig, EvalConfig
+    from mergeval.merge.expert_statistics import compute
+    from mergeval.run.config import BenchmarkConfig, EvalConfig
 
     data = {"hellaswag": {"validation": "shipped:data/hellaswag/validation.jsonl",
                           "train": "shipped:data/hellaswag/train.jsonl"},
@@ -223,7 +223,7 @@ def two_layer(tiny_dir, tmp_path_factory):
 def _dense_examples(model_dir, items):
     from transformers import AutoTokenizer
 
-    from mergeval.zoo.finetune import prompt
+    from mergeval.models.zoo.finetune import prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     out = []
@@ -235,7 +235,7 @@ def _dense_examples(model_dir, items):
 
 
 def dense_fisher(model_dir, items):
-    """(1/n) sum_x (grad of sum_{answer tokens} log softmax)^2, written independently of mergeval.calibration."""
+    """(1/n) sum_x (grad of sum_{answer tokens} log softmax)^2, written independently of mergeval.merge.expert_statistics."""
     from mergeval.models.checkpoint import load_model
 
     model = load_model(model_dir, dtype=torch.float32)
@@ -273,7 +273,7 @@ def dense_grams(model_dir, items):
 
 
 def _engine_merge(name, base, experts, items, root, cache, **params):
-    from mergeval.engine import merge_to_disk
+    from mergeval.merge import merge_to_disk
     from mergeval.methods import get_method
     from mergeval.models.fingerprint import fingerprint
 
@@ -324,11 +324,11 @@ def test_regmean_through_the_engine_matches_a_dense_implementation(two_layer, ca
 def test_data_aware_methods_are_refused_without_calibration(cache):
     from hydra import compose, initialize_config_module
 
-    from mergeval.checks import validate
-    from mergeval.config import register_configs
+    from mergeval.run.checks import validate
+    from mergeval.run.config import register_configs
 
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for name in ("fisher", "regmean"):
             cfg = compose("config", overrides=["+experiment=tiny", f"method={name}",
                                                "modelset.experts.units.calibration=null"])
@@ -349,9 +349,9 @@ def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_l
     the two-pass histogram equals the sorted k-th value), overlaps averaged; checked on the flattened model."""
     import math
 
-    from mergeval.calibration import fill_thresholds, kth_largest_delta
-    from mergeval.engine import merge_to_disk
-    from mergeval.outcome import ModelInfo
+    from mergeval.core.outcome import ModelInfo
+    from mergeval.merge import merge_to_disk
+    from mergeval.merge.expert_statistics import fill_thresholds, kth_largest_delta
 
     base, experts, _, root = two_layer
     b = read_dir(base)
@@ -374,7 +374,7 @@ def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_l
     kept = sum(int((((es[0][n].float() - b[n].float()).abs()) >= cuts[0]).sum()) for n in names)
     assert kept == info["kept_per_expert"]  # random noise has no ties at the cut
     # cached per (base, expert, k): a second request reads the file (a planted value proves it is not recomputed)
-    from mergeval.calibration import magnitude_cut
+    from mergeval.merge.expert_statistics import magnitude_cut
 
     first = magnitude_cut(base, "fp-base", experts[0], "fp-e0", 7, cache)
     assert first == torch.sort(flat[0], descending=True).values[6].item()
@@ -403,11 +403,11 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
     engine's merge equals the masks S1 = S0 - lr sigmoid'(3) g tau > 0 stitched by hand; the step moves masks."""
     import math
 
-    from mergeval.calibration import fill_statistics, fill_thresholds, read_stat
-    from mergeval.engine import merge_to_disk
+    from mergeval.core.outcome import ModelInfo
+    from mergeval.merge import merge_to_disk
+    from mergeval.merge.expert_statistics import fill_statistics, fill_thresholds, read_stat
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint
-    from mergeval.outcome import ModelInfo
 
     base, experts, items, root = two_layer
     models = [ModelInfo("base", "", fingerprint(base), str(base))] + [
@@ -457,11 +457,11 @@ def test_check_states_the_calibration_passes(cache):
     from hydra import compose, initialize_config_module
     from rich.console import Console
 
-    from mergeval.check import _print_calibration_cost
-    from mergeval.config import register_configs
+    from mergeval.check.__main__ import _print_calibration_cost
+    from mergeval.run.config import register_configs
 
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for method, kind, words in (("fisher", "fisher", "one forward + backward pass each"),
                                     ("regmean", "gram", "one forward pass each"),
                                     ("localize_stitch_trained", "localize", "one forward + backward pass each")):
@@ -480,7 +480,7 @@ def test_a_padded_batch_scores_each_example_as_it_scores_alone(two_layer):
     examples' own, one by one (examples of different lengths, so the padding is exercised)."""
     from transformers import AutoTokenizer
 
-    from mergeval.calibration import _example, answer_log_likelihood, padded_batches
+    from mergeval.merge.expert_statistics import _example, answer_log_likelihood, padded_batches
     from mergeval.models.checkpoint import load_model
 
     base, _, items, _ = two_layer

@@ -9,11 +9,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from mergeval.config import EvalConfig
+from mergeval.core.precision import register_resolver
 from mergeval.eval.harness import Harness
 from mergeval.eval.suite import build_suite
 from mergeval.models.checkpoint import load_model
-from mergeval.precision import register_resolver
+from mergeval.run.config import EvalConfig
 from tests.test_registry_tasks import MAX_GEN, bench, lm_eval_cli
 
 MC = ["hellaswag", "mmlu_high_school_chemistry", "medqa_4options"]

@@ -117,7 +117,7 @@ def registered_schemas() -> dict[str, type]:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from mergeval.search.config import register_search_configs
+    from mergeval.search.schema import register_search_configs
 
     register_search_configs()
     found = {}
@@ -277,7 +277,7 @@ def test_the_site_builds_strictly_with_every_page(site):
 
 
 def test_the_command_line_page_shows_every_command_s_own_help(site):
-    from mergeval.help import ENTRY_POINTS
+    from mergeval.run.help import ENTRY_POINTS
 
     page = html.unescape((site / "reference" / "cli" / "index.html").read_text())
     modules = set(re.findall(r"python -m (\S+)", ENTRY_POINTS))

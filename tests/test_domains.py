@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from mergeval.eval.tasks import GENERATED, POOL, task_items
-from mergeval.zoo.domains import DOMAIN_VERSION, DOMAINS, QUICKSTART_DOMAINS, split_items
-from mergeval.zoo.experts import expert_key
+from mergeval.models.zoo.domains import DOMAIN_VERSION, DOMAINS, QUICKSTART_DOMAINS, split_items
+from mergeval.models.zoo.experts import expert_key
 
 
 def digest(obj) -> str:

@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from mergeval.engine import execute, merge_into_model, merge_tensors, merge_to_disk
-from mergeval.engine.plan import build_plan, count_layers, depth, interpolate, layer_of, resolve
-from mergeval.engine.reader import CheckpointReader, MemorySource
-from mergeval.engine.vocab import vocab_rows
-from mergeval.engine.writer import ShardWriter
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.merge import execute, merge_into_model, merge_tensors, merge_to_disk
+from mergeval.merge.plan import build_plan, count_layers, depth, interpolate, layer_of, resolve
+from mergeval.merge.reader import CheckpointReader, MemorySource
+from mergeval.merge.vocab import vocab_rows
+from mergeval.merge.writer import ShardWriter
 from mergeval.methods import METHODS, MergeMethod, fused, get_method
 from mergeval.models.checkpoint import load_model, load_tensors
 from tests.child import run_module
@@ -84,7 +84,7 @@ def test_streaming_output_equals_the_in_memory_merge_bit_for_bit(name, params, t
 def test_the_engine_and_the_methods_load_without_omegaconf(tmp_path):
     """A merge called from Python (merge_throughput.py's child too) does not pay omegaconf's 0.1 s import: only
     a pipeline stage's method is typed through it (methods/pipeline.py)."""
-    program = "import sys, mergeval.engine, mergeval.methods; print(sorted(m for m in sys.modules if 'omegaconf' in m))"
+    program = "import sys, mergeval.merge, mergeval.methods; print(sorted(m for m in sys.modules if 'omegaconf' in m))"
     done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -92,7 +92,7 @@ def test_the_engine_and_the_methods_load_without_omegaconf(tmp_path):
 LOADED_WHERE = """
 import sys, threading
 from pathlib import Path
-from mergeval.engine import execute, merge_to_disk
+from mergeval.merge import execute, merge_to_disk
 from mergeval.methods import fused, get_method
 
 execute.BLOCK_MIN, execute.BLOCK_ENTRIES, fused.MIN_ENTRIES = 2, 300, 2  # the tiny model's tensors in row blocks
@@ -257,7 +257,7 @@ def test_a_merge_stopped_by_its_consumer_does_not_wait_for_the_units_still_runni
     the slowest running unit)."""
     import threading
 
-    from mergeval.engine import streaming
+    from mergeval.merge import streaming
 
     running, release, ended = threading.Event(), threading.Event(), threading.Event()
     method = get_method("task_arithmetic")
@@ -321,7 +321,7 @@ def test_a_live_merge_evaluated_in_its_checkpoints_dtype_is_built_in_it_with_the
     """bfloat16 checkpoints evaluated in bfloat16: the live model is built in bfloat16, not float32 (half the
     memory), and holds the same merged values, hence the same fingerprint; float32 checkpoints evaluated in
     bfloat16 still merge into a float32 model, which alone holds their merged values exactly."""
-    from mergeval.engine.memory import merge_live
+    from mergeval.merge.memory import merge_live
     from mergeval.models.fingerprint import fingerprint_state_dict
 
     base = _in_bfloat16(tiny_dir, tmp_path / "base")
@@ -668,7 +668,7 @@ def test_rule_values_are_validated_with_the_rule_named():
 
 def test_every_resolved_value_is_validated_before_any_tensor_is_read(tiny_dir):
     """della needs density + epsilon <= 1: each rule passes alone, their combination on layer 1 does not."""
-    from mergeval.engine.plan import check_plan
+    from mergeval.merge.plan import check_plan
 
     method = get_method("della")
     cfg = method.config(density=0.5, epsilon=0.0, rules=[{"match": "*", "density": 0.95},
@@ -684,13 +684,13 @@ def test_every_resolved_value_is_validated_before_any_tensor_is_read(tiny_dir):
 def test_every_method_config_has_rules_and_the_yamls_still_compose():
     from hydra import compose, initialize_config_module
 
-    from mergeval.config import register_configs
+    from mergeval.run.config import register_configs
 
     for method in METHODS.values():
         assert {f.name for f in dataclasses.fields(method.config)} >= {"rules"}, method.name
         assert method.config().rules == []
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for name in METHODS:
             if (ROOT / "conf" / "method" / f"{name}.yaml").exists():
                 compose("config", overrides=["+experiment=tiny", f"method={name}"])

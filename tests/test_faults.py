@@ -152,7 +152,7 @@ DAMAGE = {
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_a_damaged_expert_is_found_before_merging(case, zoo, tmp_path):
     """Each kind of damage is a UserError naming the expert's field (the CLI's one line; checked in-process)."""
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
     from mergeval.models.checkpoint import check_compatible
 
     damage, says = DAMAGE[case]
@@ -291,9 +291,9 @@ def test_a_full_disk_under_a_native_writer_is_one_line_naming_the_directory(zoo,
     """transformers' save_pretrained writes through safetensors' Rust code, whose full disk is a SafetensorError
     ("... (os error 28)"), not an OSError: an expert built into a full cache is still one line naming the
     directory being written, and nothing half-written stays."""
-    from mergeval.cli import user_failure
+    from mergeval.core.paths import atomic_dir
     from mergeval.models.checkpoint import load_model
-    from mergeval.paths import atomic_dir
+    from mergeval.run.cli import user_failure
 
     model = load_model(zoo["e0"])
     with pytest.raises(OSError) as raised:
@@ -323,7 +323,7 @@ def test_cache_dir_below_a_file(zoo, tmp_path, below):
 
 
 def make_store(path: Path) -> None:
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     Store(path)
 
@@ -356,8 +356,8 @@ def test_a_damaged_store_is_found_at_open(damage, zoo, tmp_path):
 
 def test_a_store_damaged_mid_run_is_one_line(tmp_path):
     """A page corrupted after the open-time check: the next write names the store, not sqlite3."""
-    from mergeval.errors import UserError
-    from mergeval.store import Store
+    from mergeval.core.errors import UserError
+    from mergeval.results.store import Store
 
     store = Store(tmp_path / "r.sqlite")
     with sqlite3.connect(store.path) as db:
@@ -389,7 +389,7 @@ def started(out_parent: Path, proc: subprocess.Popen, name: str, timeout: float 
 
 def frozen(proc: subprocess.Popen, timeout: float = 30) -> bool:
     """Whether the process reached the stopped state (its SIGSTOP delivered) rather than ending."""
-    from mergeval.proc import state as process_state
+    from mergeval.core.proc import state as process_state
 
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:  # poll() does not report a stopped child
@@ -407,7 +407,7 @@ def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: 
     stderr, its output path). A merge that finished before it could be caught must be whole; it is retried."""
     for attempt in range(attempts):
         out = parent / f"out{attempt}"
-        # faulthandler: should the process crash after all (it aborted once at exit, before mergeval.cli.end_now),
+        # faulthandler: should the process crash after all (it aborted once at exit, before mergeval.run.cli.end_now),
         # its threads' stacks are in the failure's message
         proc = subprocess.Popen(merge_cmd(models, out), cwd=parent, env=dict(child_env(), PYTHONFAULTHANDLER="1"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -427,7 +427,7 @@ def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: 
 
 def whole(out: Path) -> bool:
     """A complete merged model directory (every tensor's bytes present)."""
-    from mergeval.engine.reader import CheckpointReader
+    from mergeval.merge.reader import CheckpointReader
 
     return (out / "config.json").exists() and bool(CheckpointReader(out, "output").names())
 
@@ -435,7 +435,7 @@ def whole(out: Path) -> bool:
 @pytest.fixture(scope="module")
 def medium(cache, tmp_path_factory) -> dict[str, Path]:
     """A model large enough (about 17 MB) that a merge lasts long enough to be interrupted."""
-    from mergeval.zoo.tiny import ZOO, zoo_dir
+    from mergeval.models.zoo.tiny import ZOO, zoo_dir
 
     ZOO["medium"] = dict(ZOO["tiny"], hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
     base = zoo_dir("medium", cache)
@@ -466,8 +466,8 @@ def merge_with_units(when: str) -> str:
     tensors take row blocks depends on whether the compiled kernels are loaded: ``fused.loaded``)."""
     return f"""
 import runpy, sys, threading, time
-from mergeval.engine import execute
-from mergeval.errors import UserError
+from mergeval.merge import execute
+from mergeval.core.errors import UserError
 
 blocks_of, calls, lock = execute._blocks_of, [], threading.Lock()
 
@@ -559,8 +559,8 @@ def test_a_killed_merge_leaves_debris_that_the_next_merge_removes(medium, tmp_pa
 
 
 def test_a_live_process_temporary_files_are_never_removed(tmp_path):
-    from mergeval.paths import remove_orphans
-    from mergeval.proc import tmp_prefix
+    from mergeval.core.paths import remove_orphans
+    from mergeval.core.proc import tmp_prefix
 
     mine = tmp_path / (tmp_prefix("out") + "abc")
     mine.mkdir()
@@ -631,7 +631,7 @@ def test_a_signal_while_evaluating_marks_the_run_interrupted_and_a_rerun_finishe
 # callback during an import): Python discards the exception raised there; mergeval must deliver it again.
 SWALLOWED_SIGTERM = """
 import os, signal, sys, threading, time, weakref
-from mergeval.cli import handle_sigterm
+from mergeval.run.cli import handle_sigterm
 
 handle_sigterm()
 
@@ -666,7 +666,7 @@ except KeyboardInterrupt as err:
 DISCARDED_IN_A_JOB = """
 import os, signal, sys, time
 from pathlib import Path
-from mergeval.cli import failing_cleanly
+from mergeval.run.cli import failing_cleanly
 
 
 class Finalized:
@@ -704,7 +704,7 @@ def test_an_interruption_discarded_inside_a_workers_job_still_interrupts_it(tmp_
 IN_IMPORTLIB = """
 import signal, sys, threading
 from types import SimpleNamespace
-from mergeval import cli
+from mergeval.run import cli
 
 cli.handle_sigterm()
 handler = signal.getsignal(getattr(signal, sys.argv[1]))
@@ -724,7 +724,7 @@ except KeyboardInterrupt as err:
 SIGNAL_AT_EXIT = """
 import sys, threading, time
 import torch
-from mergeval.cli import handle_sigterm
+from mergeval.run.cli import handle_sigterm
 
 handle_sigterm()
 a = torch.randn(1000, 1000)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mergeval.core.outcome import fixed
 from mergeval.metrics.aggregates import band
-from mergeval.outcome import fixed
 from tests.child import run_module
 
 
@@ -35,7 +35,7 @@ def test_help_describes_mergeval_and_its_real_choices(module, tmp_path):
 def test_importing_the_evaluator_leaves_the_hub_switch_alone():
     """offline=false must reach the model resolver: no module may force HF_HUB_OFFLINE on import."""
     code = ("import os; os.environ.pop('HF_HUB_OFFLINE', None); import mergeval.eval.harness, mergeval.eval.suite, "
-            "mergeval.app; print(os.environ.get('HF_HUB_OFFLINE'))")
+            "mergeval.run.app; print(os.environ.get('HF_HUB_OFFLINE'))")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "None", out.stderr
@@ -44,7 +44,7 @@ def test_importing_the_evaluator_leaves_the_hub_switch_alone():
 def test_offline_false_reaches_the_hub_client():
     import huggingface_hub.constants as hub
 
-    from mergeval.runtime import apply_offline
+    from mergeval.core.runtime import apply_offline
 
     try:
         apply_offline(False)
@@ -92,7 +92,7 @@ def test_no_negative_zero_is_printed():
 
 
 def test_scores_of_older_result_files_are_read_as_acc():
-    from mergeval.outcome import score_metric, score_value
+    from mergeval.core.outcome import score_metric, score_value
 
     assert score_value({"value": 0.5}) == 0.5 and score_value({"acc": 0.25}) == 0.25
     assert score_metric({"acc": 0.25}) == "acc,none" and score_metric({"metric": "x,y", "value": 1}) == "x,y"
@@ -106,4 +106,25 @@ def test_every_package_of_the_source_tree_is_installed():
     root = Path(__file__).resolve().parents[1]
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "mergeval").rglob("__init__.py")}
-    assert found - {"mergeval.conf"} <= listed, sorted(found - listed)
+    assert found - {"mergeval.run.conf"} <= listed, sorted(found - listed)
+
+
+def test_an_editable_install_puts_the_checkout_on_the_path(tmp_path):
+    """`pip install -e .` (how contributors work) must be a plain path entry: Hydra finds its plugins
+    (hydra/sweeper=staged, hydra/launcher=ray) by listing ``hydra_plugins`` on the path, which setuptools'
+    import-finder editable mode hides. The editable wheel the build backend makes holds a .pth naming the
+    checkout and no finder module."""
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", f"""
+import os
+os.chdir({str(root)!r})
+from setuptools import build_meta
+print(build_meta.build_editable({str(tmp_path)!r}))"""], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = zipfile.ZipFile(tmp_path / done.stdout.split()[-1]).namelist()
+    pth = [n for n in names if n.endswith(".pth")]
+    assert len(pth) == 1 and not [n for n in names if "finder" in n], names
+    text = zipfile.ZipFile(tmp_path / done.stdout.split()[-1]).read(pth[0]).decode()
+    assert Path(text.strip()).resolve() == root, text

@@ -243,7 +243,7 @@ def test_smaller_tensors_take_the_kernels_once_loaded_and_loading_them_runs_no_c
 
 SCIPY = """
 import sys
-from mergeval import runtime
+from mergeval.core import runtime
 runtime.command_process = True  # as cli.loading_modules marks a command's process
 from mergeval.methods import fused
 assert fused.available()

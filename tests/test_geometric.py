@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import get_method
 
 NEARSWAP = get_method("nearswap")

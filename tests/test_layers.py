@@ -37,7 +37,7 @@ def planted(tmp_path: Path, module: str, line: str) -> Path:
 
 def test_a_cycle_through_a_lazy_import_is_caught(tmp_path):
     # the store opens its backends; a backend importing the store back closes a circle
-    out = lint_imports(planted(tmp_path, "store_backends/sqlite.py", "from mergeval.store import Store"))
+    out = lint_imports(planted(tmp_path, "results/backends/sqlite.py", "from mergeval.results.store import Store"))
     assert out.returncode != 0 and "no import cycles" in out.stdout and "BROKEN" in out.stdout, out.stdout[-3000:]
 
 
@@ -48,11 +48,11 @@ def test_a_method_reaching_evaluation_is_caught(tmp_path):
 
 def test_what_a_method_needs_is_declared_where_it_is_registered():
     """The run, merge-only, staged and search paths read ``MergeMethod.needs``; no module outside the methods
-    tests a method's name to decide what to prepare (mergekit's configuration mapping, interop/, names
+    tests a method's name to decide what to prepare (mergekit's configuration mapping, run/mergekit_config.py, names
     mergekit's own methods)."""
     import re
 
-    from mergeval.calibration import KINDS
+    from mergeval.merge.expert_statistics import KINDS
     from mergeval.methods import METHODS
 
     assert {n: m.needs.statistics for n, m in METHODS.items() if m.needs.statistics} == {
@@ -62,6 +62,6 @@ def test_what_a_method_needs_is_declared_where_it_is_registered():
     names = "|".join(sorted(METHODS, key=len, reverse=True))
     by_name = re.compile(rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})""")
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "mergeval").rglob("*.py"))
-             if "methods" not in p.parts and "interop" not in p.parts
+             if "methods" not in p.parts and p.name != "mergekit_config.py"
              for i, line in enumerate(p.read_text().splitlines(), start=1) if by_name.search(line)]
     assert not found, found

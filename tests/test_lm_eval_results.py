@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from mergeval.errors import UserError
-from mergeval.interop.lm_eval_import import compose_run_config, import_results
-from mergeval.interop.lm_eval_import import main as import_main
-from mergeval.store import Store
+from mergeval.core.errors import UserError
+from mergeval.results.store import Store
+from mergeval.run.lm_eval_import import compose_run_config, import_results
+from mergeval.run.lm_eval_import import main as import_main
 
 TASK = "mergeval_chem_count"
 
@@ -59,7 +59,7 @@ def test_the_saved_merge_scores_with_the_lm_eval_cli_as_the_run_recorded(importe
 @pytest.fixture(scope="module")
 def imported_run(lm_eval_out, tmp_path_factory) -> dict:
     """The file imported as zoo:tiny's evaluation, then a run of the same config (finished, in the store)."""
-    from mergeval.app import run, write_result
+    from mergeval.run.app import run, write_result
 
     tmp = tmp_path_factory.mktemp("run")
     cfg = compose_run_config(overrides(tmp / "store.sqlite") + ["save_merged=true"])
@@ -148,7 +148,7 @@ def test_results_of_another_model_are_refused(lm_eval_out, tiny_dir, tmp_path, c
 def test_exported_files_are_read_where_lm_eval_puts_numbers_and_import_back(lm_eval_out, imported_run, tmp_path):
     from lm_eval.utils import make_table
 
-    from mergeval.interop.lm_eval_export import export_run
+    from mergeval.results.lm_eval_export import export_run
 
     outcome, lm = imported_run["outcome"], json.loads(lm_eval_out.read_text())
     written = export_run(imported_run["store"], outcome.run_id[:8], tmp_path / "out")

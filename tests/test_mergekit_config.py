@@ -20,10 +20,10 @@ import yaml
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from mergeval.engine import merge_tensors
-from mergeval.errors import UserError
-from mergeval.interop.mergekit_config import from_mergekit, to_mergekit
+from mergeval.core.errors import UserError
+from mergeval.merge import merge_tensors
 from mergeval.methods import get_method
+from mergeval.run.mergekit_config import from_mergekit, to_mergekit
 from tests.child import run_module
 from tests.test_mergekit_parity import requires_mergekit
 

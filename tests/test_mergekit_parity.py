@@ -45,7 +45,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from mergeval.engine import merge_tensors
+from mergeval.merge import merge_tensors
 from mergeval.methods import get_method
 from mergeval.methods.sparsify import della_keep_prob
 
@@ -525,7 +525,7 @@ def test_della_row_ranks_each_row_on_its_own():
 
 
 def test_della_rank_scope_is_validated():
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
 
     method = get_method("della")
     with pytest.raises(UserError, match="rank_scope"):
@@ -583,7 +583,7 @@ def test_sce_uniform_below_under_the_energy_changes_nothing(data, normalize, fra
 
 @pytest.mark.parametrize("value", [-1e-6, float("nan"), float("inf")])
 def test_sce_uniform_below_is_validated(value):
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
 
     with pytest.raises(UserError, match="uniform_below"):
         sce(torch.zeros(3), [torch.ones(3), -torch.ones(3)], uniform_below=value)

@@ -70,7 +70,7 @@ def _model(src: Path, dst: Path, seed: int | None, scale: float, big: bool = Tru
 
 
 def _statistics(kind: str, expert: Path, dst: Path, seed: int) -> str:
-    """A statistics directory as mergeval.calibration writes it, with seeded values of the right shapes."""
+    """A statistics directory as mergeval.merge.expert_statistics writes it, with seeded values of the right shapes."""
     stats = {}
     for i, (name, t) in enumerate(sorted(load_file(str(expert / "model.safetensors")).items())):
         if kind == "gram":
@@ -105,7 +105,7 @@ def guarded() -> dict[str, tuple[str, dict]]:
 
 def output_sums(name: str, extra: dict, base: Path, experts: list[Path], root: Path) -> list[float]:
     """[sum, sum of |.|, sum against fixed signs] of the method's task vector over every tensor, in float64."""
-    from mergeval.engine import merge_to_disk
+    from mergeval.merge import merge_to_disk
 
     method = METHODS[name]
     n, params = CASES.get(name, (3, {}))
@@ -163,7 +163,7 @@ def record(cache: Path) -> None:
     """Write tests/method_outputs.json from this checkout's methods."""
     import tempfile
 
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -175,6 +175,6 @@ def record(cache: Path) -> None:
 
 
 if __name__ == "__main__":
-    from mergeval.paths import cache_root
+    from mergeval.core.paths import cache_root
 
     record(cache_root(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import METHODS, get_method
 from mergeval.methods.task_vector import kept_count, trim_to_density
 

@@ -163,7 +163,7 @@ def test_trim_with_exact_magnitude_ties_keeps_exactly_k_of_the_largest(dtype, n,
 def test_low_precision_checkpoint_merges_match_float64(tiny_dir, dtype):
     """The tiny zoo model and two experts stored in ``dtype``, merged by the engine tensor by tensor: every
     entry of task arithmetic and TIES (density 1) within one output rounding of the float64 formula."""
-    from mergeval.engine import merge_tensors
+    from mergeval.merge import merge_tensors
     from mergeval.models.checkpoint import load_tensors
 
     base32 = load_tensors(tiny_dir)

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.checks import check_metric_config
-from mergeval.config import MetricConfig, MetricGroup
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.metrics.composed import forgetting_of_merge, group_scores, similarity
+from mergeval.run.checks import check_metric_config
+from mergeval.run.config import MetricConfig, MetricGroup
 
 acc = st.floats(0, 1)
 
@@ -89,10 +89,10 @@ def test_samples_round_trip(tmp_path):
 
 def test_constituents_decide_what_macro_gain_compares_against():
     """The CPT paper's first stage merges an expert with its own base: its constituents are base and expert."""
-    from mergeval.checks import check_constituents
-    from mergeval.errors import UserError
-    from mergeval.outcome import ModelInfo
-    from mergeval.summary import aggregate
+    from mergeval.core.errors import UserError
+    from mergeval.core.outcome import ModelInfo
+    from mergeval.run.checks import check_constituents
+    from mergeval.run.summary import aggregate
 
     models = [ModelInfo("base", "b", "fb"), ModelInfo("fin", "f", "ff", task="t1"), ModelInfo("merged", "m", "fm")]
     scores = table({"t1": {"base": 0.2, "fin": 0.8, "merged": 0.7}, "t2": {"base": 0.6, "fin": 0.2, "merged": 0.5}})

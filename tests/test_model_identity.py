@@ -131,8 +131,8 @@ def _settings(tmp_path: Path, base: Path, experts: dict[str, Path], *extra: str)
 def test_copies_with_another_config_never_share_scores(tmp_path, cache):
     """The review's case: copies of the base and experts with the same tensors but another activation and norm
     epsilon were served the originals' scores, and ``eval.force`` on the copies overwrote the originals'."""
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     built = app.run(compose_run_config(["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1",
                                         "eval.dtype=float32", f"store.path={tmp_path / 'zoo.sqlite'}"]),
@@ -171,8 +171,8 @@ def test_copies_with_another_config_never_share_scores(tmp_path, cache):
 
 
 def test_a_v5_store_is_migrated_without_serving_its_scores_and_says_so_once(tmp_path, capsys):
-    from mergeval.store import Store
-    from mergeval.store_backends.schema import _CURRENT, _NEW_IN_V2, _NEW_IN_V5, SCHEMA_VERSION
+    from mergeval.results.backends.schema import _CURRENT, _NEW_IN_V2, _NEW_IN_V5, SCHEMA_VERSION
+    from mergeval.results.store import Store
 
     path = tmp_path / "v5.sqlite"
     with sqlite3.connect(path) as db:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.models.checkpoint import check_compatible, load_model, load_tensors
 from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict
-from mergeval.zoo.sources import resolve_source
+from mergeval.models.zoo.sources import resolve_source
 
 
 def copy_with(src, dst, change=None):
@@ -189,7 +189,7 @@ def test_the_tokenizer_check_compares_bytes_before_parsing(tiny_dir, tmp_path, m
 def test_a_damaged_build_in_mergevals_own_cache_is_removed_and_built_again(tmp_path, capsys):
     """A truncated file in a checkpoint mergeval built itself (a full disk, a killed copy) is mergeval's to fix:
     the line once told the user to re-download a model they never downloaded."""
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.models.zoo.tiny import zoo_dir
 
     first = zoo_dir("tiny", tmp_path)
     weights = fingerprint(first)

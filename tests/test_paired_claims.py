@@ -9,9 +9,9 @@ import math
 import pytest
 
 from mergeval.metrics.paired import sample_variance
-from mergeval.specs import ClaimResult, evaluate_claims, load_runs, load_spec
-from mergeval.specs.recorded import parse_records
-from mergeval.verify import exit_status, main
+from mergeval.verify import ClaimResult, evaluate_claims, load_runs, load_spec
+from mergeval.verify.__main__ import exit_status, main
+from mergeval.verify.recorded import parse_records
 from tests.test_verify import SCORES, spec_file, write_run
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from mergeval import precision
-from mergeval.config import register_configs
-from mergeval.resume import config_hash
-from mergeval.zoo.experts import expert_key, train_dtype
+from mergeval.core import precision
+from mergeval.models.zoo.experts import expert_key, train_dtype
+from mergeval.run.config import register_configs
+from mergeval.run.resume import config_hash
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def native(monkeypatch):
 
 def composed(*overrides: str):
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 
@@ -70,8 +70,8 @@ def test_fine_tuning_runs_in_either_precision(tiny_dir):
     from transformers import AutoTokenizer
 
     from mergeval.models.checkpoint import load_model
-    from mergeval.zoo.domains import split_items
-    from mergeval.zoo.finetune import finetune
+    from mergeval.models.zoo.domains import split_items
+    from mergeval.models.zoo.finetune import finetune
 
     items, _ = split_items("chem_count", seed=0, n_train=8, n_eval=500)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
@@ -106,7 +106,7 @@ def test_the_default_device_is_a_gpu_where_torch_sees_one(monkeypatch):
 def test_auto_given_as_a_value_is_resolved_before_anything_runs(monkeypatch):
     import torch
 
-    from mergeval.checks import validate
+    from mergeval.run.checks import validate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = composed("eval.device=auto")

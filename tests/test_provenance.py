@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mergeval.provenance import hardware
-from mergeval.runtime import peak_device_memory, reset_device_memory_peak
+from mergeval.core.provenance import hardware
+from mergeval.core.runtime import peak_device_memory, reset_device_memory_peak
 
 
 def _never(*args, **kwargs):

@@ -59,8 +59,8 @@ def _quantized_copy(src: Path, dst: Path) -> Path:
 
 
 def test_a_fp8_parent_is_dequantized_and_merged_in_a_run(tiny_dir, tmp_path, cache):
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     built = app.run(compose_run_config(["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1",
                                         "eval.dtype=float32", f"store.path={tmp_path / 'zoo.sqlite'}"]),

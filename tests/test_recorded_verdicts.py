@@ -1,4 +1,4 @@
-"""Claim margins in stderr units and recorded verdicts (mergeval/specs/recorded.py, verify --recorded / --record).
+"""Claim margins in stderr units and recorded verdicts (mergeval/verify/recorded.py, verify --recorded / --record).
 
 Synthetic result.json files only: no model is built (well under a second).
 """
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval import verify
-from mergeval.errors import UserError
-from mergeval.specs import Measured, compare
-from mergeval.specs.claims import stderr_units
-from mergeval.specs.recorded import Record, Recorded, combine, parse_records
+import mergeval.verify.__main__ as verify
+from mergeval.core.errors import UserError
+from mergeval.verify import Measured, compare
+from mergeval.verify.claims import stderr_units
+from mergeval.verify.recorded import Record, Recorded, combine, parse_records
 from tests.test_verify import EXPERT_CLAIM, SCORES, outcomes, spec_file, write_run
 
 
@@ -126,7 +126,7 @@ def test_enforced_needs_one_stderr_or_no_stderr():
 
 
 def test_spec_without_verdicts_still_loads(tmp_path):
-    from mergeval.specs import load_spec
+    from mergeval.verify import load_spec
 
     assert load_spec(spec_file(tmp_path, EXPERT_CLAIM)).verdicts == {}
     assert set(load_spec(spec_file(tmp_path, EXPERT_CLAIM, RECORDED)).verdicts) == {"full"}

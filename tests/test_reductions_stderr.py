@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from mergeval.specs import evaluate_claim
-from mergeval.specs.claims import parse_claims
-from mergeval.specs.runs import Run
+from mergeval.verify import evaluate_claim
+from mergeval.verify.claims import parse_claims
+from mergeval.verify.runs import Run
 
 
 def scored(value: float, stderr: float, lambda_: float) -> Run:

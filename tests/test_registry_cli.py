@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from mergeval.config import register_configs
+from mergeval.run.config import register_configs
 from tests.child import run_module
 
 PAPERS = ["cmm_chem", "cmm_general", "mergebench", "medical_hier", "cpt_finance"]
@@ -32,7 +32,7 @@ def one_line(out: subprocess.CompletedProcess, field: str) -> str:
 @pytest.mark.parametrize("name", PAPERS)
 def test_every_paper_experiment_composes_with_nothing_left_to_fill(name):
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"])
     text = json.dumps(__import__("omegaconf").OmegaConf.to_container(cfg, resolve=True))
     assert "???" not in text
@@ -49,7 +49,7 @@ def test_check_lists_what_a_paper_experiment_misses_offline(name, tmp_path, cach
     assert problems and all(p.startswith("mergeval: missing: ") and "fetch: " in p or "allow_code_execution" in p
                             for p in problems), problems
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"])
     for source in [cfg.modelset.base] + [e.source for e in cfg.modelset.experts.values()]:
         assert source.removeprefix("hf:") in out.stdout + out.stderr

@@ -18,8 +18,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mergeval.config import BenchmarkConfig, EvalConfig
 from mergeval.eval.suite import SHIPPED
+from mergeval.run.config import BenchmarkConfig, EvalConfig
 
 DATA = {
     "hellaswag": {"validation": "hellaswag/validation.jsonl", "train": "hellaswag/train.jsonl"},
@@ -228,7 +228,7 @@ def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir,
     # exported in lm-eval's shape, the group keeps its members: lm-eval's own table nests them under it
     from lm_eval.utils import make_table
 
-    from mergeval.interop.lm_eval_export import group_subtasks, lm_eval_results
+    from mergeval.results.lm_eval_export import group_subtasks, lm_eval_results
 
     rows = {n: {"metric": r.metric, "higher_is_better": r.higher_is_better, "output_type": r.output_type,
                 "entry": r.entry, "counted": r.counted} for n, r in suite.rows.items()}
@@ -275,7 +275,7 @@ def test_a_registry_tasks_digest_does_not_depend_on_where_things_are_installed(c
 def test_a_data_split_the_task_does_not_read_is_refused(cache):
     """benchmark.data.gsm8k.tset (for test) was written into the override and never read: gsm8k went on
     evaluating its own test file."""
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
     from mergeval.eval.suite import build_suite
 
     cfg = OmegaConf.merge(bench(["gsm8k"]), {"data": {"gsm8k": {"tset": "shipped:data/gsm8k/test.jsonl"}}})
@@ -287,7 +287,7 @@ def test_a_data_split_the_task_does_not_read_is_refused(cache):
 def test_more_shots_than_the_task_has_examples_is_one_line_before_any_model(cache):
     """benchmark.num_fewshot=5 on the shipped medqa_4options (4 training rows) was lm-eval's sampler's
     ValueError traceback, at the first model's evaluation."""
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
     from mergeval.eval.suite import build_suite
 
     with pytest.raises(UserError) as err:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.metrics.tradeoff import synergy_area
 from mergeval.report import data
 from mergeval.report.__main__ import main as report_main
@@ -27,8 +27,8 @@ def stderr(acc: float, n: int = 200) -> float:
 
 def result(run_id: str, method: str, merged: tuple[float, float, float], minute: int = 0, **params) -> dict:
     """A result.json as a real quickstart run writes it, with the merged scores and method config given."""
-    from mergeval.outcome import ModelInfo
-    from mergeval.summary import aggregate
+    from mergeval.core.outcome import ModelInfo
+    from mergeval.run.summary import aggregate
 
     models = [{"role": "base", "source": "smollm2", "fingerprint": "b" * 32, "path": "/m/base", "task": None},
               {"role": "chem", "source": "finetune:chem_count", "fingerprint": "c" * 32, "path": "/m/chem",
@@ -183,7 +183,7 @@ def fill_store(store) -> None:
 
 
 def test_report_from_the_store_and_with_filters(tmp_path, capsys):
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     store = Store(tmp_path / "r.sqlite")
     fill_store(store)  # the running one: not reported
@@ -198,7 +198,7 @@ def test_report_from_the_store_and_with_filters(tmp_path, capsys):
 def test_a_report_of_a_whole_store_keeps_the_runs_comparable_with_the_newest(tmp_path, capsys):
     """A store that also holds runs under other evaluation settings (a sweep with benchmark.limit) once made
     `report --store` refuse every run, and --experiment could not help."""
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     store = Store(tmp_path / "r.sqlite")
     limited = copy.deepcopy(sweep()[0])
@@ -293,7 +293,7 @@ def test_the_tables_legend_names_the_own_task_cells_where_bold_does_not_show():
     "bold: each expert on its own task" all the same."""
     from rich.console import Console
 
-    from mergeval.outcome import ModelInfo, Outcome
+    from mergeval.core.outcome import ModelInfo, Outcome
     from mergeval.report.table import render
 
     scores = {t: {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "chem", "merged")}

@@ -4,7 +4,7 @@ Every setup of a spec on the search path that has a ``reduced:`` entry is run
 here: ``python -m mergeval -m +experiment=<setup's experiment> <overrides>``,
 then ``python -m mergeval.verify <spec> --run <its sweep> --tag <tags>
 --recorded <verdicts>``. The test fails when a recorded verdict changes and it
-was recorded at least one stderr from its threshold (mergeval/specs/recorded.py);
+was recorded at least one stderr from its threshold (mergeval/verify/recorded.py);
 closer ones are printed only. Adding a paper is one ``reduced:`` entry in its
 spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
 
@@ -15,7 +15,7 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
           overrides: [benchmark.n_items=20, ...]   # what makes it small: fewer items, shorter expert training
           tags: [mini]                              # the claims it checks
           verdicts: ci                              # the record it must reproduce
-          # or one record per precision the run computes in (mergeval/precision.py: bfloat16 where the CPU
+          # or one record per precision the run computes in (mergeval/core/precision.py: bfloat16 where the CPU
           # runs it natively, else float32), since the two give different experts and scores:
           # verdicts: {bfloat16: ci, float32: ci_float32}
 
@@ -29,7 +29,7 @@ one test class (the second reuses all the first built and evaluated); each
 class is a unit of work of its own under ``--dist loadscope``, so the groups
 run on both workers: the largest group first, the others after the other slow
 modules (conftest.py), by when the first has built the experts they share. A
-second builder of an expert waits for the first (``mergeval.paths.one_builder``),
+second builder of an expert waits for the first (``mergeval.core.paths.one_builder``),
 a second evaluator of a model for the first (the store's claims): nothing is
 computed twice.
 """
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from mergeval.specs import available, load_spec
+from mergeval.verify import available, load_spec
 from tests.child import run_module
 
 
@@ -105,7 +105,7 @@ def modelset_of(setup: dict) -> str:
 
     import mergeval
 
-    path = Path(mergeval.__file__).parent / "conf" / "experiment" / f"{setup['experiment']}.yaml"
+    path = Path(mergeval.__file__).parent / "run" / "conf" / "experiment" / f"{setup['experiment']}.yaml"
     for entry in yaml.safe_load(path.read_text()).get("defaults", []):
         if isinstance(entry, dict) and "override /modelset" in entry:
             return entry["override /modelset"]

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from mergeval.engine import execute, merge_tensors, merge_to_disk
-from mergeval.engine import reader as reader_module
-from mergeval.engine.memory import merge_into_model
-from mergeval.engine.reader import CheckpointReader
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.merge import execute, merge_tensors, merge_to_disk
+from mergeval.merge import reader as reader_module
+from mergeval.merge.memory import merge_into_model
+from mergeval.merge.reader import CheckpointReader
 from mergeval.methods import fused, get_method, select
 from mergeval.methods.select import Threshold, first_k_mask
 from mergeval.methods.task_vector import disjoint_merge, kept_count, trim_to_density
@@ -236,8 +236,8 @@ def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_me
                                                                                    monkeypatch):
     """A staged sweep merges the same inputs once per candidate with one ``prepared`` dict: TIES' cut at a
     density is computed once and reused by the candidates that differ in lambda, weights or sign rule only."""
-    from mergeval.engine.memory import merge_sources
-    from mergeval.engine.reader import MemorySource
+    from mergeval.merge.memory import merge_sources
+    from mergeval.merge.reader import MemorySource
     from mergeval.methods.rows import TiesRows
 
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)

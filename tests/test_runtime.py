@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-from mergeval import runtime
-from mergeval.runtime import release_memory, survivors_frozen
+from mergeval.core import runtime
+from mergeval.core.runtime import release_memory, survivors_frozen
 
 
 class Node:
@@ -60,10 +60,10 @@ def test_nested_scopes_unfreeze_only_at_the_outermost_end():
 def test_a_run_frees_each_model_it_releases(tmp_path, monkeypatch, tiny_dir, cache):
     """In a real run (merge, then base and experts evaluated in turn), no model the run loaded or built is
     alive after the release that follows it: freezing the survivors never keeps a model."""
-    from mergeval import app
-    from mergeval.engine import memory
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.merge import memory
     from mergeval.models import checkpoint
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     loaded: list[weakref.ref] = []  # every model the run loads (a constituent) or builds (the merge)
     real_load, real_merge, real_release = checkpoint.load_model, memory.merge_live, app.release_memory

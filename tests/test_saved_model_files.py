@@ -37,7 +37,7 @@ def _same_chat(base: Path, saved: Path) -> None:
 
 
 def test_the_streaming_merge_keeps_the_chat_template(chat_base, tmp_path):
-    from mergeval.engine import merge_to_disk
+    from mergeval.merge import merge_to_disk
     from mergeval.methods import get_method
 
     method = get_method("task_arithmetic")
@@ -48,7 +48,7 @@ def test_the_streaming_merge_keeps_the_chat_template(chat_base, tmp_path):
 def test_the_runs_saved_merge_keeps_the_chat_template(chat_base, tmp_path):
     from safetensors.torch import load_file
 
-    from mergeval.engine.memory import save_merged
+    from mergeval.merge.memory import save_merged
     from mergeval.methods import get_method
 
     tensors = load_file(chat_base / "model.safetensors")

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mergeval.calibration import STATS_VERSION
 from mergeval.eval.settings import SHARED_PREFIX_VERSION
+from mergeval.merge.expert_statistics import STATS_VERSION
 from tests.test_method_versions import _model
 
 RECORD = Path(__file__).with_name("score_outputs.json")
@@ -63,7 +63,7 @@ def scorer_sums(base: Path) -> list[float]:
 
 def statistics_sums(kind: str, base: Path, expert: Path) -> list[float]:
     """[sum, sum of |.|] over every tensor of one statistic of the expert on 4 generated calibration items."""
-    from mergeval.calibration import calibration_items, compute
+    from mergeval.merge.expert_statistics import calibration_items, compute
 
     items = calibration_items(SimpleNamespace(task="chem_count", split="train", n=4), "x", 200)
     point = {"base_dir": str(base), "cut": 0.05, "sigmoid_bias": 3.0} if kind == "localize" else None
@@ -100,8 +100,8 @@ def test_a_changed_score_or_statistic_comes_with_a_new_version(key, recorded_and
 if __name__ == "__main__":
     import tempfile
 
-    from mergeval.paths import cache_root
-    from mergeval.zoo.tiny import zoo_dir
+    from mergeval.core.paths import cache_root
+    from mergeval.models.zoo.tiny import zoo_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         given = [a for a in sys.argv[1:] if not a.startswith("--")]

@@ -108,9 +108,9 @@ def test_harness_backends_agree(tiny_dir, tmp_path):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from mergeval.config import BenchmarkConfig, EvalConfig
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
+    from mergeval.run.config import BenchmarkConfig, EvalConfig
 
     tasks = ["mergeval_chem_count", "mergeval_general_facts"]
     suite = build_suite(OmegaConf.structured(BenchmarkConfig(name="t", tasks=tasks, n_items=24, num_fewshot=0)),

@@ -13,10 +13,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.eval.tasks import task_items
 from mergeval.methods import get_method
-from mergeval.search.config import register_search_configs
+from mergeval.search.schema import register_search_configs
 from mergeval.search.space import parse_space
 from mergeval.search.study import StagePruner
 from tests.child import run_module
@@ -31,7 +31,7 @@ SMALL = ["+experiment=tiny", "search.validation_items=16", "search.heldout_items
 
 
 def compose_search(*overrides: str, config: str = "search_run"):
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         return compose(config, overrides=list(overrides))
 
 
@@ -196,7 +196,7 @@ def searched(cache, tiny_dir, tmp_path_factory):
 
     from mergeval.eval.harness import Harness
     from mergeval.search import run as search_run
-    from mergeval.staging import heldout
+    from mergeval.staged import heldout
 
     store = tmp_path_factory.mktemp("search") / "results.sqlite"
     cfg = compose_search(*SMALL, "search.n_trials=4", "search.test=false", f"cache_dir={cache}",
@@ -341,7 +341,7 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
     fields in full; run, it merges the very model the search scored (same fingerprint) and evaluates nothing."""
     import shlex
 
-    from mergeval.rerun import run_command
+    from mergeval.run.rerun import run_command
 
     cfg, _, resumed, _, _, _, _ = searched
     given = [*SMALL, "search.n_trials=6", f"cache_dir={cfg.cache_dir}", f"store.path={cfg.store.path}",
@@ -359,7 +359,7 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
 def test_the_rerun_keeps_the_config_dir_and_the_users_own_words():
     """A --config-dir the sweep's experiment lives in (the command failed without it), and a mapping's
     override without the ++ open_mappings gave it; a ++ the user wrote on another key stays."""
-    from mergeval.rerun import config_dir, run_command
+    from mergeval.run.rerun import config_dir, run_command
 
     assert config_dir(["-m", "--config-dir", "conf", "+experiment=x"]) == ["--config-dir", str(Path("conf").resolve())]
     assert config_dir(["-cd=/a/b"]) == ["-cd", "/a/b"] and config_dir(["+experiment=x"]) == []
@@ -368,7 +368,7 @@ def test_the_rerun_keeps_the_config_dir_and_the_users_own_words():
 
 
 def test_a_recipe_value_is_written_in_hydras_grammar():
-    from mergeval.rerun import hydra_value
+    from mergeval.run.rerun import hydra_value
 
     value = [{"match": "*mlp*", "lambda_": [0.1 + 0.2, 1e-05]}, {"sign_rule": "count", "on": True, "k": None}]
     assert hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.errors import UserError
-from mergeval.specs import evaluate_claim, load_spec
-from mergeval.specs.expr import evaluate, parse_expr
-from mergeval.verify import main
+from mergeval.core.errors import UserError
+from mergeval.verify import evaluate_claim, load_spec
+from mergeval.verify.__main__ import main
+from mergeval.verify.expr import evaluate, parse_expr
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "specs.md"
 
@@ -359,7 +359,7 @@ def test_a_cell_under_a_derived_column_and_a_derived_row_is_checked_once_by_each
 
 
 def test_intervals_print_with_enough_digits():
-    from mergeval.specs.numbers import show_interval
+    from mergeval.verify.numbers import show_interval
     assert show_interval(0.7415 - 0.742, 0.7425 - 0.742) == "[-0.0005, 0.0005]"
     assert show_interval(12345.675, 12345.685) == "[12345.675, 12345.685]"
     assert show_interval(61.425000000000004, 61.435) == "[61.425, 61.435]"

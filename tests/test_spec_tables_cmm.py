@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergeval.specs import check_tables, evaluate_claim, load_spec
+from mergeval.verify import check_tables, evaluate_claim, load_spec
 
 # table -> (rows, columns) in the seed's order
 SHAPES = {

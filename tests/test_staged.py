@@ -15,14 +15,14 @@ from hydra import compose, initialize_config_module
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.config import register_configs
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.metrics.perplexity import degradation, log_perplexity, mean_log_ratio, perplexity
-from mergeval.staging.cost import Cost, benchmark_cost, cost_table, fractions
-from mergeval.staging.heldout import GENERAL_TASK, domain_heldout, general_heldout, heldout_items
-from mergeval.staging.nll import token_nlls
-from mergeval.staging.plan import make_plan, stage2_limit
-from mergeval.staging.selection import best_first, combine, mean_accuracy, promote
+from mergeval.run.config import register_configs
+from mergeval.staged.cost import Cost, benchmark_cost, cost_table, fractions
+from mergeval.staged.heldout import GENERAL_TASK, domain_heldout, general_heldout, heldout_items
+from mergeval.staged.nll import token_nlls
+from mergeval.staged.plan import make_plan, stage2_limit
+from mergeval.staged.selection import best_first, combine, mean_accuracy, promote
 from tests.child import run_module
 
 nll = st.floats(min_value=0.0, max_value=30.0, allow_nan=False)
@@ -95,7 +95,7 @@ class UniformLM(torch.nn.Module):
 
 
 def test_token_nlls_of_a_uniform_model_give_perplexity_v_and_count_forward_passes():
-    from mergeval.staging.nll import Spent
+    from mergeval.staged.nll import Spent
 
     seqs = [([1, 2, 3, 4], 2), ([5, 6], 1), ([7, 8, 9], 1)]
     spent = Spent()
@@ -109,8 +109,8 @@ def test_token_nlls_do_not_depend_on_batching(tiny_dir):
     from transformers import AutoTokenizer
 
     from mergeval.models.checkpoint import load_model
-    from mergeval.staging.nll import answer_sequences
-    from mergeval.zoo.domains import eval_items
+    from mergeval.models.zoo.domains import eval_items
+    from mergeval.staged.nll import answer_sequences
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = load_model(tiny_dir)
@@ -128,8 +128,8 @@ def test_token_nlls_with_logits_kept_from_the_first_answer_equal_all_logits(tiny
 
     import mergeval.models.checkpoint as checkpoint
     from mergeval.models.checkpoint import load_model
-    from mergeval.staging.nll import answer_sequences
-    from mergeval.zoo.domains import eval_items
+    from mergeval.models.zoo.domains import eval_items
+    from mergeval.staged.nll import answer_sequences
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = load_model(tiny_dir)
@@ -154,14 +154,14 @@ def test_token_nlls_with_logits_kept_from_the_first_answer_equal_all_logits(tiny
 @pytest.mark.parametrize("domain", ["chem_count", "unit_convert"])
 def test_domain_heldout_is_disjoint_from_test_and_training_items(domain, train):
     from mergeval.eval.tasks import GENERATED
-    from mergeval.zoo.domains import split_items
-    from mergeval.zoo.experts import EVAL_POOL
+    from mergeval.models.zoo.domains import split_items
+    from mergeval.models.zoo.experts import EVAL_POOL
 
     held = heldout_items([f"mergeval_{domain}"], 64, 200, {domain}, train)[f"mergeval_{domain}"]
     questions = {i["question"] for i in held}
     assert len(held) == len(questions) == 64
     tested = {i["question"] for i in GENERATED[f"mergeval_{domain}"](EVAL_POOL)}  # any benchmark size
-    # the training items exactly as zoo/experts.py draws them
+    # the training items exactly as models/zoo/experts.py draws them
     trained, _ = split_items(domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL,
                              train_seed=train.seed)
     assert not questions & tested
@@ -256,7 +256,7 @@ def test_promotion_is_stable_and_skips_the_excluded():
 
 def compose_staged(*overrides: str, experiment: str = "tiny_staged"):
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         return compose("config", overrides=[f"+experiment={experiment}", *overrides])
 
 
@@ -299,7 +299,7 @@ KNOWN = ["~modelset.experts.chem", "benchmark.tasks=[mergeval_unit_convert,merge
 
 @pytest.fixture(scope="module")
 def known(cache):
-    from mergeval.staging.pipeline import run_staged
+    from mergeval.staged.pipeline import run_staged
 
     cfg = compose_staged(*KNOWN, f"cache_dir={cache}", "staged.grid.task_arithmetic.lambda_=[0.0,1.0,8.0]",
                          "staged.stage1_keep=2", "staged.stage3_keep=1", "staged.full=true", "eval.force=true")
@@ -343,7 +343,7 @@ def test_cost_accounting_matches_what_ran(known):
 
 
 def test_staged_json_is_strict_json_with_the_pick_and_costs(known, tmp_path):
-    from mergeval.staging.report import render, write
+    from mergeval.staged.report import render, write
 
     cfg, out = known
     data = json.loads((write(cfg, out, tmp_path)).read_text())
@@ -431,7 +431,7 @@ def sweep_configs(*jobs: list[str]):
 
 
 def test_each_job_of_a_sweep_is_one_candidate_named_by_what_was_swept():
-    from mergeval.staging.from_sweep import staged_config
+    from mergeval.staged.from_sweep import staged_config
 
     jobs = [["method=task_arithmetic", "method.lambda_=1.0"], ["method=task_arithmetic", "method.lambda_=2.0"],
             ["method=ties", "method.lambda_=1.0", "method.density=0.3"]]
@@ -450,7 +450,7 @@ def test_each_job_of_a_sweep_is_one_candidate_named_by_what_was_swept():
     ([["method.lambda_=1.0"], ["method.lambda_=1"]], "method: sweep jobs a and b are the same merge"),
 ])
 def test_a_sweep_that_is_not_a_set_of_merges_is_one_user_error(jobs, line):
-    from mergeval.staging.from_sweep import staged_config
+    from mergeval.staged.from_sweep import staged_config
 
     with pytest.raises(UserError) as err:
         make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][:len(jobs)]).staged, 2)
@@ -458,7 +458,7 @@ def test_a_sweep_that_is_not_a_set_of_merges_is_one_user_error(jobs, line):
 
 
 def test_a_sweep_and_a_staged_grid_together_are_one_user_error():
-    from mergeval.staging.from_sweep import staged_config
+    from mergeval.staged.from_sweep import staged_config
 
     with pytest.raises(UserError, match="^staged.grid: with hydra/sweeper=staged the sweep's jobs are the candidates"):
         staged_config([compose_staged("method.lambda_=2.0")], ["a"])

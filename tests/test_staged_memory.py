@@ -1,5 +1,5 @@
-"""A staged sweep's memory: promoted candidates' weights kept between stages (mergeval/staging/kept.py), and the
-constituents held in memory or read from their files a block at a time (staging/pipeline.py's Models)."""
+"""A staged sweep's memory: promoted candidates' weights kept between stages (mergeval/staged/kept.py), and the
+constituents held in memory or read from their files a block at a time (staged/pipeline.py's Models)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.staging.kept import KeptMerges, available_memory
-from mergeval.staging.selection import promote
+from mergeval.staged.kept import KeptMerges, available_memory
+from mergeval.staged.selection import promote
 from tests.test_staged import compose_staged
 
 keys = st.lists(st.sampled_from([0.1, 0.5, 0.5, 1.0, 2.0, float("inf")]), min_size=1, max_size=10)
@@ -49,10 +49,10 @@ def test_available_memory_is_a_positive_byte_count():
 
 def test_a_kept_candidate_is_the_same_model_bit_for_bit_as_merging_it_again(cache):
     """In bfloat16 (the cast from the float32 merge matters), after another candidate overwrote the live model."""
-    from mergeval.paths import cache_root
-    from mergeval.staging.pipeline import Models
-    from mergeval.staging.plan import make_plan
-    from mergeval.zoo.resolve import resolve_models
+    from mergeval.core.paths import cache_root
+    from mergeval.models.zoo.resolve import resolve_models
+    from mergeval.staged.pipeline import Models
+    from mergeval.staged.plan import make_plan
 
     cfg = compose_staged(f"cache_dir={cache}")
     plan = make_plan(cfg.staged, len(cfg.modelset.experts))
@@ -75,12 +75,12 @@ def test_a_kept_candidate_is_the_same_model_bit_for_bit_as_merging_it_again(cach
 
 def test_constituents_read_from_their_files_merge_to_the_same_bits(cache, monkeypatch):
     """Where the constituents do not fit in memory each merge reads them from the files: the same merges."""
-    from mergeval.engine import execute
-    from mergeval.engine.reader import CheckpointReader, MemorySource
-    from mergeval.paths import cache_root
-    from mergeval.staging import pipeline
-    from mergeval.staging.plan import make_plan
-    from mergeval.zoo.resolve import resolve_models
+    from mergeval.core.paths import cache_root
+    from mergeval.merge import execute
+    from mergeval.merge.reader import CheckpointReader, MemorySource
+    from mergeval.models.zoo.resolve import resolve_models
+    from mergeval.staged import pipeline
+    from mergeval.staged.plan import make_plan
 
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every matrix in row blocks of about 300 entries, too
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
@@ -101,7 +101,7 @@ def test_constituents_read_from_their_files_merge_to_the_same_bits(cache, monkey
 @pytest.fixture(scope="module")
 def both(cache):
     """The tiny staged sweep with and without kept weights, every evaluation run (eval.force)."""
-    from mergeval.staging.pipeline import run_staged
+    from mergeval.staged.pipeline import run_staged
 
     return [run_staged(compose_staged(f"cache_dir={cache}", "eval.force=true", f"staged.keep_memory={share}"))
             for share in (0.25, 0.0)]

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergeval.errors import UserError
-from mergeval.store import SCHEMA_VERSION, Store, StoreError, merge_key
+from mergeval.core.errors import UserError
+from mergeval.results.store import SCHEMA_VERSION, Store, StoreError, merge_key
 from tests.test_cli import mergeval
 
 SCORES = {"a": {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 10},
@@ -58,10 +58,10 @@ def test_hits_only_for_the_same_model_tasks_and_settings(tmp_path):
 def composed(*overrides: str):
     from hydra import compose, initialize_config_module
 
-    from mergeval.config import register_configs
+    from mergeval.run.config import register_configs
 
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         return compose("config", overrides=["+experiment=tiny", *overrides])
 
 
@@ -171,7 +171,7 @@ def test_models_keep_source_and_architecture(tmp_path):
 
 CLAIMER = textwrap.dedent("""
     import sys
-    from mergeval.store import Store
+    from mergeval.results.store import Store
     from tests.test_store import DIGESTS, SETTINGS
 
     store = Store(sys.argv[1])
@@ -268,7 +268,7 @@ def _write_runs(path: str, worker: int, n_runs: int, go) -> None:
 def _open_fresh_stores(folder: str, rounds: int, barrier, failures) -> None:
     """One process of the race below: per round, open a store file no process has opened yet, at once with the
     others (a sweep's workers starting on a new store)."""
-    from mergeval.store_backends.sqlite import SqliteBackend
+    from mergeval.results.backends.sqlite import SqliteBackend
 
     for r in range(rounds):
         barrier.wait()
@@ -324,7 +324,7 @@ def test_four_parallel_writers_lose_no_row(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys
-    from mergeval.store import Store
+    from mergeval.results.store import Store
     from tests.test_store import DIGESTS, FINISH, SCORES, SETTINGS, start
 
     store, first = Store(sys.argv[1]), int(sys.argv[2])
@@ -390,7 +390,7 @@ INSERT INTO meta VALUES ('schema_version', '1');
 
 
 def test_a_v1_store_is_migrated_in_place(tmp_path):
-    from mergeval.store import settings_hash
+    from mergeval.results.store import settings_hash
 
     path = tmp_path / "v1.sqlite"
     result = {"versions": {"lm_eval": "0.4.13"}, "git": {"commit": "abc", "dirty": False}, "timings_s": {"merge": 2.0},
@@ -425,7 +425,7 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
 def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
     """v2 stored one accuracy per evaluation (generated tasks only): after migration it reads as ``acc,none``,
     and a run asking for another metric of that task does not mistake it for one."""
-    from mergeval.store import _NEW_IN_V2, _RUNS_V2, settings_hash
+    from mergeval.results.store import _NEW_IN_V2, _RUNS_V2, settings_hash
 
     path = tmp_path / "v2.sqlite"
     with sqlite3.connect(path) as db:
@@ -452,7 +452,7 @@ def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
 def test_a_v3_store_keeps_its_runs_and_gains_interrupted(tmp_path):
     """v3 -> v4: every run row is kept as it was; a run left running by a v3 process has no process recorded,
     so it is never reaped by guesswork; new runs record theirs and can be interrupted."""
-    from mergeval.store import _EVALUATIONS, _NEW_IN_V2, _RUNS_V2
+    from mergeval.results.store import _EVALUATIONS, _NEW_IN_V2, _RUNS_V2
 
     path = tmp_path / "v3.sqlite"
     with sqlite3.connect(path) as db:
@@ -534,7 +534,7 @@ def test_a_rerun_reuses_the_merge_and_every_evaluation(tmp_path, cache):
 def test_a_run_reuses_the_evaluations_of_tasks_its_other_settings_cannot_change(tmp_path, cache):
     """tiny's generated tasks are 0-shot log-likelihood tasks: after a run with benchmark.num_fewshot=0, one
     with num_fewshot null and generation kwargs evaluates nothing; one with 2 shots evaluates every model."""
-    from mergeval.store import settings_hash
+    from mergeval.results.store import settings_hash
 
     store = tmp_path / "store.sqlite"
     first = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=0", cwd=tmp_path)
@@ -559,7 +559,7 @@ def test_the_results_table_shows_what_tells_a_methods_runs_apart(tmp_path, capsy
     shared ones once below the table; a method listed once shows all of its values; the CSV keeps them all."""
     import csv
 
-    from mergeval import results
+    import mergeval.results.__main__ as results
 
     store = Store(tmp_path / "r.sqlite")
     for i, lam in enumerate((0.5, 1.0, 1.5)):
@@ -596,7 +596,7 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
 
     import pyarrow.parquet as pq
 
-    from mergeval import results
+    import mergeval.results.__main__ as results
 
     store = Store(tmp_path / "r.sqlite")
     for i, method in enumerate(["ties", "linear", "ties"]):
@@ -703,7 +703,7 @@ def test_a_task_is_evaluated_once_whatever_the_other_tasks_of_the_run(tmp_path):
     assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == {"a": SCORES["a"]}  # and b is now claimed
     with sqlite3.connect(store.path) as db:
         (claimed,) = db.execute("SELECT tasks_key FROM claims").fetchone()
-    from mergeval.store import _tasks_key
+    from mergeval.results.store import _tasks_key
 
     assert claimed == _tasks_key({"b": "d2"})
     store.put_scores("fp", {"b": "d2"}, SETTINGS, {"b": SCORES["b"]}, samples_path="/s/run2.jsonl")
@@ -719,7 +719,7 @@ def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch
     import dataclasses
 
     from mergeval.methods import METHODS
-    from mergeval.store import merge_key
+    from mergeval.results.store import merge_key
 
     ties, linear = METHODS["ties"], METHODS["linear"]
     cfg_ties, cfg_linear = ties.config(), linear.config()
@@ -741,8 +741,8 @@ def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tm
     """release_memory (a full gc.collect: about 0.3 s per call in a MergeBench mini sweep) runs for a model built
     and evaluated, and for the merge, not for each constituent a later sweep job finds in the store; the tokenizer
     (2-3 s of imports) is loaded once by a run that merges or evaluates, never by one that does neither."""
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     calls, tokenizers = [], []
     monkeypatch.setattr(app, "release_memory", lambda: calls.append(1))
@@ -770,7 +770,7 @@ def test_a_store_url_that_misses_its_scheme_separator_is_refused(url, ok, tmp_pa
     """``postgres//localhost/db`` once made a new SQLite file at that relative path and the run went there."""
     from omegaconf import OmegaConf
 
-    from mergeval.store import open_store
+    from mergeval.results.store import open_store
 
     monkeypatch.chdir(tmp_path)
     cfg = OmegaConf.create({"store": {"url": url, "path": None}})
@@ -786,7 +786,7 @@ def test_a_store_url_that_misses_its_scheme_separator_is_refused(url, ok, tmp_pa
 def test_a_server_faults_fix_names_the_setting_the_location_came_from(field):
     """`results --store postgresql://...` once got "correct the host and port in store.url"."""
     pytest.importorskip("psycopg")
-    from mergeval.store_backends.postgres import connect_fault
+    from mergeval.results.backends.postgres import connect_fault
 
     line = connect_fault("postgresql://me@h/db", Exception("connection refused"), field).line()
     assert line.startswith(f"mergeval: error: {field}: ") and f"correct the host and port in {field} " in line

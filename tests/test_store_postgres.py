@@ -68,7 +68,7 @@ def scores(i: int) -> dict:
 JOB = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from mergeval.store import Store
+    from mergeval.results.store import Store
     from tests.test_store_postgres import DIGESTS, SETTINGS, scores
 
     location, sync, me, n = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -108,7 +108,7 @@ JOB = textwrap.dedent("""
 
 
 def test_two_jobs_evaluate_each_constituent_once_and_lose_no_row(store_location, tmp_path):
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     store, n = Store(store_location), 6
     sync = tmp_path / "sync"
@@ -134,7 +134,7 @@ def test_two_jobs_evaluate_each_constituent_once_and_lose_no_row(store_location,
 ELSEWHERE = textwrap.dedent("""
     import socket, sys
     socket.gethostname = lambda: "another-node"
-    from mergeval.store import Store
+    from mergeval.results.store import Store
     from tests.test_store_postgres import DIGESTS, SETTINGS
 
     store = Store(sys.argv[1], claim_timeout_s=float(sys.argv[2]))
@@ -145,7 +145,7 @@ ELSEWHERE = textwrap.dedent("""
 
 
 def test_a_dead_claimant_of_another_host_is_taken_over_after_the_timeout(store_location):
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     timeout = 3.0
     other = child(ELSEWHERE, store_location, str(timeout), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -183,8 +183,8 @@ def test_a_dead_claimant_of_another_host_is_taken_over_after_the_timeout(store_l
 
 @needs_server
 def test_results_and_report_read_a_server_store(pg_server, tmp_path, capsys):
-    from mergeval import results
-    from mergeval.store import Store
+    import mergeval.results.__main__ as results
+    from mergeval.results.store import Store
     from tests.test_report import fill_store, is_png, report_main
 
     url = pg_server.new_database()
@@ -206,8 +206,8 @@ def test_results_and_report_read_a_server_store(pg_server, tmp_path, capsys):
 def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
     from omegaconf import OmegaConf
 
-    from mergeval.errors import UserError
-    from mergeval.store import open_store
+    from mergeval.core.errors import UserError
+    from mergeval.results.store import open_store
 
     def opened(url: str) -> str:
         cfg = OmegaConf.create({"store": {"path": None, "url": url, "claim_timeout_s": 60}})
@@ -234,7 +234,7 @@ def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
 
 
 def test_the_heartbeat_ends_with_the_last_claim_or_once_renewals_failed_for_the_timeout(tmp_path):
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     store = Store(tmp_path / "r.sqlite", claim_timeout_s=0.2)
     assert store.claim_or_scores("fp", DIGESTS, SETTINGS) == {}

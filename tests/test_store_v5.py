@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from mergeval.store import _CURRENT, _NEW_IN_V2, SCHEMA_VERSION, Store
+from mergeval.results.store import _CURRENT, _NEW_IN_V2, SCHEMA_VERSION, Store
 from tests.test_store import FINISH, integrity, start
 
 

@@ -74,7 +74,7 @@ def test_pairs_scored_by_one_side_or_under_another_metric_are_mismatches(sweep_c
 
 
 def test_the_benchmark_compares_in_mergevals_precision_with_the_scorers_tolerance(sweep_cost):
-    from mergeval.precision import auto_dtype
+    from mergeval.core.precision import auto_dtype
 
     assert sweep_cost.DTYPE == auto_dtype("cpu") and ACCURACY_TOLERANCE["bfloat16"] == 0.06
     cmd = sweep_cost.lm_eval_cmd(Path("/m"), Path("/tasks"), Path("/out"))

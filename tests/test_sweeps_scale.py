@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from mergeval.config import register_configs
+from mergeval.run.config import register_configs
 from tests.child import default_signals
 
 LAMBDAS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -158,7 +158,7 @@ def test_a_sweep_killed_and_resumed_finishes_every_configuration_once(joblib_swe
     hashes = [r[0] for r in rows]
     assert len(rows) == 12 and len(set(hashes)) == 12 and None not in hashes
     assert {(method, lam) for _, method, lam, _, _ in rows} == CONFIGS
-    from mergeval.store import Store
+    from mergeval.results.store import Store
 
     Store(joblib_sweep["store"])  # opens only after its health check (quick_check and a rolled-back write)
     with sqlite3.connect(joblib_sweep["store"]) as db:
@@ -177,11 +177,11 @@ def test_a_sweep_killed_and_resumed_finishes_every_configuration_once(joblib_swe
 def test_the_config_hash_is_the_one_the_job_recorded(joblib_sweep):
     """The sweep's process hashes each job's config as the job does (progress reads the store by it), and what
     does not change a result (where it is stored, the cache, the sweep's own settings) leaves it as it is."""
-    from mergeval.resume import config_hash
+    from mergeval.run.resume import config_hash
 
     register_configs()
     recorded = {(method, lam): h for h, method, lam, _, _ in finished_rows(joblib_sweep["store"])}
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         base = ["+experiment=tiny", "benchmark.limit=8", "method=ties", "method.lambda_=1.5"]
         cfg = compose("config", overrides=[*base, f"store.path={joblib_sweep['store']}"])
         assert config_hash(cfg) == recorded[("ties", 1.5)]
@@ -215,7 +215,7 @@ def test_ray_and_joblib_give_the_same_scores(joblib_sweep, ray_sweep):
 def test_progress_counts_best_and_time_left(tmp_path):
     """The progress line from a store's finished runs: done / total, those finished before, the best on the
     chosen aggregate with its job's label, and the time left at the sweep's own rate."""
-    from mergeval.progress import SweepJob, SweepProgress
+    from mergeval.run.progress import SweepJob, SweepProgress
 
     now = 1000.0
     runs = {"a": {"finished": now - 50, "aggregates": {"macro_gain": 3.0}},  # before the sweep
@@ -247,7 +247,7 @@ def test_the_watching_thread_prints_the_time_left_while_jobs_run():
     the sweep's rate; stopping prints the last line once."""
     import io
 
-    from mergeval.progress import SweepJob, SweepProgress
+    from mergeval.run.progress import SweepJob, SweepProgress
 
     finished: dict = {}
 
@@ -277,7 +277,7 @@ def test_the_final_line_is_written_even_when_the_watching_thread_failed_to_write
     write failed does not count as printed, so the sweep's end still says where it ended."""
     import io
 
-    from mergeval.progress import SweepJob, SweepProgress
+    from mergeval.run.progress import SweepJob, SweepProgress
 
     finished: dict = {}
 
@@ -308,7 +308,7 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
     """An experiment with hydra.mode=MULTIRUN sweeps its hydra.sweeper.params: the check and the progress
     expand them as Hydra's basic sweeper does (the config's params, then the command line's, a key on both
     taking the command line's values), with or without -m."""
-    from mergeval.sweep_check import sweep_jobs
+    from mergeval.run.sweep_check import sweep_jobs
 
     register_configs()
     methods = ["cmm", "cmm_reverse", "cmm_constant", "cmm_task_arithmetic"]
@@ -328,7 +328,7 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
 def test_a_config_dir_experiments_jobs_are_found_as_hydra_composes_them(tmp_path):
     """``--config-dir DIR`` (any of its spellings) adds DIR to the search path, as Hydra does: the sweep of an
     experiment kept there is expanded; a DIR that is no directory is left to Hydra's own message."""
-    from mergeval.sweep_check import split_config_dir, sweep_jobs
+    from mergeval.run.sweep_check import split_config_dir, sweep_jobs
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(
@@ -345,8 +345,8 @@ def test_a_config_dir_experiments_jobs_are_found_as_hydra_composes_them(tmp_path
 
 def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key():
     """The config's params are opened as mergeval's sweeper opens them (``++`` for a mapping's key), the command
-    line's as mergeval.cli opens them: the same key on both is one key, the command line's values winning."""
-    from mergeval.sweep_check import expand
+    line's as mergeval.run.cli opens them: the same key on both is one key, the command line's values winning."""
+    from mergeval.run.sweep_check import expand
 
     params = {"benchmark.fewshot.mergeval_chem_count": "0,1", "method.lambda_": "0.5,1.0"}
     assert expand(["++benchmark.fewshot.mergeval_chem_count=2"], params) == [
@@ -354,7 +354,7 @@ def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"]]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from mergeval.config import open_sweeper_params
+    from mergeval.run.config import open_sweeper_params
 
     open_sweeper_params()
     open_sweeper_params()  # idempotent: the params are opened once
@@ -366,7 +366,7 @@ def test_the_slurm_preset_composes_with_its_overrides():
     """hydra/launcher=slurm is Hydra's submitit_slurm launcher with mergeval's defaults; partition, GPUs per
     task, time and array parallelism are overrides."""
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu",
                                            "hydra.launcher.gpus_per_task=2", "hydra.launcher.timeout_min=30",
                                            "hydra.launcher.array_parallelism=4"], return_hydra_config=True)
@@ -402,9 +402,9 @@ def test_submitit_local_runs_a_sweep_and_resumes_it(joblib_sweep, tmp_path):
 def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
     """A worker of a sweep whose launching process was killed alone goes on with its job: while that process
     lives, a resumed sweep leaves its configuration to it; once it is gone, the configuration runs again."""
-    from mergeval import proc
-    from mergeval.resume import running_here
-    from mergeval.store import Store
+    from mergeval.core import proc
+    from mergeval.results.store import Store
+    from mergeval.run.resume import running_here
 
     store = Store(tmp_path / "runs.sqlite")
     store.start_run("r1", experiment="tiny", method="ties", config={}, versions={}, git={}, job_dir="j",
@@ -449,7 +449,7 @@ def test_a_slurm_job_that_failed_with_one_line_is_that_line():
     the sweep prints (exit 2), not submitit's traceback."""
     from submitit.core.utils import UncompletedJobError
 
-    from mergeval.cli import explain
+    from mergeval.run.cli import explain
 
     report = UncompletedJobError("Job 12 (task: 0) with path /x/.submitit/12/12_0_result.pkl\nhas not produced "
                                  "any output (state: FINISHED)\nError stream produced:\n-----\n[HYDRA] Launching\n"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mergeval.engine import merge_tensors, merge_to_disk
-from mergeval.engine.reader import CheckpointReader
+from mergeval.merge import merge_tensors, merge_to_disk
+from mergeval.merge.reader import CheckpointReader
 from mergeval.methods import get_method
 
 HEAD = "lm_head.weight"

@@ -12,14 +12,14 @@ from hydra import compose, initialize_config_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.config import register_configs
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.metrics.groups import group_mean
-from mergeval.specs import available, check_tables, compare, evaluate_claim, load_runs, load_spec
-from mergeval.specs.numbers import Printed, corner_range, interval, meets, parse_printed
-from mergeval.specs.runs import Measured
-from mergeval.specs.tables import parse_tables
-from mergeval.verify import main
+from mergeval.run.config import register_configs
+from mergeval.verify import available, check_tables, compare, evaluate_claim, load_runs, load_spec
+from mergeval.verify.__main__ import main
+from mergeval.verify.numbers import Printed, corner_range, interval, meets, parse_printed
+from mergeval.verify.runs import Measured
+from mergeval.verify.tables import parse_tables
 from tests.child import run_module
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -100,7 +100,7 @@ def test_the_cmm_overall_metric_on_a_run_matches_the_published_derivation(tmp_pa
 def test_every_setup_composes_with_hydra(name):
     register_configs()
     spec = load_spec(name)
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for setup in spec.setups.values():
             cfg = compose("config", overrides=[f"+experiment={setup['experiment']}"])
             assert cfg.modelset.name and cfg.benchmark.name and cfg.method.name
@@ -108,7 +108,7 @@ def test_every_setup_composes_with_hydra(name):
 
 def test_the_general_cmm_setup_names_real_models_and_lm_eval_tasks():
     register_configs()
-    with initialize_config_module("mergeval.conf", version_base="1.3"):
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=cmm_general"])
     assert cfg.modelset.base == "hf:meta-llama/Llama-3.1-8B-Instruct"
     assert cfg.modelset.experts.storm.source == "hf:akjindal53244/Llama-3.1-Storm-8B"
@@ -549,7 +549,7 @@ def test_no_spec_calls_a_registered_method_missing():
     """One truth: a spec method mapped to mergeval names a registered method, and one marked missing (null) is
     not one mergeval has under that name."""
     from mergeval.methods import METHODS
-    from mergeval.specs import available, load_spec
+    from mergeval.verify import available, load_spec
 
     for name in available():
         for setup in load_spec(name).setups.values():

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from mergeval.specs import compare, evaluate_claim
-from mergeval.specs.claims import ClaimResult, parse_claims
-from mergeval.specs.formulas import parse_formula
-from mergeval.specs.runs import Measured, Run, parse_metrics
-from mergeval.verify import exit_status
+from mergeval.verify import compare, evaluate_claim
+from mergeval.verify.__main__ import exit_status
+from mergeval.verify.claims import ClaimResult, parse_claims
+from mergeval.verify.formulas import parse_formula
+from mergeval.verify.runs import Measured, Run, parse_metrics
 
 # dyadic values: every difference below is exact in binary floating point
 HALF, QUARTER, THREE_QUARTERS = 0.5, 0.25, 0.75

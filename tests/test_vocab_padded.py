@@ -35,8 +35,8 @@ def _padded(src: Path, dst: Path, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory, cache):
     """The tiny base and two experts fine-tuned from it, the experts padded by PAD rows."""
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     where = tmp_path_factory.mktemp("padded")
     built = app.run(compose_run_config(["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1",
@@ -65,8 +65,8 @@ def test_padded_experts_merge_and_evaluate_in_a_run(policy, padded, tmp_path):
     """base keeps the base's embedding as it is (MergeBench); truncate merges the shared rows. Both give the
     base's shape, so the merge evaluates in the base's architecture (truncate was refused with a reason that is
     false here)."""
-    from mergeval import app
-    from mergeval.interop.lm_eval_import import compose_run_config
+    from mergeval.run import app
+    from mergeval.run.lm_eval_import import compose_run_config
 
     cfg = compose_run_config(_overrides(padded, f"vocab_policy={policy}", "save_merged=true",
                                         f"store.path={tmp_path / 's.sqlite'}"))

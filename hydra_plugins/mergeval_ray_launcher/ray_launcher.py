@@ -24,9 +24,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -46,16 +47,16 @@ class RayLauncherConf:
 
     _target_: str = "hydra_plugins.mergeval_ray_launcher.ray_launcher.RayLauncher"
     # a running cluster to join ("auto", "ray://head:10001"); null starts a local instance for the sweep
-    address: Optional[str] = None
+    address: str | None = None
     # a local instance's resources (null: what the machine has); ignored when joining a cluster
-    num_cpus: Optional[int] = None
-    num_gpus: Optional[int] = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
     # what each job reserves: Ray runs as many jobs at once as the resources allow
     cpus_per_job: float = 1.0
     gpus_per_job: float = 0.0
     include_dashboard: bool = False
     # Ray's runtime_env for the jobs, e.g. {env_vars: {MERGEVAL_CACHE: /shared/cache}}
-    runtime_env: Dict[str, Any] = field(default_factory=dict)
+    runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="mergeval_ray", node=RayLauncherConf,
@@ -78,7 +79,7 @@ def _cancelled(signum, frame) -> None:
 
 
 def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
-                 task_function: TaskFunction, singleton_state: Dict[Any, Any], cwd: str) -> JobReturn | _Exited:
+                 task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str) -> JobReturn | _Exited:
     """One job inside a Ray worker: the sweep's working directory where it exists (relative job directories
     and paths mean what they meant in the sweep's process), Hydra's globals as in the parent, the job's
     config, Hydra's ``run_job``."""
@@ -103,17 +104,17 @@ def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext
 
 
 class RayLauncher(Launcher):
-    def __init__(self, address: Optional[str] = None, num_cpus: Optional[int] = None,
-                 num_gpus: Optional[int] = None, cpus_per_job: float = 1.0, gpus_per_job: float = 0.0,
-                 include_dashboard: bool = False, runtime_env: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, address: str | None = None, num_cpus: int | None = None,
+                 num_gpus: int | None = None, cpus_per_job: float = 1.0, gpus_per_job: float = 0.0,
+                 include_dashboard: bool = False, runtime_env: dict[str, Any] | None = None) -> None:
         self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
         self.cpus_per_job, self.gpus_per_job = cpus_per_job, gpus_per_job
         self.include_dashboard = include_dashboard
         self.runtime_env = OmegaConf.to_container(runtime_env) if isinstance(runtime_env, DictConfig) \
             else dict(runtime_env or {})
-        self.config: Optional[DictConfig] = None
-        self.task_function: Optional[TaskFunction] = None
-        self.hydra_context: Optional[HydraContext] = None
+        self.config: DictConfig | None = None
+        self.task_function: TaskFunction | None = None
+        self.hydra_context: HydraContext | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -172,7 +173,7 @@ class RayLauncher(Launcher):
         return _returns(results, job_overrides)
 
 
-def _returns(results: List[JobReturn | _Exited], job_overrides: Sequence[Sequence[str]]) -> List[JobReturn]:
+def _returns(results: list[JobReturn | _Exited], job_overrides: Sequence[Sequence[str]]) -> list[JobReturn]:
     """Hydra's JobReturns, once every job has ended; the first job that exited with a non-zero code ends the
     sweep with that code, as it would have ended the basic launcher's process."""
     codes = [r.code for r in results if isinstance(r, _Exited) and r.code != 0]

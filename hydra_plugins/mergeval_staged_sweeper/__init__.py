@@ -2,5 +2,5 @@
 
 Found by Hydra's plugin discovery (the ``hydra_plugins`` namespace package); the
 sweeper and its structured config live in ``staged_sweeper.py``, the translation
-of a sweep into a staged sweep in ``mergeval/staging/from_sweep.py``.
+of a sweep into a staged sweep in ``mergeval/staged/from_sweep.py``.
 """

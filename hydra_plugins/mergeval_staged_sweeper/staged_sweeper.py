@@ -4,12 +4,12 @@
 
 Each job of the sweep (expanded as Hydra's basic sweeper does, ``hydra.sweeper.params``
 first, then the command line) is one candidate merge of a staged sweep
-(mergeval/staging/pipeline.py): perplexity on held-out text for every candidate,
+(mergeval/staged/pipeline.py): perplexity on held-out text for every candidate,
 part of the benchmark for the best ``staged.stage1_keep``, all of it for the best
 ``staged.stage3_keep``. The stage sizes are the ``staged.*`` fields. The result is
 ``staged.json`` in the sweep directory (what ``python -m mergeval.staged`` writes),
 and every benchmark evaluation lands in the results store as a normal run's does.
-Only the method may vary between jobs (mergeval/staging/from_sweep.py).
+Only the method may vary between jobs (mergeval/staged/from_sweep.py).
 
 No launcher is used: the candidates are merged one at a time in this process.
 """
@@ -19,7 +19,7 @@ No launcher is used: the candidates are merged one at a time in this process.
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
@@ -35,29 +35,29 @@ class StagedSweeperConf:
 
     _target_: str = "hydra_plugins.mergeval_staged_sweeper.staged_sweeper.StagedSweeper"
     # the sweep as overrides, e.g. {method.lambda_: "0.5,1.0"} (as Hydra's basic sweeper's params)
-    params: Optional[Dict[str, str]] = field(default_factory=dict)
+    params: dict[str, str] | None = field(default_factory=dict)
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="staged", node=StagedSweeperConf, provider="mergeval")
 
 
 class StagedSweeper(Sweeper):
-    def __init__(self, params: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, params: dict[str, str] | None = None) -> None:
         self.params = dict(params or {})
-        self.hydra_context: Optional[HydraContext] = None
-        self.config: Optional[DictConfig] = None
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
 
-    def sweep(self, arguments: List[str]) -> Any:
-        from mergeval.cli import failing_cleanly
-        from mergeval.errors import UserError
-        from mergeval.rerun import run_command
-        from mergeval.staging import report
-        from mergeval.staging.from_sweep import SWEEPER, staged_config
-        from mergeval.staging.pipeline import run_staged
-        from mergeval.sweep_check import expand, job_label, swept_positions
+    def sweep(self, arguments: list[str]) -> Any:
+        from mergeval.core.errors import UserError
+        from mergeval.run.cli import failing_cleanly
+        from mergeval.run.rerun import run_command
+        from mergeval.run.sweep_check import expand, job_label, swept_positions
+        from mergeval.staged import report
+        from mergeval.staged.from_sweep import SWEEPER, staged_config
+        from mergeval.staged.pipeline import run_staged
 
         assert self.config is not None and self.hydra_context is not None
         out_dir = Path(self.config.hydra.sweep.dir)

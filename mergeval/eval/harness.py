@@ -18,12 +18,13 @@ import math
 import os
 from dataclasses import dataclass
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.eval.samples import collect
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampling seed, fixed so runs are comparable
+BOOTSTRAP_ITERS = 100000  # lm-eval evaluate()'s default, which mergeval uses
 BACKENDS = ("shared_prefix", "hflm", "vllm")
 
 

@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.core.paths import dir_size
 from mergeval.eval.tasks import GENERATED
-from mergeval.paths import dir_size
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from mergeval.paths import atomic_write_text
+from mergeval.core.paths import atomic_write_text
 
 
 def collect(loaded_tasks: dict, tasks: list[str]) -> dict[str, list[dict]]:

@@ -36,11 +36,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.core.paths import atomic_dir
 from mergeval.eval.metric_choice import default_metric, metric_keys, normalize_key
 from mergeval.eval.settings import PerTask
 from mergeval.eval.tasks import GENERATED, datasets_cache, task_digest, write_tasks
-from mergeval.paths import atomic_dir
 
 SHIPPED = Path(__file__).parent / "shipped"
 SHIPPED_PREFIX = "shipped:"

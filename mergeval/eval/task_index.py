@@ -72,7 +72,7 @@ def _registry_index(registry: Path, cache: Path) -> dict:
 def _load_or_build(registry: Path, cache: Path) -> dict:
     from lm_eval.tasks._index import TaskIndex
 
-    from mergeval.paths import atomic_write_bytes
+    from mergeval.core.paths import atomic_write_bytes
 
     path = cache / "lm_eval_index" / f"{_registry_key(registry)}.pickle"
     try:

@@ -28,17 +28,17 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from mergeval.errors import UserError
-from mergeval.paths import atomic_dir, atomic_write_text
-from mergeval.zoo.domains import DOMAINS, Item, eval_items
-from mergeval.zoo.experts import EVAL_POOL
-from mergeval.zoo.finetune import prompt
+from mergeval.core.errors import UserError
+from mergeval.core.paths import atomic_dir, atomic_write_text
+from mergeval.models.zoo.domains import DOMAINS, Item, eval_items
+from mergeval.models.zoo.experts import EVAL_POOL
+from mergeval.models.zoo.finetune import prompt
 
 PREFIX = "mergeval_"
 
 
 def _general(n: int) -> list[Item]:
-    from mergeval.zoo.general import general_items
+    from mergeval.models.zoo.general import general_items
 
     return general_items(0, n)
 

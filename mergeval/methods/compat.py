@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.select import top_k_mask
 
 MODES = ("paper", "mergekit")

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.registry import Needs, register
 
 SCHEDULES = ("constant", "linear", "exponential")

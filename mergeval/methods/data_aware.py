@@ -1,7 +1,7 @@
 """Data-aware merges: Fisher merging and RegMean, from each expert's calibration statistics.
 
 Both need statistics computed from each expert's own calibration data
-(``modelset.experts.<name>.calibration``; ``mergeval/calibration.py``). Before
+(``modelset.experts.<name>.calibration``; ``mergeval/merge/expert_statistics.py``). Before
 merging, ``ranking.prepare_method`` fills ``statistics`` with one cached
 directory per expert (modelset order); the merge reads one tensor's
 statistics at a time from there. A run whose experts lack calibration data is
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.registry import Needs, register_layer
 
 

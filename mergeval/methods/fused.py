@@ -40,7 +40,7 @@ import threading
 import numpy as np
 import torch
 
-from mergeval import runtime
+from mergeval.core import runtime
 
 MAX_EXPERTS = 16
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.registry import register
 

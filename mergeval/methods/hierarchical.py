@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.registry import Needs, register_layer
 
 LAYER = re.compile(r"^(.*\.layers\.\d+\.)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.registry import Needs, register, register_layer
 
 

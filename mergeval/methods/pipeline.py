@@ -30,7 +30,7 @@ import torch
 
 # omegaconf (slow to import) is imported only where a stage's method is typed: the engine and the methods
 # load without it (a merge called from Python, merge_throughput.py's child); Hydra's commands import it anyway.
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods.registry import METHODS, Needs, get_method, register
 
 

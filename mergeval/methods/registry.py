@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 
 MergeFn = Callable[[torch.Tensor, list[torch.Tensor], Any, torch.Generator], torch.Tensor]
 LayerMergeFn = Callable[[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, torch.Generator],

@@ -1,9 +1,9 @@
-"""How data-aware methods read the calibration statistics that ``mergeval.calibration`` computed.
+"""How data-aware methods read the calibration statistics that ``mergeval.merge.expert_statistics`` computed.
 
 A statistics directory holds ``stats.safetensors`` (one tensor per parameter name, or per shared key) and
 ``meta.json`` (``aliases``: parameter name -> the shared key, e.g. the q, k and v projections' one Gram
 matrix). The methods read one tensor at a time from it while they merge; computing and caching the
-statistics is ``mergeval.calibration``'s, a layer above the methods.
+statistics is ``mergeval.merge.expert_statistics``'s, a layer above the methods.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.registry import register

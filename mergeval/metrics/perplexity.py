@@ -4,7 +4,7 @@ A model scoring teacher-forced text yields, for every scored token, its
 negative log-likelihood ``nll = -ln p(token | prefix)`` (natural log, so
 ``nll >= 0``). The functions here turn those numbers into perplexities and
 into the ranking key of a sweep's first stage; they are pure (the model side
-is ``mergeval.staging.nll``).
+is ``mergeval.staged.nll``).
 """
 
 from __future__ import annotations

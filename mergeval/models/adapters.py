@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_VERSION = 1  # raise when how an adapter is applied changes: every cached application is made again
@@ -65,8 +65,8 @@ def applied_adapter(adapter_dir: Path, base_dir: Path, base_identity: str, base_
     """The full checkpoint of ``adapter_dir`` applied to ``base_dir`` (built once, then read from the cache)."""
     from blake3 import blake3
 
+    from mergeval.core.paths import atomic_dir, one_builder
     from mergeval.models.safetensors_io import cached_build_usable
-    from mergeval.paths import atomic_dir, one_builder
 
     config = adapter_config(adapter_dir, field)
     kind = str(config.get("peft_type", "")).upper()

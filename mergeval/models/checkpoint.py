@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.models.safetensors_io import REFETCH, check_checkpoint, read_config, shard_files  # noqa: F401
 
 

@@ -38,8 +38,8 @@ import torch
 from blake3 import blake3
 from safetensors import safe_open
 
+from mergeval.core.paths import atomic_write_text
 from mergeval.models.safetensors_io import read_header
-from mergeval.paths import atomic_write_text
 
 SCHEME = "blake3-128"  # in the cache's keys: a digest cached under another scheme is never returned
 

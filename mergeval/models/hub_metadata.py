@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.models.adapters import ADAPTER_CONFIG
 
 # What a run downloads of a hub model (resolve_source's allow-patterns, and the `hf download` command check prints).

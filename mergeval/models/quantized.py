@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 
 DEQUANTIZED_VERSION = 1  # raise when dequantization changes: every cached copy is made again
 SCALE_SUFFIX = "_scale_inv"
@@ -65,9 +65,9 @@ def describe(quant: dict) -> str:
 
 def dequantized(model_dir: Path, quant: dict, cache: Path, field: str) -> Path:
     """The dequantized copy of the quantized checkpoint ``model_dir`` (built once, then read from the cache)."""
+    from mergeval.core.paths import atomic_dir, one_builder
     from mergeval.models.fingerprint import fingerprint
     from mergeval.models.safetensors_io import cached_build_usable
-    from mergeval.paths import atomic_dir, one_builder
 
     block = quant.get("weight_block_size")
     if not can_dequantize(quant):

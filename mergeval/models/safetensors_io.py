@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 
 # safetensors header dtype -> torch dtype (the writer uses the inverse)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -13,9 +13,9 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
+from mergeval.core.paths import atomic_dir, one_builder
 from mergeval.models.safetensors_io import cached_build_usable
-from mergeval.paths import atomic_dir, one_builder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

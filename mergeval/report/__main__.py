@@ -16,11 +16,11 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mergeval.errors import UserError
-from mergeval.outcome import score_value
+from mergeval.core.errors import UserError
+from mergeval.core.outcome import score_value
 from mergeval.report import data, markdown
 from mergeval.report.data import add_filters, benchmark_of, parse_since
-from mergeval.store import default_store_path, open_existing
+from mergeval.results.store import default_store_path, open_existing
 
 
 def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[str] | None = None,

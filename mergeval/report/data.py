@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
-from mergeval.outcome import MERGED, score_metric, score_text, score_value
-from mergeval.store import STATUSES, Store
+from mergeval.core.outcome import MERGED, score_metric, score_text, score_value
+from mergeval.results.store import STATUSES, Store
 
 BASE = "base"
 PREFERRED_PARAMS = ("lambda_", "density")  # the hyperparameters a sweep most often varies

@@ -6,8 +6,8 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mergeval.errors import UserError
-from mergeval.paths import result_files_below
+from mergeval.core.errors import UserError
+from mergeval.core.paths import result_files_below
 
 REQUIRED = ("run_id", "created", "config", "models", "tasks", "scores", "aggregates")
 

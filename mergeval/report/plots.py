@@ -7,7 +7,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from mergeval.outcome import fixed
+from mergeval.core.outcome import fixed
 from mergeval.report.data import Pareto, Series, short
 
 DPI = 120

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from mergeval.outcome import MERGED, Outcome, fixed, score_metric, score_text, score_value
+from mergeval.core.outcome import MERGED, Outcome, fixed, score_metric, score_text, score_value
 
 
 def _cell(score: dict, bold: bool = False) -> str:

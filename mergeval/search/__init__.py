@@ -2,7 +2,7 @@
 
 The trials are scored on a **validation split** of the benchmark's generated
 tasks (held-out items disjoint from the test items, ``eval/tasks.py``), each in
-the stages of ``mergeval/staging`` (perplexity of held-out answers, then a
+the stages of ``mergeval/staged`` (perplexity of held-out answers, then a
 fraction of the validation items, then the rest), and a trial that falls
 behind at a stage is pruned. Only after tuning are the best recipe and the
 method's default scored on the **test split**, reported separately.

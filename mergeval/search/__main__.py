@@ -12,19 +12,19 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.cli import failing_cleanly, loading_modules, run_cli
+from mergeval.run.cli import failing_cleanly, loading_modules, run_cli
 
 with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
-    from mergeval.search.config import register_search_configs
+    from mergeval.search.schema import register_search_configs
 
     register_search_configs()
 
 
-@hydra.main(version_base="1.3", config_path="pkg://mergeval.conf", config_name="search_run")
+@hydra.main(version_base="1.3", config_path="pkg://mergeval.run.conf", config_name="search_run")
 def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
-    from mergeval.errors import UserError
+    from mergeval.core.errors import UserError
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):
@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> None:
         except ImportError:
             raise UserError("search", "needs Optuna, which is not installed", "pip install 'mergeval[cluster]'") \
                 from None
-        from mergeval.rerun import run_command
+        from mergeval.run.rerun import run_command
         from mergeval.search import report
         from mergeval.search.run import run_search
 
@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    from mergeval.search.config import SearchConfig
+    from mergeval.search.schema import SearchConfig
 
     run_cli(main, "mergeval.search", "Tune a merge method's coefficients with Optuna on a validation split; "
             "see search.* fields and conf/search/.", sections={"search": SearchConfig})

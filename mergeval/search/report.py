@@ -8,8 +8,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergeval.paths import atomic_write_text
-from mergeval.search.progress import signed
+from mergeval.core.paths import atomic_write_text
+from mergeval.search.monitor import signed
 from mergeval.search.run import SearchOutcome
 from mergeval.search.space import describe
 

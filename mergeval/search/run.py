@@ -26,17 +26,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergeval import proc
-from mergeval.checks import validate
-from mergeval.errors import UserError
+from mergeval.core import proc
+from mergeval.core.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks
 from mergeval.methods import get_method
+from mergeval.run.checks import validate
 from mergeval.search import study as studies
-from mergeval.search.progress import Progress, signed
+from mergeval.search.monitor import Progress, signed
 from mergeval.search.space import Space, describe, parse_space
 from mergeval.search.trials import COMPLETE, PRUNED, Scored, Stages, objective, score, stage1_value
-from mergeval.staging.cost import Cost
-from mergeval.staging.plan import stage2_limit
+from mergeval.staged.cost import Cost
+from mergeval.staged.plan import stage2_limit
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SearchOutcome:
     best_number: int | None = None
     best_is_default: bool = False  # the best trial is the seeded default (no sampled recipe beat it)
     best_fields: dict = field(default_factory=dict)  # the method fields the best recipe sets (Space.overrides)
-    run_command: str | None = None  # the best recipe as a plain run (mergeval/rerun.py; set by the command line)
+    run_command: str | None = None  # the best recipe as a plain run (mergeval/run/rerun.py; set by the command line)
     test: dict | None = None  # {"best"|"default": {scores, aggregates, fingerprint}, "constituents": ...}
     cost: dict = field(default_factory=dict)
     resumed: int = 0  # finished trials the study held before this process
@@ -64,7 +64,7 @@ class SearchOutcome:
 
 def prepare(cfg: DictConfig) -> tuple[object, Space]:
     """Every check that needs no model: the run config, the search section, the space. Returns (method, space)."""
-    from mergeval.search.config import SearchRunConfig
+    from mergeval.search.schema import SearchRunConfig
 
     validate(cfg, SearchRunConfig)
     s = cfg.search
@@ -92,13 +92,15 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
     import torch
     from transformers import AutoTokenizer
 
+    from mergeval.core.paths import cache_root
+    from mergeval.core.runtime import Laps, apply_offline, quiet_transformers
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.paths import cache_root
-    from mergeval.runtime import Laps, apply_offline, quiet_transformers
-    from mergeval.staging.heldout import heldout_items
-    from mergeval.staging.nll import answer_sequences
-    from mergeval.staging.pipeline import (
+    from mergeval.models.zoo.resolve import resolve_models
+    from mergeval.results.store import open_store
+    from mergeval.staged.heldout import heldout_items
+    from mergeval.staged.nll import answer_sequences
+    from mergeval.staged.pipeline import (
         Bench,
         HeldOut,
         Models,
@@ -107,8 +109,6 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         reference_perplexities,
         stage1_tasks,
     )
-    from mergeval.store import open_store
-    from mergeval.zoo.resolve import resolve_models
 
     quiet_transformers(cfg.verbose)
     apply_offline(cfg.offline)
@@ -271,7 +271,7 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     """The best recipe and the default on the test split, with the constituents, as ``python -m mergeval`` scores
     them (the same store keys: a default already run is not evaluated again)."""
     from mergeval.eval.suite import build_suite
-    from mergeval.staging.pipeline import Bench, constituent_scores
+    from mergeval.staged.pipeline import Bench, constituent_scores
     print("search: tuning done; scoring the best recipe and the default on the test split", flush=True)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
     bench = Bench(cfg, suite, list(cfg.benchmark.tasks), suite.digests, store, tokenizer)
@@ -279,7 +279,7 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     out = {"constituents": constituents}
     for label, recipe in (("default", outcome.baseline), ("best", outcome.best)):
         def make_model(config=recipe.config, label=label):
-            from mergeval.staging.plan import Candidate
+            from mergeval.staged.plan import Candidate
 
             typed = OmegaConf.to_object(OmegaConf.merge(stages.method.config, config))
             return models.candidate(Candidate(label, stages.method, typed, {}, "search"))

@@ -27,10 +27,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from mergeval.errors import UserError
+from mergeval.core.errors import UserError
 from mergeval.methods import MergeMethod
 from mergeval.methods.registry import expert_params, rule_params
-from mergeval.staging.plan import typed_config
+from mergeval.staged.plan import typed_config
 
 SETTINGS = ("low", "high", "log", "step", "choices", "per_expert", "depth", "match")
 HINT = "write e.g. {low: 0.2, high: 2.0}, {low: 0.01, high: 1, log: true} or {choices: [a, b]}"

@@ -6,7 +6,7 @@ database when ``store.url`` names one. A study is named by what it searches
 (method, modelset, benchmark, objective, space, validation items, evaluation
 settings) unless ``search.study`` names it; rerunning the same search loads
 it and runs only the trials still missing. A trial left ``RUNNING`` by a
-process that is provably gone (``mergeval.proc``) is marked ``FAIL`` first,
+process that is provably gone (``mergeval.core.proc``) is marked ``FAIL`` first,
 and failed trials do not count towards ``search.n_trials``.
 """
 
@@ -22,10 +22,10 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from mergeval import proc
-from mergeval.errors import UserError
-from mergeval.search.config import OBJECTIVES, PRUNERS, SAMPLERS
-from mergeval.staging.nll import NLL_VERSION
+from mergeval.core import proc
+from mergeval.core.errors import UserError
+from mergeval.search.schema import OBJECTIVES, PRUNERS, SAMPLERS
+from mergeval.staged.nll import NLL_VERSION
 
 DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trials
 
@@ -33,7 +33,7 @@ DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trial
 def storage_url(cfg: DictConfig, cache: Path) -> str:
     """SQLAlchemy URL of the results store's database, SQLite file or server (opening the store creates or
     migrates it first)."""
-    from mergeval.store import open_store
+    from mergeval.results.store import open_store
 
     return open_store(cfg, cache).sqlalchemy_url()
 

@@ -1,7 +1,7 @@
 """One recipe scored on the validation split in stages, pruned when it falls behind; what that cost.
 
 A trial's recipe is merged in memory (``staging.pipeline.Models``) and goes
-through the stages of ``mergeval/staging``, each reported to Optuna as one step:
+through the stages of ``mergeval/staged``, each reported to Optuna as one step:
 
 - step 0, stage 1: perplexity of held-out answers of the experts' own tasks
   (``staging.heldout``: items outside every task's evaluation pool and the
@@ -30,14 +30,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mergeval.core.outcome import MERGED, ModelInfo
 from mergeval.metrics.perplexity import degradation, mean_log_ratio
-from mergeval.outcome import MERGED, ModelInfo
-from mergeval.ranking import prepare_method
-from mergeval.staging.cost import Cost, benchmark_cost, perplexity_cost
-from mergeval.staging.pipeline import Bench, HeldOut, Models
-from mergeval.staging.plan import Candidate, typed_config
-from mergeval.staging.selection import combine, mean_accuracy
-from mergeval.summary import aggregate
+from mergeval.run.ranking import prepare_method
+from mergeval.run.summary import aggregate
+from mergeval.staged.cost import Cost, benchmark_cost, perplexity_cost
+from mergeval.staged.pipeline import Bench, HeldOut, Models
+from mergeval.staged.plan import Candidate, typed_config
+from mergeval.staged.selection import combine, mean_accuracy
 
 COMPLETE, PRUNED = "COMPLETE", "PRUNED"
 

@@ -1,1 +1,0 @@
-"""Formats of other tools, in and out: mergekit merge configurations (``mergekit_config``)."""

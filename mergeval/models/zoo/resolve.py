@@ -1,0 +1,85 @@
+"""A modelset resolved to checkpoint directories and fingerprints (zoo experts built on first use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from mergeval.core.errors import UserError
+from mergeval.core.outcome import ModelInfo
+from mergeval.models.adapters import applied_adapter, is_adapter
+from mergeval.models.checkpoint import check_compatible
+from mergeval.models.fingerprint import fingerprint, model_identity
+from mergeval.models.quantized import dequantized, quantization_of
+from mergeval.models.zoo.sources import resolve_source
+
+
+def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
+    """The base's directory, each expert's directory (zoo experts built here) and their ModelInfo rows.
+
+    Given models are checked for shape compatibility before any expert is fine-tuned
+    (cheap checks before minutes of work).
+    """
+    from mergeval.models.zoo.experts import expert_dir
+
+    fp_cache = cache / "fingerprints.json"
+    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
+             for name, e in cfg.modelset.experts.items() if e.source is not None}
+    base_dir = _unquantized(resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline), cache,
+                            "modelset.base")
+    given = {name: _unquantized(path, cache, f"modelset.experts.{name}.source") for name, path in given.items()}
+    if is_adapter(base_dir):
+        raise UserError("modelset.base", f"'{base_dir}' is a PEFT adapter, not a full model", "make the adapter's "
+                        "own base (base_model_name_or_path in adapter_config.json) the base and the adapter an expert")
+    models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache, field="modelset.base")]
+    for name, path in given.items():  # adapters applied to the base, once (cached)
+        if is_adapter(path):
+            given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
+                                          f"modelset.experts.{name}.source")
+    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
+    expert_dirs: dict[str, Path] = {}
+    for name, expert in cfg.modelset.experts.items():
+        if name in given:
+            path, source = given[name], expert.source
+        else:
+            path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
+                              f"modelset.experts.{name}.domain")
+            source = f"finetune:{expert.domain}"
+        expert_dirs[name] = path
+        models.append(_info(name, source, path, base_dir, fp_cache, expert.task, f"modelset.experts.{name}"))
+        _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
+    check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
+    return base_dir, expert_dirs, models
+
+
+def _unquantized(path: Path, cache: Path, field: str) -> Path:
+    """``path``, or its dequantized copy when config.json says it is quantized (models/quantized.py)."""
+    quant = quantization_of(path)
+    return path if quant is None else dequantized(path, quant, cache, field)
+
+
+def _info(role: str, source: str, path: Path, base_dir: Path, fp_cache: Path, task: str | None = None,
+          field: str = "modelset") -> ModelInfo:
+    """A model's row: its weights' fingerprint and its identity as a run evaluates it (its own config, the
+    base's tokenizer: every model of a run is evaluated with the tokenizer the merge has). A damaged
+    checkpoint is reported under ``field``."""
+    weights = fingerprint(path, fp_cache, field)
+    return ModelInfo(role, source, model_identity(weights, path, base_dir), str(path), task, weights=weights)
+
+
+def _refuse_a_copy(models: list[ModelInfo]) -> None:
+    """The last expert of ``models`` must differ (by its weights) from the base and from every earlier expert.
+
+    A copy of the base has a zero task vector, and its "does not beat the base" warning sent users to train it
+    longer; a second copy of an expert silently counts its task vector twice. Both are modelset mistakes."""
+    last = models[-1]
+    first = next((m for m in models[:-1] if m.weights == last.weights), None)
+    if first is None:
+        return
+    if first.role == "base":
+        raise UserError(f"modelset.experts.{last.role}", f"is the base model itself ({last.source}): its task "
+                        "vector is zero", "point it at a model fine-tuned from the base")
+    raise UserError(f"modelset.experts.{last.role}", f"is the same model as expert {first.role} ({last.source})",
+                    f"point one of them at another model, or remove {last.role} (a larger share of one expert is "
+                    "a weight: method.weights)")

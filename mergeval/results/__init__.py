@@ -1,0 +1,2 @@
+"""The results store (SQLite or PostgreSQL) and its command, ``python -m mergeval.results``.
+"""

@@ -1,0 +1,395 @@
+"""mergekit merge configurations (YAML) in and out, with ``compat=mergekit`` semantics.
+
+In: ``python -m mergeval mergekit=PATH`` (or ``python -m mergeval.merge mergekit=PATH output=DIR``)
+replaces the run's method and modelset by the file's:
+
+    merge_method            the method of the same name, compat=mergekit
+    base_model, models      modelset.base and modelset.experts (a local directory if it exists
+                            relative to the working directory, else hf:<id>); for slerp the model
+                            that is not the base is the expert; for linear without base_model the
+                            first model is the base and is averaged with the others (include_base)
+    parameters (global)     lambda -> lambda_, rescale true/false -> l1/none, normalize, t,
+                            filter_wise, select_topk, density, gamma, epsilon, weight; int8_mask
+                            (no numeric effect) is accepted
+    models[i].parameters    weight, density, gamma, epsilon: expert i's own values (rules with
+                            expert: i, after the global ones, so they win as in mergekit)
+    a gradient [a, b, ...]  a rule {match: '*', <param>: [a, b, ...]} (same depth t as mergekit)
+    filters [{filter: f, value: v}, ...]
+                            rules {match: '*f*'}, listed in reverse so that the first matching
+                            filter wins, as in mergekit; per-model ones carry ``expert: i``
+    out_dtype (else dtype)  out_dtype: the dtype the merged model is written in, as in mergekit
+                            (which writes in dtype when out_dtype is absent); float32, bfloat16,
+                            float16 and their short names. dtype, mergekit's working precision, is
+                            not applied: mergeval merges in float32 (a note says so when it is
+                            lower; mergekit's result then differs by its roundings)
+    tokenizer_source        null or base (mergeval keeps the base's tokenizer)
+
+Anything else (slices, modules, passthrough and the methods mergeval lacks, tokenizer:,
+chat_template, union or another model's tokenizer, LoRA or revision model references, a
+parameter the method does not have) is a UserError naming the key.
+
+Out: ``to_mergekit`` writes the mergekit configuration of a merge when mergekit can express it
+exactly: compat=mergekit (or linear / task_arithmetic, the same in both modes) and rules whose
+globs are '*' or '*<substring>*'; else it returns None.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mergeval.core.errors import UserError
+from mergeval.models.zoo.sources import looks_like_path
+
+METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
+           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap")
+SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", "nearswap")  # nearswap has one mode: mergekit's
+PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
+RENAME = {"lambda": "lambda_"}
+NO_EFFECT = ("int8_mask",)
+# mergekit's top-level keys mergeval does not support: (what they do, the fix)
+UNSUPPORTED_TOP = {
+    "slices": ("layer slices (frankenmerges)", "merge whole models with models:"),
+    "modules": ("per-module merges", "merge whole models with models:"),
+    "tokenizer": ("tokenizer construction", "drop tokenizer: (the merge keeps the base's tokenizer), or build the "
+                  "tokenizer with mergekit"),
+    "chat_template": ("chat template replacement", "drop chat_template: (the merge keeps the base's template); set "
+                      "another in the merged model's tokenizer_config.json"),
+}
+
+
+# ---------------------------------------------------------------- in
+
+
+def load(path: str | Path) -> dict:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError("mergekit", f"no such file '{path}'", "give the path of a mergekit YAML configuration")
+    try:
+        doc = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise UserError("mergekit", f"'{path}' is not valid YAML ({str(err).splitlines()[0]})",
+                        "fix the file") from None
+    if not isinstance(doc, dict):
+        raise UserError("mergekit", f"'{path}' does not hold a mapping", "write a mergekit configuration")
+    return doc
+
+
+def _source(ref: Any, field: str) -> str:
+    if not isinstance(ref, str) or not ref:
+        raise UserError(field, f"must be a model path or Hugging Face id, got {ref!r}", "write it as a string")
+    if "+" in ref:
+        raise UserError(field, f"'{ref}' applies a LoRA adapter, which mergeval cannot load",
+                        "merge the adapter into the model first")
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        return str(local.resolve())
+    if looks_like_path(ref):
+        raise UserError(field, f"no such model directory '{local}'",
+                        "point it at a directory with config.json and *.safetensors, or give a Hugging Face id")
+    if "@" in ref:
+        raise UserError(field, f"'{ref}' pins a revision, which mergeval's sources cannot",
+                        "download that revision and give its directory")
+    return f"hf:{ref}"
+
+
+def _not_a_parameter(field: str, param: str, method: str, known) -> UserError:
+    """A parameter the method does not have: the nearest known name when it looks like a typo."""
+    import difflib
+
+    near = difflib.get_close_matches(param, [p for p in (*known, *RENAME) if p not in RENAME.values()], n=1)
+    return UserError(field, f"is not a parameter of {method}",
+                     f"did you mean {near[0]}?" if near else f"remove it (mergekit's {method} has no {param})")
+
+
+def _glob(filter_: str | None) -> str:
+    if filter_ in (None, "*"):
+        return "*"
+    return "*" + "".join(f"[{c}]" if c in "*?[" else c for c in filter_) + "*"
+
+
+def _setting(value: Any, field: str) -> list[tuple[str, Any]]:
+    """A mergekit setting -> [(glob, scalar or gradient)] in mergeval's rule order (last match wins)."""
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = []
+        for j, cond in enumerate(value):
+            if set(cond) - {"filter", "value"} or "value" not in cond:
+                raise UserError(f"{field}[{j}]", "a filter entry holds exactly value and an optional filter",
+                                "write {filter: mlp, value: 0.5}")
+            out.append((_glob(cond.get("filter")), _scalar_or_gradient(cond["value"], f"{field}[{j}].value")))
+        return out[::-1]
+    return [("*", _scalar_or_gradient(value, field))]
+
+
+def _scalar_or_gradient(value: Any, field: str) -> Any:
+    number = (int, float)
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, number) or (isinstance(value, list) and value and
+                                     all(isinstance(v, number) and not isinstance(v, bool) for v in value)):
+        return value
+    raise UserError(field, f"unsupported value {value!r}", "use a number, a list of numbers or filter entries")
+
+
+def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[str]]:
+    """(method config dict, modelset dict, notes) for a mergekit configuration (module docstring)."""
+    from mergeval.methods import get_method
+
+    for key, (what, fix) in UNSUPPORTED_TOP.items():
+        if doc.get(key):
+            raise UserError(f"{where}.{key}", f"{what} has no mergeval counterpart", fix)
+    known = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
+             "slices", "modules", "tokenizer", "chat_template", "name"}
+    for key in doc:
+        if key not in known:
+            raise UserError(f"{where}.{key}", "is not a mergekit configuration key mergeval knows",
+                            f"use: {', '.join(sorted(known))}")
+    name = doc.get("merge_method")
+    if name not in METHODS:
+        raise UserError(f"{where}.merge_method", f"'{name}' has no mergeval counterpart",
+                        f"mergeval runs: {', '.join(METHODS)}")
+    models = doc.get("models") or []
+    if not isinstance(models, list) or not models:
+        raise UserError(f"{where}.models", "lists no models", "list the models to merge under models:")
+    entries = []
+    for i, m in enumerate(models):
+        m = {"model": m} if isinstance(m, str) else m
+        if not isinstance(m, dict) or "model" not in m or set(m) - {"model", "parameters"}:
+            raise UserError(f"{where}.models[{i}]", "must hold model and optional parameters",
+                            "write - model: PATH_OR_ID")
+        entries.append((str(m["model"]), m.get("parameters") or {}, f"{where}.models[{i}]"))
+    base_ref = doc.get("base_model")
+    notes = []
+    tok = doc.get("tokenizer_source")
+    if tok not in (None, "base") and tok != base_ref:
+        raise UserError(f"{where}.tokenizer_source", f"'{tok}': mergeval keeps the base model's tokenizer",
+                        "remove tokenizer_source or set it to base")
+    for key in ("dtype", "out_dtype"):  # before any note about them is printed
+        if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
+            raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
+    if doc.get("dtype") not in (None, "float32", "fp32"):
+        notes.append(f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
+                     f"{doc['dtype']}, so its tensors differ by that rounding)")
+
+    include_base = False
+    if name == "linear" and base_ref is None:
+        base_ref, include_base = entries[0][0], True
+    elif base_ref is None:
+        raise UserError(f"{where}.base_model", f"{name} needs a base model", "set base_model")
+    elif name == "linear":
+        include_base = any(ref == base_ref for ref, _, _ in entries)
+    if include_base:  # the base is averaged as a model: its parameters (weight) come first
+        base_entry = next(e for e in entries if e[0] == base_ref)
+        experts = [e for e in entries if e is not base_entry]
+        weighted = [base_entry] + experts
+    else:
+        experts = weighted = [e for e in entries if e[0] != base_ref]
+    if not experts:
+        raise UserError(f"{where}.models", "lists no model besides the base", "add the models to merge")
+
+    method = get_method(name)
+    names = {f.name for f in fields(method.config)}
+    cfg: dict[str, Any] = {"name": name, "compat": "mergekit"}
+    if include_base:
+        cfg["include_base"] = True
+    rules: list[dict] = []  # global ones first, then per-model ones: later rules win, so a model's own value does
+    weights_given = [False] * len(weighted)
+
+    def put(param: str, value: Any, field: str, expert: int | None) -> None:
+        target = RENAME.get(param, param)
+        if param in NO_EFFECT:
+            return
+        if target not in names and not (param == "weight" and "weights" in names):
+            raise _not_a_parameter(field, param, name, names)
+        for glob, v in _setting(value, field):
+            if isinstance(v, str) or isinstance(v, bool):
+                if glob != "*" or expert is not None:
+                    raise UserError(field, "a switch cannot vary by tensor or model in mergeval",
+                                    "give it once, unfiltered, under the global parameters")
+                cfg[target] = ("l1" if v else "none") if target == "rescale" else v
+                continue
+            if param == "weight" and expert is None and glob == "*" and not isinstance(v, list):
+                cfg["weights"], weights_given[:] = [float(v)] * len(weighted), [True] * len(weighted)
+            elif param == "weight" or expert is not None:
+                for i in ([expert] if expert is not None else range(len(weighted))):
+                    weights_given[i] = weights_given[i] or param == "weight"
+                    rules.append({"match": glob, "expert": i, param if param == "weight" else target: v})
+            elif glob == "*" and not isinstance(v, list):
+                cfg[target] = float(v)
+            else:
+                rules.append({"match": glob, target: v})
+
+    for key, value in (doc.get("parameters") or {}).items():
+        put(key, value, f"{where}.parameters.{key}", None)
+    for i, (_, params, field) in enumerate(weighted):
+        for key, value in params.items():
+            if key not in PER_MODEL and RENAME.get(key, key) not in names and key not in NO_EFFECT:  # a typo
+                raise _not_a_parameter(f"{field}.parameters.{key}", key, name, PER_MODEL)
+            if key not in PER_MODEL:
+                raise UserError(f"{field}.parameters.{key}", "mergekit reads it only from the global parameters",
+                                f"move {key} under parameters:")
+            put(key, value, f"{field}.parameters.{key}", i)
+    if "weights" in names:
+        missing = [i for i, given in enumerate(weights_given) if not given]
+        if missing:
+            raise UserError(f"{weighted[missing[0]][2]}.parameters.weight", f"mergekit's {name} needs a weight for "
+                            "every model", "add weight: 1.0")
+    if rules:
+        cfg["rules"] = rules
+    stem = f"mergekit_{name}"
+    modelset = {"name": stem, "base": _source(base_ref, f"{where}.base_model"),
+                "experts": _expert_names([(ref, field) for ref, _, field in experts])}
+    return cfg, modelset, notes
+
+
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def output_dtype(doc: dict, where: str = "mergekit") -> str | None:
+    """The dtype name mergekit would write the merge in: out_dtype, else dtype, else None (the inputs')."""
+    key = "out_dtype" if doc.get("out_dtype") is not None else "dtype"
+    value = doc.get(key)
+    if value is None:
+        return None
+    if value not in DTYPE_NAMES:
+        raise UserError(f"{where}.{key}", f"unknown dtype '{value}'", f"use one of: {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[value]
+
+
+def _expert_names(refs: list[tuple[str, str]]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for ref, field in refs:
+        stem = "".join(c if c.isalnum() or c in "_-" else "_" for c in Path(ref.rstrip("/")).name) or "model"
+        key, k = stem, 2
+        while key in out:
+            key, k = f"{stem}_{k}", k + 1
+        out[key] = {"source": _source(ref, f"{field}.model")}
+    return out
+
+
+_NOTED: set[str] = set()
+
+
+def apply(cfg) -> None:
+    """Replace ``cfg.method`` and ``cfg.modelset`` in place by the file named in ``cfg.mergekit`` (if any)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from mergeval.methods import get_method
+    from mergeval.run.config import ModelsetConfig
+
+    path = cfg.get("mergekit")
+    if not path:
+        return
+    doc = load(path)
+    method_cfg, modelset, notes = from_mergekit(doc)
+    for note in notes:
+        if note not in _NOTED:  # a job applies the file before it starts, and validate again
+            _NOTED.add(note)
+            print(f"note: {note}", file=sys.stderr)
+    schema = get_method(method_cfg["name"]).config
+    written = output_dtype(doc)
+    with open_dict(cfg):
+        cfg.method = OmegaConf.merge(OmegaConf.structured(schema), method_cfg)
+        cfg.modelset = OmegaConf.merge(OmegaConf.structured(ModelsetConfig), modelset)
+        if cfg.get("out_dtype") is None:  # an out_dtype given on the command line wins over the file's
+            cfg.out_dtype = written
+
+
+# ---------------------------------------------------------------- out
+
+
+def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> dict | None:
+    """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors.
+    ``out_dtype``: the dtype the merge is written in (None: the inputs')."""
+    from mergeval.methods.registry import rule_items
+
+    name = method_cfg.name
+    if name not in METHODS or (getattr(method_cfg, "compat", "paper") != "mergekit"
+                               and name not in SAME_IN_BOTH_MODES):
+        return None
+    if getattr(method_cfg, "sign_rule", "sum") != "sum":
+        return None
+    shared: dict[str, Any] = {}
+    own: list[dict[str, Any]] = [{} for _ in range(len(experts) + (1 if getattr(method_cfg, "include_base", False)
+                                                                     else 0))]
+    names = {f.name for f in fields(method_cfg)}
+    for f in ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon"):
+        value = getattr(method_cfg, f, None)
+        if f in names and value is not None:
+            shared[{"lambda_": "lambda"}.get(f, f)] = value
+    rescale = getattr(method_cfg, "rescale", None)
+    if rescale is not None:
+        shared["rescale"] = rescale == "l1"
+    if "weights" in names:
+        from mergeval.methods.compat import expert_value
+        for i in range(len(own)):
+            own[i]["weight"] = expert_value(method_cfg, "weight", i)
+            for p in PER_MODEL[1:]:
+                pe = (getattr(method_cfg, "per_expert", None) or [])
+                if i < len(pe) and pe[i] and pe[i].get(p) is not None:
+                    own[i][p] = pe[i][p]
+        for p in PER_MODEL[1:]:  # every model has its own: mergekit never reads the global one
+            if own and all(p in o for o in own) and not isinstance(shared.get(p), list):
+                shared.pop(p, None)
+    for rule in getattr(method_cfg, "rules", None) or []:
+        match, params = rule_items(rule)
+        expert = params.pop("expert", None)
+        if not (match == "*" or (match.startswith("*") and match.endswith("*") and len(match) > 2
+                                 and not any(c in match[1:-1] for c in "*?["))):
+            return None
+        filt = None if match == "*" else match[1:-1]
+        for p, v in params.items():
+            target = own[expert] if expert is not None else shared
+            key = {"lambda_": "lambda"}.get(p, p)
+            entries = target.get(key)
+            entries = entries if isinstance(entries, list) and entries and isinstance(entries[0], dict) else (
+                [] if entries is None else [{"value": entries}])
+            # mergeval: the last matching rule wins; mergekit: the first filter -> put the rule first
+            entries.insert(0, {"filter": filt, "value": v} if filt else {"value": v})
+            target[key] = entries
+    for target in [shared, *own]:
+        for key, entries in target.items():
+            if isinstance(entries, list) and entries and isinstance(entries[0], dict):
+                cut = next((j for j, e in enumerate(entries) if "filter" not in e), len(entries) - 1)
+                target[key] = entries[:cut + 1]  # entries after an unfiltered one are never reached
+    paths = ([base] if getattr(method_cfg, "include_base", False) else []) + list(experts)
+    models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
+    doc: dict[str, Any] = {"merge_method": name}
+    if name in ("slerp", "nearswap"):  # mergekit lists the base among the models it interpolates
+        models = [{"model": base}] + models
+    if name != "linear":
+        doc["base_model"] = base
+    doc.update({"models": models, "parameters": shared, "dtype": "float32"})
+    if out_dtype is not None:
+        doc["out_dtype"] = out_dtype
+    return doc
+
+
+def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> Path | None:
+    """Write ``to_mergekit``'s configuration as YAML at ``path`` (nothing when mergekit cannot express it)."""
+    from mergeval.core.paths import atomic_write_text
+
+    doc = to_mergekit(method_cfg, base, experts, out_dtype)
+    if doc is None:
+        return None
+    atomic_write_text(path, "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
+                      + yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def write_for_run(path: Path, cfg, models) -> Path | None:
+    """``write`` for a run: the method of ``cfg`` over its models (``ModelInfo``: role base, the experts by name)."""
+    from omegaconf import OmegaConf
+
+    paths = {m.role: m.path for m in models}
+    experts = [paths.get(name) for name in cfg.modelset.experts]
+    if paths.get("base") is None or None in experts:
+        return None
+    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts, cfg.get("out_dtype"))

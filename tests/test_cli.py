@@ -387,37 +387,6 @@ run_cli(main)
     assert plain.stdout.split("frozen at exit:")[1].strip() == "0"  # without run_cli nothing is frozen
 
 
-ENDING = """
-import atexit, os, sys, threading, time
-from mergeval.run.cli import loading_modules, run_cli
-if os.environ["AS"] != "library":
-    with loading_modules("__main__"):  # as a command module that is the program marks its process
-        pass
-class Teardown:
-    def __del__(self):
-        print(" torn down", end="", flush=True)
-kept = Teardown()
-atexit.register(lambda: print(" atexit", end=""))
-def main():
-    print("done", end="")  # no newline: what the exit flushes
-    if os.environ["AS"] == "thread":
-        threading.Thread(target=lambda: (time.sleep(0.3), print(" thread ended", end=""))).start()
-sys.argv = ["mergeval"]
-run_cli(main)
-"""
-
-
-@pytest.mark.parametrize("mode,printed", [("command", "done atexit"),
-                                          ("thread", "done thread ended atexit torn down"),
-                                          ("library", "done atexit torn down")])
-def test_a_finished_command_ends_without_the_interpreters_teardown(mode, printed, tmp_path):
-    """cli.end_finished: the atexit handlers run and the output is flushed, the modules' teardown is skipped;
-    not while another thread runs (the ordinary exit waits for it), nor where mergeval is not the program."""
-    done = subprocess.run([sys.executable, "-c", ENDING], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "AS": mode}, check=False)
-    assert (done.returncode, done.stdout) == (0, printed), done.stderr[-2000:]
-
-
 def collections_at_exit(program: str, cwd: Path) -> str:
     """Run ``program`` in a new interpreter that counts the collector's full passes; the line it prints at exit."""
     counting = """

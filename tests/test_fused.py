@@ -241,47 +241,6 @@ def test_smaller_tensors_take_the_kernels_once_loaded_and_loading_them_runs_no_c
     assert out.stdout.split() == ["False", "False", "True", "False", "0", "True"], out.stdout + out.stderr[-2000:]
 
 
-SCIPY = """
-import sys
-from mergeval.core import runtime
-runtime.command_process = True  # as cli.loading_modules marks a command's process
-from mergeval.methods import fused
-assert fused.available()
-probed = "scipy.linalg" in sys.modules
-import scipy.linalg
-print(probed, scipy.linalg.__name__)
-"""
-
-
-@pytest.mark.skipif(not fused.available(), reason="numba is not installed")
-def test_a_command_loads_the_kernels_without_numbas_blas_probe():
-    """numba's registries import scipy.linalg to probe for a BLAS the kernels never use (0.09 s and a spinning
-    OpenBLAS thread); in a command's process the load skips it, and scipy.linalg imports as usual afterwards."""
-    out = subprocess.run([sys.executable, "-c", SCIPY], capture_output=True, text=True, timeout=300, check=False)
-    assert out.stdout.split() == ["False", "scipy.linalg"], out.stdout + out.stderr[-2000:]
-
-
-THREADED = """
-import threading
-from mergeval.methods import fused
-seen = []
-with fused._numba_blas_probe_skipped():
-    try:
-        import scipy.linalg
-    except ImportError:
-        seen.append("refused here,")
-    other = threading.Thread(target=lambda: seen.append(__import__("scipy.linalg").linalg.__name__))
-    other.start()
-    other.join()
-print(*seen)
-"""
-
-
-def test_only_the_loading_thread_is_kept_from_importing_scipy_linalg():
-    out = subprocess.run([sys.executable, "-c", THREADED], capture_output=True, text=True, timeout=300, check=False)
-    assert out.stdout.strip() == "refused here, scipy.linalg", out.stdout + out.stderr[-2000:]
-
-
 def stable_sort_placed(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor:
     """The definition: by_rank placed at each entry's position in a stable ascending sort of |rows| per row."""
     out = torch.empty(rows.shape)

@@ -352,14 +352,48 @@ def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key
     assert expand(["++benchmark.fewshot.mergeval_chem_count=2"], params) == [
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=0.5"],
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"]]
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from mergeval.run.config import open_key
 
-    from mergeval.run.config import open_sweeper_params
+    assert [open_key(key) for key in params] == ["++benchmark.fewshot.mergeval_chem_count", "method.lambda_"]
 
-    open_sweeper_params()
-    open_sweeper_params()  # idempotent: the params are opened once
-    sweeper = BasicSweeper(max_batch_size=None, params=params)
-    assert sweeper._parse_config() == ["++benchmark.fewshot.mergeval_chem_count=0,1", "method.lambda_=0.5,1.0"]
+
+def test_mergevals_commands_sweep_with_mergevals_basic_sweeper_and_other_apps_keep_hydras(tmp_path):
+    """hydra/sweeper=basic is mergeval's (Hydra's, with its params opened) once mergeval's schema is registered,
+    as every mergeval command does before Hydra scans its plugins; a process that never registers it (another
+    Hydra application) keeps Hydra's own. Choosing another sweeper still works."""
+    (tmp_path / "config.yaml").write_text("a: 1\n")  # another application's config
+    program = """
+import sys
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.plugins import Plugins
+if sys.argv[1] == "mergeval":
+    from mergeval.run.config import register_configs
+    register_configs()
+Plugins.instance()  # the plugin scan, as hydra.main runs it
+app = (initialize_config_module("mergeval.run.conf", version_base="1.3") if sys.argv[1] == "mergeval"
+       else initialize_config_dir(sys.argv[2], version_base="1.3"))
+with app:
+    print(compose("config", return_hydra_config=True).hydra.sweeper._target_)
+    print(compose("config", overrides=["hydra/sweeper=staged"], return_hydra_config=True).hydra.sweeper._target_)
+"""
+    ours, other = (subprocess.run([sys.executable, "-c", program, who, str(tmp_path)], cwd=tmp_path,
+                                  capture_output=True, text=True, check=True).stdout.split()
+                   for who in ("mergeval", "other"))
+    assert ours[0] == "hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper", ours
+    assert other[0] == "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", other
+    assert ours[1] == other[1] == "hydra_plugins.mergeval_staged_sweeper.staged_sweeper.StagedSweeper"
+
+
+def test_a_commands_own_sections_are_opened_in_its_sweeps():
+    from omegaconf import OmegaConf
+
+    from mergeval.run.config import RunConfig, open_key, sweep_sections
+    from mergeval.search.schema import SearchConfig, SearchRunConfig
+
+    assert sweep_sections(OmegaConf.structured(SearchRunConfig)) == {"search": SearchConfig}
+    assert sweep_sections(OmegaConf.structured(RunConfig)) == {}
+    assert open_key("eval.gen_kwargs.max_gen_toks=5") == "++eval.gen_kwargs.max_gen_toks=5"
+    assert open_key("eval.dtype=float32") == "eval.dtype=float32"
 
 
 def test_the_slurm_preset_composes_with_its_overrides():

@@ -101,39 +101,6 @@ def peak_device_memory() -> dict | None:
             "reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
 
 
-_FREEZE_SURVIVORS = False  # inside survivors_frozen(): release_memory freezes what its collection leaves
-
-
-@contextmanager
-def survivors_frozen():
-    """A run's scope, in which each ``release_memory`` collection walks only the objects made since the last.
-
-    A full collection walks every tracked object of the process, most of them made by importing torch,
-    transformers and lm-eval (hundreds of thousands of objects, each walk a noticeable pause), and a run
-    collects after each model it releases. Inside this block, ``release_memory`` hands what survives its
-    collection to ``gc.freeze``: at that point no model is alive (the released one has just been freed),
-    so what survives is the imports and the run's own state, which live to the run's end anyway. The next
-    collection then walks only what was made since: the next model and its evaluation. The block freezes
-    what exists at its start too (no model of this run exists yet; in a sweep, the earlier jobs' imports),
-    so a sweep job's first collection is as cheap. At the block's end ``gc.unfreeze`` gives everything back
-    to the collector, so nothing is kept beyond the run: a cycle that was garbage at a freeze is collected
-    by the first collection after the block. Inside the block a collection costs in proportion to what the
-    run made since the last one, not to everything the process has imported (only a process's first run's
-    first collection still walks the imports that run made).
-    """
-    import gc
-
-    global _FREEZE_SURVIVORS
-    outer, _FREEZE_SURVIVORS = _FREEZE_SURVIVORS, True
-    gc.freeze()
-    try:
-        yield
-    finally:
-        _FREEZE_SURVIVORS = outer
-        if not outer:
-            gc.unfreeze()
-
-
 def release_memory() -> None:
     """Give the memory of a released model back to the operating system.
 
@@ -148,8 +115,6 @@ def release_memory() -> None:
     import gc
 
     gc.collect()
-    if _FREEZE_SURVIVORS:
-        gc.freeze()  # later collections in this run skip what survived (survivors_frozen)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():  # the caching allocator keeps freed device memory too
         torch.cuda.empty_cache()

@@ -28,19 +28,13 @@ this file (numba's ``cache=True``), so a machine compiles each kernel once.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-import importlib.abc
 import math
 import os
-import sys
-import threading
 
 import numpy as np
 import torch
-
-from mergeval.core import runtime
 
 MAX_EXPERTS = 16
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks
@@ -82,53 +76,20 @@ def _kernels():
     """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba.
 
     Loaded with the garbage collector paused: numba's import and its CPU target's registries (loaded here,
-    not in the first kernel call; their BLAS probe imports scipy.linalg) make objects that live as long as the
-    process, and the collections they set off (young, middle and full ones, even after a command's start
-    froze torch's) would walk them again and again while the load runs. In a command's process numba's BLAS
-    probe is skipped (``_numba_blas_probe_skipped``). A merge loads them before its workers start
+    not in the first kernel call) make objects that live as long as the process, and the collections they
+    set off (young, middle and full ones, even after a command's start froze torch's) would walk them again
+    and again while the load runs. A merge loads them before its workers start
     (``execute._load_kernels_first``)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with _numba_blas_probe_skipped() if runtime.command_process else contextlib.nullcontext():
-            from mergeval.methods import fused_kernels
+        from mergeval.methods import fused_kernels
 
-            _load_registries()
+        _load_registries()
     finally:
         if was_enabled:
             gc.enable()
     return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
-
-
-class _NoScipyLinalg(importlib.abc.MetaPathFinder):
-    """An import finder under which ``scipy.linalg`` and its submodules cannot be imported by the thread that
-    made it (another thread's imports go on as usual)."""
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-
-    def find_spec(self, name, path=None, target=None):
-        if threading.get_ident() == self.thread and (name == "scipy.linalg" or name.startswith("scipy.linalg.")):
-            raise ImportError(f"{name}: not imported while mergeval loads its kernels")
-        # anything else: None, the next finder's
-
-
-@contextlib.contextmanager
-def _numba_blas_probe_skipped():
-    """Inside the block, importing scipy.linalg from this thread fails (unless it is already imported).
-
-    Why: numba's registries (``numba.np.arraymath``) probe for a BLAS by importing scipy.linalg, which these kernels
-    never call: the import costs time, and scipy's OpenBLAS starts a thread that spins on the core the merge's second
-    worker is about to take, so the merge starts later (``benchmarks/merge_throughput.py`` measures it). What numba
-    gives up: its np.correlate and np.convolve then take numba's own loop instead of BLAS's dot in this process (np.dot
-    and np.linalg import scipy.linalg when first compiled, after the block). Used only in a command's process
-    (``runtime.command_process``), which runs no one else's compiled code."""
-    finder = _NoScipyLinalg()
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
 
 
 def _load_registries() -> None:

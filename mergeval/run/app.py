@@ -29,7 +29,6 @@ from mergeval.core.runtime import (
     quiet_transformers,
     release_memory,
     reset_device_memory_peak,
-    survivors_frozen,
 )
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
@@ -92,8 +91,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
                     job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
     reset_device_memory_peak()
     try:
-        with survivors_frozen():  # each collection after a released model walks only what the run made since
-            outcome = _execute(cfg, out_dir, store)
+        outcome = _execute(cfg, out_dir, store)
     except BaseException as err:
         _record_end(store, run_id, err, release=True)
         raise

@@ -10,8 +10,8 @@ and the process ends at once (``end_now``).
 A multirun (``-m``) composes and checks every job's config before the first
 job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead. A command's
 start loads its modules with the cyclic garbage collector paused (``loading_modules``), and its
-exit skips the interpreter's last garbage collection (``skip_final_collection``) and, once it has finished,
-the interpreter's teardown (``end_finished``).
+exit skips the interpreter's last garbage collection (``skip_final_collection``): each saves more than a
+twentieth of a 1.1B-parameter merge (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -229,7 +229,6 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "", sections: di
     and their schemas (mergeval.search's ``search``), whose mappings take new keys as the run config's do."""
     atexit.register(skip_final_collection)
     _run_cli(hydra_main, entry, summary, sections)
-    end_finished()
 
 
 @contextmanager
@@ -271,33 +270,13 @@ def skip_final_collection() -> None:
     gc.freeze()
 
 
-def end_finished() -> None:
-    """End a command's process that finished its work as ``end_now(0)`` does, without the interpreter's teardown;
-    returns (the ordinary exit follows) where this process is not a command (``runtime.command_process``) or
-    another non-daemon thread still runs, which the ordinary exit would wait for.
-
-    Why: after the last collection is skipped (``skip_final_collection``), the teardown still takes each module's
-    objects apart one by one, torch's, numba's and the BLAS libraries' included, to free memory that the process's end
-    hands back anyway, several times as long as ending at once. What a command promises is done by then: its files,
-    stores and directories closed, and the atexit handlers (logging's flush, weakref finalizers such as temporary
-    directories') still run; only objects' own ``__del__`` at teardown is skipped, which Python does not promise at exit
-    either."""
-    import threading
-
-    if not runtime.command_process:
-        return
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        return
-    end_now(0)
-
-
 def end_now(status: int) -> NoReturn:
     """End an interrupted command (or one a failure stopped mid-merge) with ``status`` once its own cleanup is
     done: the atexit handlers run (logging's flush, Ray's shutdown, weakref finalizers), output is flushed, and
     the process ends without the interpreter's teardown.
 
     Why: a merge stopped early leaves its worker threads to finish the units they were merging
-    (``engine.execute.run_plan``), and the teardown would wait for them (as long as the slowest unit, DELLA's ranks over
+    (``merge.execute.run_plan``), and the teardown would wait for them (as long as the slowest unit, DELLA's ranks over
     a whole embedding, takes; an 8B Llama's has 19 times SmolLM2's entries) and then finalize torch, numba and the BLAS
     libraries with threads around. Everything the command promises on an interruption or a failure (no half-written
     output, the run recorded as interrupted or failed, its claims released) is done before this point, in the handlers
@@ -327,11 +306,11 @@ def _run_cli(hydra_main, entry: str, summary: str, sections: dict | None) -> Non
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composition errors reach us instead of Hydra's multi-line report
     os.environ["MERGEVAL_FULL_ERROR"] = "1" if full_error else "0"  # what the user asked, for failing_cleanly
     handle_sigterm()
-    from mergeval.run.config import open_mappings, open_sweeper_params
+    from mergeval.run.config import open_mappings
 
-    # eval.gen_kwargs={...} as the README writes it, and a mapping's key in an experiment's sweep (config.py)
+    # eval.gen_kwargs={...} as the README writes it; a mapping's key in an experiment's sweep is opened alike by
+    # mergeval's basic sweeper (hydra_plugins/mergeval_basic_sweeper)
     sys.argv[1:] = open_mappings(sys.argv[1:], sections)
-    open_sweeper_params(sections)
     # multiprocessing's helper processes (the resource tracker that joblib's launcher starts) get the -W options
     # of sys.warnoptions. When an interrupted sweep's workers are killed, the tracker warns at its exit, over
     # two lines, about the semaphores they held; it removes them, which is its job, so the warning is noise

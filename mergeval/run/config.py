@@ -237,31 +237,6 @@ def mapping_fields(schema=None, prefix: str = "", sections: dict | None = None) 
     return found
 
 
-def open_sweeper_params(sections: dict | None = None) -> None:
-    """Hydra's basic sweeper reads ``hydra.sweeper.params`` as ``open_mappings`` reads the command line, so an
-    experiment can sweep a mapping's new key (``benchmark.fewshot.mmlu: 0,5``) as the command line can; without
-    this, struct mode refused it as "no such field". Set on Hydra's class in mergeval's own command lines
-    (cli.py), not by selecting another sweeper: an experiment's ``override /hydra/sweeper: ...`` (staged,
-    Optuna's) must keep winning, and a sweeper chosen in the primary config would beat it. Hydra instantiates
-    its plugins from the classes its plugin scan loaded (module objects of its own, outside ``sys.modules``),
-    so that class is the one set, and the importable one too. Idempotent."""
-    from hydra._internal.core_plugins import basic_sweeper
-    from hydra.core.plugins import Plugins
-
-    target = f"{basic_sweeper.__name__}.BasicSweeper"
-    for cls in {basic_sweeper.BasicSweeper, Plugins.instance().class_name_to_class.get(target)} - {None}:
-        if not getattr(cls._parse_config, "opens_mappings", False):
-            cls._parse_config = _opened(cls._parse_config, sections)
-
-
-def _opened(parse_config, sections: dict | None):
-    def _parse_config(self) -> list[str]:
-        return open_mappings(parse_config(self), sections)
-
-    _parse_config.opens_mappings = True
-    return _parse_config
-
-
 def open_mappings(args: list[str], sections: dict | None = None) -> list[str]:
     """Command-line overrides of a mapping field or one of its keys (``eval.gen_kwargs={max_gen_toks: 256}``,
     ``benchmark.fewshot.mmlu=5``) as Hydra's ``++`` (set, or add). Why: Hydra composes the schema in struct
@@ -269,11 +244,25 @@ def open_mappings(args: list[str], sections: dict | None = None) -> list[str]:
     with "no such field"; a mapping's keys are the user's to choose, and its values are still checked against
     the field's type. Everything else is left as it is (a misspelt field stays an error)."""
     fields = mapping_fields(sections=sections)
-    out = []
-    for arg in args:
-        key = arg.split("=", 1)[0]
-        if "=" in arg and not arg.startswith(("+", "~", "-")) and any(
-                key == f or key.startswith(f + ".") for f in fields):
-            arg = "++" + arg
-        out.append(arg)
-    return out
+    return [open_key(arg, sections, fields) if "=" in arg else arg for arg in args]
+
+
+def open_key(override: str, sections: dict | None = None, fields: set[str] | None = None) -> str:
+    """``override`` (``key=value``, or a bare key as ``hydra.sweeper.params`` holds it) with Hydra's ``++`` in
+    front where its key is a mapping field or one of its keys (``open_mappings``); otherwise unchanged."""
+    fields = mapping_fields(sections=sections) if fields is None else fields
+    key = override.split("=", 1)[0]
+    if not override.startswith(("+", "~", "-")) and any(key == f or key.startswith(f + ".") for f in fields):
+        return "++" + override
+    return override
+
+
+def sweep_sections(config) -> dict:
+    """A composed config's top-level sections beyond the run config's, with their schemas (mergeval.search's
+    ``search``): what ``open_mappings`` needs to open their mappings too, read from the config itself."""
+    from omegaconf import DictConfig, OmegaConf
+
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)}
+    return {key: OmegaConf.get_type(node) for key, node in config.items_ex(resolve=False)
+            if key not in run_fields and key != "hydra" and isinstance(node, DictConfig)
+            and dataclasses.is_dataclass(OmegaConf.get_type(node))}

@@ -61,8 +61,8 @@ def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] 
 
     from mergeval.run.config import open_mappings
 
-    # the config's params opened as mergeval's command lines make Hydra's basic sweeper open them
-    # (config.open_sweeper_params), so a key in both is one key; the command line's were opened by mergeval.run.cli
+    # the config's params opened as mergeval's basic sweeper opens them (hydra_plugins/mergeval_basic_sweeper),
+    # so a key in both is one key; the command line's were opened by mergeval.run.cli
     lines = open_mappings([f"{key}={value}" for key, value in (params or {}).items()]) + list(overrides)
     try:
         by_key: dict[str, list[str]] = {}

@@ -1,10 +1,10 @@
 """One recipe scored on the validation split in stages, pruned when it falls behind; what that cost.
 
-A trial's recipe is merged in memory (``staging.pipeline.Models``) and goes
+A trial's recipe is merged in memory (``staged.pipeline.Models``) and goes
 through the stages of ``mergeval/staged``, each reported to Optuna as one step:
 
 - step 0, stage 1: perplexity of held-out answers of the experts' own tasks
-  (``staging.heldout``: items outside every task's evaluation pool and the
+  (``staged.heldout``: items outside every task's evaluation pool and the
   experts' training items); value ``-mean_t ln(PPL_t / PPL_expert(t))``.
   A recipe whose perplexity degrades past ``search.degrade_threshold`` is
   pruned here whatever the pruner says (the staged sweep's early stop);
@@ -14,10 +14,10 @@ through the stages of ``mergeval/staged``, each reported to Optuna as one step:
 - stage 3: the remaining validation items ``[L, V)``, combined with stage 2's
   into scores on all ``V`` items, and the objective (``search.objective``) over them.
 
-Every evaluation goes through the results store (``staging.pipeline.Bench``),
+Every evaluation goes through the results store (``staged.pipeline.Bench``),
 keyed by the merge's fingerprint, the *validation* task digests and the item
 selection, so a recipe seen before (a repeated trial, a resumed study) costs
-a lookup. Costs are counted from the data as ``staging.cost`` counts them:
+a lookup. Costs are counted from the data as ``staged.cost`` counts them:
 one forward pass per held-out text and per answer choice of an item.
 """
 

@@ -1,7 +1,7 @@
 """What each stage costs, counted from the data so the numbers do not depend on caching.
 
 Unit: one forward pass is one sequence scored by the model, teacher forced.
-Stage 1 scores one sequence per held-out text (``staging.nll``); a benchmark
+Stage 1 scores one sequence per held-out text (``staged.nll``); a benchmark
 item costs one log-likelihood request, hence one sequence, per answer choice
 (lm-eval's ``multiple_choice``). Examples are the texts / benchmark items
 themselves. (lm-eval can serve several one-token continuations of one context

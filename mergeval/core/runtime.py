@@ -7,10 +7,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-# Whether this process is a mergeval command (``python -m mergeval...`` or the ``mergeval`` script), set by
-# cli.loading_modules: shortcuts that change a library's state for the whole process are taken only there, never
-# where mergeval is imported as a library (a test, a notebook, someone's script).
-command_process = False
 
 class Laps:
     """Wall time of each step of a run in seconds (result.json's ``timings_s``): ``lap(name)`` closes a step."""

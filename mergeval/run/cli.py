@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from mergeval.core import runtime
 from mergeval.core.errors import UserError, explain, from_os_error, hydra_job_dir, os_error_in
 
 
@@ -243,11 +242,8 @@ def loading_modules(module_name: str):
     every later one, spend their time on objects that can never be freed, a noticeable share of a short
     command such as ``python -m mergeval.merge``. Paused and frozen, later passes skip them. Freezing keeps
     what the imports made for the process's life, which is where modules and their tables live anyway; only
-    garbage in reference cycles left by an import is kept too.
-    It also marks the process as a command's (``runtime.command_process``)."""
+    garbage in reference cycles left by an import is kept too."""
     command = module_name == "__main__" or Path(sys.argv[0]).name == "mergeval"
-    if command:
-        runtime.command_process = True
     if not command or not gc.isenabled():
         yield
         return

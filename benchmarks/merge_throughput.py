@@ -229,21 +229,19 @@ def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inp
 
 def startup_commands() -> dict[str, list[str]]:
     """Each tool's start alone: its interpreter and imports, no merge."""
-    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import end_finished, loading_modules, "
+    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import loading_modules, "
                          "skip_final_collection; atexit.register(skip_final_collection)\n"
-                         "with loading_modules(__name__): import mergeval.merge, mergeval.methods\n"
-                         "end_finished()"],
+                         "with loading_modules(__name__): import mergeval.merge, mergeval.methods"],
             "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
 
 
 def child_mergeval(spec_path: str) -> None:
     """The mergeval side, run in its own process: one streaming merge to disk, starting and ending as ``python
     -m mergeval.merge`` does (its modules loaded with the garbage collector paused, ``cli.loading_modules``;
-    run_cli's exit: the interpreter's last collection skips what the merge made, and its teardown is skipped,
-    ``cli.end_finished``)."""
+    run_cli's exit: the interpreter's last collection skips what the merge made)."""
     import atexit
 
-    from mergeval.run.cli import end_finished, loading_modules, skip_final_collection
+    from mergeval.run.cli import loading_modules, skip_final_collection
 
     with loading_modules(__name__):  # this script is the program here, as mergeval.merge is in its command
         from mergeval.merge import merge_to_disk
@@ -256,7 +254,6 @@ def child_mergeval(spec_path: str) -> None:
                         weights_before_election=True)
     merge_to_disk(method, cfg, Path(spec["base"]), [Path(e) for e in spec["experts"]], Path(spec["out"]), seed=0,
                   card={"config": {"method": method.name, "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]})
-    end_finished()
 
 
 # ---------------------------------------------------------------- measuring one child

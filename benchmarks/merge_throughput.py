@@ -106,9 +106,11 @@ def smoke_models(root: Path) -> tuple[Path, list[Path]]:
     return base, experts
 
 
-SYNTHETIC = {  # llama layouts: hidden, layers, intermediate, heads, kv heads, vocab (untied lm_head)
-    "1b": (2048, 22, 5632, 32, 4, 32000),  # TinyLlama-1.1B's shapes
-    "0.5b": (1536, 16, 4096, 24, 4, 32000),
+SYNTHETIC = {  # llama layouts: hidden, layers, intermediate, heads, kv heads, vocab, tied lm_head
+    "1b": (2048, 22, 5632, 32, 4, 32000, False),  # TinyLlama-1.1B's shapes
+    "0.5b": (1536, 16, 4096, 24, 4, 32000, False),
+    "3b": (3072, 28, 8192, 24, 8, 128256, True),  # Llama-3.2-3B's (MergeBench's smallest base): 3.2B parameters
+    "8b": (4096, 32, 14336, 32, 8, 128256, False),  # Llama-3-8B's: 16 GB per checkpoint in bfloat16
 }
 
 
@@ -120,10 +122,11 @@ def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Pa
     from mergeval.merge.writer import ShardWriter
     from mergeval.models.zoo.tiny import zoo_dir
 
-    hidden, layers, inter, heads, kv, vocab = SYNTHETIC[size]
+    hidden, layers, inter, heads, kv, vocab, tied = SYNTHETIC[size]
     hd = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
@@ -136,7 +139,7 @@ def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Pa
     tokenizer = zoo_dir("tiny", root / "cache")
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "vocab_size": vocab, "torch_dtype": dtype, "tie_word_embeddings": False,
+              "num_key_value_heads": kv, "vocab_size": vocab, "torch_dtype": dtype, "tie_word_embeddings": tied,
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "rope_theta": 10000.0}
     dirs = []
     for i, name in enumerate(["base", "expert0", "expert1"]):

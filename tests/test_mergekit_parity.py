@@ -8,6 +8,9 @@ normalized task arithmetic, breadcrumbs with density + gamma > 1), on the regula
 exactly 0 on many entries (the sign at a zero sum) and repeat magnitudes (the tie order at the cut).
 DARE and DELLA in compat mode match in distribution (the random cases below).
 
+mergekit's own methods (nearswap, nuslerp, multislerp, karcher) have one semantics in mergeval, mergekit's, and
+give mergekit's tensors bit for bit (atol=0): the same float32 operations in the same order.
+
 The paper-mode (default) methods with mergekit-like options are compared too. Deterministic methods (linear, task_arithmetic, ties, breadcrumbs, breadcrumbs_ties, slerp,
 model_stock, sce) in their mergekit-compatible settings must give every tensor within 1e-5 of
 ``mergekit.merge.run_merge`` (CPU, float32, no lazy loading). The random methods (dare_linear,
@@ -255,6 +258,94 @@ def test_linear_with_the_base_as_a_model(tiny):
 def test_nearswap_same_tensors_as_mergekit_bit_for_bit(tiny, t):
     theirs = run_mergekit(tiny, "nearswap", [(tiny.base, {}), (tiny.slerp_expert, {})], {"t": t})
     assert_same_tensors(run_mergeval(tiny, "nearswap", {"t": t}, [tiny.slerp_expert])[0], theirs, atol=0)
+
+
+SPHERICAL = {"flat": {}, "rows": {"nuslerp_flatten": False}, "columns": {"nuslerp_flatten": False,
+                                                                       "nuslerp_row_wise": True}}
+
+
+@requires_mergekit
+@pytest.mark.parametrize("shape", SPHERICAL)
+@pytest.mark.parametrize("weights", [(1.0, 0.4), (0.3, 0.3), (1.0, -1.0)])
+def test_nuslerp_same_tensors_as_mergekit_bit_for_bit(tiny, shape, weights):
+    """With base_model: b + slerp of the two experts' task vectors; without: the two models themselves (the
+    slerp expert has a colinear tensor, cos = 1, and one at cos ~ 1 - 1e-7: the lerp branch and next to it)."""
+    params = SPHERICAL[shape]
+    theirs = run_mergekit(tiny, "nuslerp", [(p, {"weight": w}) for p, w in zip(tiny.experts, weights)], params)
+    ours = run_mergeval(tiny, "nuslerp", {**params, "weights": list(weights)}, tiny.experts[:2])[0]
+    assert_same_tensors(ours, theirs, atol=0)
+    pair = [tiny.base, tiny.slerp_expert]
+    theirs = run_mergekit(tiny, "nuslerp", [(p, {"weight": w}) for p, w in zip(pair, weights)], params, base=False)
+    ours = run_mergeval(tiny, "nuslerp", {**params, "weights": list(weights), "include_base": True},
+                        [tiny.slerp_expert])[0]
+    assert_same_tensors(ours, theirs, atol=0)
+
+
+MULTISLERP = [  # (models besides the base, weights, normalize_weights)
+    (2, (1.0, 0.4), True), (3, tuple(W3), True), (3, tuple(W3), False), (3, (0.2, 0.3, 0.1), False)]
+
+
+@requires_mergekit
+@pytest.mark.parametrize("n,weights,normalize", MULTISLERP)
+def test_multislerp_same_tensors_as_mergekit_bit_for_bit(tiny, n, weights, normalize):
+    """The experts' task vectors around base_model, and (include_base) the base with the first n - 1 experts."""
+    params = {"normalize_weights": normalize}
+    theirs = run_mergekit(tiny, "multislerp", [(p, {"weight": w}) for p, w in zip(tiny.experts, weights)], params)
+    ours = run_mergeval(tiny, "multislerp", {**params, "weights": list(weights)}, tiny.experts[:n])[0]
+    assert_same_tensors(ours, theirs, atol=0)
+    models = [tiny.base, *tiny.experts[:n - 1]]
+    theirs = run_mergekit(tiny, "multislerp", [(p, {"weight": w}) for p, w in zip(models, weights)], params, base=False)
+    ours = run_mergeval(tiny, "multislerp", {**params, "weights": list(weights), "include_base": True},
+                        tiny.experts[:n - 1])[0]
+    assert_same_tensors(ours, theirs, atol=0)
+
+
+@requires_mergekit
+def test_multislerp_of_opposite_task_vectors_falls_back_to_lerp_as_mergekit(tiny):
+    """d_1 = -d_0 exactly (the anti fixture) at equal weights: the weighted unit vectors cancel, and two models
+    are then lerped."""
+    experts = tiny.anti[1:3]
+    theirs = run_mergekit(tiny, "multislerp", [(p, {"weight": 1.0}) for p in experts], {}, base=tiny.anti[0])
+    ours = run_mergeval(tiny, "multislerp", {}, experts, base=tiny.anti[0])[0]
+    assert_same_tensors(ours, theirs, atol=0)
+    assert_same_tensors(ours, tiny.tensors(tiny.anti[0]), atol=0)  # the lerp: b + (d_0 - d_0) / 2
+
+
+KARCHER = [({}, 2), ({}, 3), ({"max_iter": 2, "tol": 1e-3}, 3), ({"max_iter": 50, "tol": 1e-7}, 3)]
+
+
+@requires_mergekit
+@pytest.mark.parametrize("params,n", KARCHER)
+def test_karcher_same_tensors_as_mergekit_bit_for_bit(tiny, params, n):
+    """Without base_model: the mean of the listed models; with it, the base too (include_base=true: mergekit adds
+    an unlisted base_model after the models, as mergeval puts the base last)."""
+    experts = tiny.experts[:n]
+    theirs = run_mergekit(tiny, "karcher", [(p, {}) for p in experts], params, base=False)
+    assert_same_tensors(run_mergeval(tiny, "karcher", params, experts)[0], theirs, atol=0)
+    theirs = run_mergekit(tiny, "karcher", [(p, {}) for p in experts], params)
+    assert_same_tensors(run_mergeval(tiny, "karcher", {**params, "include_base": True}, experts)[0], theirs, atol=0)
+
+
+@requires_mergekit
+@pytest.mark.parametrize("n", [2, 3])
+def test_karcher_with_base_model_listed_first_within_float32_rounding(tiny, n):
+    """mergekit averages the models in the order listed, base_model included where it stands (here first);
+    mergeval puts the base last. The mean is the same, but its float32 sums (sum_i a_i u_i, the tangent step
+    sum_i a_i log_mu(u_i), the mean norm) add the same terms in another order, and each such sum's last bit
+    may differ; through the iteration the entries differ by up to 2.98e-7 (5 * 2^-24) on this fixture (measured:
+    2.4e-7 with n = 2, 3.0e-7 with n = 3). The import says so in a note (test_mergekit_config.py)."""
+    experts = tiny.experts[:n]
+    theirs = run_mergekit(tiny, "karcher", [(tiny.base, {})] + [(p, {}) for p in experts], {})
+    ours = run_mergeval(tiny, "karcher", {"include_base": True}, experts)[0]
+    assert_same_tensors(ours, theirs, atol=3e-7)
+
+
+@requires_mergekit
+def test_karcher_with_a_zero_tensor_same_tensors_as_mergekit(tiny):
+    """The third anti expert's ZERO tensor is all zeros: it leaves the directions' mean, its norm 0 still counts."""
+    theirs = run_mergekit(tiny, "karcher", [(p, {}) for p in tiny.anti[1:]], {}, base=False)
+    ours = run_mergeval(tiny, "karcher", {}, tiny.anti[1:], base=tiny.anti[0])[0]
+    assert_same_tensors(ours, theirs, atol=0)
 
 
 @requires_mergekit

@@ -6,11 +6,15 @@ replaces the run's method and modelset by the file's:
     merge_method            the method of the same name, compat=mergekit
     base_model, models      modelset.base and modelset.experts (a local directory if it exists
                             relative to the working directory, else hf:<id>); for slerp the model
-                            that is not the base is the expert; for linear without base_model the
-                            first model is the base and is averaged with the others (include_base)
+                            that is not the base is the expert; for linear, nuslerp and multislerp
+                            without base_model the first model is the base and is merged as one of
+                            the models (include_base); karcher averages base_model too (include_base,
+                            the base last, where mergekit adds it), and without one the last model
+                            is the base
     parameters (global)     lambda -> lambda_, rescale true/false -> l1/none, normalize, t,
-                            filter_wise, select_topk, density, gamma, epsilon, weight; int8_mask
-                            (no numeric effect) is accepted
+                            filter_wise, select_topk, density, gamma, epsilon, weight,
+                            nuslerp_flatten, nuslerp_row_wise, normalize_weights, eps, max_iter,
+                            tol; int8_mask (no numeric effect) is accepted
     models[i].parameters    weight, density, gamma, epsilon: expert i's own values (rules with
                             expert: i, after the global ones, so they win as in mergekit)
     a gradient [a, b, ...]  a rule {match: '*', <param>: [a, b, ...]} (same depth t as mergekit)
@@ -29,13 +33,15 @@ chat_template, union or another model's tokenizer, LoRA or revision model refere
 parameter the method does not have) is a UserError naming the key.
 
 Out: ``to_mergekit`` writes the mergekit configuration of a merge when mergekit can express it
-exactly: compat=mergekit (or linear / task_arithmetic, the same in both modes) and rules whose
+exactly: compat=mergekit (or a method the same in both modes: linear, task_arithmetic and mergekit's
+own nearswap, nuslerp, multislerp, karcher) and rules whose
 globs are '*' or '*<substring>*'; else it returns None.
 """
 
 from __future__ import annotations
 
 import sys
+import typing
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -46,8 +52,12 @@ from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap")
-SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", "nearswap")  # nearswap has one mode: mergekit's
+           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap", "nuslerp", "multislerp", "karcher")
+OWN = ("nearswap", "nuslerp", "multislerp", "karcher")  # mergekit's own methods: one mode, mergekit's
+SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", *OWN)
+BASE_AS_MODEL = ("linear", "nuslerp", "multislerp")  # without base_model, the first model is the base and merged
+SHARED = ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon", "nuslerp_flatten",
+          "nuslerp_row_wise", "normalize_weights", "eps", "max_iter", "tol")  # global parameters written out
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
@@ -178,16 +188,22 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
                      f"{doc['dtype']}, so its tensors differ by that rounding)")
 
     include_base = False
-    if name == "linear" and base_ref is None:
+    if name == "karcher":  # every model is averaged, base_model too (added last where it is not listed)
+        refs = [ref for ref, _, _ in entries]
+        if base_ref in refs[:-1]:
+            notes.append(f"{where}.base_model is listed before the last model: mergeval averages it last, so its "
+                         "tensors differ from mergekit's by float32 rounding (list it last for the same bits)")
+        base_ref, include_base = base_ref or refs[-1], True
+    elif name in BASE_AS_MODEL and base_ref is None:
         base_ref, include_base = entries[0][0], True
     elif base_ref is None:
         raise UserError(f"{where}.base_model", f"{name} needs a base model", "set base_model")
     elif name == "linear":
         include_base = any(ref == base_ref for ref, _, _ in entries)
     if include_base:  # the base is averaged as a model: its parameters (weight) come first
-        base_entry = next(e for e in entries if e[0] == base_ref)
+        base_entry = next((e for e in entries if e[0] == base_ref), None)  # karcher's base_model may be unlisted
         experts = [e for e in entries if e is not base_entry]
-        weighted = [base_entry] + experts
+        weighted = ([base_entry] if base_entry else []) + experts
     else:
         experts = weighted = [e for e in entries if e[0] != base_ref]
     if not experts:
@@ -195,6 +211,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
 
     method = get_method(name)
     names = {f.name for f in fields(method.config)}
+    kinds = typing.get_type_hints(method.config)
     cfg: dict[str, Any] = {"name": name, "compat": "mergekit"}
     if include_base:
         cfg["include_base"] = True
@@ -221,7 +238,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
                     weights_given[i] = weights_given[i] or param == "weight"
                     rules.append({"match": glob, "expert": i, param if param == "weight" else target: v})
             elif glob == "*" and not isinstance(v, list):
-                cfg[target] = float(v)
+                cfg[target] = _whole(v, field) if kinds.get(target) is int else float(v)
             else:
                 rules.append({"match": glob, target: v})
 
@@ -246,6 +263,12 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     modelset = {"name": stem, "base": _source(base_ref, f"{where}.base_model"),
                 "experts": _expert_names([(ref, field) for ref, _, field in experts])}
     return cfg, modelset, notes
+
+
+def _whole(value: float, field: str) -> int:
+    if not float(value).is_integer():
+        raise UserError(field, f"must be a whole number, got {value!r}", "write it without a fraction")
+    return int(value)
 
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -320,7 +343,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     own: list[dict[str, Any]] = [{} for _ in range(len(experts) + (1 if getattr(method_cfg, "include_base", False)
                                                                      else 0))]
     names = {f.name for f in fields(method_cfg)}
-    for f in ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon"):
+    for f in SHARED:
         value = getattr(method_cfg, f, None)
         if f in names and value is not None:
             shared[{"lambda_": "lambda"}.get(f, f)] = value
@@ -359,12 +382,15 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
             if isinstance(entries, list) and entries and isinstance(entries[0], dict):
                 cut = next((j for j, e in enumerate(entries) if "filter" not in e), len(entries) - 1)
                 target[key] = entries[:cut + 1]  # entries after an unfiltered one are never reached
-    paths = ([base] if getattr(method_cfg, "include_base", False) else []) + list(experts)
+    include_base = getattr(method_cfg, "include_base", False)
+    paths = ([base] if include_base and name != "karcher" else []) + list(experts)
     models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
     doc: dict[str, Any] = {"merge_method": name}
     if name in ("slerp", "nearswap"):  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
-    if name != "linear":
+    # linear and, with include_base, nuslerp and multislerp list the base as a model; karcher averages
+    # base_model (which mergekit adds after the models, where mergeval puts the base) only with include_base
+    if {"linear": False, "karcher": include_base}.get(name, not include_base):
         doc["base_model"] = base
     doc.update({"models": models, "parameters": shared, "dtype": "float32"})
     if out_dtype is not None:

@@ -26,6 +26,7 @@ def main(cfg: DictConfig) -> None:
     from mergeval.report.table import render
     from mergeval.run import app, mergekit_config, resume
     from mergeval.run.checks import check_known_keys, check_resolves
+    from mergeval.run.devices import job_device
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):
@@ -36,9 +37,10 @@ def main(cfg: DictConfig) -> None:
         app.check_job_dir(cfg, out_dir)
         if resume.skip(cfg, out_dir, title):  # a resumed sweep's job whose configuration finished before
             return
-        outcome = app.run(cfg, out_dir)
-        render(outcome, title=title)
-        path = app.write_result(cfg, outcome, out_dir)
+        with job_device(cfg):  # a parallel sweep's job on a node with several GPUs: one of its own
+            outcome = app.run(cfg, out_dir)
+            render(outcome, title=title)
+            path = app.write_result(cfg, outcome, out_dir)
     print(f"result: {path}")
 
 

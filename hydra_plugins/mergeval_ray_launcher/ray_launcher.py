@@ -15,6 +15,10 @@ would report a crashed worker and retry the task); its code is carried back
 and the sweep exits with it once every job has ended. Tasks are never retried
 (a run is recorded once). Ctrl-C or SIGTERM in the sweep cancels the jobs:
 running ones get a KeyboardInterrupt, so they are recorded as interrupted.
+``gpus_per_job`` is each task's ``num_gpus``: Ray places the jobs and makes only
+their GPUs visible to them (``eval.device=auto`` evaluates there); a value no
+node can serve is one line (``check_gpus_per_job``), not a sweep that waits
+forever.
 """
 
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside sys.modules, where
@@ -126,11 +130,16 @@ class RayLauncher(Launcher):
         if ray.is_initialized():
             return False
         local = self.address is None
+        num_gpus = self.num_gpus
+        if local and num_gpus is None:  # a simulated node (mergeval/core/gpus.py, a testing aid) has its GPUs in Ray
+            from mergeval.core.gpus import simulated
+
+            num_gpus = simulated()
         if not sys.stdout.isatty():  # jobs' lines reach a log file or a pipe: no colour codes in their prefix
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         sigterm = signal.getsignal(signal.SIGTERM)
         ray.init(address=self.address, num_cpus=self.num_cpus if local else None,
-                 num_gpus=self.num_gpus if local else None, include_dashboard=self.include_dashboard,
+                 num_gpus=num_gpus if local else None, include_dashboard=self.include_dashboard,
                  runtime_env=self.runtime_env or None, log_to_driver=True, logging_level=logging.WARNING)
         # Ray's core worker installs a SIGTERM handler that aborts the process; the sweep's own (mergeval: like
         # Ctrl-C) comes back, so SIGTERM cancels the jobs as Ctrl-C does.
@@ -149,8 +158,11 @@ class RayLauncher(Launcher):
                  f"{self.gpus_per_job} GPUs each), sweep output dir: {sweep_dir}")
         for idx, overrides in enumerate(job_overrides):
             log.info(f"\t#{initial_job_idx + idx} : {' '.join(filter_overrides(overrides))}")
+        check_gpus_per_job(self.gpus_per_job, self.num_gpus if self.address is None else None)
         started = self._init_ray()
         try:
+            if self.gpus_per_job > 0:  # a task no node can place would wait forever
+                check_gpus_per_job(self.gpus_per_job, _most_gpus_on_a_node(), cluster=self.address is not None)
             # max_retries=0: a job whose worker died is reported, not run (and recorded) a second time
             task = ray.remote(_execute_job).options(num_cpus=self.cpus_per_job, num_gpus=self.gpus_per_job,
                                                     max_retries=0, name="mergeval job")  # its lines' prefix
@@ -171,6 +183,32 @@ class RayLauncher(Launcher):
             if started:
                 ray.shutdown()
         return _returns(results, job_overrides)
+
+
+def check_gpus_per_job(gpus_per_job: float, available: float | None, cluster: bool = False) -> None:
+    """One line for a ``gpus_per_job`` Ray cannot place: negative, or more than the local instance's GPUs
+    (``available``; None: not known yet). On a cluster, more than any node has now is only a warning: an
+    autoscaler may add such a node."""
+    from mergeval.core.errors import UserError
+
+    if gpus_per_job < 0:
+        raise UserError("hydra.launcher.gpus_per_job", f"must be 0 or more, got {gpus_per_job}",
+                        "set 0 (CPU only) or the GPUs each job needs, e.g. 1")
+    if available is None or gpus_per_job <= available:
+        return
+    if cluster:
+        log.warning(f"hydra.launcher.gpus_per_job={gpus_per_job}, but no node of the cluster has more than "
+                    f"{available:g} GPUs now: the jobs wait until the cluster has such a node")
+        return
+    raise UserError("hydra.launcher.gpus_per_job", f"{gpus_per_job:g} GPUs per job, but the local Ray instance has "
+                    f"{available:g}", f"set hydra.launcher.gpus_per_job to at most {available:g} (0: CPU only), "
+                    "or run on a machine with more GPUs (hydra.launcher.num_gpus, CUDA_VISIBLE_DEVICES)")
+
+
+def _most_gpus_on_a_node() -> float:
+    import ray
+
+    return max((float(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0.0)
 
 
 def _returns(results: list[JobReturn | _Exited], job_overrides: Sequence[Sequence[str]]) -> list[JobReturn]:

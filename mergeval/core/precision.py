@@ -26,12 +26,16 @@ DEVICE_RESOLVER = "mergeval_device"
 
 
 def auto_device(device: str = "auto") -> str:
-    """``device`` as given, or for ``auto`` a CUDA GPU where torch sees one, else the CPU."""
+    """``device`` as given, or for ``auto`` a CUDA GPU where torch sees one (or one is simulated:
+    ``core/gpus.py``), else the CPU. A job of a parallel sweep then claims one of the node's GPUs
+    (``run/devices.py``)."""
     if device != "auto":
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    from mergeval.core.gpus import simulated
+
+    return "cuda" if torch.cuda.is_available() or simulated() else "cpu"
 
 
 @functools.cache
@@ -63,9 +67,12 @@ def auto_backend(dtype: str) -> str:
 
 def register_resolver() -> None:
     """``${mergeval_dtype:<device>}``, ``${mergeval_backend:<dtype>}`` and ``${mergeval_device:auto}`` for the
-    configs (idempotent)."""
+    configs, and ``${mergeval_gpus:...}`` for the launcher presets (idempotent)."""
     from omegaconf import OmegaConf
 
+    from mergeval.core import gpus
+
+    gpus.register_resolver()
     if not OmegaConf.has_resolver(DEVICE_RESOLVER):
         OmegaConf.register_new_resolver(DEVICE_RESOLVER, lambda device="auto": auto_device(str(device)))
     if not OmegaConf.has_resolver(RESOLVER):

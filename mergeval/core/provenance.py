@@ -45,11 +45,13 @@ KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
 
 def hardware() -> dict:
     """The machine as far as it can change a score: CPU model and the kernel-selecting ISA flags, core and
-    thread counts, torch's kernel settings, and the GPU where this process used one."""
+    thread counts, torch's kernel settings, the GPU where this process used one, ``CUDA_VISIBLE_DEVICES`` where
+    set, and ``simulated_gpus`` under ``MERGEVAL_SIMULATED_GPUS`` (core/gpus.py)."""
     import os
 
     import torch
 
+    from mergeval.core.gpus import simulated
     from mergeval.core.precision import bf16_native
 
     model, flags = _cpu_info()
@@ -69,6 +71,10 @@ def hardware() -> dict:
     # Only where this process used the GPU: asking a device's name initialises CUDA, which costs a CPU run on a
     # GPU machine its context (seconds, and device memory other jobs may need) for a fact that cannot change its
     # scores.
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):  # which of the machine's GPUs this process saw (Ray, Slurm set it)
+        info["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    if simulated() is not None:  # a testing aid: eval.device names a GPU only simulated, the run used the CPU
+        info["simulated_gpus"] = simulated()
     if torch.cuda.is_initialized():
         info["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = torch.version.cuda

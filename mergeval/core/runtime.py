@@ -76,14 +76,21 @@ def apply_offline(offline: bool) -> None:
                 setattr(ds, name, offline)
 
 
-def reset_device_memory_peak() -> None:
-    """Start counting the GPU memory peak afresh (at a run's start: a sweep's jobs can share one process)."""
+def _cuda_device(device: str | None) -> tuple[str, ...]:
+    """The arguments that name the CUDA device whose statistics to read for a run on ``device``: itself
+    (``cuda:2``, a parallel sweep's job), else none (torch's current device)."""
+    return (device,) if device is not None and device.startswith("cuda:") else ()
+
+
+def reset_device_memory_peak(device: str | None = None) -> None:
+    """Start counting the GPU memory peak afresh (at a run's start: a sweep's jobs can share one process), on
+    ``device`` when it names a CUDA device, else on the current one."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(*_cuda_device(device))
 
 
-def peak_device_memory() -> dict | None:
+def peak_device_memory(device: str | None = None) -> dict | None:
     """The peak GPU memory (MiB) since ``reset_device_memory_peak`` as torch's caching allocator counted it;
     None where CUDA was never initialised (every CPU run). ``allocated_mib``: bytes in live tensors at their
     peak (on the run path, one model plus the evaluation's activations, whatever the number of experts);
@@ -92,9 +99,10 @@ def peak_device_memory() -> dict | None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
-    return {"device": torch.cuda.get_device_name(),
-            "allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
-            "reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+    cuda = _cuda_device(device)
+    return {"device": torch.cuda.get_device_name(*cuda),
+            "allocated_mib": round(torch.cuda.max_memory_allocated(*cuda) / 2**20, 1),
+            "reserved_mib": round(torch.cuda.max_memory_reserved(*cuda) / 2**20, 1)}
 
 
 def release_memory() -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from mergeval.core.gpus import kind
+
 # The implementation version of the shared-prefix scorer (eval/scorer.py): raise it whenever its scores for the
 # same model, items and settings change, so scores it stored before are not reused (merges carry theirs:
 # MergeMethod.version). Kept here, not in scorer.py, so the key is known without importing torch and lm-eval.
@@ -23,8 +25,10 @@ def eval_settings(cfg) -> dict:
     defaults, so evaluations stored before they existed keep their key (and stay reusable)."""
     from importlib.metadata import version
 
+    # the device's kind (cuda, not cuda:2): a parallel sweep's jobs, each on a GPU of its own, share evaluations
+    # (one stored before under a named index, eval.device=cuda:1, is not matched again and is redone once)
     settings = {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
-                "batch_size": cfg.eval.batch_size, "device": cfg.eval.device, "lm_eval": version("lm_eval")}
+                "batch_size": cfg.eval.batch_size, "device": kind(cfg.eval.device), "lm_eval": version("lm_eval")}
     if cfg.eval.backend != "hflm":  # evaluations stored before backends existed were HFLM's: keep their key
         settings["backend"] = cfg.eval.backend
     if cfg.eval.backend == "shared_prefix" and SHARED_PREFIX_VERSION > 1:  # version 1 keeps the keys it had

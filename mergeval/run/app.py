@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from mergeval.core import gpus
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo, Outcome, result_text
 from mergeval.core.paths import atomic_write_text, cache_root
@@ -89,13 +90,13 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     store.start_run(run_id, experiment=cfg.modelset.name, method=cfg.method.name,
                     config=OmegaConf.to_container(cfg, resolve=True), versions=versions, git=git,
                     job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
-    reset_device_memory_peak()
+    reset_device_memory_peak(cfg.eval.device)
     try:
         outcome = _execute(cfg, out_dir, store)
     except BaseException as err:
         _record_end(store, run_id, err, release=True)
         raise
-    outcome.device_memory = peak_device_memory()
+    outcome.device_memory = peak_device_memory(cfg.eval.device)
     outcome.run_id, outcome.versions, outcome.git, outcome.hardware = run_id, versions, git, hardware()
     return outcome
 
@@ -194,7 +195,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             harness = harnesses[tuple(entries)]
             label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
             model = (merged_model if info.role == MERGED else load_model(Path(info.path), None, dtype, label)).to(dtype)
-            model = model.to(cfg.eval.device).eval()
+            model = model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)
             print(f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s",

@@ -8,6 +8,7 @@ import functools
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.core.errors import UTF8_FIX, UserError, is_utf8, shown  # noqa: F401  (checks' callers import them here)
+from mergeval.core.gpus import compute_device
 from mergeval.eval.harness import check_backend
 from mergeval.eval.tasks import GENERATED, LETTERED, PREFIX, check_tasks, items_of, same_items
 from mergeval.methods import get_method
@@ -280,7 +281,7 @@ def validate(cfg: DictConfig, schema=None):
         raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
     check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
     check_constituents(cfg.metric.constituents, list(experts))
-    check_backend(cfg.eval.backend, cfg.eval.device)
+    check_backend(cfg.eval.backend, compute_device(cfg.eval.device))  # a simulated GPU computes on the CPU
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
     if cfg.get("out_dtype") not in (None, "float32", "bfloat16", "float16"):

@@ -19,7 +19,9 @@ the sweep). A ``mergekit`` file counts by its content, not its path. Model and
 data paths count as written: a checkpoint replaced in place under the same
 path is the same configuration, so re-run such a sweep with
 ``sweep.resume=false``. The hardware is not part of it either: a configuration
-finished on one node type is not redone on another.
+finished on one node type is not redone on another, nor one finished on a
+node's GPU 2 (``eval.device=cuda:2``) on its GPU 0: ``eval.device`` counts by
+its kind (``cuda``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from mergeval.core.gpus import kind
 from mergeval.core.outcome import ModelInfo, Outcome
 
 # Fields of the run config that do not change what a run computes, and why; dots reach into a group.
@@ -61,6 +64,9 @@ def hashed_config(cfg: DictConfig) -> dict:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(leaf, None)
+    if isinstance(config.get("eval"), dict) and isinstance(config["eval"].get("device"), str):
+        # which of a node's GPUs ran it (a parallel sweep's job claims one: run/devices.py) is not part of it
+        config["eval"]["device"] = kind(config["eval"]["device"])
     if config.get("mergekit"):
         path = Path(config["mergekit"]).expanduser()
         config["mergekit"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)

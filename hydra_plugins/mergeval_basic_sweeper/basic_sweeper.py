@@ -15,7 +15,7 @@ and an experiment's ``override /hydra/sweeper: ...`` (staged, Optuna's) still ch
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module outside sys.modules, where
 # dataclasses cannot resolve string annotations.
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -28,8 +28,8 @@ class MergevalBasicSweeperConf:
     """``hydra.sweeper.*``: Hydra's basic sweeper's fields."""
 
     _target_: str = "hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper"
-    max_batch_size: Optional[int] = None
-    params: Optional[dict[str, str]] = None
+    max_batch_size: int | None = None
+    params: dict[str, str] | None = None
 
 
 class MergevalBasicSweeper(BasicSweeper):

@@ -121,12 +121,18 @@ def examples(m: dict[str, Path]) -> dict[str, dict]:
                         "merge_method": "model_stock", "base_model": b},
         "sce": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "sce", "base_model": b,
                 "parameters": {"select_topk": 0.35}},
+        "ram": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "ram", "base_model": b,
+                "parameters": {"epsilon": [{"filter": "mlp", "value": 0.03}, {"value": [0.0, 0.05]}]}},
+        "ramplus_tl": {"models": [{"model": x}, {"model": y}], "merge_method": "ramplus_tl", "base_model": b,
+                       "parameters": {"r": [0.1, 0.6], "alpha": [{"filter": "self_attn", "value": 2.0}, {"value": 0.5}],
+                                      "epsilon": 0.04}},
+        "arcee_fusion": {"models": [{"model": b}, {"model": y}], "merge_method": "arcee_fusion", "base_model": b},
     }
 
 
 @requires_mergekit
 @pytest.mark.parametrize("name", ["ties", "slerp", "breadcrumbs_ties", "task_arithmetic", "linear",
-                                  "model_stock", "sce"])
+                                  "model_stock", "sce", "ram", "ramplus_tl", "arcee_fusion"])
 def test_imported_config_gives_mergekits_tensors_and_exports_it_back(models, tmp_path, name):
     doc = examples(models)[name]
     theirs = mergekit_merge(doc, tmp_path)
@@ -168,6 +174,9 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
      "mergekit.models[0].parameters.densty"),
     ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
     ({"dtype": "float31"}, "mergekit.dtype"),  # refused before the note about dtype was printed
+    # a parameter ram shares across models: mergekit 0.1.5 silently ignores it under a model
+    ({"merge_method": "ram", "models": [{"model": "MATH", "parameters": {"epsilon": 0.1}}]},
+     "mergekit.models[0].parameters.epsilon"),
 ])
 def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
     doc = {"merge_method": "ties", "base_model": str(models["base"]),

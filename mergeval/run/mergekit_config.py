@@ -9,7 +9,7 @@ replaces the run's method and modelset by the file's:
                             that is not the base is the expert; for linear without base_model the
                             first model is the base and is averaged with the others (include_base)
     parameters (global)     lambda -> lambda_, rescale true/false -> l1/none, normalize, t,
-                            filter_wise, select_topk, density, gamma, epsilon, weight; int8_mask
+                            filter_wise, select_topk, density, gamma, epsilon, r, alpha, weight; int8_mask
                             (no numeric effect) is accepted
     models[i].parameters    weight, density, gamma, epsilon: expert i's own values (rules with
                             expert: i, after the global ones, so they win as in mergekit)
@@ -46,8 +46,9 @@ from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap")
-SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", "nearswap")  # nearswap has one mode: mergekit's
+           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
+# one mode, mergekit's: nearswap, ram, ramplus_tl, arcee_fusion
+SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
@@ -140,6 +141,7 @@ def _scalar_or_gradient(value: Any, field: str) -> Any:
 def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[str]]:
     """(method config dict, modelset dict, notes) for a mergekit configuration (module docstring)."""
     from mergeval.methods import get_method
+    from mergeval.methods.registry import expert_params
 
     for key, (what, fix) in UNSUPPORTED_TOP.items():
         if doc.get(key):
@@ -231,7 +233,8 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         for key, value in params.items():
             if key not in PER_MODEL and RENAME.get(key, key) not in names and key not in NO_EFFECT:  # a typo
                 raise _not_a_parameter(f"{field}.parameters.{key}", key, name, PER_MODEL)
-            if key not in PER_MODEL:
+            # a parameter the method shares across models (ram's epsilon): mergekit ignores it here
+            if key not in PER_MODEL or (key in names and key not in expert_params(method.config)):
                 raise UserError(f"{field}.parameters.{key}", "mergekit reads it only from the global parameters",
                                 f"move {key} under parameters:")
             put(key, value, f"{field}.parameters.{key}", i)
@@ -320,7 +323,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     own: list[dict[str, Any]] = [{} for _ in range(len(experts) + (1 if getattr(method_cfg, "include_base", False)
                                                                      else 0))]
     names = {f.name for f in fields(method_cfg)}
-    for f in ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon"):
+    for f in ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon", "r", "alpha"):
         value = getattr(method_cfg, f, None)
         if f in names and value is not None:
             shared[{"lambda_": "lambda"}.get(f, f)] = value
@@ -362,7 +365,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     paths = ([base] if getattr(method_cfg, "include_base", False) else []) + list(experts)
     models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
     doc: dict[str, Any] = {"merge_method": name}
-    if name in ("slerp", "nearswap"):  # mergekit lists the base among the models it interpolates
+    if name in ("slerp", "nearswap", "arcee_fusion"):  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
     if name != "linear":
         doc["base_model"] = base

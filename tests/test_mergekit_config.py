@@ -140,13 +140,20 @@ def examples(m: dict[str, Path]) -> dict[str, dict]:
         "karcher": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "karcher", "base_model": b,
                     "parameters": {"max_iter": 20, "tol": 1e-6}},
         "karcher-no-base": {"models": [{"model": x}, {"model": z}], "merge_method": "karcher"},
+        "ram": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "ram", "base_model": b,
+                "parameters": {"epsilon": [{"filter": "mlp", "value": 0.03}, {"value": [0.0, 0.05]}]}},
+        "ramplus_tl": {"models": [{"model": x}, {"model": y}], "merge_method": "ramplus_tl", "base_model": b,
+                       "parameters": {"r": [0.1, 0.6], "alpha": [{"filter": "self_attn", "value": 2.0}, {"value": 0.5}],
+                                      "epsilon": 0.04}},
+        "arcee_fusion": {"models": [{"model": b}, {"model": y}], "merge_method": "arcee_fusion", "base_model": b},
     }
 
 
 @requires_mergekit
 @pytest.mark.parametrize("name", ["ties", "slerp", "breadcrumbs_ties", "task_arithmetic", "linear",
                                   "model_stock", "sce", "nuslerp", "nuslerp-no-base", "multislerp",
-                                  "multislerp-no-base", "karcher", "karcher-no-base"])
+                                  "multislerp-no-base", "karcher", "karcher-no-base", "ram", "ramplus_tl",
+                                  "arcee_fusion"])
 def test_imported_config_gives_mergekits_tensors_and_exports_it_back(models, tmp_path, name):
     doc = examples(models)[name]
     theirs = mergekit_merge(doc, tmp_path)
@@ -189,6 +196,9 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
      "mergekit.models[0].parameters.densty"),
     ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
     ({"dtype": "float31"}, "mergekit.dtype"),  # refused before the note about dtype was printed
+    # a parameter ram shares across models: mergekit 0.1.5 silently ignores it under a model
+    ({"merge_method": "ram", "models": [{"model": "MATH", "parameters": {"epsilon": 0.1}}]},
+     "mergekit.models[0].parameters.epsilon"),
 ])
 def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
     doc = {"merge_method": "ties", "base_model": str(models["base"]),

@@ -48,6 +48,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from mergeval.core.errors import UserError
 from mergeval.merge import merge_tensors
 from mergeval.methods import get_method
 from mergeval.methods.sparsify import della_keep_prob
@@ -299,6 +300,36 @@ def test_multislerp_same_tensors_as_mergekit_bit_for_bit(tiny, n, weights, norma
                         tiny.experts[:n - 1])[0]
     assert_same_tensors(ours, theirs, atol=0)
 
+# RAM and RAM+ inputs: (base, experts). The regular experts change every entry (epsilon 1e-5 keeps them all:
+# every entry shared), so larger epsilons make each expert's changed set a part of the tensor; the anti experts
+# d_0 = -d_1 (exact zero sums of the shared quotients), d_2 zero on half the entries, all on a 2^-8 grid, so
+# epsilon 0 and 0.01 give entries changed by 0, 1, 2 and 3 experts.
+RAM_INPUTS = {"regular-2": lambda t: (t.base, t.experts[:2]), "regular-3": lambda t: (t.base, t.experts),
+              "small-3": lambda t: (t.base, t.small_experts),
+              "anti-2": lambda t: (t.anti[0], [t.anti[1], t.anti[3]]), "anti-3": lambda t: (t.anti[0], t.anti[1:])}
+RAM_CASES = [("regular-2", 1e-5), ("regular-2", 0.05), ("regular-2", 0.15), ("regular-3", 1e-5),
+             ("regular-3", 0.03), ("regular-3", 0.08), ("small-3", 1e-5), ("small-3", 5e-4), ("anti-2", 0.0),
+             ("anti-2", 0.01), ("anti-2", 0.02), ("anti-3", 0.0), ("anti-3", 1e-5), ("anti-3", 0.01)]
+RAMPLUS = [{}, {"r": 0.5, "alpha": 4.0}, {"r": 0.0}]  # mergekit's defaults; rho mostly below the cap; RAM's
+
+
+@requires_mergekit
+@pytest.mark.parametrize("inputs,epsilon", RAM_CASES, ids=[f"{i}-eps{e:g}" for i, e in RAM_CASES])
+def test_ram_same_tensors_as_mergekit_bit_for_bit(tiny, inputs, epsilon):
+    base, experts = RAM_INPUTS[inputs](tiny)
+    theirs = run_mergekit(tiny, "ram", [(p, {}) for p in experts], {"epsilon": epsilon}, base=base)
+    assert_same_tensors(run_mergeval(tiny, "ram", {"epsilon": epsilon}, experts, base=base)[0], theirs, atol=0)
+
+
+@requires_mergekit
+@pytest.mark.parametrize("inputs,epsilon", RAM_CASES, ids=[f"{i}-eps{e:g}" for i, e in RAM_CASES])
+@pytest.mark.parametrize("params", RAMPLUS, ids=["defaults", "r0.5-alpha4", "r0"])
+def test_ramplus_tl_same_tensors_as_mergekit_bit_for_bit(tiny, inputs, epsilon, params):
+    base, experts = RAM_INPUTS[inputs](tiny)
+    theirs = run_mergekit(tiny, "ramplus_tl", [(p, {}) for p in experts], {**params, "epsilon": epsilon}, base=base)
+    (ours,) = run_mergeval(tiny, "ramplus_tl", {**params, "epsilon": epsilon}, experts, base=base)
+    assert_same_tensors(ours, theirs, atol=0)
+
 
 @requires_mergekit
 def test_multislerp_of_opposite_task_vectors_falls_back_to_lerp_as_mergekit(tiny):
@@ -347,6 +378,79 @@ def test_karcher_with_a_zero_tensor_same_tensors_as_mergekit(tiny):
     ours = run_mergeval(tiny, "karcher", {}, tiny.anti[1:], base=tiny.anti[0])[0]
     assert_same_tensors(ours, theirs, atol=0)
 
+@requires_mergekit
+def test_ram_cases_exercise_every_count_and_both_sides_of_the_cap(tiny):
+    """The RAM cases above hold entries changed by 0, 1, 2 and 3 experts, and RAM+ ratios rho below and above
+    both caps (0.2, 4), 0 included; RAM differs from task arithmetic, RAM+ from RAM: the parity is not vacuous."""
+    def counts_and_rhos(inputs: str, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        base, experts = RAM_INPUTS[inputs](tiny)
+        b, es = tiny.tensors(base), [tiny.tensors(p) for p in experts]
+        counts, rhos = [], []
+        for name in b:
+            a = torch.stack([(e[name] - b[name]).abs() > epsilon for e in es]).flatten(1)
+            c = a.sum(0)
+            counts.append(c)
+            rhos.append((a & (c > 1)).sum(1) / (a & (c == 1)).sum(1).clamp(min=epsilon))
+        return torch.cat(counts), torch.cat(rhos)
+
+    assert set(counts_and_rhos("anti-3", 0.01)[0].unique().tolist()) == {0, 1, 2, 3}
+    rho = torch.cat([counts_and_rhos(inputs, epsilon)[1] for inputs, epsilon in RAM_CASES])
+    for lo, hi in [(0, 0), (1e-9, 0.2), (0.2, 4), (4, float("inf"))]:
+        assert bool(((rho >= lo) & (rho <= hi)).any()), (lo, hi)
+    (ram,) = run_mergeval(tiny, "ram", {"epsilon": 0.08}, tiny.experts)
+    (ta,) = run_mergeval(tiny, "task_arithmetic", {}, tiny.experts)
+    (plus,) = run_mergeval(tiny, "ramplus_tl", {"epsilon": 0.08}, tiny.experts)
+    assert all(not torch.equal(ram[n], ta[n]) and not torch.equal(plus[n], ram[n]) for n in ram)
+
+
+@requires_mergekit
+def test_ramplus_tl_where_mergekit_gives_nan(tiny, tmp_path):
+    """epsilon = 0 and an expert equal to the base on a tensor: rho = 0 / 0 for it, and mergekit 0.1.5's whole
+    tensor is NaN. mergeval takes rho = 0 (the expert has no unique entry to scale): RAM+ is then RAM's merge
+    with the other experts' boosts, here the same as RAM+ of the others alone."""
+    same = tmp_path / "base-copy"
+    shutil.copytree(tiny.base, same)
+    experts = [tiny.experts[0], same]
+    theirs = run_mergekit(tiny, "ramplus_tl", [(p, {}) for p in experts], {"epsilon": 0.0})
+    assert all(bool(t.isnan().all()) for t in theirs.values())
+    (ours,) = run_mergeval(tiny, "ramplus_tl", {"epsilon": 0.0}, experts)
+    assert_same_tensors(ours, run_mergeval(tiny, "ramplus_tl", {"epsilon": 0.0}, experts[:1])[0], atol=0)
+
+
+# Arcee Fusion inputs: (base, expert); mergekit takes the base and exactly one other model.
+FUSION_INPUTS = {"expert0": lambda t: (t.base, t.experts[0]), "expert2": lambda t: (t.base, t.experts[2]),
+                 "small": lambda t: (t.base, t.small_experts[0]), "slerp": lambda t: (t.base, t.slerp_expert),
+                 "anti": lambda t: (t.anti[0], t.anti[3]), "base": lambda t: (t.base, t.base)}
+
+
+@requires_mergekit
+@pytest.mark.parametrize("inputs", sorted(FUSION_INPUTS))
+@pytest.mark.parametrize("listed", ["base-and-expert", "expert-only"])
+def test_arcee_fusion_same_tensors_as_mergekit_bit_for_bit(tiny, tmp_path, inputs, listed):
+    """mergekit accepts the base listed among the models or not; the expert equal to the base (a copy, which
+    mergekit does not take for the base itself) gives the base back."""
+    base, expert = FUSION_INPUTS[inputs](tiny)
+    if expert == base:
+        expert = tmp_path / "base-copy"
+        shutil.copytree(base, expert)
+    models = ([(base, {})] if listed == "base-and-expert" else []) + [(expert, {})]
+    theirs = run_mergekit(tiny, "arcee_fusion", models, {}, base=base)
+    (ours,) = run_mergeval(tiny, "arcee_fusion", {}, [expert], base=base)
+    assert_same_tensors(ours, theirs, atol=0)
+    b, e = tiny.tensors(base), tiny.tensors(expert)
+    if inputs == "base":
+        assert_same_tensors(ours, b, atol=0)
+    else:  # the mask keeps some entries of the expert and some of the base: not a vacuous comparison
+        assert any(not torch.equal(ours[n], b[n]) and not torch.equal(ours[n], e[n]) for n in b)
+
+
+@requires_mergekit
+def test_arcee_fusion_refuses_two_experts_as_mergekit_does(tiny):
+    with pytest.raises(ValueError, match="exactly 2 inputs"):
+        run_mergekit(tiny, "arcee_fusion", [(p, {}) for p in tiny.experts[:2]], {})
+    with pytest.raises(UserError) as err:
+        run_mergeval(tiny, "arcee_fusion", {}, tiny.experts[:2])
+    assert err.value.field == "modelset.experts"
 
 @requires_mergekit
 @pytest.mark.parametrize("t", [0.3, 0.5, 1.0])

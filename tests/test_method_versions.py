@@ -43,6 +43,9 @@ CASES = {
     "nearswap": (1, {"t": 0.01}),
     "nuslerp": (2, {"weights": [1.0, 0.6]}),
     "multislerp": (3, {"weights": [1.0, 0.5, 2.0]}),
+    "ram": (3, {"epsilon": 0.015}),  # the experts change every entry by more than the default 1e-5: a mean
+    "ramplus_tl": (3, {"epsilon": 0.015, "r": 0.5, "alpha": 4.0}),
+    "arcee_fusion": (1, {}),
     "localize_stitch": (3, {"scope": "tensor"}),
     "pipeline": (3, {"stages": [StageConfig("pair", {"name": "ties", "density": 0.5}, inputs=["e0", "e1"]),
                                 StageConfig("all", {"name": "task_arithmetic", "lambda_": 0.8}, inputs=["pair", "e2"])],

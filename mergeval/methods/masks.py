@@ -1,4 +1,15 @@
-"""Mask-based merges: Consensus task arithmetic (TALL masks) and Localize-and-Stitch (data-free).
+"""Mask-based merges: Consensus task arithmetic (TALL masks), Localize-and-Stitch, RAM / RAM+ and Arcee Fusion.
+
+Every method here decides, entry by entry, which task-vector entries to keep
+(a mask), then adds the kept ones to the base: Consensus TA keeps the entries
+of the summed task vector that enough TALL masks claim, Localize-and-Stitch
+each expert's largest entries, RAM (mergekit's ``ram``, ``ramplus_tl``) each
+expert's non-zero entries (both average where experts' masks overlap), and
+Arcee Fusion (mergekit's ``arcee_fusion``, one expert) its entries of outlying
+importance. So a method that keeps or drops task-vector entries by a rule
+belongs here; one that rescales or interpolates every entry belongs in
+``task_vector.py``, ``sparsify.py`` (random or ranked sparsifiers before a
+sum or TIES' election) or ``geometric.py``.
 
 Notation, per tensor: base ``b``, expert ``e_t`` (t = 1..N), task vector
 ``tau_t = e_t - b``. Arithmetic in float32, the result cast back to the
@@ -11,9 +22,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mergeval.core.errors import UserError
+from mergeval.methods import compat
 from mergeval.methods.registry import Needs, register, register_layer
+from mergeval.methods.select import kth_smallest
+from mergeval.methods.task_vector import sum_in_order
 
 
 @dataclass
@@ -206,3 +221,163 @@ def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[d
             masks.append(trained_mask(d, g, cfg.thresholds[i], cfg.sigmoid_bias, cfg.lr))
         out[name] = stitch(b, deltas, masks)
     return out
+
+
+# ---------------------------------------------------------------- RAM, RAM+ and Arcee Fusion (mergekit's own)
+
+
+@dataclass
+class RamConfig:
+    """Reinforced Agent Merging (mergekit's ``ram``, arXiv:2601.13572)."""
+
+    name: str = "ram"
+    epsilon: float = 1e-5  # |tau_t| above this counts as an entry expert t changed (mergekit's default)
+    compat: str = "paper"  # both modes are the same: the method is mergekit's
+
+
+@dataclass
+class RamPlusConfig:
+    """RAM+, tensor-local (mergekit's ``ramplus_tl``): RAM with each expert's unique entries scaled up."""
+
+    name: str = "ramplus_tl"
+    r: float = 0.1  # lambda_t = 1 + r * clamp(rho_t, 0, alpha) (mergekit's default)
+    alpha: float = 0.2  # the cap on rho_t (mergekit's default)
+    epsilon: float = 1e-5  # as ram's, and the floor of rho_t's divisor (mergekit's)
+    compat: str = "paper"  # both modes are the same: the method is mergekit's
+
+
+@dataclass
+class ArceeFusionConfig:
+    """Arcee Fusion (mergekit's ``arcee_fusion``): the base takes the one expert's entries of outlying importance."""
+
+    name: str = "arcee_fusion"
+    compat: str = "paper"  # both modes are the same: the method is mergekit's
+
+
+def _check_number(value: float, field: str, example: float, minimum: float | None = None) -> None:
+    if not (math.isfinite(value) and (minimum is None or value >= minimum)):
+        need = "a finite number" + ("" if minimum is None else f" of {minimum:g} or more")
+        raise UserError(f"method.{field}", f"must be {need}, got {value}", f"set e.g. method.{field}={example:g}")
+
+
+def _validate_ram(cfg: RamConfig | RamPlusConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
+    _check_number(cfg.epsilon, "epsilon", 1e-5, minimum=0.0)
+
+
+def _validate_ramplus(cfg: RamPlusConfig, n_experts: int) -> None:
+    _validate_ram(cfg, n_experts)
+    _check_number(cfg.r, "r", 0.1)
+    _check_number(cfg.alpha, "alpha", 0.2, minimum=0.0)
+
+
+def _validate_arcee_fusion(cfg: ArceeFusionConfig, n_experts: int) -> None:
+    compat.check_compat(cfg)
+    if n_experts != 1:
+        raise UserError("modelset.experts", f"arcee_fusion fuses exactly one expert into the base, got {n_experts}",
+                        "list exactly one expert in the modelset")
+
+
+def changed_entries(base: torch.Tensor, experts: list[torch.Tensor], epsilon: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, z, a, c) for RAM: the base in float32; z_t = a_t tau_t, the task vectors as rows of an (N, n) matrix
+    with the entries of |tau_t| <= epsilon set to 0; a_t = [|tau_t| > epsilon]; c = sum_t a_t per entry (int64)."""
+    b = base.float()
+    z = torch.stack([e.float() - b for e in experts]).reshape(len(experts), -1)
+    a = z.abs() > epsilon
+    z.masked_fill_(~a, 0.0)
+    return b, z, a, a.sum(0)
+
+
+def ram_sum(b: torch.Tensor, z: torch.Tensor, c: torch.Tensor, boost: torch.Tensor | None = None) -> torch.Tensor:
+    """b + sum_t z_t s_t, s_t = 1 / max(1, c) (RAM), or boost_t where c == 1 (RAM+); the N terms summed in
+    expert order (``sum_in_order``). z is consumed."""
+    terms = z.div_(c.clamp(min=1))  # where c == 1: z / 1, exactly z
+    if boost is not None:
+        terms.mul_(torch.where(c == 1, boost[:, None], 1.0))  # x * 1.0 == x exactly
+    return b + sum_in_order(terms).view_as(b)
+
+
+@register("ram", RamConfig, _validate_ram)
+def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: torch.Generator) -> torch.Tensor:
+    """RAM (mergekit's ``ram``): each entry takes the mean change of the experts that changed it.
+
+        a_t    = [|tau_t| > epsilon]                  the entries expert t changed
+        c      = sum_t a_t                            how many experts changed each entry
+        merged = b + sum_t a_t tau_t / max(1, c)
+
+    An entry only one expert changed gets that expert's whole change (as in task arithmetic), one several
+    changed the mean of their changes (the experts that left it alone do not dilute it), one none changed
+    (every |tau_t| <= epsilon) stays the base's. In float32, each expert's quotient summed in expert order:
+    the same tensors as mergekit 0.1.5 (whose sum over 5 or more experts follows torch's CPU kernels instead).
+    """
+    b, z, _, c = changed_entries(base, experts, float(cfg.epsilon))
+    return ram_sum(b, z, c).to(base.dtype)
+
+
+@register("ramplus_tl", RamPlusConfig, _validate_ramplus)
+def ramplus_tl(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig,
+               gen: torch.Generator) -> torch.Tensor:
+    """RAM+, tensor-local (mergekit's ``ramplus_tl``): RAM, with the entries only expert t changed scaled by
+    lambda_t >= 1, more for an expert that shares more of its changes with others.
+
+        a_t, c                                       as in ram
+        u_t      = #{a_t and c == 1}                 expert t's unique entries in this tensor
+        s_t      = #{a_t and c > 1}                  its shared entries in this tensor
+        rho_t    = s_t / max(u_t, epsilon)           (0 where s_t = 0)
+        lambda_t = 1 + r clamp(rho_t, 0, alpha)
+        merged   = b + sum_t a_t tau_t (lambda_t where c == 1, else 1 / max(1, c))
+
+    Tensor-local: u_t and s_t count this tensor's entries only. r = 0 gives ram exactly. In float32 as
+    ram: the same tensors as mergekit 0.1.5, except where mergekit's are NaN: with epsilon = 0, an expert
+    equal to the base on the whole tensor has rho = 0 / 0 there, which makes mergekit's whole tensor NaN;
+    here that expert's rho is 0 (it has no unique entry for lambda to scale).
+    """
+    b, z, a, c = changed_entries(base, experts, float(cfg.epsilon))
+    shared, unique = (a & (c > 1)).sum(1), (a & (c == 1)).sum(1)
+    rho = torch.where(shared == 0, 0.0, shared / unique.clamp(min=float(cfg.epsilon)))
+    boost = 1 + float(cfg.r) * rho.clamp(min=0, max=float(cfg.alpha))
+    return ram_sum(b, z, c, boost).to(base.dtype)
+
+
+FUSION_EPS = 1e-8  # added to both softmaxes before their log ratio (mergekit's)
+
+
+def fusion_importance(b: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """I = |e - b| * kl, kl = sum_j p_j log(p_j / q_j) along the last dimension (one per row), with
+    p = softmax(e) + 1e-8 and q = softmax(b) + 1e-8."""
+    p = F.softmax(e, dim=-1).add_(FUSION_EPS)
+    q = F.softmax(b, dim=-1).add_(FUSION_EPS)
+    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    return (e - b).abs_().mul_(kl)
+
+
+def upper_fence(x: torch.Tensor) -> torch.Tensor:
+    """median + 1.5 (Q3 - Q1) of all the entries of x, in float32; Q_j = the (floor(j (n - 1) / 4) + 1)-th
+    smallest of the n entries (Q_2 the median)."""
+    n = x.numel()
+    q1, median, q3 = torch.tensor([kth_smallest(x, j * (n - 1) // 4 + 1) for j in (1, 2, 3)], dtype=torch.float32)
+    return median + 1.5 * (q3 - q1)
+
+
+@register("arcee_fusion", ArceeFusionConfig, _validate_arcee_fusion)
+def arcee_fusion(base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig,
+                 gen: torch.Generator) -> torch.Tensor:
+    """Arcee Fusion (mergekit's ``arcee_fusion``): the base takes the one expert's entries whose importance is
+    an upper outlier of the tensor's, and keeps its own elsewhere.
+
+        I      = |e - b| * KL(softmax(e) + 1e-8 || softmax(b) + 1e-8)     the KL along the last dimension (per row)
+        theta  = median(I) + 1.5 (Q3(I) - Q1(I))                           over the whole tensor
+        merged = b + [I >= theta] (e - b)
+
+    An entry matters when it changed much in a row whose output distribution (the softmax of the row) changed
+    much. A tensor whose importances are all equal (the expert equal to the base: I = 0) keeps all of the
+    expert's entries, so the base's own tensor comes back. Quartiles: Q_j is the (floor(j (n - 1) / 4) + 1)-th
+    smallest of the n importances. In float32: the same tensors as mergekit 0.1.5 up to 10^6 entries a
+    tensor; above that, mergekit takes the quartiles from 10^6 entries drawn at random (unseeded, so its
+    mask varies from run to run), mergeval from every entry, so the two masks differ only near theta.
+    """
+    (expert,) = experts
+    b, e = base.float(), expert.float()
+    importance = fusion_importance(b, e)
+    return (b + (e - b) * (importance >= upper_fence(importance))).to(base.dtype)

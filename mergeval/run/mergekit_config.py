@@ -12,7 +12,7 @@ replaces the run's method and modelset by the file's:
                             the base last, where mergekit adds it), and without one the last model
                             is the base
     parameters (global)     lambda -> lambda_, rescale true/false -> l1/none, normalize, t,
-                            filter_wise, select_topk, density, gamma, epsilon, weight,
+                            filter_wise, select_topk, density, gamma, epsilon, r, alpha, weight,
                             nuslerp_flatten, nuslerp_row_wise, normalize_weights, eps, max_iter,
                             tol; int8_mask (no numeric effect) is accepted
     models[i].parameters    weight, density, gamma, epsilon: expert i's own values (rules with
@@ -52,12 +52,13 @@ from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap", "nuslerp", "multislerp", "karcher")
-OWN = ("nearswap", "nuslerp", "multislerp", "karcher")  # mergekit's own methods: one mode, mergekit's
+           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap", "nuslerp", "multislerp", "karcher",
+           "ram", "ramplus_tl", "arcee_fusion")
+OWN = ("nearswap", "nuslerp", "multislerp", "karcher", "ram", "ramplus_tl", "arcee_fusion")  # mergekit's own methods: one mode, mergekit's
 SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", *OWN)
 BASE_AS_MODEL = ("linear", "nuslerp", "multislerp")  # without base_model, the first model is the base and merged
-SHARED = ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon", "nuslerp_flatten",
-          "nuslerp_row_wise", "normalize_weights", "eps", "max_iter", "tol")  # global parameters written out
+SHARED = ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon", "r", "alpha",
+          "nuslerp_flatten", "nuslerp_row_wise", "normalize_weights", "eps", "max_iter", "tol")  # global parameters written out
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
@@ -150,6 +151,7 @@ def _scalar_or_gradient(value: Any, field: str) -> Any:
 def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[str]]:
     """(method config dict, modelset dict, notes) for a mergekit configuration (module docstring)."""
     from mergeval.methods import get_method
+    from mergeval.methods.registry import expert_params
 
     for key, (what, fix) in UNSUPPORTED_TOP.items():
         if doc.get(key):
@@ -248,7 +250,8 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         for key, value in params.items():
             if key not in PER_MODEL and RENAME.get(key, key) not in names and key not in NO_EFFECT:  # a typo
                 raise _not_a_parameter(f"{field}.parameters.{key}", key, name, PER_MODEL)
-            if key not in PER_MODEL:
+            # a parameter the method shares across models (ram's epsilon): mergekit ignores it here
+            if key not in PER_MODEL or (key in names and key not in expert_params(method.config)):
                 raise UserError(f"{field}.parameters.{key}", "mergekit reads it only from the global parameters",
                                 f"move {key} under parameters:")
             put(key, value, f"{field}.parameters.{key}", i)
@@ -386,7 +389,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     paths = ([base] if include_base and name != "karcher" else []) + list(experts)
     models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
     doc: dict[str, Any] = {"merge_method": name}
-    if name in ("slerp", "nearswap"):  # mergekit lists the base among the models it interpolates
+    if name in ("slerp", "nearswap", "arcee_fusion"):  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
     # linear and, with include_base, nuslerp and multislerp list the base as a model; karcher averages
     # base_model (which mergekit adds after the models, where mergeval puts the base) only with include_base

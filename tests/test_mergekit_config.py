@@ -181,7 +181,7 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
 @pytest.mark.parametrize("patch,field", [
     ({"slices": [{"sources": []}]}, "mergekit.slices"),
     ({"merge_method": "passthrough"}, "mergekit.merge_method"),
-    ({"merge_method": "arcee_fusion"}, "mergekit.merge_method"),
+    ({"merge_method": "model_breadcrumbs"}, "mergekit.merge_method"),
     ({"tokenizer_source": "union"}, "mergekit.tokenizer_source"),
     ({"chat_template": "chatml"}, "mergekit.chat_template"),
     ({"models": [{"model": "org/m+org/lora", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),

@@ -182,7 +182,8 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
     ({"slices": [{"sources": []}]}, "mergekit.slices"),
     ({"merge_method": "passthrough"}, "mergekit.merge_method"),
     ({"merge_method": "model_breadcrumbs"}, "mergekit.merge_method"),
-    ({"tokenizer_source": "union"}, "mergekit.tokenizer_source"),
+    ({"tokenizer_source": "org/not-in-the-file"}, "mergekit.tokenizer_source"),
+    ({"tokenizer": {"source": "union", "tokens": {"<x>": {"source": "base"}}}}, "mergekit.tokenizer"),
     ({"chat_template": "chatml"}, "mergekit.chat_template"),
     ({"models": [{"model": "org/m+org/lora", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
     ({"models": [{"model": "MATH", "parameters": {"weight": 1, "lambda": 2}}]}, "mergekit.models[0].parameters.lambda"),
@@ -271,7 +272,6 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
 
 @pytest.mark.parametrize("key,value,fix", [
     ("slices", [{"sources": []}], "merge whole models with models:"),
-    ("tokenizer", {"source": "union"}, "drop tokenizer:"),
     ("chat_template", "chatml", "drop chat_template:"),
 ])
 def test_each_unsupported_key_gets_a_fix_that_fits_it(key, value, fix):

@@ -2,6 +2,7 @@
 
     plan.py       units, depth, per-tensor parameter rules (pure)
     vocab.py      vocabulary policies error / truncate / union (pure)
+    tokens.py     tokenizer_source: vocabularies aligned by token (different tokenizers)
     reader.py     lazy safetensors reader (one tensor at a time, NaN/Inf checked)
     execute.py    the executor shared by both paths (bit-identical results)
     writer.py     streaming sharded safetensors writer, config and tokenizer copy

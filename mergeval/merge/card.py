@@ -81,8 +81,11 @@ def add_evaluation(card_path, scores: dict[str, dict[str, dict]], roles: list[st
 
 
 def merge_config(cfg) -> dict:
-    """The parts of a run config that determine a merge (for the card): method, modelset, seed, vocab_policy."""
+    """The parts of a run config that determine a merge (for the card): method, modelset, seed, vocab_policy,
+    tokenizer_source when set."""
     from omegaconf import OmegaConf
 
     full = OmegaConf.to_container(cfg, resolve=True)
-    return {key: full.get(key) for key in ("method", "modelset", "seed", "vocab_policy")}
+    keys = ("method", "modelset", "seed", "vocab_policy") + (("tokenizer_source",) if full.get("tokenizer_source")
+                                                             else ())
+    return {key: full.get(key) for key in keys}

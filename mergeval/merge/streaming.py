@@ -11,6 +11,7 @@ largest unit, plus the method's working copies of one unit (benchmarks/merge_mem
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,15 +22,17 @@ from mergeval.merge.card import model_card
 from mergeval.merge.execute import output_shapes, run_plan
 from mergeval.merge.plan import build_plan, check_plan
 from mergeval.merge.reader import CheckpointReader
+from mergeval.merge.tokens import Vocabulary, aligned_sources, check_tokenizer_source
 from mergeval.merge.vocab import keep_base_rows, vocab_rows
 from mergeval.merge.writer import DEFAULT_SHARD_SIZE, ShardWriter, cast_to, copy_model_files, output_specs
 from mergeval.methods import MergeMethod
-from mergeval.models.checkpoint import check_compatible, check_vocab_policy, read_config, vocab_size
+from mergeval.models.checkpoint import check_compatible, check_vocab_policy, compat_policy, read_config, vocab_size
 
 
 def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_dirs: list[Path] | Mapping[str, Path],
                   out_dir: Path, seed: int = 0, vocab_policy: str = "error", shard_size: int = DEFAULT_SHARD_SIZE,
-                  card: dict | None = None, progress: bool = False, out_dtype: str | None = None) -> Path:
+                  card: dict | None = None, progress: bool = False, out_dtype: str | None = None,
+                  tokenizer_source: str | None = None) -> Path:
     """Merge the checkpoints in ``base_dir`` and ``expert_dirs`` into a new directory ``out_dir``.
 
     ``expert_dirs``: a list, or a mapping name -> directory (the names appear in
@@ -38,6 +41,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     for the model card; by default the card records the method config, seed and
     vocab_policy, and the inputs' paths and fingerprints (computed here).
     ``out_dtype``: the dtype name floating tensors are written in (None: the base's).
+    ``tokenizer_source``: base, union or an expert's name: the vocabularies aligned by token (tokens.py).
     Every check (config, rules at every tensor, shapes, vocabularies, the output
     path) runs before the first tensor is read.
     """
@@ -45,22 +49,30 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     named = {str(k): Path(v) for k, v in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
                                           else enumerate(expert_dirs))}
     check_vocab_policy(vocab_policy)
+    check_tokenizer_source(tokenizer_source, named, vocab_policy)
     method.validate(method_cfg, len(named))
     if out_dir.exists():
         raise UserError("output", f"'{out_dir}' already exists", "choose a new directory or remove that one")
-    check_compatible(base_dir, named, vocab_policy)
+    check_compatible(base_dir, named, compat_policy(vocab_policy, tokenizer_source))
     base = CheckpointReader(base_dir, "modelset.base")
     experts = [CheckpointReader(path, f"modelset.experts.{name}") for name, path in named.items()]
+    vocab = None
+    if tokenizer_source is not None:  # every input's vocabulary tensors in the merged vocabulary's rows
+        vocab = Vocabulary(base_dir, named, tokenizer_source)
+        base, experts = aligned_sources(vocab, base, experts, list(named))
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
     plan = build_plan(method, method_cfg, base.dtypes)
     check_plan(method, plan, len(experts))
     plan = keep_base_rows(plan, rows, vocab_policy)
     specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()},
                          out_dtype)
-    tokenizer_role, tokenizer_dir, out_vocab = tokenizer_source(base_dir, named, vocab_policy if rows else "error")
+    tokenizer_role, tokenizer_dir, out_vocab = output_tokenizer(base_dir, named, vocab_policy if rows else "error")
+    if vocab is not None:
+        tokenizer_role, out_vocab = f"tokenizer_source={tokenizer_source}", vocab.size
     card = card or {}
     config = card.get("config") or {"method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg)
-                                    else dict(method_cfg), "seed": seed, "vocab_policy": vocab_policy}
+                                    else dict(method_cfg), "seed": seed, "vocab_policy": vocab_policy,
+                                    **({"tokenizer_source": tokenizer_source} if tokenizer_source else {})}
     inputs = card.get("inputs") or _input_rows(base_dir, named)
     text = model_card(method.name, method.version, config, inputs, tokenizer_role)
     with atomic_dir(out_dir) as tmp:
@@ -71,12 +83,16 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
             writer.finish()
         finally:
             writer.close()
+        if vocab is not None:
+            tokenizer_dir = vocab.save(tmp / ".tokenizer")
         copy_model_files(tmp, base_dir, tokenizer_dir, out_vocab, out_dtype)
+        if vocab is not None:
+            shutil.rmtree(tokenizer_dir)
         (tmp / "README.md").write_text(text)
     return out_dir
 
 
-def tokenizer_source(base_dir: Path, experts: Mapping[str, Path], policy: str) -> tuple[str, Path, int | None]:
+def output_tokenizer(base_dir: Path, experts: Mapping[str, Path], policy: str) -> tuple[str, Path, int | None]:
     """(role, directory, vocab_size to write or None) of the tokenizer the output gets.
 
     error / union: the base's (union keeps the base's vocabulary). truncate: the

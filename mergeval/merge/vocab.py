@@ -17,9 +17,11 @@ error. Per tensor with R_b rows in the base and R_i in expert i:
 shared rows and gives the base's shape, so its merge evaluates in the base's
 architecture too.
 
-Neither policy maps tokens between different tokenizers: both assume the
-shared ids mean the same tokens (an extended tokenizer), as mergekit's
-truncation does. Which tokenizer the output gets is decided in ``writer.py``.
+No policy maps tokens between different tokenizers: they assume the shared
+ids mean the same tokens (an extended tokenizer), as mergekit's truncation
+does. Different tokenizers are aligned by token with ``tokenizer_source``
+(tokens.py), which no policy accompanies. Which tokenizer the output gets is
+decided in ``streaming.output_tokenizer``.
 """
 
 from __future__ import annotations

@@ -77,6 +77,12 @@ def check_vocab_policy(policy: str) -> None:
         raise UserError("vocab_policy", f"unknown policy '{policy}'", f"use one of: {', '.join(VOCAB_POLICIES)}")
 
 
+def compat_policy(vocab_policy: str, tokenizer_source: str | None) -> str:
+    """The vocab_policy ``check_compatible`` checks under: with a tokenizer_source the vocabularies are aligned by
+    token (merge/tokens.py), so differing vocabularies and tokenizers are expected (truncate refuses neither)."""
+    return "truncate" if tokenizer_source else vocab_policy
+
+
 def vocab_size(config: dict) -> int | None:
     """``vocab_size`` of a model config (top level, or in ``text_config`` for multimodal configs)."""
     return config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))

@@ -34,7 +34,7 @@ from mergeval.core.runtime import (
 from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
 from mergeval.models.checkpoint import load_tensors, load_tokenizer
-from mergeval.models.zoo.resolve import resolve_models
+from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
 from mergeval.results.store import merge_key, open_store, record_models, settings_hash
 from mergeval.run import mergekit_config
 from mergeval.run.checks import check_rows, validate
@@ -80,6 +80,24 @@ def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path])
                             "mergeval.merge to write the truncated merge")
 
 
+def _merge_tokens(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs: dict[str, Path], models: list,
+                  out_dir: Path) -> Path:
+    """The merge with the vocabularies aligned by token (tokenizer_source), written to ``<job dir>/merged_model``
+    with its tokenizer: it cannot stream into a model of the base's vocabulary."""
+    from mergeval.merge import merge_to_disk
+    from mergeval.merge.card import merge_config
+
+    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
+    target = out_dir / "merged_model"
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)  # a rerun of this job's configuration (resume): the merge is made again
+    return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
+                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True,
+                         out_dtype=cfg.out_dtype, tokenizer_source=cfg.tokenizer_source)
+
+
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     """One run, recorded in the results store: ``running`` from here, then ``failed`` on any error (a user's
     mistake, a fault, a bug), ``interrupted`` on Ctrl-C or SIGTERM, or ``finished`` by ``write_result``. A
@@ -108,7 +126,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     from mergeval.eval.suite import build_suite
     from mergeval.merge.memory import merge_live
     from mergeval.models.checkpoint import load_model
-    from mergeval.models.fingerprint import fingerprint_state_dict, model_identity
+    from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict, model_identity
     quiet_transformers(cfg.verbose)
     lap = Laps()
     timings = lap.timings
@@ -121,6 +139,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     lap("load_tasks")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     _check_truncation(cfg.vocab_policy, base_dir, expert_dirs)
+    if cfg.get("tokenizer_source") and cfg.metric.similarity:
+        raise UserError("metric.similarity", "compares the models' tensors row by row, and tokenizer_source gives "
+                        "the merge other vocabulary rows", "drop metric.similarity, or tokenizer_source")
     lap("resolve_models")
     tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
     # either; a run whose merge and scores all come from the store never loads it (nor imports what it needs)
@@ -132,6 +153,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     settings = suite.per_task(eval_settings(cfg))  # each task keyed by what can change its scores
     inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
     options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
+    tokens = cfg.get("tokenizer_source")  # vocabularies aligned by token: each model has its own tokenizer
+    if tokens:
+        options["tokenizer_source"] = tokens
     key = merge_key(inputs, method_cfg, cfg.seed, options)
     # similarity needs the merged tensors, which a merge reused from the store does not have
     fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
@@ -139,6 +163,13 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     merged_model = merged = None
     if done:  # merged and scored before with these inputs, method config and seed: do neither again
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
+    elif tokens:  # another vocabulary: streamed to disk (merged_model), loaded with its own tokenizer
+        target = _merge_tokens(cfg, method, method_cfg, base_dir, expert_dirs, models, out_dir)
+        merged_model = load_model(target, None, getattr(torch, cfg.eval.dtype), "tokenizer_source")
+        merged = dict(merged_model.state_dict())
+        weights = fingerprint(target, None, "tokenizer_source")
+        models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, target), merge="this run",
+                                weights=weights, path=str(target)))
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
@@ -156,7 +187,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         experts = {name: load_tensors(p) for name, p in expert_dirs.items()}
         similarity_stats = similarity(load_tensors(base_dir), experts, merged)
         lap("similarity")
-    if cfg.save_merged:  # written before evaluation casts the model to eval.dtype (model card included)
+    if cfg.save_merged and not tokens:  # written before evaluation casts the model to eval.dtype (card included)
         from mergeval.merge import save_merged
         from mergeval.merge.card import merge_config
 
@@ -185,7 +216,10 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         info.evaluated = ("reused from the results store" if not entries else "this run" if not got
                           else "partly reused from the results store")
         if entries:
-            if tokenizer is None:
+            if tokens:  # each model with its own tokenizer (resolve.evaluation_tokenizer; the merge its own)
+                tokenizer = load_tokenizer(Path(info.path) if info.role == MERGED else
+                                           evaluation_tokenizer(Path(info.path), base_dir, tokens))
+            elif tokenizer is None:
                 tokenizer = load_tokenizer(base_dir)
             step = f"mergeval: [{number}/{len(models)}] {info.role}"
             print(f"{step}: evaluating on {len(entries)} of {len(suite.entries)} tasks", flush=True)

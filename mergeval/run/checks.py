@@ -288,6 +288,9 @@ def validate(cfg: DictConfig, schema=None):
         raise UserError("out_dtype", f"unknown dtype '{cfg.out_dtype}'",
                         "use float32, bfloat16 or float16, or null for the base's")
     check_vocab_policy(cfg.vocab_policy)
+    from mergeval.merge.tokens import check_tokenizer_source  # loads torch: not on the import of these checks
+
+    check_tokenizer_source(cfg.get("tokenizer_source"), cfg.modelset.experts, cfg.vocab_policy)
     return method, method_cfg
 
 

@@ -189,6 +189,9 @@ class RunConfig:
     save_merged: bool = False  # also write the merged model as a Hugging Face directory
     # inputs with different vocabularies: error | base | truncate | union (mergeval.merge.vocab)
     vocab_policy: str = "error"
+    # the merged model's tokenizer, the vocabularies aligned by token: null (the base's, by row) | base | union |
+    # an expert's name (mergeval.merge.tokens; mergekit's tokenizer_source)
+    tokenizer_source: str | None = None
     output: str | None = None  # python -m mergeval.merge writes here; default: <job dir>/merged_model
     # dtype of the floating tensors a saved merge is written in (merge-only output, save_merged): float32 |
     # bfloat16 | float16; null keeps each tensor's dtype in the base. Merging itself always runs in float32.

@@ -26,11 +26,13 @@ replaces the run's method and modelset by the file's:
                             float16 and their short names. dtype, mergekit's working precision, is
                             not applied: mergeval merges in float32 (a note says so when it is
                             lower; mergekit's result then differs by its roundings)
-    tokenizer_source        null or base (mergeval keeps the base's tokenizer)
+    tokenizer_source        base, union or a model of the file (also as tokenizer: {source: ...}):
+                            tokenizer_source=base|union|<expert name>, the vocabularies aligned by
+                            token as mergekit aligns them (mergeval/merge/tokens.py)
 
-Anything else (slices, modules, passthrough and the methods mergeval lacks, tokenizer:,
-chat_template, union or another model's tokenizer, LoRA or revision model references, a
-parameter the method does not have) is a UserError naming the key.
+Anything else (slices, modules, passthrough and the methods mergeval lacks, tokenizer: tokens or
+pad_to_multiple_of, chat_template, LoRA or revision model references, a parameter the method does
+not have) is a UserError naming the key.
 
 Out: ``to_mergekit`` writes the mergekit configuration of a merge when mergekit can express it
 exactly: compat=mergekit (or a method the same in both modes: linear, task_arithmetic and mergekit's
@@ -66,8 +68,6 @@ NO_EFFECT = ("int8_mask",)
 UNSUPPORTED_TOP = {
     "slices": ("layer slices (frankenmerges)", "merge whole models with models:"),
     "modules": ("per-module merges", "merge whole models with models:"),
-    "tokenizer": ("tokenizer construction", "drop tokenizer: (the merge keeps the base's tokenizer), or build the "
-                  "tokenizer with mergekit"),
     "chat_template": ("chat template replacement", "drop chat_template: (the merge keeps the base's template); set "
                       "another in the merged model's tokenizer_config.json"),
 }
@@ -178,10 +178,6 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         entries.append((str(m["model"]), m.get("parameters") or {}, f"{where}.models[{i}]"))
     base_ref = doc.get("base_model")
     notes = []
-    tok = doc.get("tokenizer_source")
-    if tok not in (None, "base") and tok != base_ref:
-        raise UserError(f"{where}.tokenizer_source", f"'{tok}': mergeval keeps the base model's tokenizer",
-                        "remove tokenizer_source or set it to base")
     for key in ("dtype", "out_dtype"):  # before any note about them is printed
         if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
             raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
@@ -265,6 +261,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     stem = f"mergekit_{name}"
     modelset = {"name": stem, "base": _source(base_ref, f"{where}.base_model"),
                 "experts": _expert_names([(ref, field) for ref, _, field in experts])}
+    tokenizer_choice(doc, modelset, where)  # its errors, with the file's others
     return cfg, modelset, notes
 
 
@@ -272,6 +269,35 @@ def _whole(value: float, field: str) -> int:
     if not float(value).is_integer():
         raise UserError(field, f"must be a whole number, got {value!r}", "write it without a fraction")
     return int(value)
+
+
+def tokenizer_choice(doc: dict, modelset: dict, where: str = "mergekit") -> str | None:
+    """mergeval's tokenizer_source for the file's ``tokenizer_source`` or ``tokenizer: {source}`` (mergekit's
+    default source there is union): base, union, or the modelset name of the model it names; None when absent."""
+    tok, field = doc.get("tokenizer_source"), f"{where}.tokenizer_source"
+    if doc.get("tokenizer") is not None:
+        spec, field = doc["tokenizer"], f"{where}.tokenizer"
+        if tok is not None:
+            raise UserError(field, "is given with tokenizer_source, which mergekit refuses", "keep one of the two")
+        if not isinstance(spec, dict) or set(spec) - {"source"}:
+            extra = sorted(set(spec) - {"source"}) if isinstance(spec, dict) else [spec]
+            raise UserError(field, f"{extra[0]}: mergeval takes only tokenizer.source (no per-token embeddings or "
+                            "padding)", "drop it, or build that tokenizer with mergekit")
+        tok, field = spec.get("source", "union"), f"{field}.source"
+    if tok is None:
+        return None
+    if doc.get("base_model") is None:
+        raise UserError(field, "without base_model mergekit builds the tokenizer around any one of the models",
+                        "set base_model")
+    if tok in ("base", "union"):
+        return tok
+    ref = _source(tok, field) if isinstance(tok, str) and tok else tok
+    if ref == modelset["base"]:
+        return "base"
+    for name, expert in modelset["experts"].items():
+        if expert["source"] == ref:
+            return name
+    raise UserError(field, f"'{tok}' is not a model of this file", "use base, union or one of the models")
 
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -326,14 +352,17 @@ def apply(cfg) -> None:
         cfg.modelset = OmegaConf.merge(OmegaConf.structured(ModelsetConfig), modelset)
         if cfg.get("out_dtype") is None:  # an out_dtype given on the command line wins over the file's
             cfg.out_dtype = written
+        cfg.tokenizer_source = tokenizer_choice(doc, modelset)
 
 
 # ---------------------------------------------------------------- out
 
 
-def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> dict | None:
+def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None,
+                tokenizer_source: str | None = None) -> dict | None:
     """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors.
-    ``out_dtype``: the dtype the merge is written in (None: the inputs')."""
+    ``out_dtype``: the dtype the merge is written in (None: the inputs'). ``tokenizer_source``: base, union or
+    the path of the model whose tokenizer the merge gets."""
     from mergeval.methods.registry import rule_items
 
     name = method_cfg.name
@@ -393,19 +422,27 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
         models = [{"model": base}] + models
     # linear and, with include_base, nuslerp and multislerp list the base as a model; karcher averages
     # base_model (which mergekit adds after the models, where mergeval puts the base) only with include_base
-    if {"linear": False, "karcher": include_base}.get(name, not include_base):
+    wants_base = {"linear": False, "karcher": include_base}.get(name, not include_base)
+    if tokenizer_source is not None and not wants_base:
+        if not (name == "linear" and include_base):
+            return None  # mergekit's tokenizer needs a base_model, which this method would then merge as a model
+        wants_base = True
+    if wants_base:
         doc["base_model"] = base
     doc.update({"models": models, "parameters": shared, "dtype": "float32"})
     if out_dtype is not None:
         doc["out_dtype"] = out_dtype
+    if tokenizer_source is not None:
+        doc["tokenizer_source"] = tokenizer_source
     return doc
 
 
-def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None) -> Path | None:
+def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None,
+          tokenizer_source: str | None = None) -> Path | None:
     """Write ``to_mergekit``'s configuration as YAML at ``path`` (nothing when mergekit cannot express it)."""
     from mergeval.core.paths import atomic_write_text
 
-    doc = to_mergekit(method_cfg, base, experts, out_dtype)
+    doc = to_mergekit(method_cfg, base, experts, out_dtype, tokenizer_source)
     if doc is None:
         return None
     atomic_write_text(path, "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
@@ -421,4 +458,6 @@ def write_for_run(path: Path, cfg, models) -> Path | None:
     experts = [paths.get(name) for name in cfg.modelset.experts]
     if paths.get("base") is None or None in experts:
         return None
-    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts, cfg.get("out_dtype"))
+    tok = cfg.get("tokenizer_source")
+    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts, cfg.get("out_dtype"),
+                 tok if tok in (None, "base", "union") else paths.get(tok))

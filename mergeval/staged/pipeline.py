@@ -188,6 +188,9 @@ def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
 def prepare(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the run config (its ``method`` is unused) and the sweep's plan."""
     validate(cfg)
+    if cfg.get("tokenizer_source"):
+        raise UserError("tokenizer_source", "staged evaluation merges in memory in the base's vocabulary",
+                        "merge different tokenizers with python -m mergeval or python -m mergeval.merge")
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
     if other:
         raise UserError("benchmark.tasks", f"staged evaluation splits mergeval's generated tasks into stages; "

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import ModelInfo
 from mergeval.models.adapters import applied_adapter, is_adapter
-from mergeval.models.checkpoint import check_compatible
+from mergeval.models.checkpoint import check_compatible, compat_policy
 from mergeval.models.fingerprint import fingerprint, model_identity
 from mergeval.models.quantized import dequantized, quantization_of
 from mergeval.models.zoo.sources import resolve_source
@@ -37,7 +37,8 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
         if is_adapter(path):
             given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
                                           f"modelset.experts.{name}.source")
-    check_compatible(base_dir, given, cfg.vocab_policy)  # before spending minutes on building experts
+    policy = compat_policy(cfg.vocab_policy, cfg.get("tokenizer_source"))
+    check_compatible(base_dir, given, policy)  # before spending minutes on building experts
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
         if name in given:
@@ -47,9 +48,10 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
                               f"modelset.experts.{name}.domain")
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
-        models.append(_info(name, source, path, base_dir, fp_cache, expert.task, f"modelset.experts.{name}"))
+        models.append(_info(name, source, path, evaluation_tokenizer(path, base_dir, cfg.get("tokenizer_source")),
+                            fp_cache, expert.task, f"modelset.experts.{name}"))
         _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
-    check_compatible(base_dir, expert_dirs, cfg.vocab_policy)
+    check_compatible(base_dir, expert_dirs, policy)
     return base_dir, expert_dirs, models
 
 
@@ -59,13 +61,19 @@ def _unquantized(path: Path, cache: Path, field: str) -> Path:
     return path if quant is None else dequantized(path, quant, cache, field)
 
 
-def _info(role: str, source: str, path: Path, base_dir: Path, fp_cache: Path, task: str | None = None,
+def evaluation_tokenizer(path: Path, base_dir: Path, tokenizer_source: str | None) -> Path:
+    """The directory of the tokenizer a run evaluates the model in ``path`` with: the base's (the tokenizer the
+    merge has), or with a tokenizer_source (vocabularies aligned by token) the model's own where it has one."""
+    own = tokenizer_source and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return path if own else base_dir
+
+
+def _info(role: str, source: str, path: Path, tokenizer_dir: Path, fp_cache: Path, task: str | None = None,
           field: str = "modelset") -> ModelInfo:
     """A model's row: its weights' fingerprint and its identity as a run evaluates it (its own config, the
-    base's tokenizer: every model of a run is evaluated with the tokenizer the merge has). A damaged
-    checkpoint is reported under ``field``."""
+    tokenizer of ``tokenizer_dir``: evaluation_tokenizer). A damaged checkpoint is reported under ``field``."""
     weights = fingerprint(path, fp_cache, field)
-    return ModelInfo(role, source, model_identity(weights, path, base_dir), str(path), task, weights=weights)
+    return ModelInfo(role, source, model_identity(weights, path, tokenizer_dir), str(path), task, weights=weights)
 
 
 def _refuse_a_copy(models: list[ModelInfo]) -> None:

@@ -1,8 +1,8 @@
 """Mutation check: does the test suite catch small, plausible bugs in the code that computes numbers?
 
 Copies the checkout's code, configs, specs and tests into a temporary directory,
-plants ONE known bug at a time (a file, an exact snippet of it, its
-replacement), runs the tests relevant to that code there and reports each
+plants ONE known bug at a time (a file, a snippet of it, its replacement),
+runs the tests relevant to that code there and reports each
 mutant as killed (some test failed) or survived (every test passed), with the
 score killed / total. Bugs cover metrics, merge methods, spec verification
 and a run's aggregation; the first five are the ones issue 20 found uncaught.
@@ -18,15 +18,22 @@ PYTHONPATH and pytest runs from the copy's root; before any mutant the script
 checks that ``import mergeval`` resolves into the copy, and plants a canary
 (an import that fails) to prove that pytest's tests see the copy too.
 
-A snippet that no longer occurs exactly once in its file is an error, not a
-skipped mutant: the list must be updated with the code. Exit status: 0 when
-every mutant is killed, 1 when one survives, 2 on an error (a stale snippet,
-a failing unmutated baseline, a copy that is not the one imported).
+A snippet is found by its Python tokens, so reformatting (quotes, line
+wrapping, trailing commas, added parentheses, comments) does not lose it: see
+"locating a snippet by its tokens" below. A snippet that no longer matches
+exactly once in its file is an error, not a skipped mutant: the list must be
+updated with the code. Exit status: 0 when every mutant is killed, 1 when one
+survives, 2 on an error (a stale snippet, a failing unmutated baseline, a copy
+that is not the one imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import io
+import keyword
 import os
 import re
 import shutil
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +67,8 @@ AGGREGATION = ("tests/test_aggregation.py",
 class Mutant:
     name: str
     path: str  # relative to the repository root
-    before: str  # must occur exactly once in the file
-    after: str
+    before: str  # must match exactly once in the file, token by token (below)
+    after: str  # written at before's indentation
     tests: tuple[str, ...]  # pytest arguments: files or node ids
     bug: str  # the bug in words
 
@@ -302,19 +310,19 @@ MUTANTS = [
            "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n)",
            SPARSE, "DELLA's largest entry never reaches density + epsilon"),
     Mutant("della_radix_ties_reversed", "mergeval/methods/fused_kernels.py",
-           "    for p in range(n):  # by the low digit, in position order",
-           "    for p in range(n - 1, -1, -1):  # by the low digit, in position order",
+           "    for p in range(n):\n        k = x[p] & mag\n        d = k",
+           "    for p in range(n - 1, -1, -1):\n        k = x[p] & mag\n        d = k",
            ("tests/test_fused.py",) + SPARSE, "DELLA's compiled ranks order tied magnitudes last position first"),
     Mutant("della_radix_rows_by_rank", "mergeval/methods/fused_kernels.py",
            "        i = p // row_len", "        i = j // row_len",
            ("tests/test_fused.py",) + SPARSE, "DELLA's compiled ranks assign rows by sorted position, not entry"),
     Mutant("sce_keeps_lowest_variance", "mergeval/methods/sparsify.py",
            "variance = ordered.var(0, unbiased=False).flatten()\n",
-           "variance = ordered.var(0, unbiased=False).flatten()\n        variance = variance.max() - variance\n",
+           "variance = ordered.var(0, unbiased=False).flatten()\nvariance = variance.max() - variance\n",
            SPARSE, "SCE selects the entries of least variance"),
     Mutant("slerp_antiparallel_not_lerped", "mergeval/methods/geometric.py",
-           "if abs(cos) > COLINEAR_COS:\n        return ((1.0 - t) * v0 + t * v1)",
-           "if cos > COLINEAR_COS:\n        return ((1.0 - t) * v0 + t * v1)",
+           "if abs(cos) > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
+           "if cos > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
            METHODS, "slerp of nearly opposite tensors divides by sin(theta) ~ 0"),
     Mutant("model_stock_negative_cos", "mergeval/methods/geometric.py",
            "cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)", "cos = torch.stack(cosines).mean(0).clamp(-1.0, 1.0)",
@@ -383,6 +391,333 @@ class MutantError(Exception):
     """The list of mutants no longer fits the code (or the copy is not what the tests import)."""
 
 
+# ---------------------------------------------------------------- locating a snippet by its tokens
+#
+# A snippet is matched against its file token by token (the ``tokenize`` module), not character by character,
+# so the list survives reformatting (``ruff format``; tests/test_mutants_list.py formats every mutated file and
+# matches again) and code moving within its file. What may differ between the snippet and the file:
+#   - layout: whitespace, line breaks inside brackets and backslash continuations, blank lines, indentation
+#     (INDENT/DEDENT), comments. A statement's end (NEWLINE) must still match one in the file, except at the
+#     snippet's end (a snippet may stop mid-statement, or mid-bracket, as before);
+#   - how a literal is spelled: strings compared by value (quote style, prefix case, escapes: ``'a'``, ``"a"``
+#     and ``"\x61"`` are one string), adjacent plain literals by their concatenation, an f-string by its text
+#     between the quotes with ``\'``/``\"`` unescaped (quotes and prefix case may change, what is in its braces
+#     may not), numbers by value and type (``0XFF`` is ``0xff``; ``1`` is not ``1.0``). On Python 3.12+ an
+#     f-string's tokens are put back together into one first;
+#   - a trailing comma before a closing bracket, on either side, except one that makes a one-element tuple
+#     (``(a,)``, ``x[a,]``);
+#   - parentheses that change nothing, on either side: around a whole expression (a ``(`` that is no call's,
+#     holding no top-level ``,``, ``for``, ``lambda``, ``yield``, ``:=`` or leading ``*``; preceded by the start of
+#     a statement, ``=``, an augmented assignment, ``:=``, ``->``, ``return``, ``assert``, ``del``, ``if``,
+#     ``elif``, ``while``, ``(``, ``[``, ``{``, ``,`` or ``:``; its ``)`` followed by the end of a statement or
+#     by ``)``, ``]``, ``}``, ``,``, ``:``, ``=``, ``;`` or ``for``), around a tuple that is a whole assignment
+#     target or right-hand side or a whole return value, around a for loop's target. Where the file's
+#     parentheses open inside the match and close after it (``x = (`` ... ``)`` around a snippet that stops
+#     mid-expression), planting puts the ``(`` back into ``after``, before the token that follows the same
+#     tokens as in ``before`` (or precedes the same tokens); when ``after`` shares neither, it is an error.
+# The snippet must match exactly once (matches that overlap count once, like str.count). Planting replaces the
+# file's text from the first matched token's start to the last one's end (closing parentheses and a trailing
+# comma the match skipped at its end included) by ``after``. ``after`` is written at ``before``'s indentation:
+# each of its lines loses up to as much leading whitespace as ``before``'s first line has and, past the first,
+# gains the matched line's indentation; its trailing newline goes (the matched line keeps its own). So a
+# multi-line ``after`` lands at the depth of the match; inside brackets indentation does not matter, and a
+# single-line ``after`` replacing a span over several lines (a call ruff wrapped) is valid as it stands.
+
+_LAYOUT = {tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER}
+_CLOSERS = {")": "(", "]": "[", "}": "{"}
+_WHOLE_BEFORE = {"=", "+=", "-=", "*=", "/=", "//=", "%=", "**=", ">>=", "<<=", "&=", "^=", "|=", "@=", ":=", "->",
+                 "return", "assert", "del", "if", "elif", "while", "(", "[", "{", ",", ":"}
+_WHOLE_AFTER = {")", "]", "}", ",", ":", "=", ";", "for"}
+_NOT_WHOLE_INSIDE = {",", "for", "lambda", "yield", ":="}
+_TUPLE_BEFORE = {"=", "+=", "-=", "*=", "/=", "//=", "%=", "**=", ">>=", "<<=", "&=", "^=", "|=", "@=", "return"}
+
+
+@dataclass(frozen=True)
+class Token:
+    key: tuple  # what is compared
+    text: str
+    start: tuple[int, int]  # (row, col) as tokenize gives them
+    end: tuple[int, int]
+
+    @property
+    def statement_end(self) -> bool:
+        return self.key[0] == "NEWLINE"
+
+
+def _string_key(text: str) -> tuple:
+    """A string literal's value (an f-string's text between its quotes, escaped quotes unescaped)."""
+    prefix = re.match(r"[A-Za-z]*", text).group(0)
+    if "f" not in prefix.lower():
+        return ("s", ast.literal_eval(text))
+    quote = text[len(prefix):len(prefix) + 3] if text[len(prefix):len(prefix) + 3] in ('"""', "'''") \
+        else text[len(prefix)]
+    body = text[len(prefix) + len(quote):len(text) - len(quote)]
+    body = re.sub(r"\\(\\|'|\")", lambda m: m.group(0) if m.group(1) == "\\" else m.group(1), body)
+    return ("f", "".join(sorted(prefix.lower())), body)
+
+
+def _offsets(source: str) -> list[int]:
+    """The offset of each line's start (index row - 1)."""
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return starts
+
+
+def tokens(source: str, partial: bool = False) -> list[Token]:
+    """The significant tokens of ``source``. ``partial``: a snippet, which may stop inside brackets (the
+    tokens up to there are its tokens) and whose final statement end does not count."""
+    raw = []
+    try:
+        raw.extend(tokenize.generate_tokens(io.StringIO(source).readline))
+    except tokenize.TokenError as err:
+        if not (partial and "multi-line statement" in str(err)):
+            raise
+    lines = _offsets(source)
+    out: list[Token] = []
+    k = 0
+    while k < len(raw):
+        tok = raw[k]
+        if tok.type in _LAYOUT:
+            k += 1
+            continue
+        if tok.type == getattr(tokenize, "FSTRING_START", None):  # Python 3.12+: an f-string is many tokens
+            depth, m = 0, k
+            while True:
+                depth += {tokenize.FSTRING_START: 1, tokenize.FSTRING_END: -1}.get(raw[m].type, 0)
+                if depth == 0:
+                    break
+                m += 1
+            end = raw[m].end
+            text = source[lines[tok.start[0] - 1] + tok.start[1]:lines[end[0] - 1] + end[1]]
+            tok, k = tokenize.TokenInfo(tokenize.STRING, text, tok.start, end, tok.line), m
+        if tok.type == tokenize.STRING:
+            part = _string_key(tok.string)
+            if out and out[-1].key[0] == "STRING":  # adjacent literals: one value
+                prev = out[-1]
+                parts = prev.key[1:] + (part,)
+                if all(p[0] == "s" for p in parts):
+                    parts = (("s", parts[0][1] + parts[1][1]),)
+                out[-1] = Token(("STRING", *parts), prev.text + " " + tok.string, prev.start, tok.end)
+            else:
+                out.append(Token(("STRING", part), tok.string, tok.start, tok.end))
+        elif tok.type == tokenize.NUMBER:
+            value = ast.literal_eval(tok.string)
+            out.append(Token(("NUMBER", type(value).__name__, value), tok.string, tok.start, tok.end))
+        elif tok.type == tokenize.NEWLINE:
+            out.append(Token(("NEWLINE",), tok.string, tok.start, tok.end))
+        else:
+            out.append(Token(("OP" if tok.type == tokenize.OP else "NAME", tok.string), tok.string, tok.start,
+                             tok.end))
+        k += 1
+    if partial:
+        while out and out[-1].statement_end:
+            out.pop()
+    return out
+
+
+def _pairs(toks: list[Token]) -> dict[int, int]:
+    """Matching brackets, both ways (an unmatched one, at a snippet's edge, has no entry)."""
+    pairs, stack = {}, []
+    for i, t in enumerate(toks):
+        if t.text in ("(", "[", "{") and t.key[0] == "OP":
+            stack.append(i)
+        elif t.text in _CLOSERS and t.key[0] == "OP":
+            if stack and toks[stack[-1]].text == _CLOSERS[t.text]:
+                o = stack.pop()
+                pairs[o], pairs[i] = i, o
+            else:
+                stack.clear()
+    return pairs
+
+
+def _is_callee(tok: Token | None) -> bool:
+    """Whether a bracket after ``tok`` is a call's or a subscript's."""
+    if tok is None:
+        return False
+    if tok.key[0] == "NAME":
+        return not keyword.iskeyword(tok.text)
+    return tok.key[0] == "STRING" or tok.text in _CLOSERS
+
+
+def _top_level(toks: list[Token], pairs: dict[int, int], o: int, c: int) -> list[Token]:
+    """The tokens directly inside the brackets o..c (nested brackets skipped)."""
+    out, k = [], o + 1
+    while k < c:
+        out.append(toks[k])
+        k = pairs.get(k, k) + 1 if toks[k].text in ("(", "[", "{") else k + 1
+    return out
+
+
+def _comma_optional(toks: list[Token], pairs: dict[int, int], i: int) -> bool:
+    """``toks[i]`` is a trailing comma that could go without changing the code."""
+    if toks[i].text != "," or i + 1 >= len(toks) or toks[i + 1].text not in _CLOSERS:
+        return False
+    o = pairs.get(i + 1)
+    if o is None:
+        return toks[i + 1].text == "}"  # the opening bracket lies outside a snippet: only a set/dict is sure
+    before = toks[o - 1] if o > 0 else None
+    if toks[o].text == "{" or (toks[o].text == "(" and _is_callee(before)) or \
+            (toks[o].text == "[" and not _is_callee(before)):
+        return True
+    return sum(t.text == "," for t in _top_level(toks, pairs, o, i + 1)) > 1  # not a one-element tuple
+
+
+def _whole_before(tok: Token | None) -> bool:
+    return tok is None or tok.statement_end or tok.text in _WHOLE_BEFORE and tok.key[0] in ("OP", "NAME")
+
+
+def _whole_after(tok: Token | None) -> bool:
+    return tok is None or tok.statement_end or tok.text in _WHOLE_AFTER and tok.key[0] in ("OP", "NAME")
+
+
+def _redundant_parens(toks: list[Token], pairs: dict[int, int], o: int, before: Token | None,
+                      after: Token | None) -> bool:
+    """``toks[o]`` opens parentheses that can go without changing the code: around a whole expression that
+    is not a tuple, a generator, a lambda, a yield, a walrus or starred; around a tuple that is a whole
+    assignment target or right-hand side or return value; around a for loop's target. ``before``, ``after``:
+    the tokens around the parentheses (None beyond a snippet's edge)."""
+    if toks[o].text != "(" or o not in pairs:
+        return False
+    inside = _top_level(toks, pairs, o, pairs[o])
+    if before is not None and before.text == "for" and after is not None and after.text == "in":
+        return bool(inside)  # a for loop's target
+    if _is_callee(before) or not _whole_before(before) or not _whole_after(after):
+        return False
+    if not inside or inside[0].text in ("*", "**"):
+        return False
+    special = [t.text for t in inside if t.text in _NOT_WHOLE_INSIDE and t.key[0] in ("OP", "NAME")]
+    if not special:
+        return True
+    return set(special) == {","} and (before is None or before.statement_end or before.text in _TUPLE_BEFORE) \
+        and (after is None or after.statement_end or after.text in ("=", ";"))  # a bare tuple
+
+
+@dataclass(frozen=True)
+class Match:
+    start: int  # the file's first token in the span
+    end: int  # one past its last
+    reopen: tuple[int, ...]  # snippet positions where a "(" the file closes after the span opened
+
+
+def _match_at(F: list[Token], fp: dict[int, int], S: list[Token], sp: dict[int, int], start: int) -> Match | None:
+    """The first way the snippet's tokens ``S`` match the file's ``F`` from ``start`` on, or None.
+
+    ``fskip``: the file's closing parentheses still to skip (each with the snippet position where its skipped
+    "(" was), ``sskip``: the snippet's; ``check_end``: the skipped snippet parentheses that close at its end
+    (position, the token before them), checked again with the file's token after the match."""
+    def step(i: int, j: int, fskip: frozenset, sskip: frozenset, check_end: tuple) -> Match | None:
+        while True:
+            pending = {c: o for c, o in fskip}
+            if i in pending:
+                fskip, i = fskip - {(i, pending[i])}, i + 1
+            elif j in sskip:
+                sskip, j = sskip - {j}, j + 1
+            else:
+                break
+        if j == len(S):
+            pending = {c for c, _ in fskip}
+            while i + 1 in pending and _comma_optional(F, fp, i):  # a trailing comma before them goes with them
+                i += 1
+                while i in pending:
+                    fskip, i, pending = {f for f in fskip if f[0] != i}, i + 1, pending - {i}
+            if not all(_redundant_parens(S, sp, o, b, F[i] if i < len(F) else None) for o, b in check_end):
+                return None
+            return Match(start, i, tuple(sorted(o for _, o in fskip)))
+        if i < len(F) and F[i].key == S[j].key:
+            found = step(i + 1, j + 1, fskip, sskip, check_end)
+            if found:
+                return found
+        if i < len(F) and _comma_optional(F, fp, i):
+            found = step(i + 1, j, fskip, sskip, check_end)
+            if found:
+                return found
+        if _comma_optional(S, sp, j):
+            found = step(i, j + 1, fskip, sskip, check_end)
+            if found:
+                return found
+        if i < len(F) and F[i].text == "(" and i in fp and \
+                _redundant_parens(F, fp, i, F[i - 1] if i else None, F[fp[i] + 1] if fp[i] + 1 < len(F) else None):
+            found = step(i + 1, j, fskip | {(fp[i], j)}, sskip, check_end)
+            if found:
+                return found
+        before = S[j - 1] if j else (F[i - 1] if i else None)
+        if S[j].text == "(" and j in sp and \
+                _redundant_parens(S, sp, j, before, S[sp[j] + 1] if sp[j] + 1 < len(S) else None):
+            ends = ((j, before),) if sp[j] + 1 == len(S) else ()
+            return step(i, j + 1, fskip, sskip | {sp[j]}, check_end + ends)
+        return None
+
+    return step(start, 0, frozenset(), frozenset(), ())
+
+
+@functools.lru_cache(maxsize=64)
+def _file_tokens(source: str) -> tuple[list[Token], dict[int, int]]:
+    toks = tokens(source)
+    return toks, _pairs(toks)
+
+
+def find(source: str, snippet: str) -> tuple[list[Token], list[Match]]:
+    """The file's tokens and every place ``snippet`` matches in ``source`` (one per starting token)."""
+    F, fp = _file_tokens(source)
+    S = tokens(snippet, partial=True)
+    sp = _pairs(S)
+    found: list[Match] = []
+    for start in range(len(F)) if S else ():
+        overlaps = found and start < found[-1].end  # a match overlapping the previous one is the same (str.count)
+        if (F[start].key == S[0].key or "(" in (S[0].text, F[start].text)) and not overlaps:
+            m = _match_at(F, fp, S, sp, start)
+            if m is not None and m.end > m.start:
+                found.append(m)
+    return F, found
+
+
+def _indentation(text: str, row: int) -> int:
+    line = text.splitlines()[row - 1] if text.splitlines() else ""
+    return len(line) - len(line.lstrip())
+
+
+def replacement(before: str, after: str, indent: int, reopen: tuple[int, ...] = ()) -> str:
+    """``after`` as it replaces the span: at ``before``'s indentation moved to ``indent`` columns, its first
+    line starting at the span, no trailing newline, a "(" put back before each snippet position in ``reopen``
+    (found in ``after`` by the tokens before it, or else those after it, that ``before`` and ``after`` share)."""
+    S = tokens(before, partial=True)
+    depth = _indentation(before, S[0].start[0]) if S else 0
+    lines = after.rstrip("\n").split("\n")
+    lines = [line[min(depth, len(line) - len(line.lstrip(" "))):] for line in lines]
+    text = "\n".join([lines[0].lstrip(), *lines[1:]])
+    if reopen:
+        A = tokens(text, partial=True)
+        starts = _offsets(text)
+        for j in sorted(reopen, reverse=True):
+            tail = len(S) - j
+            if j < len(A) and [t.key for t in A[:j]] == [t.key for t in S[:j]]:
+                k = j
+            elif tail <= len(A) and [t.key for t in A[len(A) - tail:]] == [t.key for t in S[j:]]:
+                k = len(A) - tail
+            else:
+                raise ValueError(f"the file's parentheses around the snippet's end open before its token {j} "
+                                 "and after differs from before on both sides of it")
+            at = starts[A[k].start[0] - 1] + A[k].start[1]
+            text = text[:at] + "(" + text[at:]
+    return "\n".join([text.split("\n")[0], *[" " * indent + line if line else line
+                                               for line in text.split("\n")[1:]]])
+
+
+def plant(source: str, before: str, after: str) -> tuple[int, str]:
+    """(how many times ``before`` matches in ``source``, the source with the match replaced when once)."""
+    F, found = find(source, before)
+    if len(found) != 1:
+        return len(found), source
+    m = found[0]
+    lines = _offsets(source)
+    first, last = F[m.start], F[m.end - 1]
+    a = lines[first.start[0] - 1] + first.start[1]
+    b = lines[last.end[0] - 1] + last.end[1]
+    text = replacement(before, after, _indentation(source, first.start[0]), m.reopen)
+    return 1, source[:a] + text + source[b:]
+
+
 def copy_checkout(root: Path, dest: Path) -> None:
     """The parts of the checkout the tests need, symlinks kept (mergeval/run/conf -> ../conf), no caches."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache", "outputs", "multirun")
@@ -395,12 +730,16 @@ def copy_checkout(root: Path, dest: Path) -> None:
 
 
 def planted(text: str, mutant: Mutant) -> str:
-    """``text`` with the mutant's snippet replaced; MutantError unless the snippet occurs exactly once."""
-    count = text.count(mutant.before)
+    """``text`` with the mutant's snippet replaced (matched by tokens, above); MutantError unless the snippet
+    matches exactly once."""
+    try:
+        count, result = plant(text, mutant.before, mutant.after)
+    except (ValueError, SyntaxError, tokenize.TokenError) as err:
+        raise MutantError(f"{mutant.name}: cannot plant in {mutant.path}: {err}") from err
     if count != 1:
-        raise MutantError(f"{mutant.name}: the snippet occurs {count} times in {mutant.path} "
+        raise MutantError(f"{mutant.name}: the snippet matches {count} times in {mutant.path} "
                           f"(expected once): {mutant.before!r}")
-    return text.replace(mutant.before, mutant.after)
+    return result
 
 
 def copy_env(copy: Path) -> dict[str, str]:

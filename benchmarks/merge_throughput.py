@@ -232,23 +232,20 @@ def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inp
 
 def startup_commands() -> dict[str, list[str]]:
     """Each tool's start alone: its interpreter and imports, no merge."""
-    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import loading_modules, "
-                         "skip_final_collection; atexit.register(skip_final_collection)\n"
-                         "with loading_modules(__name__): import mergeval.merge, mergeval.methods"],
+    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import skip_final_collection; "
+                         "atexit.register(skip_final_collection)\n"
+                         "import mergeval.merge.streaming, mergeval.methods"],
             "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
 
 
 def child_mergeval(spec_path: str) -> None:
     """The mergeval side, run in its own process: one streaming merge to disk, starting and ending as ``python
-    -m mergeval.merge`` does (its modules loaded with the garbage collector paused, ``cli.loading_modules``;
-    run_cli's exit: the interpreter's last collection skips what the merge made)."""
+    -m mergeval.merge`` does (run_cli's exit: the interpreter's last collection skips what the merge made)."""
     import atexit
 
-    from mergeval.run.cli import loading_modules, skip_final_collection
-
-    with loading_modules(__name__):  # this script is the program here, as mergeval.merge is in its command
-        from mergeval.merge import merge_to_disk
-        from mergeval.methods import get_method
+    from mergeval.merge import merge_to_disk
+    from mergeval.methods import get_method
+    from mergeval.run.cli import skip_final_collection
 
     atexit.register(skip_final_collection)
     spec = json.loads(Path(spec_path).read_text())

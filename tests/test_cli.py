@@ -387,48 +387,6 @@ run_cli(main)
     assert plain.stdout.split("frozen at exit:")[1].strip() == "0"  # without run_cli nothing is frozen
 
 
-def collections_at_exit(program: str, cwd: Path) -> str:
-    """Run ``program`` in a new interpreter that counts the collector's full passes; the line it prints at exit."""
-    counting = """
-import atexit, gc, runpy, sys
-full = []
-gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
-atexit.register(lambda: print("full collections:", len(full), "enabled:", gc.isenabled(), flush=True))"""
-    done = subprocess.run([sys.executable, "-c", counting + program], cwd=cwd, capture_output=True, text=True,
-                          check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
-
-
-@pytest.mark.parametrize("module", ["mergeval", "mergeval.merge", "mergeval.staged", "mergeval.check",
-                                    "mergeval.search"])
-def test_a_command_loads_its_modules_without_a_full_collection(module, tmp_path):
-    """A command's imports (torch, numba, hydra) run with the collector paused and are then frozen
-    (cli.loading_modules): before, ``--help`` alone ran three full collections over them, and a merge five
-    (0.39-0.45 s of a 3.3 s DARE-TIES merge of the quickstart's models)."""
-    assert collections_at_exit(f"""
-sys.argv = ["{module}", "--help"]
-runpy.run_module("{module}", run_name="__main__")
-""", tmp_path) == "full collections: 0 enabled: True"
-
-
-def test_the_mergeval_script_loads_its_modules_without_a_full_collection(tmp_path):
-    """The ``mergeval`` console script imports mergeval.__main__ as a module (its __name__ is not "__main__"):
-    the program's name says it is the command."""
-    assert collections_at_exit(f"""
-sys.argv = [{str(Path(sys.executable).with_name("mergeval"))!r}, "--help"]
-from mergeval.__main__ import cli
-cli()
-""", tmp_path) == "full collections: 0 enabled: True"
-
-
-def test_importing_a_command_as_a_library_leaves_the_collector_alone(tmp_path):
-    program = ("import gc; import mergeval.merge.__main__, mergeval.__main__, mergeval.staged, mergeval.check, "
-               "mergeval.search.__main__; print(gc.get_freeze_count(), gc.isenabled())")
-    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["0", "True"]
-
-
 def test_a_checks_mistake_is_its_one_line_without_hydras_report(tmp_path, cache):
     """mergeval.check let a user error out of the job, so Hydra's "Error executing job with overrides" line
     came before mergeval's own."""

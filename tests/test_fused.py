@@ -220,25 +220,20 @@ def test_mergeval_numba_0_turns_the_kernels_off():
 
 
 LOADING = """
-import gc
-full = [0]
-gc.callbacks.append(lambda phase, info: full.__setitem__(0, full[0] + (phase == "start" and info["generation"] > 0)))
 from mergeval.methods import fused
 small = fused.MIN_ENTRIES // 4  # SmolLM2-135M's key and value projections: 110,592 entries
 before = [fused.usable(small), fused.usable(fused.MIN_ENTRIES // 16)]
-start = full[0]
 fused.available()  # loads the kernels (a tensor of MIN_ENTRIES or more would)
-print(*before, fused.usable(small), fused.usable(fused.MIN_ENTRIES // 16), full[0] - start, gc.isenabled())
+print(*before, fused.usable(small), fused.usable(fused.MIN_ENTRIES // 16))
 """
 
 
 @pytest.mark.skipif(not fused.available(), reason="numba is not installed")
-def test_smaller_tensors_take_the_kernels_once_loaded_and_loading_them_runs_no_collection():
+def test_smaller_tensors_take_the_kernels_once_loaded():
     """A tensor of MIN_ENTRIES / 8 or more takes the compiled path once a larger one has loaded it (its load was
-    the only reason not to); the load itself runs with the collector paused (it ran 15 young and one full
-    collection over numba's new objects before)."""
+    the only reason not to)."""
     out = subprocess.run([sys.executable, "-c", LOADING], capture_output=True, text=True, timeout=300, check=False)
-    assert out.stdout.split() == ["False", "False", "True", "False", "0", "True"], out.stdout + out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True", "False"], out.stdout + out.stderr[-2000:]
 
 
 def stable_sort_placed(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,10 @@ from mergeval.core.paths import cache_root, dir_size
 from mergeval.models.adapters import is_adapter
 from mergeval.models.hub_metadata import HUB_PATTERNS
 from mergeval.models.zoo.sources import looks_like_path
-from mergeval.run.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
+from mergeval.run.cli import discard_job_dir, failing_cleanly, run_cli
+from mergeval.run.config import register_configs
 
-with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
-    from mergeval.run.config import register_configs
-
-    register_configs()
+register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.run.conf", config_name="config")

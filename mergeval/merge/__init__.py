@@ -11,8 +11,8 @@
     memory.py     merge_tensors / merge_into_model / save_merged
 """
 
-# The engine's entry points, loaded on first use: ``python -m mergeval.merge`` imports this package before its
-# command module, which loads torch and the kernels with the garbage collector paused (run/cli.loading_modules).
+# The engine's entry points, loaded on first use: importing the package (as ``python -m mergeval.merge`` does
+# before its command module, or a test for one submodule) does not load torch and every engine module.
 _PUBLIC = {"tensor_seed": "execute", "merge_into_model": "memory", "merge_tensors": "memory", "save_merged": "memory",
            "merge_to_disk": "streaming", "DEFAULT_SHARD_SIZE": "writer"}
 __all__ = sorted(_PUBLIC)

@@ -17,12 +17,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mergeval.core.errors import UserError, from_os_error
-from mergeval.run.cli import discard_job_dir, failing_cleanly, loading_modules, run_cli
+from mergeval.run.cli import discard_job_dir, failing_cleanly, run_cli
+from mergeval.run.config import register_configs
 
-with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
-    from mergeval.run.config import register_configs
-
-    register_configs()
+register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.run.conf", config_name="config")

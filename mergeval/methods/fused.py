@@ -29,7 +29,6 @@ this file (numba's ``cache=True``), so a machine compiles each kernel once.
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import os
 
@@ -75,26 +74,17 @@ def available() -> bool:
 def _kernels():
     """The compiled kernels (numba compiles them once per machine and caches them); ImportError without numba.
 
-    Loaded with the garbage collector paused: numba's import and its CPU target's registries (loaded here,
-    not in the first kernel call) make objects that live as long as the process, and the collections they
-    set off (young, middle and full ones, even after a command's start froze torch's) would walk them again
-    and again while the load runs. A merge loads them before its workers start
-    (``execute._load_kernels_first``)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        from mergeval.methods import fused_kernels
+    numba's CPU target loads its registries here, not in the first kernel call; a merge loads them before its
+    workers start (``execute._load_kernels_first``)."""
+    from mergeval.methods import fused_kernels
 
-        _load_registries()
-    finally:
-        if was_enabled:
-            gc.enable()
+    _load_registries()
     return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
 
 
 def _load_registries() -> None:
-    """What numba does at the first call of any compiled function, done here (under ``_kernels``' paused
-    collector) instead of inside that call: its CPU target loads its registries of implementations."""
+    """What numba does at the first call of any compiled function, done here (in ``_kernels``) instead of
+    inside that call: its CPU target loads its registries of implementations."""
     try:
         from numba.core.compiler_lock import global_compiler_lock
         from numba.core.registry import cpu_target

@@ -9,9 +9,8 @@ files are removed, the run is recorded as ``interrupted``, one line, exit 2,
 and the process ends at once (``end_now``).
 A multirun (``-m``) composes and checks every job's config before the first
 job starts. Set HYDRA_FULL_ERROR=1 to see the full traceback instead. A command's
-start loads its modules with the cyclic garbage collector paused (``loading_modules``), and its
-exit skips the interpreter's last garbage collection (``skip_final_collection``): each saves more than a
-twentieth of a 1.1B-parameter merge (benchmarks/RESULTS.md).
+exit skips the interpreter's last garbage collection (``skip_final_collection``), the one process-level
+shortcut kept: it saves more than a twentieth of a 1.1B-parameter merge (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -228,31 +227,6 @@ def run_cli(hydra_main, entry: str = "mergeval", summary: str = "", sections: di
     and their schemas (mergeval.search's ``search``), whose mappings take new keys as the run config's do."""
     atexit.register(skip_final_collection)
     _run_cli(hydra_main, entry, summary, sections)
-
-
-@contextmanager
-def loading_modules(module_name: str):
-    """Wrap a command module's heavy imports (``with loading_modules(__name__):``). When that module is the
-    program (``python -m mergeval...``, where its ``__name__`` is "__main__", or the ``mergeval`` script), the
-    cyclic garbage collector pauses while they load and what they made is then frozen (``gc.freeze``); imported
-    as a library (a test, a notebook) the module changes nothing about the collector.
-
-    Why: importing torch, numba and hydra makes hundreds of thousands of objects that live as long as the
-    process, and each of the collector's full passes walks all of them: the passes the imports trigger, and
-    every later one, spend their time on objects that can never be freed, a noticeable share of a short
-    command such as ``python -m mergeval.merge``. Paused and frozen, later passes skip them. Freezing keeps
-    what the imports made for the process's life, which is where modules and their tables live anyway; only
-    garbage in reference cycles left by an import is kept too."""
-    command = module_name == "__main__" or Path(sys.argv[0]).name == "mergeval"
-    if not command or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def skip_final_collection() -> None:

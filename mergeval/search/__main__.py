@@ -12,12 +12,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mergeval.run.cli import failing_cleanly, loading_modules, run_cli
+from mergeval.run.cli import failing_cleanly, run_cli
+from mergeval.search.schema import register_search_configs
 
-with loading_modules(__name__):  # torch, the methods and the config schemas: most of a command's start
-    from mergeval.search.schema import register_search_configs
-
-    register_search_configs()
+register_search_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mergeval.run.conf", config_name="search_run")

@@ -41,6 +41,7 @@ CASES = {
     "hierarchical": (2, {}),
     "slerp": (1, {}),
     "nearswap": (1, {"t": 0.01}),
+    "passthrough": (0, {"scale": 0.5}),
     "localize_stitch": (3, {"scope": "tensor"}),
     "pipeline": (3, {"stages": [StageConfig("pair", {"name": "ties", "density": 0.5}, inputs=["e0", "e1"]),
                                 StageConfig("all", {"name": "task_arithmetic", "lambda_": 0.8}, inputs=["pair", "e2"])],

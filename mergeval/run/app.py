@@ -37,7 +37,7 @@ from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.zoo.resolve import resolve_models
 from mergeval.results.store import merge_key, open_store, record_models, settings_hash
 from mergeval.run import mergekit_config
-from mergeval.run.checks import check_rows, validate
+from mergeval.run.checks import check_rows, model_slices, validate
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
 from mergeval.run.summary import aggregable, aggregate
@@ -133,6 +133,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     settings = suite.per_task(eval_settings(cfg))  # each task keyed by what can change its scores
     inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
     options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
+    slices = model_slices(cfg)
+    if slices:  # a frankenmerge: its layers (only when there are slices, so other merges keep their keys)
+        options["slices"] = [[[s.model, s.start, s.end] for s in sources] for sources in slices]
     key = merge_key(inputs, method_cfg, cfg.seed, options)
     # similarity needs the merged tensors, which a merge reused from the store does not have
     fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
@@ -143,7 +146,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
-                                          dtype=getattr(torch, cfg.eval.dtype))
+                                          dtype=getattr(torch, cfg.eval.dtype), slices=slices)
         weights = fingerprint_state_dict(merged)  # evaluated in the base's architecture, with its tokenizer
         models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run",
                                 weights=weights))
@@ -163,7 +166,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
 
         target = out_dir / "merged_model"
         save_merged(merged, base_dir, target, method,
-                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype)
+                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype,
+                    slices=slices)
         models[-1].path = str(target)
         lap("save_merged")
     # From here the live model holds the merge: once eval.dtype or eval.device gives it new tensors, this

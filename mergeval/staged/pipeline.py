@@ -45,7 +45,7 @@ from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.zoo.resolve import resolve_models
 from mergeval.results.store import open_store
-from mergeval.run.checks import validate
+from mergeval.run.checks import refuse_slices, validate
 from mergeval.run.summary import aggregate
 from mergeval.staged.cost import Cost, cost_table
 from mergeval.staged.heldout import heldout_items
@@ -188,6 +188,7 @@ def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
 def prepare(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the run config (its ``method`` is unused) and the sweep's plan."""
     validate(cfg)
+    refuse_slices(cfg, "staged evaluation")
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
     if other:
         raise UserError("benchmark.tasks", f"staged evaluation splits mergeval's generated tasks into stages; "

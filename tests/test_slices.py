@@ -50,6 +50,22 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> dict[str, Path]:
+    """Qwen3-shaped checkpoints (3 and 4 layers): their config.json lists layer_types, one entry per layer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("slices-qwen3")
+    out = {}
+    for seed, (name, layers) in enumerate([("a", 3), ("b", 4)]):
+        config = Qwen3Config(**ARCH, num_hidden_layers=layers, head_dim=8, architectures=["Qwen3ForCausalLM"])
+        with torch.random.fork_rng():
+            torch.manual_seed(10 + seed)
+            tensors = {k: v.detach().clone() for k, v in Qwen3ForCausalLM(config).state_dict().items()}
+        out[name] = _save(root / name, config, tensors)
+    return out
+
+
 def doc_of(models, method: str, slices: list[list[tuple[str, int, int]]], **extra) -> dict:
     return {"merge_method": method, "base_model": str(models["a"]), "dtype": "float32",
             "slices": [{"sources": [{"model": str(models[m]), "layer_range": [s, e]} for m, s, e in sources]}
@@ -162,6 +178,26 @@ def test_merge_command_imports_slices_writes_the_model_and_exports_it(models, tm
     assert not (tmp_path / "no").exists()
 
 
+@requires_mergekit
+def test_a_qwen3_frankenmerge_as_mergekit_and_its_layer_types(qwen3, tmp_path):
+    """Bit for bit with mergekit where it can write the model (the base's layer count); with another count,
+    mergekit 0.1.5 leaves config.json's layer_types at the base's length, which transformers refuses to save
+    (it fails), while mergeval rebuilds them and the model loads."""
+    from transformers import AutoModelForCausalLM
+
+    same = doc_of(qwen3, "passthrough", [[("a", 0, 2)], [("b", 3, 4)]])
+    ours, config = mergeval_merge(same, tmp_path / "same")
+    theirs, their_config = mergekit_dir(same, tmp_path)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert config["num_hidden_layers"] == their_config["num_hidden_layers"] == 3
+    assert config["layer_types"] == their_config["layer_types"]
+    deeper = doc_of(qwen3, "passthrough", [[("a", 0, 2)], [("b", 1, 4)]])
+    _, config = mergeval_merge(deeper, tmp_path / "deeper")
+    assert config["num_hidden_layers"] == len(config["layer_types"]) == 5
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "deeper")
+    assert len(model.model.layers) == 5 and torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
 @pytest.mark.parametrize("slices,field,words", [
     ([{"sources": [{"model": "base", "layer_range": [0, 2]}, {"model": "b", "layer_range": [0, 3]}]}],
      "modelset.slices[0].sources", "same number of layers"),
@@ -193,11 +229,15 @@ def test_passthrough_of_several_inputs_is_refused_with_the_fix():
 def test_config_gets_the_layer_count_and_per_layer_lists_from_the_source_layers():
     config = {"model_type": "qwen3", "num_hidden_layers": 4, "layer_types": ["a0", "a1", "a2", "a3"],
               "architectures": ["Qwen3ForCausalLM"]}
+    deeper = {**config, "num_hidden_layers": 6, "layer_types": [f"b{i}" for i in range(6)]}
     slices = parse([{"sources": [{"model": "base", "layer_range": [2, 4]}]},
-                    {"sources": [{"model": "base", "layer_range": [0, 3]}]}], ["base"])
-    out = sliced_config(config, slices)
-    assert out["num_hidden_layers"] == 5 and out["layer_types"] == ["a2", "a3", "a0", "a1", "a2"]
+                    {"sources": [{"model": "b", "layer_range": [3, 6]}]}], ["base", "b"])
+    out = sliced_config(config, slices, {"base": config, "b": deeper})
+    assert out["num_hidden_layers"] == 5 and out["layer_types"] == ["a2", "a3", "b3", "b4", "b5"]
     assert out["architectures"] == ["Qwen3ForCausalLM"] and config["num_hidden_layers"] == 4
+    with pytest.raises(UserError) as err:  # a model whose config does not list its layers' entries
+        sliced_config(config, slices, {"base": config, "b": {**deeper, "layer_types": ["b0"]}})
+    assert err.value.field == "modelset.slices" and "layer_types" in err.value.problem
 
 
 def test_mergekit_slices_keys_mergeval_cannot_express_are_refused_by_key(models):

@@ -152,18 +152,22 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
         dtypes = CheckpointReader(base_dir, "modelset.base").dtypes
     floating = {d for d in dtypes.values() if d.is_floating_point}
     live = dtype if floating == {dtype} else torch.float32
-    model = build_model(base_dir, slices, live) if slices else load_model(Path(base_dir), dtype=live)
+    dirs = {"base": base_dir, **{str(k): v for k, v in expert_dirs.items()}}
+    model = build_model(base_dir, slices, dirs, live) if slices else load_model(Path(base_dir), dtype=live)
     model = merge_into_model(model, method, cfg, base_dir, expert_dirs, seed, vocab_policy, progress=True,
                              slices=slices)
     return model, CheckpointView(model, dtypes)
 
 
 def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: MergeMethod, card: dict,
-                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None, slices: list | None = None) -> Path:
+                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None, slices: list | None = None,
+                model_dirs: Mapping[str, Path] | None = None) -> Path:
     """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
 
     ``card``: ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}`` for README.md.
     ``out_dtype``: the dtype name floating tensors are written in (None: as they are).
+    ``slices``: the merge's layer slices (merge/slices.py), whose config.json it writes from ``model_dirs``
+    (model name -> checkpoint directory, "base" included).
     """
     specs = output_specs({n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}, out_dtype)
     text = model_card(method.name, method.version, card.get("config", {}), card.get("inputs", []), "base")
@@ -177,6 +181,6 @@ def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Pa
             writer.close()
         copy_model_files(tmp, Path(base_dir), Path(base_dir), out_dtype=out_dtype)
         if slices:
-            rewrite_config(tmp, slices)
+            rewrite_config(tmp, slices, model_dirs or {"base": base_dir})
         (tmp / "README.md").write_text(text)
     return Path(out_dir)

@@ -224,50 +224,74 @@ def open_inputs(base_dir, named: Mapping[str, Any], vocab_policy: str, slices: l
     return base, [CheckpointReader(Path(p), f"modelset.experts.{n}") for n, p in named.items()], None
 
 
-def sliced_config(config: dict, slices: list[list[Source]]) -> dict:
+def sliced_config(config: dict, slices: list[list[Source]], configs: Mapping[str, dict] | None = None) -> dict:
     """config.json of the output: ``config`` (the base's) with num_hidden_layers the output's layer count and
-    each per-layer list (one entry per layer of the base: layer_types...) rebuilt entry by entry from position
-    0's source layers (read from the base's list: the sliced models share one architecture)."""
+    each per-layer list (one entry per layer: layer_types...) rebuilt entry by entry from position 0's source
+    layers, read from that model's own config in ``configs`` (model name -> config.json; else the base's)."""
     layers = output_layers(slices)
-    holder = config if "num_hidden_layers" in config or "text_config" not in config else config["text_config"]
+
+    def holder_of(c: dict) -> dict:
+        return c if "num_hidden_layers" in c or "text_config" not in c else c["text_config"]
+
+    holder = holder_of(config)
     old = holder.get("num_hidden_layers")
     out = dict(config)
     target = out if holder is config else dict(holder)
     if holder is not config:
         out["text_config"] = target
     target["num_hidden_layers"] = len(layers)
-    if isinstance(old, int):
-        for key, value in holder.items():
-            if isinstance(value, list) and len(value) == old and key != "architectures":
-                target[key] = [value[inputs[0][1]] for _, inputs in layers]
+    if not isinstance(old, int):
+        return out
+    for key, value in holder.items():
+        if not isinstance(value, list) or len(value) != old or key == "architectures":
+            continue
+        per_layer = []
+        for _, inputs in layers:
+            model, layer = inputs[0]
+            own = holder_of((configs or {}).get(model) or config)
+            entries = own.get(key)
+            if not isinstance(entries, list) or len(entries) != own.get("num_hidden_layers") or layer >= len(entries):
+                raise UserError(FIELD, f"config.json's per-layer {key} of '{model}' does not give layer {layer}",
+                                "slice models whose config.json lists every layer's entry")
+            per_layer.append(entries[layer])
+        target[key] = per_layer
     return out
 
 
-def model_config(base_dir, slices: list[list[Source]]):
-    """The transformers config of the sliced model (``sliced_config`` of the base's)."""
+def _configs(dirs: Mapping[str, Any]) -> dict[str, dict]:
+    import json
+    from pathlib import Path
+
+    return {m: json.loads((Path(d) / "config.json").read_text()) for m, d in dirs.items()}
+
+
+def model_config(base_dir, slices: list[list[Source]], dirs: Mapping[str, Any]):
+    """The transformers config of the sliced model (``sliced_config`` of the base's; ``dirs``: model name ->
+    checkpoint directory)."""
     import json
     from pathlib import Path
 
     from transformers import AutoConfig
 
     raw = json.loads((Path(base_dir) / "config.json").read_text())
-    edited = sliced_config(raw, slices)
+    edited = sliced_config(raw, slices, _configs(dirs))
     kind = AutoConfig.for_model(raw["model_type"]).__class__
     return kind.from_dict(edited)
 
 
-def rewrite_config(out_dir, slices: list[list[Source]]) -> None:
-    """``out_dir``/config.json (written from the base's) made the sliced model's."""
+def rewrite_config(out_dir, slices: list[list[Source]], dirs: Mapping[str, Any]) -> None:
+    """``out_dir``/config.json (written from the base's) made the sliced model's (``dirs``: model name ->
+    checkpoint directory)."""
     import json
     from pathlib import Path
 
     path = Path(out_dir) / "config.json"
-    config = sliced_config(json.loads(path.read_text()), slices)
+    config = sliced_config(json.loads(path.read_text()), slices, _configs(dirs))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def build_model(base_dir, slices: list[list[Source]], dtype: torch.dtype):
+def build_model(base_dir, slices: list[list[Source]], dirs: Mapping[str, Any], dtype: torch.dtype):
     """An (uninitialised-weights) causal LM of the sliced architecture in ``dtype``, for a merge to fill."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(model_config(base_dir, slices), torch_dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(model_config(base_dir, slices, dirs), torch_dtype=dtype).eval()

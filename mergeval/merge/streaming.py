@@ -73,7 +73,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
             writer.close()
         copy_model_files(tmp, base_dir, tokenizer_dir, out_vocab, out_dtype)
         if slices:
-            rewrite_config(tmp, slices)
+            rewrite_config(tmp, slices, {"base": base_dir, **named})
         (tmp / "README.md").write_text(text)
     return out_dir
 

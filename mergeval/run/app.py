@@ -167,7 +167,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         target = out_dir / "merged_model"
         save_merged(merged, base_dir, target, method,
                     {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype,
-                    slices=slices)
+                    slices=slices, model_dirs={"base": base_dir, **expert_dirs})
         models[-1].path = str(target)
         lap("save_merged")
     # From here the live model holds the merge: once eval.dtype or eval.device gives it new tensors, this

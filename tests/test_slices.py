@@ -150,6 +150,24 @@ def test_slerp_over_slices_as_mergekit_with_per_slice_depths(models, tmp_path):
     close(mergekit_merge(exported, tmp_path), ours)
 
 
+MERGING = {  # over two slices, the base's range listed second in the second one
+    "linear": {"parameters": {"weight": 0.5}, "base_model": None},  # the first source's model is the base
+    "task_arithmetic": {"parameters": {"weight": [0.2, 0.8], "lambda": 0.9}},
+    "ties": {"parameters": {"weight": 1.0, "density": 0.5}},
+}
+
+
+@requires_mergekit
+@pytest.mark.parametrize("method", sorted(MERGING))
+def test_methods_over_slices_give_mergekits_tensors(models, tmp_path, method):
+    doc = doc_of(models, method, [[("a", 0, 2), ("b", 1, 3)], [("b", 2, 4), ("a", 1, 3)]], **MERGING[method])
+    doc = {k: v for k, v in doc.items() if v is not None}
+    ours, config = mergeval_merge(doc, tmp_path / "ours")
+    theirs, their_config = mergekit_dir(doc, tmp_path)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert config["num_hidden_layers"] == their_config["num_hidden_layers"] == 4
+
+
 @requires_mergekit
 def test_merge_command_imports_slices_writes_the_model_and_exports_it(models, tmp_path):
     from transformers import AutoModelForCausalLM

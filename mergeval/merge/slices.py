@@ -294,4 +294,4 @@ def build_model(base_dir, slices: list[list[Source]], dirs: Mapping[str, Any], d
     """An (uninitialised-weights) causal LM of the sliced architecture in ``dtype``, for a merge to fill."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(model_config(base_dir, slices, dirs), torch_dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(model_config(base_dir, slices, dirs), dtype=dtype).eval()

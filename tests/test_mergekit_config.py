@@ -179,7 +179,8 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
 
 
 @pytest.mark.parametrize("patch,field", [
-    ({"slices": [{"sources": []}]}, "mergekit.slices"),
+    ({"slices": [{"sources": []}]}, "mergekit.models"),  # slices or models, not both
+    ({"modules": {"text": {}}}, "mergekit.modules"),
     ({"merge_method": "passthrough"}, "mergekit.merge_method"),
     ({"merge_method": "model_breadcrumbs"}, "mergekit.merge_method"),
     ({"tokenizer_source": "org/not-in-the-file"}, "mergekit.tokenizer_source"),
@@ -237,7 +238,7 @@ def test_merge_command_runs_a_mergekit_file_and_writes_mergekit_yaml(models, tmp
         ours.update(load_file(str(shard)))
     close(ours, mergekit_merge(doc, tmp_path))
     close(mergekit_merge(yaml.safe_load((out / "mergekit.yaml").read_text()), tmp_path), ours)
-    bad = tmp_path / "slices.yaml"
+    bad = tmp_path / "slices.yaml"  # a slice source without its layer range (tests/test_slices.py: the rest)
     bad.write_text(yaml.safe_dump({**doc, "models": None, "slices": [{"sources": [{"model": "a"}]}]}))
     done = run_module("mergeval.merge", f"mergekit={bad}", f"output={tmp_path / 'no'}", cwd=tmp_path, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "mergekit.slices" in done.stderr
@@ -271,7 +272,7 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
 
 
 @pytest.mark.parametrize("key,value,fix", [
-    ("slices", [{"sources": []}], "merge whole models with models:"),
+    ("modules", {"text": {"slices": []}}, "merge whole models with models:"),
     ("chat_template", "chatml", "drop chat_template:"),
 ])
 def test_each_unsupported_key_gets_a_fix_that_fits_it(key, value, fix):

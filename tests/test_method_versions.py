@@ -46,6 +46,7 @@ CASES = {
     "ram": (3, {"epsilon": 0.015}),  # the experts change every entry by more than the default 1e-5: a mean
     "ramplus_tl": (3, {"epsilon": 0.015, "r": 0.5, "alpha": 4.0}),
     "arcee_fusion": (1, {}),
+    "passthrough": (0, {"scale": 0.5}),
     "localize_stitch": (3, {"scope": "tensor"}),
     "pipeline": (3, {"stages": [StageConfig("pair", {"name": "ties", "density": 0.5}, inputs=["e0", "e1"]),
                                 StageConfig("all", {"name": "task_arithmetic", "lambda_": 0.8}, inputs=["pair", "e2"])],

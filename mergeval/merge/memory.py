@@ -21,10 +21,10 @@ from mergeval.merge.card import model_card
 from mergeval.merge.execute import Blocks, output_shapes, run_plan
 from mergeval.merge.plan import build_plan, check_plan
 from mergeval.merge.reader import CheckpointReader, MemorySource
+from mergeval.merge.slices import build_model, n_experts, open_inputs, rewrite_config
 from mergeval.merge.vocab import keep_base_rows, vocab_rows
 from mergeval.merge.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_files, output_specs
 from mergeval.methods import MergeMethod
-from mergeval.models.checkpoint import check_compatible
 
 
 def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
@@ -81,23 +81,22 @@ def copy_blocks(blocks: Blocks, target: torch.Tensor) -> None:
 
 def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,
                      expert_dirs: list[Path] | Mapping[str, Path], seed: int = 0, vocab_policy: str = "error",
-                     progress: bool = False) -> torch.nn.Module:
+                     progress: bool = False, slices: list | None = None) -> torch.nn.Module:
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
     Memory: the model plus one unit's inputs, or for a large tensor of a method with a row-chunked form
     (TIES, DARE) a few row blocks of each input, rather than a whole tensor of every input at once, which
     grows with the number of experts (benchmarks/live_merge.py measures the peak). The model keeps its dtype (merging
     runs in float32 per unit; results are cast on copy). vocab_policy=truncate
-    changes shapes and needs a model of the truncated size: merge to disk instead.
+    changes shapes and needs a model of the truncated size: merge to disk instead. ``slices``: layer slices
+    (merge/slices.py; the model must have their architecture: ``slices.build_model``).
     """
     named = {str(k): Path(p) for k, p in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
                                           else enumerate(expert_dirs))}
-    method.validate(cfg, len(named))
-    check_compatible(Path(base_dir), named, vocab_policy)
-    base = CheckpointReader(base_dir, "modelset.base")
-    experts = [CheckpointReader(p, f"modelset.experts.{k}") for k, p in named.items()]
+    method.validate(cfg, n_experts(slices) if slices else len(named))
+    base, experts, layer_t = open_inputs(base_dir, named, vocab_policy, slices)
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
-    plan = build_plan(method, cfg, base.dtypes)
+    plan = build_plan(method, cfg, base.dtypes, layer_t)
     check_plan(method, plan, len(experts))
     plan = keep_base_rows(plan, rows, vocab_policy)
     state = model.state_dict()  # shares storage with the parameters (tied weights share one tensor)
@@ -135,31 +134,40 @@ class CheckpointView(Mapping):
 
 
 def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mapping[str, Path], seed: int,
-               vocab_policy: str = "error", dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module,
-                                                                                       CheckpointView]:
+               vocab_policy: str = "error", dtype: torch.dtype = torch.float32,
+               slices: list | None = None) -> tuple[torch.nn.Module, CheckpointView]:
     """The merge as a model built from the base, each merged tensor streamed into its parameters (memory: one
     model plus one unit's inputs, whatever the number of experts), and its checkpoint view.
 
     The model is in ``dtype`` (the one it will be evaluated in) where every floating tensor of the base's
     checkpoint has that dtype, else in float32. Each merged tensor is rounded to its checkpoint dtype before
     it is stored (run_plan), so either holds it exactly; a bfloat16 checkpoint evaluated in bfloat16 (a GPU,
-    a CPU with AMX) then needs half the memory of the float32 model it used to build."""
+    a CPU with AMX) then needs half the memory of the float32 model it used to build. ``slices``: layer
+    slices (merge/slices.py): the model is built with their layer count."""
     from mergeval.models.checkpoint import load_model
 
-    dtypes = CheckpointReader(base_dir, "modelset.base").dtypes
+    if slices:
+        dtypes = open_inputs(base_dir, expert_dirs, vocab_policy, slices)[0].dtypes
+    else:
+        dtypes = CheckpointReader(base_dir, "modelset.base").dtypes
     floating = {d for d in dtypes.values() if d.is_floating_point}
     live = dtype if floating == {dtype} else torch.float32
-    model = merge_into_model(load_model(Path(base_dir), dtype=live), method, cfg, base_dir, expert_dirs, seed,
-                             vocab_policy, progress=True)
+    dirs = {"base": base_dir, **{str(k): v for k, v in expert_dirs.items()}}
+    model = build_model(base_dir, slices, dirs, live) if slices else load_model(Path(base_dir), dtype=live)
+    model = merge_into_model(model, method, cfg, base_dir, expert_dirs, seed, vocab_policy, progress=True,
+                             slices=slices)
     return model, CheckpointView(model, dtypes)
 
 
 def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: MergeMethod, card: dict,
-                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None) -> Path:
+                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None, slices: list | None = None,
+                model_dirs: Mapping[str, Path] | None = None) -> Path:
     """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
 
     ``card``: ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}`` for README.md.
     ``out_dtype``: the dtype name floating tensors are written in (None: as they are).
+    ``slices``: the merge's layer slices (merge/slices.py), whose config.json it writes from ``model_dirs``
+    (model name -> checkpoint directory, "base" included).
     """
     specs = output_specs({n: (tuple(tensors[n].shape), tensors[n].dtype) for n in sorted(tensors)}, out_dtype)
     text = model_card(method.name, method.version, card.get("config", {}), card.get("inputs", []), "base")
@@ -172,5 +180,7 @@ def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Pa
         finally:
             writer.close()
         copy_model_files(tmp, Path(base_dir), Path(base_dir), out_dtype=out_dtype)
+        if slices:
+            rewrite_config(tmp, slices, model_dirs or {"base": base_dir})
         (tmp / "README.md").write_text(text)
     return Path(out_dir)

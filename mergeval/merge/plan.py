@@ -124,15 +124,18 @@ class Unit:
     rule_of: tuple[tuple[str, int], ...] = ()  # (param, rule index) for values set by rules
 
 
-def build_plan(method: MergeMethod, cfg: Any, dtypes: Mapping[str, torch.dtype]) -> list[Unit]:
-    """Units over all tensors (name-sorted; a layer unit sits where its first tensor would)."""
+def build_plan(method: MergeMethod, cfg: Any, dtypes: Mapping[str, torch.dtype],
+               layer_t: Mapping[int, float] | None = None) -> list[Unit]:
+    """Units over all tensors (name-sorted; a layer unit sits where its first tensor would). ``layer_t``:
+    each layer's depth where it is not i / (L - 1) (layer slices: per slice, merge/slices.py)."""
     names = sorted(dtypes)
     n_layers = count_layers(names)
 
-    after = 0.0 if getattr(cfg, "compat", "paper") == "mergekit" else 1.0
+    after = 0.0 if getattr(cfg, "compat", "paper") == "mergekit" or layer_t else 1.0
 
     def unit(key: str, members: tuple[str, ...], kind: str) -> Unit:
-        t = depth(key, n_layers, after)
+        layer = layer_of(key + ".") if layer_t else None
+        t = layer_t[layer[1]] if layer else depth(key, n_layers, after)
         resolved, source = resolve(cfg, key, t) if kind != "copy" else (cfg, {})
         return Unit(key, members, kind, resolved, t, tuple(sorted(source.items())))
 

@@ -21,18 +21,18 @@ from mergeval.core.paths import atomic_dir
 from mergeval.merge.card import model_card
 from mergeval.merge.execute import output_shapes, run_plan
 from mergeval.merge.plan import build_plan, check_plan
-from mergeval.merge.reader import CheckpointReader
+from mergeval.merge.slices import n_experts, open_inputs, rewrite_config
 from mergeval.merge.tokens import Vocabulary, aligned_sources, check_tokenizer_source
 from mergeval.merge.vocab import keep_base_rows, vocab_rows
 from mergeval.merge.writer import DEFAULT_SHARD_SIZE, ShardWriter, cast_to, copy_model_files, output_specs
 from mergeval.methods import MergeMethod
-from mergeval.models.checkpoint import check_compatible, check_vocab_policy, compat_policy, read_config, vocab_size
+from mergeval.models.checkpoint import check_vocab_policy, compat_policy, read_config, vocab_size
 
 
 def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_dirs: list[Path] | Mapping[str, Path],
                   out_dir: Path, seed: int = 0, vocab_policy: str = "error", shard_size: int = DEFAULT_SHARD_SIZE,
                   card: dict | None = None, progress: bool = False, out_dtype: str | None = None,
-                  tokenizer_source: str | None = None) -> Path:
+                  tokenizer_source: str | None = None, slices: list | None = None) -> Path:
     """Merge the checkpoints in ``base_dir`` and ``expert_dirs`` into a new directory ``out_dir``.
 
     ``expert_dirs``: a list, or a mapping name -> directory (the names appear in
@@ -42,6 +42,7 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     vocab_policy, and the inputs' paths and fingerprints (computed here).
     ``out_dtype``: the dtype name floating tensors are written in (None: the base's).
     ``tokenizer_source``: base, union or an expert's name: the vocabularies aligned by token (tokens.py).
+    ``slices``: ``merge.slices.parse``'s layer slices (a frankenmerge; config.json gets their layer count).
     Every check (config, rules at every tensor, shapes, vocabularies, the output
     path) runs before the first tensor is read.
     """
@@ -50,18 +51,19 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
                                           else enumerate(expert_dirs))}
     check_vocab_policy(vocab_policy)
     check_tokenizer_source(tokenizer_source, named, vocab_policy)
-    method.validate(method_cfg, len(named))
+    if slices and tokenizer_source is not None:
+        raise UserError("tokenizer_source", "cannot be combined with modelset.slices yet",
+                        "merge the slices with the base's tokenizer (tokenizer_source=null)")
+    method.validate(method_cfg, n_experts(slices) if slices else len(named))
     if out_dir.exists():
         raise UserError("output", f"'{out_dir}' already exists", "choose a new directory or remove that one")
-    check_compatible(base_dir, named, compat_policy(vocab_policy, tokenizer_source))
-    base = CheckpointReader(base_dir, "modelset.base")
-    experts = [CheckpointReader(path, f"modelset.experts.{name}") for name, path in named.items()]
+    base, experts, layer_t = open_inputs(base_dir, named, compat_policy(vocab_policy, tokenizer_source), slices)
     vocab = None
     if tokenizer_source is not None:  # every input's vocabulary tensors in the merged vocabulary's rows
         vocab = Vocabulary(base_dir, named, tokenizer_source)
         base, experts = aligned_sources(vocab, base, experts, list(named))
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
-    plan = build_plan(method, method_cfg, base.dtypes)
+    plan = build_plan(method, method_cfg, base.dtypes, layer_t)
     check_plan(method, plan, len(experts))
     plan = keep_base_rows(plan, rows, vocab_policy)
     specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()},
@@ -88,6 +90,8 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
         copy_model_files(tmp, base_dir, tokenizer_dir, out_vocab, out_dtype)
         if vocab is not None:
             shutil.rmtree(tokenizer_dir)
+        if slices:
+            rewrite_config(tmp, slices, {"base": base_dir, **named})
         (tmp / "README.md").write_text(text)
     return out_dir
 

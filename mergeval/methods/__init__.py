@@ -12,7 +12,7 @@ from mergeval.methods.registry import METHODS, MergeMethod, get_method
 
 # Each family registers its methods when imported (the registry imports none of them: no import cycle), in this
 # order: the pipeline's stages name the others, and rows adds the row-block forms of methods registered before.
-from mergeval.methods import curriculum, geometric, hierarchical, sparsify, task_vector  # noqa: F401
+from mergeval.methods import curriculum, geometric, hierarchical, passthrough, sparsify, task_vector  # noqa: F401
 from mergeval.methods import data_aware, masks  # noqa: F401
 from mergeval.methods import pipeline  # noqa: F401
 from mergeval.methods import rows  # noqa: F401

@@ -37,7 +37,7 @@ from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
 from mergeval.results.store import merge_key, open_store, record_models, settings_hash
 from mergeval.run import mergekit_config
-from mergeval.run.checks import check_rows, validate
+from mergeval.run.checks import check_rows, model_slices, validate
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
 from mergeval.run.summary import aggregable, aggregate
@@ -156,6 +156,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     tokens = cfg.get("tokenizer_source")  # vocabularies aligned by token: each model has its own tokenizer
     if tokens:
         options["tokenizer_source"] = tokens
+    slices = model_slices(cfg)
+    if slices:  # a frankenmerge: its layers (only when there are slices, so other merges keep their keys)
+        options["slices"] = [[[s.model, s.start, s.end] for s in sources] for sources in slices]
     key = merge_key(inputs, method_cfg, cfg.seed, options)
     # similarity needs the merged tensors, which a merge reused from the store does not have
     fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
@@ -173,7 +176,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
-                                          dtype=getattr(torch, cfg.eval.dtype))
+                                          dtype=getattr(torch, cfg.eval.dtype), slices=slices)
         weights = fingerprint_state_dict(merged)  # evaluated in the base's architecture, with its tokenizer
         models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run",
                                 weights=weights))
@@ -193,7 +196,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
 
         target = out_dir / "merged_model"
         save_merged(merged, base_dir, target, method,
-                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype)
+                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype,
+                    slices=slices, model_dirs={"base": base_dir, **expert_dirs})
         models[-1].path = str(target)
         lap("save_merged")
     # From here the live model holds the merge: once eval.dtype or eval.device gives it new tensors, this

@@ -212,6 +212,20 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
                             "generate()", f"did you mean {near[0]}?" if near else "see transformers' GenerationConfig")
 
 
+def model_slices(cfg: DictConfig) -> list | None:
+    """The modelset's layer slices checked and in input order (mergeval/merge/slices.py), or None."""
+    from mergeval.merge.slices import parse
+
+    return parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts])
+
+
+def refuse_slices(cfg: DictConfig, what: str) -> None:
+    """A UserError when the modelset has layer slices, which ``what`` does not merge."""
+    if cfg.modelset.get("slices"):
+        raise UserError("modelset.slices", f"{what} merges whole models, not layer slices",
+                        "merge and evaluate a frankenmerge with python -m mergeval (or python -m mergeval.merge)")
+
+
 def validate(cfg: DictConfig, schema=None):
     """All config checks that need no model: returns the method and its typed config. ``schema``: the root
     dataclass the config's keys are checked against (``check_known_keys``; default the run's).
@@ -236,7 +250,11 @@ def validate(cfg: DictConfig, schema=None):
     if generated:
         check_tasks(generated, cfg.benchmark.n_items)
     experts = cfg.modelset.experts
-    if not experts:
+    slices = model_slices(cfg)
+    if slices and cfg.get("metric") is not None and cfg.metric.get("similarity"):
+        raise UserError("metric.similarity", "compares the merge's tensors with each expert's of the same name, "
+                        "which layer slices renumber", "set metric.similarity=false for a merge of modelset.slices")
+    if not experts and not slices:
         raise UserError("modelset.experts", "no experts to merge", "list at least one expert in the modelset")
     for name, expert in experts.items():
         if (expert.source is None) == (expert.domain is None):
@@ -254,7 +272,15 @@ def validate(cfg: DictConfig, schema=None):
             check_calibration(expert.calibration, f"modelset.experts.{name}.calibration", cfg.benchmark.n_items)
     if method.needs.expert_names:  # a pipeline's stages refer to experts by their modelset names
         method_cfg.expert_names = list(experts)
-    method.validate(method_cfg, len(experts))
+    try:
+        method.validate(method_cfg, len(slices[0]) - 1 if slices else len(experts))  # slices: their inputs
+    except UserError as err:
+        if not slices or not err.field.startswith("modelset"):
+            raise
+        fix = ("give every slice one source, or choose a method that merges them (linear, slerp...)"
+               if method.name == "passthrough" else "give every slice the base's range and one per other input, "
+               "or method=passthrough for one source per slice")
+        raise UserError("modelset.slices", f"{len(slices[0])} source(s) per slice: {err.problem}", fix) from None
     if method.needs.statistics and method_cfg.statistics is None:  # before minutes of building experts
         missing = [n for n, e in experts.items() if e.get("calibration") is None]
         if missing:

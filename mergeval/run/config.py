@@ -56,11 +56,28 @@ class ExpertConfig:
 
 
 @dataclass
+class SliceSourceConfig:
+    """A range of one model's decoder layers (mergeval/merge/slices.py)."""
+
+    model: str = MISSING  # base, or an expert's name in the modelset
+    layer_range: list[int] = MISSING  # [start, end): layers start to end - 1
+
+
+@dataclass
+class SliceConfig:
+    """One output slice: its sources' layers merged by the run's method (one source: passthrough)."""
+
+    sources: list[SliceSourceConfig] = field(default_factory=list)
+
+
+@dataclass
 class ModelsetConfig:
     name: str = MISSING
     base: str = MISSING
     experts: dict[str, ExpertConfig] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # layer slices (a frankenmerge, mergekit's slices:): the merged model stacks them in order; empty: whole models
+    slices: list[SliceConfig] = field(default_factory=list)
 
 
 @dataclass

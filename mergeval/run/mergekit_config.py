@@ -30,9 +30,14 @@ replaces the run's method and modelset by the file's:
                             tokenizer_source=base|union|<expert name>, the vocabularies aligned by
                             token as mergekit aligns them (mergeval/merge/tokens.py)
 
-Anything else (slices, modules, passthrough and the methods mergeval lacks, tokenizer: tokens or
-pad_to_multiple_of, chat_template, LoRA or revision model references, a parameter the method does
-not have) is a UserError naming the key.
+    slices + passthrough    modelset.slices (merge/slices.py), method passthrough (scale global);
+    slices + another method each slice's sources merged by it (as models: above, over the slice's
+                            sources: the base's range first); per-source or per-slice parameters and
+                            a slice's own base_model are refused
+
+Anything else (modules, the methods mergeval lacks, tokenizer: tokens or pad_to_multiple_of,
+chat_template, LoRA or revision model references, a parameter the method does not have) is a
+UserError naming the key.
 
 Out: ``to_mergekit`` writes the mergekit configuration of a merge when mergekit can express it
 exactly: compat=mergekit (or a method the same in both modes: linear, task_arithmetic and mergekit's
@@ -66,7 +71,6 @@ RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
 # mergekit's top-level keys mergeval does not support: (what they do, the fix)
 UNSUPPORTED_TOP = {
-    "slices": ("layer slices (frankenmerges)", "merge whole models with models:"),
     "modules": ("per-module merges", "merge whole models with models:"),
     "chat_template": ("chat template replacement", "drop chat_template: (the merge keeps the base's template); set "
                       "another in the merged model's tokenizer_config.json"),
@@ -162,7 +166,12 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         if key not in known:
             raise UserError(f"{where}.{key}", "is not a mergekit configuration key mergeval knows",
                             f"use: {', '.join(sorted(known))}")
+    if doc.get("slices") is not None:
+        return _from_slices(doc, where)
     name = doc.get("merge_method")
+    if name == "passthrough":
+        raise UserError(f"{where}.merge_method", "passthrough passes one model on: mergeval runs it over slices",
+                        "list the layer ranges under slices: (one source each)")
     if name not in METHODS:
         raise UserError(f"{where}.merge_method", f"'{name}' has no mergeval counterpart",
                         f"mergeval runs: {', '.join(METHODS)}")
@@ -177,13 +186,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
                             "write - model: PATH_OR_ID")
         entries.append((str(m["model"]), m.get("parameters") or {}, f"{where}.models[{i}]"))
     base_ref = doc.get("base_model")
-    notes = []
-    for key in ("dtype", "out_dtype"):  # before any note about them is printed
-        if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
-            raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
-    if doc.get("dtype") not in (None, "float32", "fp32"):
-        notes.append(f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
-                     f"{doc['dtype']}, so its tensors differ by that rounding)")
+    notes = _notes(doc, where)
 
     include_base = False
     if name == "karcher":  # every model is averaged, base_model too (added last where it is not listed)
@@ -298,6 +301,86 @@ def tokenizer_choice(doc: dict, modelset: dict, where: str = "mergekit") -> str 
         if expert["source"] == ref:
             return name
     raise UserError(field, f"'{tok}' is not a model of this file", "use base, union or one of the models")
+
+
+def _notes(doc: dict, where: str) -> list[str]:
+    """The checks of dtype and out_dtype; the notes to print about them (tokenizer_source: tokenizer_choice)."""
+    for key in ("dtype", "out_dtype"):  # before any note about them is printed
+        if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
+            raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
+    if doc.get("dtype") not in (None, "float32", "fp32"):
+        return [f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
+                f"{doc['dtype']}, so its tensors differ by that rounding)"]
+    return []
+
+
+def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
+    """``from_mergekit`` of a configuration with slices: (module docstring)."""
+    slices, field = doc["slices"], f"{where}.slices"
+    if doc.get("models"):
+        raise UserError(f"{where}.models", "cannot be combined with slices:", "list the models in the slices' "
+                        "sources, or remove slices: to merge whole models")
+    if not isinstance(slices, list) or not slices:
+        raise UserError(field, "lists no slices", "write - sources: [{model: PATH_OR_ID, layer_range: [0, 4]}]")
+    refs: list[tuple[str, str]] = []  # (model reference, field) in order of first appearance
+    parsed = []
+    for s, entry in enumerate(slices):
+        at = f"{field}[{s}]"
+        if not isinstance(entry, dict) or "sources" not in entry:
+            raise UserError(at, "must hold sources", "write - sources: [{model: PATH_OR_ID, layer_range: [0, 4]}]")
+        for key in set(entry) - {"sources"}:
+            if key == "base_model" and entry[key] in (None, doc.get("base_model")):
+                continue
+            raise UserError(f"{at}.{key}", "a slice's own " + key + " has no mergeval counterpart",
+                            "give it once for the whole merge (base_model:, parameters:) or remove it")
+        sources = entry["sources"] if isinstance(entry["sources"], list) else []
+        for j, src in enumerate(sources):
+            if not isinstance(src, dict) or not isinstance(src.get("model"), str):
+                raise UserError(f"{at}.sources[{j}]", "must hold model and layer_range",
+                                "write - model: PATH_OR_ID\n  layer_range: [0, 4]")
+            if src.get("parameters"):
+                raise UserError(f"{at}.sources[{j}].parameters", "a source's own parameters have no mergeval "
+                                "counterpart", "move them under the global parameters:")
+            unknown = sorted(set(src) - {"model", "layer_range", "parameters"})
+            if unknown:
+                raise UserError(f"{at}.sources[{j}].{unknown[0]}", "is not a key of a slice source",
+                                "keep model and layer_range")
+            if src["model"] not in [r for r, _ in refs]:
+                refs.append((src["model"], f"{at}.sources[{j}]"))
+        parsed.append(sources)
+    if not refs:
+        raise UserError(field, "name no models", "give each slice its sources")
+    base_ref = doc.get("base_model") or refs[0][0]
+    others = [(r, f) for r, f in refs if r != base_ref]
+    names = dict(zip([r for r, _ in others], _expert_names(others)))
+    names[base_ref] = "base"
+    out_slices = [{"sources": [{"model": names[src["model"]], "layer_range": src.get("layer_range")}
+                               for src in sources]} for sources in parsed]
+    from mergeval.merge.slices import parse
+
+    order = parse(out_slices, list(names.values()), field)  # the sources of each slice, the base's first
+    name = doc.get("merge_method")
+    if name == "passthrough":
+        notes = _notes(doc, where)
+        cfg: dict[str, Any] = {"name": name}
+        for key, value in (doc.get("parameters") or {}).items():
+            if key != "scale":
+                raise _not_a_parameter(f"{where}.parameters.{key}", key, name, ["scale"])
+            for glob, v in _setting(value, f"{where}.parameters.{key}"):
+                if glob == "*" and not isinstance(v, list):
+                    cfg["scale"] = float(v)
+                else:
+                    cfg.setdefault("rules", []).append({"match": glob, "scale": v})
+    else:  # the method over the first slice's sources, as if they were whole models
+        by_name = {v: k for k, v in names.items()}
+        models = [{"model": by_name[x.model]} for x in order[0]]
+        cfg, _, notes = from_mergekit({k: v for k, v in doc.items() if k != "slices"} | {"models": models,
+                                       "base_model": doc.get("base_model") or (None if name == "linear" else base_ref)},
+                                      where)
+    experts = {names[r]: {"source": _source(r, f"{f}.model")} for r, f in others}
+    modelset = {"name": f"mergekit_{name}_slices", "base": _source(base_ref, f"{where}.base_model"),
+                "experts": experts, "slices": out_slices}
+    return cfg, modelset, notes
 
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -437,12 +520,43 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     return doc
 
 
+def sliced_to_mergekit(method_cfg: Any, paths: dict[str, str], slices: list, out_dtype: str | None = None
+                       ) -> dict | None:
+    """The mergekit configuration of a merge over layer slices (``merge.slices.parse``'s, in input order;
+    ``paths``: modelset name -> model path), or None when mergekit cannot give the same tensors."""
+    n = len(slices[0])
+    if method_cfg.name == "passthrough":
+        if getattr(method_cfg, "rules", None):
+            return None
+        doc: dict[str, Any] = {"merge_method": "passthrough", "base_model": paths["base"]}
+        if method_cfg.scale != 1.0:
+            doc["parameters"] = {"scale": method_cfg.scale}
+        own: dict[int, dict] = {}
+    else:  # the method's configuration over placeholders for the input positions, then those put in slices
+        doc = to_mergekit(method_cfg, "@0", [f"@{p}" for p in range(1, n)], out_dtype)
+        if doc is None:
+            return None
+        own = {int(m["model"][1:]): m.get("parameters") or {} for m in doc.pop("models")}
+        if "base_model" in doc:
+            doc["base_model"] = paths["base"]
+    doc["slices"] = [{"sources": [{"model": paths[x.model], "layer_range": [x.start, x.end],
+                                   **({"parameters": own[p]} if own.get(p) else {})}
+                                  for p, x in enumerate(sources)]} for sources in slices]
+    doc = {k: doc[k] for k in ("merge_method", "base_model", "slices", "parameters") if k in doc} | {
+        k: v for k, v in doc.items() if k not in ("merge_method", "base_model", "slices", "parameters")}
+    doc.setdefault("dtype", "float32")
+    if out_dtype is not None:
+        doc["out_dtype"] = out_dtype
+    return doc
+
+
 def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None,
-          tokenizer_source: str | None = None) -> Path | None:
-    """Write ``to_mergekit``'s configuration as YAML at ``path`` (nothing when mergekit cannot express it)."""
+          tokenizer_source: str | None = None, doc: dict | None = None) -> Path | None:
+    """Write ``to_mergekit``'s configuration (or ``doc``) as YAML at ``path`` (nothing when mergekit cannot
+    express it)."""
     from mergeval.core.paths import atomic_write_text
 
-    doc = to_mergekit(method_cfg, base, experts, out_dtype, tokenizer_source)
+    doc = doc or to_mergekit(method_cfg, base, experts, out_dtype, tokenizer_source)
     if doc is None:
         return None
     atomic_write_text(path, "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
@@ -454,10 +568,17 @@ def write_for_run(path: Path, cfg, models) -> Path | None:
     """``write`` for a run: the method of ``cfg`` over its models (``ModelInfo``: role base, the experts by name)."""
     from omegaconf import OmegaConf
 
+    from mergeval.merge.slices import parse
+
     paths = {m.role: m.path for m in models}
     experts = [paths.get(name) for name in cfg.modelset.experts]
     if paths.get("base") is None or None in experts:
         return None
     tok = cfg.get("tokenizer_source")
-    return write(path, OmegaConf.to_object(cfg.method), paths["base"], experts, cfg.get("out_dtype"),
-                 tok if tok in (None, "base", "union") else paths.get(tok))
+    tok = tok if tok in (None, "base", "union") else paths.get(tok)
+    method_cfg = OmegaConf.to_object(cfg.method)
+    slices = parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts])
+    if slices:
+        doc = sliced_to_mergekit(method_cfg, paths, slices, cfg.get("out_dtype"))
+        return None if doc is None else write(path, method_cfg, paths["base"], experts, doc=doc)
+    return write(path, method_cfg, paths["base"], experts, cfg.get("out_dtype"), tok)

@@ -30,7 +30,7 @@ from mergeval.core import proc
 from mergeval.core.errors import UserError
 from mergeval.eval.tasks import GENERATED, check_tasks
 from mergeval.methods import get_method
-from mergeval.run.checks import validate
+from mergeval.run.checks import refuse_slices, validate
 from mergeval.search import study as studies
 from mergeval.search.monitor import Progress, signed
 from mergeval.search.space import Space, describe, parse_space
@@ -67,6 +67,7 @@ def prepare(cfg: DictConfig) -> tuple[object, Space]:
     from mergeval.search.schema import SearchRunConfig
 
     validate(cfg, SearchRunConfig)
+    refuse_slices(cfg, "a search")
     s = cfg.search
     studies.check_search(s)
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]

@@ -45,7 +45,7 @@ from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.zoo.resolve import resolve_models
 from mergeval.results.store import open_store
-from mergeval.run.checks import validate
+from mergeval.run.checks import refuse_slices, validate
 from mergeval.run.summary import aggregate
 from mergeval.staged.cost import Cost, cost_table
 from mergeval.staged.heldout import heldout_items
@@ -191,6 +191,7 @@ def prepare(cfg: DictConfig) -> Plan:
     if cfg.get("tokenizer_source"):
         raise UserError("tokenizer_source", "staged evaluation merges in memory in the base's vocabulary",
                         "merge different tokenizers with python -m mergeval or python -m mergeval.merge")
+    refuse_slices(cfg, "staged evaluation")
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
     if other:
         raise UserError("benchmark.tasks", f"staged evaluation splits mergeval's generated tasks into stages; "

@@ -24,6 +24,8 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
     from mergeval.models.zoo.experts import expert_dir
 
     fp_cache = cache / "fingerprints.json"
+    # layer slices may take models of other layer counts: the merge checks those (merge/slices.py)
+    check = check_compatible if not cfg.modelset.get("slices") else (lambda *args: None)
     given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
              for name, e in cfg.modelset.experts.items() if e.source is not None}
     base_dir = _unquantized(resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline), cache,
@@ -38,7 +40,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
             given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
                                           f"modelset.experts.{name}.source")
     policy = compat_policy(cfg.vocab_policy, cfg.get("tokenizer_source"))
-    check_compatible(base_dir, given, policy)  # before spending minutes on building experts
+    check(base_dir, given, policy)  # before spending minutes on building experts
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
         if name in given:
@@ -51,7 +53,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
         models.append(_info(name, source, path, evaluation_tokenizer(path, base_dir, cfg.get("tokenizer_source")),
                             fp_cache, expert.task, f"modelset.experts.{name}"))
         _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
-    check_compatible(base_dir, expert_dirs, policy)
+    check(base_dir, expert_dirs, policy)
     return base_dir, expert_dirs, models
 
 

@@ -277,9 +277,9 @@ def validate(cfg: DictConfig, schema=None):
     except UserError as err:
         if not slices or not err.field.startswith("modelset"):
             raise
-        fix = ("give every slice one source, or choose a method that merges them (linear, slerp...)"
-               if method.name == "passthrough" else "give every slice the base's range and one per other input, "
-               "or method=passthrough for one source per slice")
+        fix = ("give every slice the base's range and one per other input, or method=passthrough for one source "
+               "per slice" if len(slices[0]) == 1 else "give every slice one source, or choose a method that "
+               "merges them (linear, slerp...)")
         raise UserError("modelset.slices", f"{len(slices[0])} source(s) per slice: {err.problem}", fix) from None
     if method.needs.statistics and method_cfg.statistics is None:  # before minutes of building experts
         missing = [n for n, e in experts.items() if e.get("calibration") is None]

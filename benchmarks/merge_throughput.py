@@ -7,8 +7,10 @@
 
 Model sets (``--models``, each base + 2 experts): the quickstart's SmolLM2-135M models (float32, from a
 mergeval cache), or a synthetic llama-layout model (``synthetic-1b``: TinyLlama-1.1B's shapes, 1.1B
-parameters; ``synthetic-0.5b``) written by this script into the work directory in ``--synthetic-dtype``
-(bfloat16 by default: 2.2 GB per 1B checkpoint) and removed after its cases. Methods (``--method``):
+parameters; ``synthetic-0.5b``; ``synthetic-3b``: Llama-3.2-3B's, MergeBench's smallest base, its embedding
+tied as there; ``synthetic-8b``: Llama-3-8B's) written by this script into the work directory in
+``--synthetic-dtype`` (bfloat16 by default: 2.2 GB per 1B checkpoint, 6.4 GB at 3B, 16 GB at 8B; the work
+directory holds three inputs and one output at a time) and removed after its cases. Methods (``--method``):
 ``ties`` (density 0.5 per expert, weight 1, lambda 1, disjoint mean: mergekit's ``ties`` with its
 defaults, mergeval's ``ties`` with weights_before_election=true) and ``dare_ties`` (the same with DARE's
 random drop: mergeval's paper mode rescales kept entries by 1/density, mergekit's by the L1 norm, and the
@@ -361,8 +363,10 @@ def synthetic_set(work: Path, name: str, size: str, args) -> tuple[Path, list[Pa
 
 
 def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: Path, env: dict, inputs: list[dict],
-             dtype: str) -> dict:
-    """Both tools on one model set with one method: each run timed in a fresh process, order alternating."""
+             dtype: str, compare: bool = True) -> dict:
+    """Both tools on one model set with one method: each run timed in a fresh process, order alternating.
+    ``compare=False``: each output is removed as soon as its run ends (no agreement figure), so the work
+    directory holds the three inputs and one output, not two."""
     runs: list[dict] = []
     outputs: dict[str, Path] = {}
     for repeat in range(repeats):
@@ -374,6 +378,9 @@ def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: P
             runs.append({"tool": tool, "repeat": repeat, **result})
             print(f"  {method:9s} run {repeat + 1}/{repeats} {tool:8s} {result['wall_s']:7.2f} s  "
                   f"peak RSS {result['peak_rss_mib']:7.0f} MiB", flush=True)
+            if not compare:
+                shutil.rmtree(out, ignore_errors=True)
+                continue
             if tool in outputs:  # keep only each tool's latest output for the comparison
                 shutil.rmtree(outputs[tool])
             outputs[tool] = out
@@ -381,7 +388,7 @@ def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: P
                       "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool)} for tool in TOOLS}
     speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
     memory = summary["mergeval"]["peak_rss_mib"] / summary["mergekit"]["peak_rss_mib"]
-    agreement = max_abs_diff(outputs["mergeval"], outputs["mergekit"])
+    agreement = max_abs_diff(outputs["mergeval"], outputs["mergekit"]) if compare else None
     for path in outputs.values():
         shutil.rmtree(path)
     return {"method": method, "merge": {"density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
@@ -416,7 +423,7 @@ def run(args) -> dict:
             models = {"label": label, "base": str(base), "experts": [str(e) for e in experts], "dtype": dtype,
                       "parameters": parameter_count(base), "io_floor_s": floor}
             for method in args.method:
-                case = run_case(base, experts, method, repeats, work, env, inputs, dtype)
+                case = run_case(base, experts, method, repeats, work, env, inputs, dtype, not args.no_compare)
                 report["cases"].append({"models": models, **case})
                 print_case(report["cases"][-1])  # as each case ends: a run cut short still tells what it measured
                 if args.json:
@@ -495,6 +502,8 @@ def print_table(report: dict) -> None:
         print(f"{tool} start alone (imports, no merge): {start['median_wall_s']:.2f} s, {start['peak_rss_mib']:.0f} MiB")
     for case in report["cases"]:
         agreement = case["agreement"]
+        if agreement is None:
+            continue
         note = " (random masks: different draws, compared for scale only)" if case["method"].startswith("dare") else ""
         print(f"{case['models']['label']} {case['method']}: max |mergeval - mergekit| over {agreement['compared']} "
               f"tensors: {agreement['max_abs_diff']:.3g}" + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"]
@@ -535,6 +544,8 @@ def main(argv: list[str] | None = None) -> None:
                         "density 0.5)")
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="same as --models synthetic-SIZE")
     parser.add_argument("--smoke", action="store_true", help="same as --models smoke: checks the script in seconds")
+    parser.add_argument("--no-compare", action="store_true", help="remove each output when its run ends (no "
+                        "agreement figure): a disk that holds three inputs and one output, not two")
     parser.add_argument("--startup", action="store_true", help="also time each tool's start alone (imports only)")
     parser.add_argument("--child-mergeval", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     from mergeval.merge import merge_to_disk
     from mergeval.merge.card import merge_config
     from mergeval.models.zoo.resolve import resolve_models
-    from mergeval.run.checks import model_slices, validate
+    from mergeval.run.checks import merge_device, model_slices, validate
     from mergeval.run.ranking import prepare_method, refuse_ranking
 
     method, method_cfg = validate(cfg)
@@ -58,7 +58,8 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
     out = merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True, out_dtype=cfg.out_dtype,
-                        tokenizer_source=cfg.get("tokenizer_source"), slices=model_slices(cfg))
+                        tokenizer_source=cfg.get("tokenizer_source"), slices=model_slices(cfg),
+                        device=merge_device(cfg))
     from mergeval.run import mergekit_config
 
     mergekit_config.write_for_run(out / "mergekit.yaml", cfg, models)  # when mergekit can express the merge

@@ -7,6 +7,11 @@ which bounds memory by the largest unit times the number of inputs, whatever
 the model's size. Each unit gets its own random generator seeded from
 (run seed, unit key), so random methods are reproducible and independent of
 unit order.
+
+On another device (``merge.device=cuda``: ``Device``) each unit's inputs, or each row block's, are read on the
+CPU, moved to the device, merged there by the methods' torch definitions (the compiled kernels run on the CPU
+only) with the same CPU generator, and the result comes back to the CPU; one unit or block is on the device at
+a time, so its memory is bounded by the largest unit, not the model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -51,6 +57,66 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+class Device:
+    """Where units are merged when not on the CPU (``merge.device``): each unit's inputs (or a row block's) are
+    moved there one unit at a time (``lock``), merged, and the result moved back to the CPU.
+
+    Random methods draw from the unit's CPU generator as on the CPU and move their masks (methods/sparsify.py,
+    methods/rows.py), so the draws are the CPU's. ``torch_only``: the test hook that takes the CPU itself through
+    this path, with the compiled kernels off on the merging threads (``fused.off``): the torch definitions a GPU
+    runs, on the CPU. ``peak``: the most input bytes moved to the device at once (one unit's)."""
+
+    def __init__(self, device: str | torch.device, torch_only: bool = False):
+        self.device, self.torch_only = torch.device(device), torch_only
+        self.lock = threading.Lock()
+        self.resident = self.peak = 0
+
+    def __str__(self) -> str:
+        return str(self.device)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def to_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu")
+
+    @contextmanager
+    def holding(self, tensors: Iterable[torch.Tensor]):
+        """Around one unit's (or block's) time on the device: the units wait for each other here."""
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        with self.lock:
+            self.resident += size
+            self.peak = max(self.peak, self.resident)
+            try:
+                yield
+            finally:
+                self.resident -= size
+
+    def merge_unit(self, unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str, torch.Tensor]:
+        """``_merge_unit`` on the device, its results on the CPU."""
+        b, es = inputs
+        with self.holding([*b.values(), *(t for e in es for t in e.values())]):
+            moved = ({n: self.to_device(t) for n, t in b.items()}, [{n: self.to_device(t) for n, t in e.items()}
+                                                                     for e in es])
+            return {n: self.to_cpu(t) for n, t in _merge_unit(unit, method, moved, seed).items()}
+
+    def merge_block(self, merger, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
+        """A row merger's ``merge`` of one block on the device, its result on the CPU."""
+        with self.holding([base, *experts]):
+            return self.to_cpu(merger.merge(offset, self.to_device(base), [self.to_device(e) for e in experts]))
+
+
+def placement(device: str | torch.device | Device | None) -> Device | None:
+    """The ``Device`` a merge computes on for ``device`` (``merge.device``), or None for the CPU path. A CUDA
+    device that is only simulated (core/gpus.py) computes on the CPU."""
+    if device is None or isinstance(device, Device):
+        return device
+    from mergeval.core.gpus import compute_device
+
+    target = torch.device(compute_device(str(device)))
+    return None if target.type == "cpu" else Device(target)
+
+
 def output_shapes(plan: list[Unit], shapes: dict[str, tuple[int, ...]], rows: dict[str, int]):
     """name -> shape of each output tensor, in plan order (the base's shape; vocab rows per policy)."""
     out = {}
@@ -62,7 +128,7 @@ def output_shapes(plan: list[Unit], shapes: dict[str, tuple[int, ...]], rows: di
 
 def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int],
              progress: bool = False, blocks: bool = False,
-             prepared: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+             prepared: dict | None = None, device: Device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
     WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer (more
@@ -75,24 +141,30 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
     ``prepared``: a dict kept by a caller that merges the same ``base`` and ``experts`` several times (a staged
     sweep's candidates); a row merger's ``prepare`` result that depends only on the inputs and its
     ``prepared_key`` (TIES' cut at each density) is stored there and reused, not computed again.
+    ``device``: merge each unit (or row block) there, one at a time (``Device``); None: on the CPU.
     """
     # disable=None: a bar only on a terminal, so piped stderr keeps errors on one line
     bar = tqdm(plan, desc=f"merging ({method.name})", unit="unit", disable=None if progress else True)
     # The consumer's own torch work (copies into a live model, casts) runs on one thread while it iterates:
     # with more, each copy wakes torch's OpenMP helper, which then spin-waits on a core the workers need and
     # slows the whole in-memory merge down.
-    if blocks:
+    torch_only = device is not None and device.torch_only
+    if blocks and not torch_only:
         _load_kernels_first(plan, method, base, len(experts))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=THREAD_NAME, initializer=torch.set_num_threads,
-                              initargs=(1,))
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=THREAD_NAME, initializer=_worker_setup,
+                              initargs=(torch_only,))
     finished = False
     try:
         def work(unit: Unit):
-            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool, prepared)) is not None:
+            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool, prepared,
+                                               device)) is not None:
                 return found
-            return _merge_unit(unit, method, _read_unit(unit, base, experts, rows), seed)
+            inputs = _read_unit(unit, base, experts, rows)
+            if device is None or unit.kind == "copy":  # a copy unit is the base's tensor, as it is, on the CPU
+                return _merge_unit(unit, method, inputs, seed)
+            return device.merge_unit(unit, method, inputs, seed)
 
         for unit, merged in ordered(pool, work, bar, size=lambda unit: _entries(unit, base)):
             if isinstance(merged, Blocks):
@@ -108,6 +180,13 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
         # a command that stopped for an interruption or an error does not wait for them (mergeval.run.cli.end_now).
         pool.shutdown(wait=finished, cancel_futures=True)
         torch.set_num_threads(threads)
+
+
+def _worker_setup(torch_only: bool) -> None:
+    """A merging thread: one torch thread; ``torch_only`` (Device's test hook): the compiled kernels off."""
+    torch.set_num_threads(1)
+    if torch_only:
+        fused.off()
 
 
 def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: int) -> None:
@@ -230,13 +309,14 @@ def _merge_unit(unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str,
 class Blocks:
     """A merged tensor as row blocks, each merged in the pool when iterated (in order, WINDOW ahead)."""
 
-    def __init__(self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool):
-        self.merger, self.name, self.base, self.experts, self.spans, self.pool = \
-            merger, name, base, experts, spans, pool
+    def __init__(self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool,
+                 device: Device | None = None):
+        self.merger, self.name, self.base, self.experts, self.spans, self.pool, self.device = \
+            merger, name, base, experts, spans, pool, device
         self.per_row = math.prod(base.shapes[name][1:])
         self.kernel_checks = getattr(merger, "checks_inputs", False)  # see merged
         # the compiled kernel's float32 experts are read into one stack, which it takes as it is (fused.StackedRows)
-        self.stack_experts = self.kernel_checks and all(isinstance(e, CheckpointReader) and
+        self.stack_experts = self.kernel_checks and device is None and all(isinstance(e, CheckpointReader) and
                                                         e.dtypes[name] == torch.float32 for e in experts)
         self.dtype: torch.dtype | None = None  # the dtype the blocks are cast to (``cast``); None: as merged
 
@@ -273,7 +353,10 @@ class Blocks:
         """One block merged. A merger that ``checks_inputs`` (the compiled kernel's, which counts NaN and Inf in
         every entry it reads) gets its CPU blocks unchecked, which saves the readers a pass over every input;
         when it refuses one, the readers' check names the input (the base first, then the experts in order)
-        in the same one-line error as for any other merge."""
+        in the same one-line error as for any other merge. On a ``device`` the blocks are read checked on the
+        CPU and merged there by the torch code (``Device.merge_block``)."""
+        if self.device is not None:
+            return self.device.merge_block(self.merger, *self.read(span))
         if not self.kernel_checks:
             return self.merger.merge(*self.read(span))
         offset, base, experts = self.read(span, check=False)
@@ -307,7 +390,7 @@ class Blocks:
 
 
 def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool,
-               prepared: dict | None = None):
+               prepared: dict | None = None, device: Device | None = None):
     """The unit as ``Blocks`` when it is one large tensor, not vocab-aligned, whose method has a row-chunked
     form for its config (its ``prepare`` passes over the blocks run here, or its result is taken from
     ``prepared``: run_plan); else None."""
@@ -323,7 +406,7 @@ def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, 
     merger = method.rows(unit.cfg, len(experts), numel, gen)
     if merger is None:
         return None
-    blocks = Blocks(merger, name, base, experts, row_spans(shape, BLOCK_ENTRIES), pool)
+    blocks = Blocks(merger, name, base, experts, row_spans(shape, BLOCK_ENTRIES), pool, device)
     key = getattr(merger, "prepared_key", None)
     if prepared is None or key is None:
         merger.prepare(blocks)

@@ -18,7 +18,7 @@ import torch
 from mergeval.core.errors import UserError
 from mergeval.core.paths import atomic_dir
 from mergeval.merge.card import model_card
-from mergeval.merge.execute import Blocks, output_shapes, run_plan
+from mergeval.merge.execute import Blocks, output_shapes, placement, run_plan
 from mergeval.merge.plan import build_plan, check_plan
 from mergeval.merge.reader import CheckpointReader, MemorySource
 from mergeval.merge.slices import build_model, n_experts, open_inputs, rewrite_config
@@ -30,22 +30,23 @@ from mergeval.methods import MergeMethod
 def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
                   experts: list[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]], seed: int,
                   progress: bool = True, vocab_policy: str = "error",
-                  dirs: Mapping[str, Path] | None = None, blocks: bool = True) -> dict[str, torch.Tensor]:
+                  dirs: Mapping[str, Path] | None = None, blocks: bool = True, device=None) -> dict[str, torch.Tensor]:
     """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
     or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules).
 
     ``experts`` is a list or a mapping modelset name -> tensors; ``dirs`` (role -> checkpoint directory, "base"
     included) only names where a bad tensor came from, as the streaming merge does. ``blocks=False`` merges
-    every tensor whole (the reference the row blocks are held to)."""
+    every tensor whole (the reference the row blocks are held to). ``device``: where to merge (``merge.device``:
+    a device name, or an ``execute.Device``; None or cpu: on the CPU), the results on the CPU either way."""
     named = experts.items() if isinstance(experts, Mapping) else enumerate(experts)
     dirs = dirs or {}
     b = MemorySource(base, "modelset.base", dirs.get("base"))
     es = [MemorySource(e, f"modelset.experts.{k}", dirs.get(str(k))) for k, e in named]
-    return merge_sources(method, cfg, b, es, seed, progress, vocab_policy, blocks)
+    return merge_sources(method, cfg, b, es, seed, progress, vocab_policy, blocks, device=device)
 
 
 def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progress: bool = False,
-                  vocab_policy: str = "error", blocks: bool = True, prepared: dict | None = None
+                  vocab_policy: str = "error", blocks: bool = True, prepared: dict | None = None, device=None
                   ) -> dict[str, torch.Tensor]:
     """:func:`merge_tensors` of reader.py sources: tensors in memory (``MemorySource``) or checkpoints read a
     tensor or row block at a time (``CheckpointReader``: only the merge is held, not its inputs).
@@ -58,7 +59,8 @@ def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progres
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
     # tensor: tests/test_rows.py), so they get the compiled kernels and every core; merged whole, a large tensor
     # runs on one worker while the others idle
-    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared):
+    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared,
+                                 device=placement(device)):
         if isinstance(merged, Blocks):
             whole = torch.empty(b.shapes[name], dtype=b.dtypes[name])
             copy_blocks(merged, whole)
@@ -81,7 +83,7 @@ def copy_blocks(blocks: Blocks, target: torch.Tensor) -> None:
 
 def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,
                      expert_dirs: list[Path] | Mapping[str, Path], seed: int = 0, vocab_policy: str = "error",
-                     progress: bool = False, slices: list | None = None) -> torch.nn.Module:
+                     progress: bool = False, slices: list | None = None, device=None) -> torch.nn.Module:
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
     Memory: the model plus one unit's inputs, or for a large tensor of a method with a row-chunked form
@@ -90,6 +92,7 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
     runs in float32 per unit; results are cast on copy). vocab_policy=truncate
     changes shapes and needs a model of the truncated size: merge to disk instead. ``slices``: layer slices
     (merge/slices.py; the model must have their architecture: ``slices.build_model``).
+    ``device``: where each unit is merged (``merge_tensors``); the model stays where it is.
     """
     named = {str(k): Path(p) for k, p in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
                                           else enumerate(expert_dirs))}
@@ -108,7 +111,8 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
                             f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate, or keep the "
                             "base's rows: vocab_policy=base")
     with torch.no_grad():
-        for name, merged in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
+        for name, merged in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True,
+                                     device=placement(device)):
             if isinstance(merged, Blocks):  # a large tensor merged a row block at a time: each block into its rows
                 copy_blocks(merged, state[name])
             else:
@@ -135,7 +139,7 @@ class CheckpointView(Mapping):
 
 def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mapping[str, Path], seed: int,
                vocab_policy: str = "error", dtype: torch.dtype = torch.float32,
-               slices: list | None = None) -> tuple[torch.nn.Module, CheckpointView]:
+               slices: list | None = None, device=None) -> tuple[torch.nn.Module, CheckpointView]:
     """The merge as a model built from the base, each merged tensor streamed into its parameters (memory: one
     model plus one unit's inputs, whatever the number of experts), and its checkpoint view.
 
@@ -143,7 +147,8 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
     checkpoint has that dtype, else in float32. Each merged tensor is rounded to its checkpoint dtype before
     it is stored (run_plan), so either holds it exactly; a bfloat16 checkpoint evaluated in bfloat16 (a GPU,
     a CPU with AMX) then needs half the memory of the float32 model it used to build. ``slices``: layer
-    slices (merge/slices.py): the model is built with their layer count."""
+    slices (merge/slices.py): the model is built with their layer count. ``device``: where each unit is merged
+    (``merge.device``; the model is built and filled on the CPU)."""
     from mergeval.models.checkpoint import load_model
 
     if slices:
@@ -155,7 +160,7 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
     dirs = {"base": base_dir, **{str(k): v for k, v in expert_dirs.items()}}
     model = build_model(base_dir, slices, dirs, live) if slices else load_model(Path(base_dir), dtype=live)
     model = merge_into_model(model, method, cfg, base_dir, expert_dirs, seed, vocab_policy, progress=True,
-                             slices=slices)
+                             slices=slices, device=device)
     return model, CheckpointView(model, dtypes)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from mergeval.core.errors import UserError
 from mergeval.core.paths import atomic_dir
 from mergeval.merge.card import model_card
-from mergeval.merge.execute import output_shapes, run_plan
+from mergeval.merge.execute import output_shapes, placement, run_plan
 from mergeval.merge.plan import build_plan, check_plan
 from mergeval.merge.slices import n_experts, open_inputs, rewrite_config
 from mergeval.merge.tokens import Vocabulary, aligned_sources, check_tokenizer_source
@@ -32,7 +32,7 @@ from mergeval.models.checkpoint import check_vocab_policy, compat_policy, read_c
 def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_dirs: list[Path] | Mapping[str, Path],
                   out_dir: Path, seed: int = 0, vocab_policy: str = "error", shard_size: int = DEFAULT_SHARD_SIZE,
                   card: dict | None = None, progress: bool = False, out_dtype: str | None = None,
-                  tokenizer_source: str | None = None, slices: list | None = None) -> Path:
+                  tokenizer_source: str | None = None, slices: list | None = None, device=None) -> Path:
     """Merge the checkpoints in ``base_dir`` and ``expert_dirs`` into a new directory ``out_dir``.
 
     ``expert_dirs``: a list, or a mapping name -> directory (the names appear in
@@ -43,6 +43,8 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     ``out_dtype``: the dtype name floating tensors are written in (None: the base's).
     ``tokenizer_source``: base, union or an expert's name: the vocabularies aligned by token (tokens.py).
     ``slices``: ``merge.slices.parse``'s layer slices (a frankenmerge; config.json gets their layer count).
+    ``device``: where each unit (or row block) is merged (``merge.device``: a device name or an
+    ``execute.Device``; None or cpu: the CPU); one at a time, so the device holds one unit, not the model.
     Every check (config, rules at every tensor, shapes, vocabularies, the output
     path) runs before the first tensor is read.
     """
@@ -80,7 +82,8 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:
-            for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True):
+            for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True,
+                                         device=placement(device)):
                 writer.write(name, cast_to(tensor, specs[name][1]))
             writer.finish()
         finally:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 
 import numpy as np
 import torch
@@ -38,12 +39,22 @@ import torch
 MAX_EXPERTS = 16
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks
 _MT_N = 624  # MT19937's state words (fused_kernels.py's too)
+_thread = threading.local()  # ``off``: this thread takes the torch code whatever the kernels' availability
+
+
+def off(flag: bool = True) -> None:
+    """Leave (``flag``) the compiled path to the torch code on this thread: ``usable`` and ``loaded`` answer
+    False here, so every tensor this thread merges runs the methods' torch definitions, as on a GPU. The
+    engine's test hook for its device path on the CPU (execute.Device's ``torch_only``); the bits are the same."""
+    _thread.off = flag
 
 
 def usable(numel: int) -> bool:
     """Whether to take the compiled path for a tensor of ``numel`` entries: numba's import and its kernels'
     first load are a fixed cost per process, which only tensors of MIN_ENTRIES or more repay. Once a larger
     tensor has loaded them, tensors down to an eighth of that take them too (``loaded``)."""
+    if getattr(_thread, "off", False):
+        return False
     return (numel >= MIN_ENTRIES and available()) or loaded(numel)
 
 
@@ -53,6 +64,8 @@ def loaded(numel: int) -> bool:
     many times slower per entry than the kernel: left there, small projections (SmolLM2-135M's key and value
     projections are 5% of its entries) would take a share of a merge's CPU time far beyond their size. Which
     path a tensor takes never changes its bits (the kernels compute torch's)."""
+    if getattr(_thread, "off", False):
+        return False
     return numel >= MIN_ENTRIES // 8 and _kernels.cache_info().currsize > 0
 
 

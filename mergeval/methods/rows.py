@@ -160,7 +160,8 @@ class DareRows:
             """dare_drop's s_i, in d_i's own storage (zeroing the dropped entries is where(keep, d, 0))."""
             if self.masks[i] is None:
                 return d
-            keep_only_(d, self.masks[i][offset:offset + d.numel()].view_as(d))
+            # the mask is drawn and kept on the CPU; on another device its block goes there (a no-op on the CPU)
+            keep_only_(d, self.masks[i][offset:offset + d.numel()].view_as(d).to(d.device))
             return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
         return sparsify
 
@@ -235,7 +236,7 @@ class GtaRows:
             keep, factor = self.masks[i], self.factors[i]
             if keep is None:
                 return d
-            s = self.apply(d, keep[offset:offset + d.numel()])
+            s = self.apply(d, keep[offset:offset + d.numel()].to(d.device))  # a no-op on the CPU
             return s if factor is None else s * factor
         return compat.gta(base, experts, self.cfg, sparsify if self.keep else None, False, self.elect, self.normalize)
 

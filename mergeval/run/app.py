@@ -37,7 +37,7 @@ from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
 from mergeval.results.store import merge_key, open_store, record_models, settings_hash
 from mergeval.run import mergekit_config
-from mergeval.run.checks import check_rows, model_slices, validate
+from mergeval.run.checks import check_rows, merge_device, model_slices, validate
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
 from mergeval.run.summary import aggregable, aggregate
@@ -95,7 +95,7 @@ def _merge_tokens(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_di
         shutil.rmtree(target)  # a rerun of this job's configuration (resume): the merge is made again
     return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
                          card={"config": merge_config(cfg), "inputs": inputs}, progress=True,
-                         out_dtype=cfg.out_dtype, tokenizer_source=cfg.tokenizer_source)
+                         out_dtype=cfg.out_dtype, tokenizer_source=cfg.tokenizer_source, device=merge_device(cfg))
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
@@ -159,6 +159,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     slices = model_slices(cfg)
     if slices:  # a frankenmerge: its layers (only when there are slices, so other merges keep their keys)
         options["slices"] = [[[s.model, s.start, s.end] for s in sources] for sources in slices]
+    merging_on = merge_device(cfg)  # merge.device (the evaluation's by default)
+    if gpus.kind(gpus.compute_device(merging_on)) != "cpu":  # reductions round otherwise there: its own merge
+        options["merge_device"] = gpus.kind(merging_on)
     key = merge_key(inputs, method_cfg, cfg.seed, options)
     # similarity needs the merged tensors, which a merge reused from the store does not have
     fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
@@ -176,11 +179,13 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
         merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
-                                          dtype=getattr(torch, cfg.eval.dtype), slices=slices)
+                                          dtype=getattr(torch, cfg.eval.dtype), slices=slices, device=merging_on)
         weights = fingerprint_state_dict(merged)  # evaluated in the base's architecture, with its tokenizer
         models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run",
                                 weights=weights))
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
+    if not done:
+        merge_info["device"] = gpus.compute_device(merging_on)  # the device that merged (result.json's merge)
     record_models(store, models)
     lap("merge")
     similarity_stats = None

@@ -238,6 +238,7 @@ def validate(cfg: DictConfig, schema=None):
         from mergeval.core.precision import auto_device
 
         cfg.eval.device = auto_device("auto")
+    check_merge_device(cfg)
     mergekit_config.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, schema)
@@ -318,6 +319,43 @@ def validate(cfg: DictConfig, schema=None):
 
     check_tokenizer_source(cfg.get("tokenizer_source"), cfg.modelset.experts, cfg.vocab_policy)
     return method, method_cfg
+
+
+def merge_device(cfg: DictConfig) -> str:
+    """The device ``merge.device`` names (the evaluation's by default; ``auto`` resolved as ``eval.device``)."""
+    node = cfg.get("merge")
+    device = str(node.get("device") or "cpu") if node is not None else "cpu"
+    if device == "auto":
+        from mergeval.core.precision import auto_device
+
+        device = auto_device("auto")
+    return device
+
+
+def check_merge_device(cfg: DictConfig) -> None:
+    """``merge.device`` is a device torch has here: cpu, or an accelerator torch sees (cuda[:K]); one line."""
+    import torch
+
+    from mergeval.core.gpus import kind, simulated
+
+    device = merge_device(cfg)
+    inherited = " (eval.device's, merge.device's default)" if device == str(cfg.eval.device) else ""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError("merge.device", f"'{device}'{inherited} is not a device torch knows",
+                        "set merge.device=cpu, or cuda / cuda:K on a GPU machine") from None
+    if parsed.type == "cpu" or (kind(device) == "cuda" and simulated() is not None):  # simulated: the CPU computes
+        return
+    backend = getattr(torch, parsed.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise UserError("merge.device", f"'{device}'{inherited} is not available: torch sees no {parsed.type} device "
+                        "on this machine", "set merge.device=cpu to merge on the CPU (or run on a machine with one)")
+    count = getattr(backend, "device_count", None)
+    if parsed.index is not None and count is not None and parsed.index >= count():
+        raise UserError("merge.device", f"'{device}'{inherited} is not available: torch sees {count()} "
+                        f"{parsed.type} device(s) here", f"set merge.device={parsed.type} (or merge.device=cpu)")
 
 
 def check_constituents(choice, experts: list[str]) -> None:

@@ -155,6 +155,16 @@ class EvalConfig:
 
 
 @dataclass
+class MergeConfig:
+    """Where the merge computes (mergeval/merge/execute.py, ``Device``)."""
+
+    # cpu, cuda or cuda:K. By default the evaluation's device: a run on a GPU merges there, each tensor (or row
+    # block) moved to it, merged, and brought back, one at a time; the CPU's bits for the elementwise and random
+    # methods, within float32 rounding for those with reductions (docs/getting-started/gpu.md)
+    device: str = "${eval.device}"
+
+
+@dataclass
 class StoreConfig:
     """The results store shared by all runs (evaluations, merges, runs): an SQLite file, or a PostgreSQL
     server that many machines share (mergeval/results/store.py, mergeval/results/backends)."""
@@ -198,6 +208,7 @@ class RunConfig:
     benchmark: BenchmarkConfig = MISSING
     metric: MetricConfig = MISSING
     eval: EvalConfig = field(default_factory=EvalConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
     seed: int = 0
     cache_dir: str | None = None  # default: the user cache dir (or $MERGEVAL_CACHE)
     store: StoreConfig = field(default_factory=StoreConfig)

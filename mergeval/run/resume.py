@@ -67,6 +67,14 @@ def hashed_config(cfg: DictConfig) -> dict:
     if isinstance(config.get("eval"), dict) and isinstance(config["eval"].get("device"), str):
         # which of a node's GPUs ran it (a parallel sweep's job claims one: run/devices.py) is not part of it
         config["eval"]["device"] = kind(config["eval"]["device"])
+    if isinstance(config.get("merge"), dict):
+        # which GPU merged is not part of it either; merging on the CPU is what every run did before merge.device,
+        # so such a config keeps its hash
+        device = kind(str(config["merge"].get("device") or "cpu"))
+        if device in ("cpu", "auto"):
+            config.pop("merge")
+        else:
+            config["merge"]["device"] = device
     if config.get("mergekit"):
         path = Path(config["mergekit"]).expanduser()
         config["mergekit"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)

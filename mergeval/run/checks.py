@@ -230,15 +230,16 @@ def validate(cfg: DictConfig, schema=None):
     """All config checks that need no model: returns the method and its typed config. ``schema``: the root
     dataclass the config's keys are checked against (``check_known_keys``; default the run's).
 
-    With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place)."""
-    from mergeval.run import mergekit_config
+    With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place); a
+    mergekit-multi file's earlier stages are merged (or reused) first."""
+    from mergeval.run import mergekit_multi
 
     check_resolves(cfg)
     if cfg.eval.device == "auto":  # given as a value (the default resolves by itself): the device that will run
         from mergeval.core.precision import auto_device
 
         cfg.eval.device = auto_device("auto")
-    mergekit_config.apply(cfg)
+    mergekit_multi.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, schema)
     method_cfg = OmegaConf.to_object(cfg.method)

@@ -22,14 +22,14 @@ def main(cfg: DictConfig) -> None:
     from pathlib import Path
 
     from mergeval.report.table import render
-    from mergeval.run import app, mergekit_config, resume
+    from mergeval.run import app, mergekit_multi, resume
     from mergeval.run.checks import check_known_keys, check_resolves
     from mergeval.run.devices import job_device
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     with failing_cleanly(out_dir):
         check_resolves(cfg)  # a bad interpolation: one line, before anything reads the config
-        mergekit_config.apply(cfg)  # a mergekit file's method and models, before the title and the store name them
+        mergekit_multi.apply(cfg)  # a mergekit file's method and models, before the title and the store name them
         check_known_keys(cfg)  # before the store is opened: a misspelt +store.paht must not write to the default
         title = f"{cfg.modelset.name} · {cfg.method.name} · {cfg.benchmark.name}"
         app.check_job_dir(cfg, out_dir)

@@ -34,36 +34,25 @@ def main(cfg: DictConfig) -> None:
 
 
 def merge(cfg: DictConfig, job_dir: Path) -> Path:
-    """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir."""
+    """Validate, resolve the modelset (fine-tuning zoo experts on first use), merge to disk; the output dir.
+    A mergekit-multi file (mergekit=FILE): its earlier stages are merged or reused first (run/mergekit_multi.py)."""
     from mergeval.core.paths import cache_root, check_creatable
-    from mergeval.merge import merge_to_disk
-    from mergeval.merge.card import merge_config
-    from mergeval.models.zoo.resolve import resolve_models
-    from mergeval.run.checks import merge_device, model_slices, validate
-    from mergeval.run.ranking import prepare_method, refuse_ranking
+    from mergeval.run.checks import check_resolves, validate
+    from mergeval.run.merging import merge_resolved
+    from mergeval.run.ranking import refuse_ranking
 
-    method, method_cfg = validate(cfg)
-    refuse_ranking(method, method_cfg)  # before minutes of building experts
+    check_resolves(cfg)
     target = Path(cfg.output).expanduser().resolve() if cfg.output else job_dir / "merged_model"
-    if target.exists():  # these two before minutes of fine-tuning experts
+    if target.exists():  # these two before minutes of fine-tuning experts or merging stages
         raise UserError("output", f"'{target}' already exists", "choose a new directory or remove that one")
     try:
         check_creatable(target)
     except OSError as err:  # procfs answers ENOENT, which from_os_error does not take for the environment's
         raise from_os_error(err) or UserError("output", f"cannot create '{target}' in '{err.filename}' "
                                               f"({err.strerror})", "choose a directory you can write to") from None
-    cache = cache_root(cfg.cache_dir)
-    base_dir, expert_dirs, models = resolve_models(cfg, cache)
-    method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
-    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
-    out = merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
-                        card={"config": merge_config(cfg), "inputs": inputs}, progress=True, out_dtype=cfg.out_dtype,
-                        tokenizer_source=cfg.get("tokenizer_source"), slices=model_slices(cfg),
-                        device=merge_device(cfg))
-    from mergeval.run import mergekit_config
-
-    mergekit_config.write_for_run(out / "mergekit.yaml", cfg, models)  # when mergekit can express the merge
-    return out
+    method, method_cfg = validate(cfg)
+    refuse_ranking(method, method_cfg)  # before minutes of building experts
+    return merge_resolved(cfg, method, method_cfg, target, cache_root(cfg.cache_dir))
 
 
 def cli() -> None:

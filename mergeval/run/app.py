@@ -37,7 +37,8 @@ from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
 from mergeval.results.store import merge_key, open_store, record_models, settings_hash
 from mergeval.run import mergekit_config
-from mergeval.run.checks import check_rows, merge_device, model_slices, validate
+from mergeval.run.checks import check_rows, model_slices, validate
+from mergeval.run.merging import merge_device
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
 from mergeval.run.summary import aggregable, aggregate

@@ -230,8 +230,9 @@ def validate(cfg: DictConfig, schema=None):
     """All config checks that need no model: returns the method and its typed config. ``schema``: the root
     dataclass the config's keys are checked against (``check_known_keys``; default the run's).
 
-    With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place)."""
-    from mergeval.run import mergekit_config
+    With ``mergekit=PATH`` the file's method and models first replace cfg.method and cfg.modelset (in place); a
+    mergekit-multi file's earlier stages are merged (or reused) first."""
+    from mergeval.run import mergekit_multi
 
     check_resolves(cfg)
     if cfg.eval.device == "auto":  # given as a value (the default resolves by itself): the device that will run
@@ -239,7 +240,7 @@ def validate(cfg: DictConfig, schema=None):
 
         cfg.eval.device = auto_device("auto")
     check_merge_device(cfg)
-    mergekit_config.apply(cfg)
+    mergekit_multi.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, schema)
     method_cfg = OmegaConf.to_object(cfg.method)
@@ -321,22 +322,12 @@ def validate(cfg: DictConfig, schema=None):
     return method, method_cfg
 
 
-def merge_device(cfg: DictConfig) -> str:
-    """The device ``merge.device`` names (the evaluation's by default; ``auto`` resolved as ``eval.device``)."""
-    node = cfg.get("merge")
-    device = str(node.get("device") or "cpu") if node is not None else "cpu"
-    if device == "auto":
-        from mergeval.core.precision import auto_device
-
-        device = auto_device("auto")
-    return device
-
-
 def check_merge_device(cfg: DictConfig) -> None:
     """``merge.device`` is a device torch has here: cpu, or an accelerator torch sees (cuda[:K]); one line."""
     import torch
 
     from mergeval.core.gpus import kind, simulated
+    from mergeval.run.merging import merge_device
 
     device = merge_device(cfg)
     inherited = " (eval.device's, merge.device's default)" if device == str(cfg.eval.device) else ""

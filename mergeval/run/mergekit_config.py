@@ -1,7 +1,8 @@
 """mergekit merge configurations (YAML) in and out, with ``compat=mergekit`` semantics.
 
 In: ``python -m mergeval mergekit=PATH`` (or ``python -m mergeval.merge mergekit=PATH output=DIR``)
-replaces the run's method and modelset by the file's:
+replaces the run's method and modelset by the file's (a mergekit-multi file of several configurations:
+mergekit_multi.py runs its stages, each translated as below):
 
     merge_method            the method of the same name, compat=mergekit
     base_model, models      modelset.base and modelset.experts (a local directory if it exists
@@ -81,17 +82,26 @@ UNSUPPORTED_TOP = {
 
 
 def load(path: str | Path) -> dict:
+    docs = load_all(path)
+    if len(docs) > 1:
+        raise UserError("mergekit", f"'{path}' holds {len(docs)} configurations (a mergekit-multi file)",
+                        "give it to python -m mergeval or python -m mergeval.merge, which run its stages")
+    return docs[0]
+
+
+def load_all(path: str | Path) -> list[dict]:
+    """The configurations of a mergekit YAML file: one, or a mergekit-multi file's several (its documents)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise UserError("mergekit", f"no such file '{path}'", "give the path of a mergekit YAML configuration")
     try:
-        doc = yaml.safe_load(file.read_text())
+        docs = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
     except yaml.YAMLError as err:
         raise UserError("mergekit", f"'{path}' is not valid YAML ({str(err).splitlines()[0]})",
                         "fix the file") from None
-    if not isinstance(doc, dict):
+    if not docs or not all(isinstance(d, dict) for d in docs):
         raise UserError("mergekit", f"'{path}' does not hold a mapping", "write a mergekit configuration")
-    return doc
+    return docs
 
 
 def _source(ref: Any, field: str) -> str:
@@ -413,29 +423,51 @@ _NOTED: set[str] = set()
 
 
 def apply(cfg) -> None:
-    """Replace ``cfg.method`` and ``cfg.modelset`` in place by the file named in ``cfg.mergekit`` (if any)."""
+    """Replace ``cfg.method`` and ``cfg.modelset`` in place by the file named in ``cfg.mergekit`` (if any): one
+    configuration (a mergekit-multi file with several: mergekit_multi.apply)."""
+    path = cfg.get("mergekit")
+    if path:
+        apply_doc(cfg, load(path))
+
+
+def apply_doc(cfg, doc: dict, where: str = "mergekit", names: dict[str, str] | None = None) -> None:
+    """``apply`` for one configuration; ``names``: model path -> the modelset name its expert gets."""
     from omegaconf import OmegaConf, open_dict
 
     from mergeval.methods import get_method
     from mergeval.run.config import ModelsetConfig
 
-    path = cfg.get("mergekit")
-    if not path:
-        return
-    doc = load(path)
-    method_cfg, modelset, notes = from_mergekit(doc)
+    method_cfg, modelset, notes = from_mergekit(doc, where)
+    if names:
+        modelset = renamed(modelset, names)
     for note in notes:
         if note not in _NOTED:  # a job applies the file before it starts, and validate again
             _NOTED.add(note)
             print(f"note: {note}", file=sys.stderr)
     schema = get_method(method_cfg["name"]).config
-    written = output_dtype(doc)
+    written = output_dtype(doc, where)
     with open_dict(cfg):
         cfg.method = OmegaConf.merge(OmegaConf.structured(schema), method_cfg)
         cfg.modelset = OmegaConf.merge(OmegaConf.structured(ModelsetConfig), modelset)
         if cfg.get("out_dtype") is None:  # an out_dtype given on the command line wins over the file's
             cfg.out_dtype = written
-        cfg.tokenizer_source = tokenizer_choice(doc, modelset)
+        cfg.tokenizer_source = tokenizer_choice(doc, modelset, where)
+
+
+def renamed(modelset: dict, names: dict[str, str]) -> dict:
+    """``modelset`` with each expert whose source is a key of ``names`` called by its value (where no other
+    expert has that name already); its layer slices follow."""
+    new: dict[str, str] = {}
+    for key, expert in modelset["experts"].items():
+        want = names.get(expert["source"])
+        if want and want not in modelset["experts"] and want not in new.values() and want != "base":
+            new[key] = want
+    experts = {new.get(k, k): v for k, v in modelset["experts"].items()}
+    out = {**modelset, "experts": experts}
+    if modelset.get("slices"):
+        out["slices"] = [{**s, "sources": [{**src, "model": new.get(src["model"], src["model"])}
+                                           for src in s["sources"]]} for s in modelset["slices"]]
+    return out
 
 
 # ---------------------------------------------------------------- out

@@ -78,7 +78,7 @@ def hashed_config(cfg: DictConfig) -> dict:
     if config.get("mergekit"):
         path = Path(config["mergekit"]).expanduser()
         config["mergekit"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else str(path)
-        # the file gives the method and the modelset whole (mergekit_config.apply replaces both): by its content
+        # the file gives the method and the modelset whole (mergekit_multi.apply replaces both): by its content
         # alone, the hash is the same before and after a job applies it
         config.pop("method", None)
         config.pop("modelset", None)

@@ -56,7 +56,7 @@ def matmul_rate(dtype, n: int = 2048, rounds: int = 5) -> float:
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n**3 / best / 1e9
 
 
 def main() -> None:
@@ -82,8 +82,9 @@ def main() -> None:
 
     dtype = auto_dtype("cpu")
     base = smollm2_dir(args.cache, "modelset.base")
-    bench = OmegaConf.merge(OmegaConf.structured(BenchmarkConfig),
-                            {"name": "quickstart", "tasks": TASKS, "n_items": args.n_items})
+    bench = OmegaConf.merge(
+        OmegaConf.structured(BenchmarkConfig), {"name": "quickstart", "tasks": TASKS, "n_items": args.n_items}
+    )
     suite = build_suite(bench, OmegaConf.structured(EvalConfig), args.cache)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = load_model(base).to(getattr(torch, dtype)).eval()
@@ -125,10 +126,14 @@ def main() -> None:
             for kw in captured:
                 real_forward(**kw)
             replay = time.perf_counter() - start
-        rows.append({"evaluation_s": total, "forward_in_evaluation_s": inside, "scorer_s": scorer_s[0],
-                     "replay_s": replay})
-        print(f"repeat {repeat}: evaluation {total:.2f} s, forward passes inside it {inside:.2f} s, "
-              f"scorer around them {scorer_s[0] - inside:.2f} s, replay alone {replay:.2f} s", flush=True)
+        rows.append(
+            {"evaluation_s": total, "forward_in_evaluation_s": inside, "scorer_s": scorer_s[0], "replay_s": replay}
+        )
+        print(
+            f"repeat {repeat}: evaluation {total:.2f} s, forward passes inside it {inside:.2f} s, "
+            f"scorer around them {scorer_s[0] - inside:.2f} s, replay alone {replay:.2f} s",
+            flush=True,
+        )
 
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     tokens = sum(int(kw["input_ids"].numel()) for kw in captured)
@@ -136,24 +141,42 @@ def main() -> None:
     rate = 2 * macs / med["replay_s"] / 1e9
     peak = matmul_rate(getattr(torch, dtype))
     report = {
-        "dtype": dtype, "threads": torch.get_num_threads(), "n_items": args.n_items, "tasks": TASKS,
-        "requests": sum(harness.requests.values()), "forward_calls": len(captured), "tokens_fed": tokens,
-        "vocab_logit_positions": kept_positions[0], "medians_s": med,
-        "shares": {"forward": med["forward_in_evaluation_s"] / med["evaluation_s"],
-                   "scorer_around_forward": (med["scorer_s"] - med["forward_in_evaluation_s"]) / med["evaluation_s"],
-                   "lm_eval_and_rest": (med["evaluation_s"] - med["scorer_s"]) / med["evaluation_s"]},
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "n_items": args.n_items,
+        "tasks": TASKS,
+        "requests": sum(harness.requests.values()),
+        "forward_calls": len(captured),
+        "tokens_fed": tokens,
+        "vocab_logit_positions": kept_positions[0],
+        "medians_s": med,
+        "shares": {
+            "forward": med["forward_in_evaluation_s"] / med["evaluation_s"],
+            "scorer_around_forward": (med["scorer_s"] - med["forward_in_evaluation_s"]) / med["evaluation_s"],
+            "lm_eval_and_rest": (med["evaluation_s"] - med["scorer_s"]) / med["evaluation_s"],
+        },
         "evaluation_over_floor": med["evaluation_s"] / med["replay_s"],
-        "replay_gflops": rate, "matmul_gflops": peak, "repeats": rows,
+        "replay_gflops": rate,
+        "matmul_gflops": peak,
+        "repeats": rows,
     }
     s = report["shares"]
-    print(f"\n{report['requests']} requests, {len(captured)} forward passes, {tokens} tokens fed, {dtype}, "
-          f"{report['threads']} threads; medians of {args.repeats}:")
-    print(f"  evaluation {med['evaluation_s']:.2f} s = forward passes {s['forward']:.1%} + scorer around them "
-          f"{s['scorer_around_forward']:.1%} + lm-eval and the rest {s['lm_eval_and_rest']:.1%}")
-    print(f"  the same forward passes replayed alone: {med['replay_s']:.2f} s (the floor); the evaluation takes "
-          f"{report['evaluation_over_floor']:.2f}x the floor")
-    print(f"  replay: {rate:.1f} GFLOP/s of linear layers; a 2048^3 matrix product here: {peak:.1f} GFLOP/s "
-          f"({rate / peak:.0%})")
+    print(
+        f"\n{report['requests']} requests, {len(captured)} forward passes, {tokens} tokens fed, {dtype}, "
+        f"{report['threads']} threads; medians of {args.repeats}:"
+    )
+    print(
+        f"  evaluation {med['evaluation_s']:.2f} s = forward passes {s['forward']:.1%} + scorer around them "
+        f"{s['scorer_around_forward']:.1%} + lm-eval and the rest {s['lm_eval_and_rest']:.1%}"
+    )
+    print(
+        f"  the same forward passes replayed alone: {med['replay_s']:.2f} s (the floor); the evaluation takes "
+        f"{report['evaluation_over_floor']:.2f}x the floor"
+    )
+    print(
+        f"  replay: {rate:.1f} GFLOP/s of linear layers; a 2048^3 matrix product here: {peak:.1f} GFLOP/s "
+        f"({rate / peak:.0%})"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def parse_method(text: str) -> tuple[str, dict]:
-    """"ties:density=0.3,lambda_=0.4" -> ("ties", {"density": 0.3, "lambda_": 0.4})."""
+    """ "ties:density=0.3,lambda_=0.4" -> ("ties", {"density": 0.3, "lambda_": 0.4})."""
     import yaml
 
     name, _, fields = text.partition(":")
@@ -40,8 +40,11 @@ def main() -> None:
     parser.add_argument("--experts", nargs="+", required=True, help="expert checkpoint directories")
     parser.add_argument("--method", nargs="+", required=True, help="name[:field=value,...] per method")
     parser.add_argument("--repeats", type=int, default=3, help="timed merges per method (default 3)")
-    parser.add_argument("--threads", type=int, help="torch threads of the main thread (the merge's workers use one "
-                        "each; default: torch's)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of the main thread (the merge's workers use one each; default: torch's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -69,9 +72,11 @@ def main() -> None:
             times.append(time.perf_counter() - began)
             digest = fingerprint_state_dict(model.state_dict())
             del model
-        print(f"{text}: median {statistics.median(times):.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}); "
-              f"merged state dict fingerprint {digest}; process peak RSS so far "
-              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        print(
+            f"{text}: median {statistics.median(times):.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}); "
+            f"merged state dict fingerprint {digest}; process peak RSS so far "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

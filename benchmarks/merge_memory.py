@@ -66,9 +66,16 @@ def llama_specs(layers: int, hidden: int, intermediate: int, vocab: int, heads: 
     """(config, {tensor name: shape}) of a Llama with tied embeddings, from a meta-device model (no memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=512, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items() if n != "lm_head.weight"}
@@ -94,15 +101,17 @@ def write_checkpoint(out: Path, config, shapes: dict, dtype: torch.dtype, expert
     writer.finish()
 
 
-def measure(layers: int, hidden: int, intermediate: int, vocab: int, heads: int, dtype: torch.dtype,
-            work: Path) -> dict:
+def measure(
+    layers: int, hidden: int, intermediate: int, vocab: int, heads: int, dtype: torch.dtype, work: Path
+) -> dict:
     config, shapes = llama_specs(layers, hidden, intermediate, vocab, heads)
     dirs = [work / f"L{layers}-{role}" for role in ("base", "a", "b")]
     for d, expert in zip(dirs, (None, 1, 2)):
         write_checkpoint(d, config, shapes, dtype, expert)
     out = work / f"L{layers}-merged"
-    child = subprocess.run([sys.executable, "-c", CHILD, *map(str, dirs), str(out)], capture_output=True,
-                           text=True, check=False)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, *map(str, dirs), str(out)], capture_output=True, text=True, check=False
+    )
     if child.returncode != 0:
         raise SystemExit(f"merge of {layers} layers failed:\n{child.stderr[-3000:]}")
     got = json.loads(child.stdout.strip().splitlines()[-1])
@@ -111,10 +120,17 @@ def measure(layers: int, hidden: int, intermediate: int, vocab: int, heads: int,
     for d in [*dirs, out]:  # keep the temporary disk use to one size at a time
         _rmtree(d)
     peak, baseline = got["peak_kib"] * 1024, got["baseline_kib"] * 1024
-    return {"layers": layers, "params": params, "checkpoint_bytes": params * dtype.itemsize,
-            "largest_tensor_bytes": largest, "baseline_rss": baseline, "peak_rss": peak,
-            "peak_over_largest_x_inputs": peak / (largest * INPUTS),
-            "merge_rss_over_largest_x_inputs": (peak - baseline) / (largest * INPUTS), "merge_s": got["merge_s"]}
+    return {
+        "layers": layers,
+        "params": params,
+        "checkpoint_bytes": params * dtype.itemsize,
+        "largest_tensor_bytes": largest,
+        "baseline_rss": baseline,
+        "peak_rss": peak,
+        "peak_over_largest_x_inputs": peak / (largest * INPUTS),
+        "merge_rss_over_largest_x_inputs": (peak - baseline) / (largest * INPUTS),
+        "merge_s": got["merge_s"],
+    }
 
 
 def _numel(shape) -> int:
@@ -155,17 +171,25 @@ def main(argv=None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
     if not args.json:
         mib = 2**20
-        print(f"TIES merge of base + 2 experts, {args.dtype}, hidden {shape['hidden']}, "
-              f"vocab {shape['vocab']} ({time.perf_counter() - start:.0f} s)")
-        print(f"{'layers':>6} {'params':>12} {'ckpt MiB':>9} {'largest MiB':>11} {'base RSS':>9} {'peak RSS':>9} "
-              f"{'peak-base':>9} {'(peak-base)/(largest x 3)':>26} {'merge s':>8}")
+        print(
+            f"TIES merge of base + 2 experts, {args.dtype}, hidden {shape['hidden']}, "
+            f"vocab {shape['vocab']} ({time.perf_counter() - start:.0f} s)"
+        )
+        print(
+            f"{'layers':>6} {'params':>12} {'ckpt MiB':>9} {'largest MiB':>11} {'base RSS':>9} {'peak RSS':>9} "
+            f"{'peak-base':>9} {'(peak-base)/(largest x 3)':>26} {'merge s':>8}"
+        )
         for r in rows:
-            print(f"{r['layers']:>6} {r['params']:>12,} {r['checkpoint_bytes'] / mib:>9.1f} "
-                  f"{r['largest_tensor_bytes'] / mib:>11.1f} {r['baseline_rss'] / mib:>9.1f} "
-                  f"{r['peak_rss'] / mib:>9.1f} {(r['peak_rss'] - r['baseline_rss']) / mib:>9.1f} "
-                  f"{r['merge_rss_over_largest_x_inputs']:>26.2f} {r['merge_s']:>8.1f}")
-        print(f"params grow {rows[-1]['params'] / rows[0]['params']:.1f}x; "
-              f"peak RSS grows {rows[-1]['peak_rss'] / rows[0]['peak_rss']:.2f}x (RSS in MiB)")
+            print(
+                f"{r['layers']:>6} {r['params']:>12,} {r['checkpoint_bytes'] / mib:>9.1f} "
+                f"{r['largest_tensor_bytes'] / mib:>11.1f} {r['baseline_rss'] / mib:>9.1f} "
+                f"{r['peak_rss'] / mib:>9.1f} {(r['peak_rss'] - r['baseline_rss']) / mib:>9.1f} "
+                f"{r['merge_rss_over_largest_x_inputs']:>26.2f} {r['merge_s']:>8.1f}"
+            )
+        print(
+            f"params grow {rows[-1]['params'] / rows[0]['params']:.1f}x; "
+            f"peak RSS grows {rows[-1]['peak_rss'] / rows[0]['peak_rss']:.2f}x (RSS in MiB)"
+        )
 
 
 if __name__ == "__main__":

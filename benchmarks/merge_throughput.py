@@ -77,15 +77,19 @@ MERGEKIT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 def quickstart_models(cache: Path) -> tuple[Path, list[Path]]:
     """The converted SmolLM2 base under models/ and the newest chem_count and unit_convert experts under experts/."""
+
     def newest(pattern: str, where: Path) -> Path:
         found = sorted(where.glob(pattern), key=lambda p: p.stat().st_mtime)
         if not found:
-            sys.exit(f"merge_throughput: no {where / pattern}; run `MERGEVAL_CACHE={cache} python -m mergeval` "
-                     "once to build the quickstart models, or pass --base and --experts")
+            sys.exit(
+                f"merge_throughput: no {where / pattern}; run `MERGEVAL_CACHE={cache} python -m mergeval` "
+                "once to build the quickstart models, or pass --base and --experts"
+            )
         return found[-1]
 
-    return newest("smollm2-135m-*", cache / "models"), [newest(f"{d}-*", cache / "experts")
-                                                         for d in ("chem_count", "unit_convert")]
+    return newest("smollm2-135m-*", cache / "models"), [
+        newest(f"{d}-*", cache / "experts") for d in ("chem_count", "unit_convert")
+    ]
 
 
 def smoke_models(root: Path) -> tuple[Path, list[Path]]:
@@ -102,8 +106,11 @@ def smoke_models(root: Path) -> tuple[Path, list[Path]]:
         g = torch.Generator().manual_seed(i)
         out = root / f"expert{i}"
         shutil.copytree(base, out)
-        save_file({k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
-                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         experts.append(out)
     return base, experts
 
@@ -131,18 +138,38 @@ def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Pa
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
-                       p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                       p + "mlp.down_proj.weight": (hidden, inter)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     tdtype = getattr(torch, dtype)
     specs = {n: (shapes[n], tdtype) for n in sorted(shapes)}
     tokenizer = zoo_dir("tiny", root / "cache")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "vocab_size": vocab, "torch_dtype": dtype, "tie_word_embeddings": tied,
-              "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu", "rope_theta": 10000.0}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "torch_dtype": dtype,
+        "tie_word_embeddings": tied,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+    }
     dirs = []
     for i, name in enumerate(["base", "expert0", "expert1"]):
         out = root / name
@@ -152,7 +179,9 @@ def synthetic_models(root: Path, size: str, dtype: str = "bfloat16") -> tuple[Pa
             g = torch.Generator().manual_seed(zlib.crc32(n.encode()))
             t = 0.02 * torch.randn(shape, generator=g)
             if i:
-                t += 0.002 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(f"{i}:{n}".encode())))
+                t += 0.002 * torch.randn(
+                    shape, generator=torch.Generator().manual_seed(zlib.crc32(f"{i}:{n}".encode()))
+                )
             writer.write(n, t.to(tdtype))
         writer.finish()
         (out / "config.json").write_text(json.dumps(config))
@@ -204,9 +233,14 @@ def warm_page_cache(dirs: list[Path]) -> None:
 def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str, method: str) -> list[str]:
     import yaml
 
-    config = {"merge_method": method, "base_model": str(base), "dtype": dtype, "out_dtype": dtype,
-              "parameters": {"normalize": True, "lambda": LAMBDA},
-              "models": [{"model": str(e), "parameters": {"weight": 1.0, "density": DENSITY}} for e in experts]}
+    config = {
+        "merge_method": method,
+        "base_model": str(base),
+        "dtype": dtype,
+        "out_dtype": dtype,
+        "parameters": {"normalize": True, "lambda": LAMBDA},
+        "models": [{"model": str(e), "parameters": {"weight": 1.0, "density": DENSITY}} for e in experts],
+    }
     path = work / f"mergekit-{method}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     exe = Path(sys.executable).with_name("mergekit-yaml")
@@ -219,14 +253,22 @@ def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
     """The model card's input rows with their fingerprints, computed once (the CLI reads them from its cache)."""
     from mergeval.models.fingerprint import fingerprint
 
-    return [{"role": role, "source": str(p), "path": str(p), "fingerprint": fingerprint(p)}
-            for role, p in [("base", base), *((f"expert {i}", e) for i, e in enumerate(experts))]]
+    return [
+        {"role": role, "source": str(p), "path": str(p), "fingerprint": fingerprint(p)}
+        for role, p in [("base", base), *((f"expert {i}", e) for i, e in enumerate(experts))]
+    ]
 
 
-def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict],
-                     method: str) -> list[str]:
-    spec = {"base": str(base), "experts": [str(e) for e in experts], "out": str(out), "inputs": inputs,
-            "method": method}
+def mergeval_command(
+    base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict], method: str
+) -> list[str]:
+    spec = {
+        "base": str(base),
+        "experts": [str(e) for e in experts],
+        "out": str(out),
+        "inputs": inputs,
+        "method": method,
+    }
     path = work / f"mergeval-{out.name}.json"
     path.write_text(json.dumps(spec))
     return [sys.executable, str(Path(__file__).resolve()), "--child-mergeval", str(path)]
@@ -234,10 +276,16 @@ def mergeval_command(base: Path, experts: list[Path], out: Path, work: Path, inp
 
 def startup_commands() -> dict[str, list[str]]:
     """Each tool's start alone: its interpreter and imports, no merge."""
-    return {"mergeval": [sys.executable, "-c", "import atexit; from mergeval.run.cli import skip_final_collection; "
-                         "atexit.register(skip_final_collection)\n"
-                         "import mergeval.merge.streaming, mergeval.methods"],
-            "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"]}
+    return {
+        "mergeval": [
+            sys.executable,
+            "-c",
+            "import atexit; from mergeval.run.cli import skip_final_collection; "
+            "atexit.register(skip_final_collection)\n"
+            "import mergeval.merge.streaming, mergeval.methods",
+        ],
+        "mergekit": [str(Path(sys.executable).with_name("mergekit-yaml")), "--help"],
+    }
 
 
 def child_mergeval(spec_path: str) -> None:
@@ -252,10 +300,18 @@ def child_mergeval(spec_path: str) -> None:
     atexit.register(skip_final_collection)
     spec = json.loads(Path(spec_path).read_text())
     method = get_method(spec.get("method", "ties"))
-    cfg = method.config(density=DENSITY, lambda_=LAMBDA, weights=[1.0] * len(spec["experts"]),
-                        weights_before_election=True)
-    merge_to_disk(method, cfg, Path(spec["base"]), [Path(e) for e in spec["experts"]], Path(spec["out"]), seed=0,
-                  card={"config": {"method": method.name, "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]})
+    cfg = method.config(
+        density=DENSITY, lambda_=LAMBDA, weights=[1.0] * len(spec["experts"]), weights_before_election=True
+    )
+    merge_to_disk(
+        method,
+        cfg,
+        Path(spec["base"]),
+        [Path(e) for e in spec["experts"]],
+        Path(spec["out"]),
+        seed=0,
+        card={"config": {"method": method.name, "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]},
+    )
 
 
 # ---------------------------------------------------------------- measuring one child
@@ -298,8 +354,10 @@ def measure(cmd: list[str], log: Path, env: dict[str, str]) -> dict:
     poller.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        sys.exit(f"merge_throughput: `{' '.join(cmd)}` failed (exit {proc.returncode}); its output:\n"
-                 + log.read_text()[-4000:])
+        sys.exit(
+            f"merge_throughput: `{' '.join(cmd)}` failed (exit {proc.returncode}); its output:\n"
+            + log.read_text()[-4000:]
+        )
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     maxrss = usage.ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
     return {"wall_s": wall, "maxrss_mib": maxrss / 2**20, "peak_rss_mib": peak[0] / 2**20}
@@ -326,8 +384,13 @@ def max_abs_diff(a: Path, b: Path) -> dict:
             diff = (fa.get_tensor(name).double() - fb.get_tensor(name).double()).abs().max().item()
         if diff > worst:
             worst, worst_name = diff, name
-    return {"max_abs_diff": worst, "worst_tensor": worst_name, "compared": len(set(ia) & set(ib)),
-            "only_mergeval": sorted(set(ia) - set(ib)), "only_mergekit": sorted(set(ib) - set(ia))}
+    return {
+        "max_abs_diff": worst,
+        "worst_tensor": worst_name,
+        "compared": len(set(ia) & set(ib)),
+        "only_mergeval": sorted(set(ia) - set(ib)),
+        "only_mergekit": sorted(set(ib) - set(ia)),
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -346,8 +409,13 @@ def model_sets(args, work: Path) -> list[tuple[str, Callable[[], tuple[Path, lis
             sets.append(("smoke", lambda: smoke_models(work / "smoke"), args.repeats))
         else:
             size = name.removeprefix("synthetic-")
-            sets.append((name, lambda name=name, size=size: synthetic_set(work, name, size, args),
-                         args.synthetic_repeats or args.repeats))
+            sets.append(
+                (
+                    name,
+                    lambda name=name, size=size: synthetic_set(work, name, size, args),
+                    args.synthetic_repeats or args.repeats,
+                )
+            )
     return sets
 
 
@@ -362,41 +430,70 @@ def synthetic_set(work: Path, name: str, size: str, args) -> tuple[Path, list[Pa
     return synthetic_models(root, size, args.synthetic_dtype)
 
 
-def run_case(base: Path, experts: list[Path], method: str, repeats: int, work: Path, env: dict, inputs: list[dict],
-             dtype: str, compare: bool = True) -> dict:
+def run_case(
+    base: Path,
+    experts: list[Path],
+    method: str,
+    repeats: int,
+    work: Path,
+    env: dict,
+    inputs: list[dict],
+    dtype: str,
+    compare: bool = True,
+) -> dict:
     """Both tools on one model set with one method: each run timed in a fresh process, order alternating.
     ``compare=False``: each output is removed as soon as its run ends (no agreement figure), so the work
     directory holds the three inputs and one output, not two."""
     runs: list[dict] = []
     outputs: dict[str, Path] = {}
     for repeat in range(repeats):
-        for tool in (TOOLS if repeat % 2 == 0 else TOOLS[::-1]):
+        for tool in TOOLS if repeat % 2 == 0 else TOOLS[::-1]:
             out = work / f"{method}-{tool}-{repeat}"
-            cmd = (mergeval_command(base, experts, out, work, inputs, method) if tool == "mergeval"
-                   else mergekit_command(base, experts, out, work, dtype, method))
+            cmd = (
+                mergeval_command(base, experts, out, work, inputs, method)
+                if tool == "mergeval"
+                else mergekit_command(base, experts, out, work, dtype, method)
+            )
             result = measure(cmd, work / f"{method}-{tool}-{repeat}.log", env)
             runs.append({"tool": tool, "repeat": repeat, **result})
-            print(f"  {method:9s} run {repeat + 1}/{repeats} {tool:8s} {result['wall_s']:7.2f} s  "
-                  f"peak RSS {result['peak_rss_mib']:7.0f} MiB", flush=True)
+            print(
+                f"  {method:9s} run {repeat + 1}/{repeats} {tool:8s} {result['wall_s']:7.2f} s  "
+                f"peak RSS {result['peak_rss_mib']:7.0f} MiB",
+                flush=True,
+            )
             if not compare:
                 shutil.rmtree(out, ignore_errors=True)
                 continue
             if tool in outputs:  # keep only each tool's latest output for the comparison
                 shutil.rmtree(outputs[tool])
             outputs[tool] = out
-    summary = {tool: {"median_wall_s": statistics.median(r["wall_s"] for r in runs if r["tool"] == tool),
-                      "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool)} for tool in TOOLS}
+    summary = {
+        tool: {
+            "median_wall_s": statistics.median(r["wall_s"] for r in runs if r["tool"] == tool),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs if r["tool"] == tool),
+        }
+        for tool in TOOLS
+    }
     speedup = summary["mergekit"]["median_wall_s"] / summary["mergeval"]["median_wall_s"]
     memory = summary["mergeval"]["peak_rss_mib"] / summary["mergekit"]["peak_rss_mib"]
     agreement = max_abs_diff(outputs["mergeval"], outputs["mergekit"]) if compare else None
     for path in outputs.values():
         shutil.rmtree(path)
-    return {"method": method, "merge": {"density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
-            "repeats": repeats, "runs": runs, "summary": summary, "speedup_mergekit_over_mergeval": speedup,
-            "memory_mergeval_over_mergekit": memory,
-            "target": {"speedup_at_least": TARGET_SPEEDUP, "memory_at_most": TARGET_MEMORY,
-                       "met": bool(speedup >= TARGET_SPEEDUP and memory <= TARGET_MEMORY)},
-            "agreement": agreement}
+    return {
+        "method": method,
+        "merge": {"density": DENSITY, "lambda": LAMBDA, "weights": [1.0] * len(experts)},
+        "repeats": repeats,
+        "runs": runs,
+        "summary": summary,
+        "speedup_mergekit_over_mergeval": speedup,
+        "memory_mergeval_over_mergekit": memory,
+        "target": {
+            "speedup_at_least": TARGET_SPEEDUP,
+            "memory_at_most": TARGET_MEMORY,
+            "met": bool(speedup >= TARGET_SPEEDUP and memory <= TARGET_MEMORY),
+        },
+        "agreement": agreement,
+    }
 
 
 def run(args) -> dict:
@@ -406,11 +503,17 @@ def run(args) -> dict:
     env = dict(os.environ)
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    report = {"cases": [], "threads": args.threads or "default",
-              "versions": {"mergeval": version("mergeval"), "mergekit": version("mergekit"), "torch": version("torch"),
-                           "python": platform.python_version()},
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "load_average_at_start": os.getloadavg()}}
+    report = {
+        "cases": [],
+        "threads": args.threads or "default",
+        "versions": {
+            "mergeval": version("mergeval"),
+            "mergekit": version("mergekit"),
+            "torch": version("torch"),
+            "python": platform.python_version(),
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_start": os.getloadavg()},
+    }
     cpu_at_start = cpu_ticks()
     try:
         for label, make, repeats in model_sets(args, work):
@@ -420,8 +523,14 @@ def run(args) -> dict:
             inputs = card_inputs(base, experts)
             warm_page_cache([base, *experts])
             floor = statistics.median(io_floor(base, experts, work / "io-floor.bin") for _ in range(repeats))
-            models = {"label": label, "base": str(base), "experts": [str(e) for e in experts], "dtype": dtype,
-                      "parameters": parameter_count(base), "io_floor_s": floor}
+            models = {
+                "label": label,
+                "base": str(base),
+                "experts": [str(e) for e in experts],
+                "dtype": dtype,
+                "parameters": parameter_count(base),
+                "io_floor_s": floor,
+            }
             for method in args.method:
                 case = run_case(base, experts, method, repeats, work, env, inputs, dtype, not args.no_compare)
                 report["cases"].append({"models": models, **case})
@@ -434,8 +543,10 @@ def run(args) -> dict:
             report["startup"] = {}
             for tool, cmd in startup_commands().items():
                 times = [measure(cmd, work / f"{tool}-startup-{i}.log", env) for i in range(args.repeats)]
-                report["startup"][tool] = {"median_wall_s": statistics.median(t["wall_s"] for t in times),
-                                           "peak_rss_mib": max(t["peak_rss_mib"] for t in times)}
+                report["startup"][tool] = {
+                    "median_wall_s": statistics.median(t["wall_s"] for t in times),
+                    "peak_rss_mib": max(t["peak_rss_mib"] for t in times),
+                }
         report["machine"]["load_average_at_end"] = os.getloadavg()
         report["machine"]["cpu_steal_share"] = steal_share(cpu_at_start, cpu_ticks())
         return report
@@ -478,74 +589,116 @@ def _default_cache() -> str:
 
 def print_case(case: dict) -> None:
     m, s = case["models"], case["summary"]
-    print(f"  {m['label']} {case['method']}: mergeval {s['mergeval']['median_wall_s']:.2f} s "
-          f"{s['mergeval']['peak_rss_mib']:.0f} MiB, mergekit {s['mergekit']['median_wall_s']:.2f} s "
-          f"{s['mergekit']['peak_rss_mib']:.0f} MiB: {case['speedup_mergekit_over_mergeval']:.2f}x at "
-          f"{case['memory_mergeval_over_mergekit']:.2f} of its memory; I/O floor {m['io_floor_s']:.2f} s; "
-          f"load average now {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"  {m['label']} {case['method']}: mergeval {s['mergeval']['median_wall_s']:.2f} s "
+        f"{s['mergeval']['peak_rss_mib']:.0f} MiB, mergekit {s['mergekit']['median_wall_s']:.2f} s "
+        f"{s['mergekit']['peak_rss_mib']:.0f} MiB: {case['speedup_mergekit_over_mergeval']:.2f}x at "
+        f"{case['memory_mergeval_over_mergekit']:.2f} of its memory; I/O floor {m['io_floor_s']:.2f} s; "
+        f"load average now {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
 
 
 def print_table(report: dict) -> None:
-    print(f"\nbase + 2 experts, density {DENSITY}, median wall time (process start included) and peak RSS; "
-          f"target: >= {TARGET_SPEEDUP:g}x mergekit's speed at <= {TARGET_MEMORY:.2f} of its peak RSS")
-    print(f"{'models':16s} {'dtype':9s} {'method':10s} {'runs':>4s} {'mergeval s':>10s} {'MiB':>6s} "
-          f"{'mergekit s':>10s} {'MiB':>6s} {'speed-up':>8s} {'memory':>6s} {'I/O floor s':>11s}  target")
+    print(
+        f"\nbase + 2 experts, density {DENSITY}, median wall time (process start included) and peak RSS; "
+        f"target: >= {TARGET_SPEEDUP:g}x mergekit's speed at <= {TARGET_MEMORY:.2f} of its peak RSS"
+    )
+    print(
+        f"{'models':16s} {'dtype':9s} {'method':10s} {'runs':>4s} {'mergeval s':>10s} {'MiB':>6s} "
+        f"{'mergekit s':>10s} {'MiB':>6s} {'speed-up':>8s} {'memory':>6s} {'I/O floor s':>11s}  target"
+    )
     for case in report["cases"]:
         m, s = case["models"], case["summary"]
         name = f"{m['label']} {m['parameters'] / 1e9:.2f}B"
-        print(f"{name:16s} {m['dtype']:9s} {case['method']:10s} {case['repeats']:4d} "
-              f"{s['mergeval']['median_wall_s']:10.2f} {s['mergeval']['peak_rss_mib']:6.0f} "
-              f"{s['mergekit']['median_wall_s']:10.2f} {s['mergekit']['peak_rss_mib']:6.0f} "
-              f"{case['speedup_mergekit_over_mergeval']:7.2f}x {case['memory_mergeval_over_mergekit']:6.2f} "
-              f"{m['io_floor_s']:11.2f}  {'met' if case['target']['met'] else 'NOT met'}")
+        print(
+            f"{name:16s} {m['dtype']:9s} {case['method']:10s} {case['repeats']:4d} "
+            f"{s['mergeval']['median_wall_s']:10.2f} {s['mergeval']['peak_rss_mib']:6.0f} "
+            f"{s['mergekit']['median_wall_s']:10.2f} {s['mergekit']['peak_rss_mib']:6.0f} "
+            f"{case['speedup_mergekit_over_mergeval']:7.2f}x {case['memory_mergeval_over_mergekit']:6.2f} "
+            f"{m['io_floor_s']:11.2f}  {'met' if case['target']['met'] else 'NOT met'}"
+        )
     for tool, start in report.get("startup", {}).items():
-        print(f"{tool} start alone (imports, no merge): {start['median_wall_s']:.2f} s, {start['peak_rss_mib']:.0f} MiB")
+        print(
+            f"{tool} start alone (imports, no merge): {start['median_wall_s']:.2f} s, {start['peak_rss_mib']:.0f} MiB"
+        )
     for case in report["cases"]:
         agreement = case["agreement"]
         if agreement is None:
             continue
         note = " (random masks: different draws, compared for scale only)" if case["method"].startswith("dare") else ""
-        print(f"{case['models']['label']} {case['method']}: max |mergeval - mergekit| over {agreement['compared']} "
-              f"tensors: {agreement['max_abs_diff']:.3g}" + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"]
-                                                            else "") + note)
+        print(
+            f"{case['models']['label']} {case['method']}: max |mergeval - mergekit| over {agreement['compared']} "
+            f"tensors: {agreement['max_abs_diff']:.3g}"
+            + (f" ({agreement['worst_tensor']})" if agreement["worst_tensor"] else "")
+            + note
+        )
         for side in ("only_mergeval", "only_mergekit"):
             if agreement[side]:
                 print(f"  tensors {side.replace('_', ' in ')}: {agreement[side][:5]}")
     load = report["machine"]
-    print(f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load['load_average_at_start'])}, "
-          f"at end {tuple(round(x, 2) for x in load['load_average_at_end'])}" +
-          ("" if load.get("cpu_steal_share") is None else
-           f"; CPU time the hypervisor took (steal) while it ran: {100 * load['cpu_steal_share']:.0f}% of busy time"))
+    print(
+        f"load average (1, 5, 15 min) at start {tuple(round(x, 2) for x in load['load_average_at_start'])}, "
+        f"at end {tuple(round(x, 2) for x in load['load_average_at_end'])}"
+        + (
+            ""
+            if load.get("cpu_steal_share") is None
+            else f"; CPU time the hypervisor took (steal) while it ran: {100 * load['cpu_steal_share']:.0f}% of busy time"
+        )
+    )
     if any(c["models"]["label"] == "smoke" for c in report["cases"]):
         print("(smoke run on tiny models: checks the script; the figures say nothing about throughput)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["quickstart"],
-                        choices=["quickstart", "smoke", *(f"synthetic-{k}" for k in SYNTHETIC)],
-                        help="model sets, each base + 2 experts, run one after the other (default: quickstart)")
-    parser.add_argument("--cache", help="mergeval cache with the quickstart models (default: $MERGEVAL_CACHE or "
-                        "the user cache dir); only read")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["quickstart"],
+        choices=["quickstart", "smoke", *(f"synthetic-{k}" for k in SYNTHETIC)],
+        help="model sets, each base + 2 experts, run one after the other (default: quickstart)",
+    )
+    parser.add_argument(
+        "--cache",
+        help="mergeval cache with the quickstart models (default: $MERGEVAL_CACHE or the user cache dir); only read",
+    )
     parser.add_argument("--base", help="base checkpoint directory (instead of the quickstart's)")
     parser.add_argument("--experts", nargs="+", help="expert checkpoint directories (with --base)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per tool and method (default 3)")
-    parser.add_argument("--synthetic-repeats", type=int, help="runs per tool and method on the synthetic models "
-                        "(default: --repeats)")
-    parser.add_argument("--synthetic-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="dtype of the synthetic checkpoints (default bfloat16)")
-    parser.add_argument("--synthetic-dir", help="keep the synthetic models here and reuse them in later runs "
-                        "(default: written into the work directory and removed after their cases)")
+    parser.add_argument(
+        "--synthetic-repeats", type=int, help="runs per tool and method on the synthetic models (default: --repeats)"
+    )
+    parser.add_argument(
+        "--synthetic-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of the synthetic checkpoints (default bfloat16)",
+    )
+    parser.add_argument(
+        "--synthetic-dir",
+        help="keep the synthetic models here and reuse them in later runs "
+        "(default: written into the work directory and removed after their cases)",
+    )
     parser.add_argument("--threads", type=int, help="OMP/MKL threads for both tools (default: their defaults)")
     parser.add_argument("--workdir", help="where models and outputs are written (default: the system temp dir)")
     parser.add_argument("--json", help="also write the report as JSON to this file")
-    parser.add_argument("--method", "--methods", nargs="+", choices=("ties", "dare_ties"), default=["ties"],
-                        help="mergekit's and mergeval's methods, each run on every model set (default ties; "
-                        "density 0.5)")
+    parser.add_argument(
+        "--method",
+        "--methods",
+        nargs="+",
+        choices=("ties", "dare_ties"),
+        default=["ties"],
+        help="mergekit's and mergeval's methods, each run on every model set (default ties; density 0.5)",
+    )
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="same as --models synthetic-SIZE")
     parser.add_argument("--smoke", action="store_true", help="same as --models smoke: checks the script in seconds")
-    parser.add_argument("--no-compare", action="store_true", help="remove each output when its run ends (no "
-                        "agreement figure): a disk that holds three inputs and one output, not two")
+    parser.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="remove each output when its run ends (no "
+        "agreement figure): a disk that holds three inputs and one output, not two",
+    )
     parser.add_argument("--startup", action="store_true", help="also time each tool's start alone (imports only)")
     parser.add_argument("--child-mergeval", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -51,16 +51,22 @@ ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("mergeval", "conf", "specs", "tests", "benchmarks", "docs", "pyproject.toml", "README.md")
 PYTEST = ("-q", "-x", "-p", "no:cacheprovider")
 
-METHODS = ("tests/test_methods.py", "tests/test_methods_more.py", "tests/test_methods_exact.py",
-           "tests/test_methods_lowp.py")
+METHODS = (
+    "tests/test_methods.py",
+    "tests/test_methods_more.py",
+    "tests/test_methods_exact.py",
+    "tests/test_methods_lowp.py",
+)
 SPARSE = ("tests/test_methods_more.py", "tests/test_methods_exact.py", "tests/test_methods_lowp.py")
 METRICS = ("tests/test_metrics_properties.py", "tests/test_metrics_more.py", "tests/test_metrics_exact.py")
 VERIFY = ("tests/test_verify.py", "tests/test_spec_language.py", "tests/test_verify_exact.py")
 PAIRED = ("tests/test_paired.py", "tests/test_paired_claims.py")
 HIERARCHICAL = ("tests/test_hierarchical.py", "tests/test_methods_exact.py")
 CURRICULUM = ("tests/test_curriculum_pipeline.py", "tests/test_methods_exact.py")
-AGGREGATION = ("tests/test_aggregation.py",
-               "tests/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores")
+AGGREGATION = (
+    "tests/test_aggregation.py",
+    "tests/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores",
+)
 
 
 @dataclass(frozen=True)
@@ -75,315 +81,703 @@ class Mutant:
 
 MUTANTS = [
     # ------------------------------------------------ the five issue 20 found uncaught
-    Mutant("summary_base_is_a_constituent", "mergeval/run/summary.py",
-           'experts = [r for r in roles if r not in ("base", MERGED)]', "experts = [r for r in roles if r != MERGED]",
-           AGGREGATION, "the base counted as a constituent in the run's Macro-Gain/OG"),
-    Mutant("hierarchical_cos_squared", "mergeval/methods/hierarchical.py",
-           "return t_max * max(0.0, dot / (na * nb))", "return t_max * max(0.0, dot / (na * nb)) ** 2",
-           HIERARCHICAL, "the layer weight cos replaced by cos^2"),
-    Mutant("verify_discrepancy_tolerance_doubled", "mergeval/verify/tables.py",
-           "allowed = (p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width",
-           "allowed = 2 * ((p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width)",
-           VERIFY, "verify's tolerance on a recorded discrepancy doubled"),
-    Mutant("ties_elects_on_untrimmed_deltas", "mergeval/methods/task_vector.py",
-           "    return (b + cfg.lambda_ * disjoint_merge(torch.stack(trimmed), cfg)).to(base.dtype)\n",
-           "    sparse, untrimmed = torch.stack(trimmed), torch.stack([e.float() - b for e in experts])\n"
-           "    wt = torch.tensor(expert_weights(cfg, len(experts))).view(-1, *([1] * b.dim()))\n"
-           "    voters = untrimmed * wt if compat.option(cfg, 'weights_before_election', False, True) else untrimmed\n"
-           "    voters = voters if cfg.sign_rule == 'sum' else torch.sign(voters)\n"
-           "    gamma = torch.sign(voters.sum(0))\n"
-           "    agree = (torch.sign(sparse) == gamma) & (sparse != 0)\n"
-           "    mass = (wt * agree).sum(0)\n"
-           "    tau = (wt * sparse * agree).sum(0) / mass.where(mass != 0, torch.ones_like(mass))\n"
-           "    return (b + cfg.lambda_ * tau).to(base.dtype)\n",
-           METHODS, "TIES elects the sign on the untrimmed deltas"),
-    Mutant("agrees_drops_upper_half_width", "mergeval/verify/tables.py",
-           "ok = meets((p_lo, p_hi), (lo, hi))", "ok = meets((printed.value, p_hi), (lo, hi))",
-           VERIFY, "agrees drops the printed value's half-width on the upper side"),
+    Mutant(
+        "summary_base_is_a_constituent",
+        "mergeval/run/summary.py",
+        'experts = [r for r in roles if r not in ("base", MERGED)]',
+        "experts = [r for r in roles if r != MERGED]",
+        AGGREGATION,
+        "the base counted as a constituent in the run's Macro-Gain/OG",
+    ),
+    Mutant(
+        "hierarchical_cos_squared",
+        "mergeval/methods/hierarchical.py",
+        "return t_max * max(0.0, dot / (na * nb))",
+        "return t_max * max(0.0, dot / (na * nb)) ** 2",
+        HIERARCHICAL,
+        "the layer weight cos replaced by cos^2",
+    ),
+    Mutant(
+        "verify_discrepancy_tolerance_doubled",
+        "mergeval/verify/tables.py",
+        "allowed = (p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width",
+        "allowed = 2 * ((p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width)",
+        VERIFY,
+        "verify's tolerance on a recorded discrepancy doubled",
+    ),
+    Mutant(
+        "ties_elects_on_untrimmed_deltas",
+        "mergeval/methods/task_vector.py",
+        "    return (b + cfg.lambda_ * disjoint_merge(torch.stack(trimmed), cfg)).to(base.dtype)\n",
+        "    sparse, untrimmed = torch.stack(trimmed), torch.stack([e.float() - b for e in experts])\n"
+        "    wt = torch.tensor(expert_weights(cfg, len(experts))).view(-1, *([1] * b.dim()))\n"
+        "    voters = untrimmed * wt if compat.option(cfg, 'weights_before_election', False, True) else untrimmed\n"
+        "    voters = voters if cfg.sign_rule == 'sum' else torch.sign(voters)\n"
+        "    gamma = torch.sign(voters.sum(0))\n"
+        "    agree = (torch.sign(sparse) == gamma) & (sparse != 0)\n"
+        "    mass = (wt * agree).sum(0)\n"
+        "    tau = (wt * sparse * agree).sum(0) / mass.where(mass != 0, torch.ones_like(mass))\n"
+        "    return (b + cfg.lambda_ * tau).to(base.dtype)\n",
+        METHODS,
+        "TIES elects the sign on the untrimmed deltas",
+    ),
+    Mutant(
+        "agrees_drops_upper_half_width",
+        "mergeval/verify/tables.py",
+        "ok = meets((p_lo, p_hi), (lo, hi))",
+        "ok = meets((printed.value, p_hi), (lo, hi))",
+        VERIFY,
+        "agrees drops the printed value's half-width on the upper side",
+    ),
     # ------------------------------------------------ metrics
-    Mutant("normalized_denominator_expert_only", "mergeval/metrics/aggregates.py",
-           "denom = expert - base", "denom = expert",
-           METRICS, "normalized score divided by the expert's score instead of expert - base"),
-    Mutant("macro_og_min_constituent", "mergeval/metrics/aggregates.py",
-           "return factor * (avg_m - max(avgs))", "return factor * (avg_m - min(avgs))",
-           METRICS, "Macro-OG against the weakest constituent"),
-    Mutant("band_good_at_0_8", "mergeval/metrics/aggregates.py",
-           "if x > 0.8:", "if x >= 0.8:",
-           METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",), "band: 0.8 counted as good"),
-    Mutant("accuracy_stderr_divides_by_n", "mergeval/metrics/aggregates.py",
-           "acc * (1.0 - acc) / (n - 1)", "acc * (1.0 - acc) / n",
-           METRICS, "accuracy stderr with ddof=0"),
-    Mutant("mean_normalized_counts_undefined_as_zero", "mergeval/metrics/aggregates.py",
-           "defined = [v for v in values if v is not None]", "defined = [0.0 if v is None else v for v in values]",
-           METRICS, "undefined normalized scores averaged in as 0"),
-    Mutant("forgetting_sign", "mergeval/metrics/groups.py",
-           "per_task[t] = b - m", "per_task[t] = m - b",
-           METRICS + ("tests/test_metrics_composed.py",), "forgetting with the wrong sign"),
-    Mutant("group_mean_tasks_weighting_is_mean_of_groups", "mergeval/metrics/groups.py",
-           "return math.fsum(rescaled_all) / len(rescaled_all)",
-           "return math.fsum(sums[g] / len(groups[g]) for g in groups) / len(groups)",
-           METRICS + ("tests/test_metrics_composed.py",), "weighting=tasks as the plain mean of group means"),
-    Mutant("group_mean_given_sums_groups", "mergeval/metrics/groups.py",
-           "math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total",
-           "math.fsum(w[g] * sums[g] for g in groups) / total",
-           METRICS + ("tests/test_metrics_composed.py",), "weighted group mean of group sums, not means"),
-    Mutant("ece_unweighted_bins", "mergeval/metrics/calibration.py",
-           "ece += mask.sum() / conf.size * abs(corr[mask].mean() - conf[mask].mean())",
-           "ece += abs(corr[mask].mean() - conf[mask].mean()) / len(np.unique(bins))",
-           METRICS, "ECE averages bins equally instead of by their size"),
-    Mutant("mean_ci_one_sided_z", "mergeval/metrics/uncertainty.py",
-           "return NormalDist().inv_cdf((1.0 + level) / 2.0)", "return NormalDist().inv_cdf(level)",
-           METRICS, "a one-sided quantile for a two-sided interval"),
-    Mutant("wilson_center", "mergeval/metrics/uncertainty.py",
-           "center = (p + z * z / (2 * n)) / denom", "center = (p + z * z / n) / denom",
-           METRICS, "Wilson interval's centre with z^2/n instead of z^2/(2n)"),
-    Mutant("bootstrap_stderr_ddof0", "mergeval/metrics/uncertainty.py",
-           "np.std(stats, ddof=1)", "np.std(stats)",
-           METRICS, "bootstrap stderr with ddof=0"),
-    Mutant("pareto_keeps_equal_y_behind", "mergeval/metrics/tradeoff.py",
-           "if top_y > best_y and", "if top_y >= best_y and",
-           METRICS, "Pareto front keeps a point dominated by one with the same y and a larger x"),
-    Mutant("synergy_normal_flipped", "mergeval/metrics/tradeoff.py",
-           "nx, ny = dy, -dx", "nx, ny = -dy, dx",
-           METRICS, "synergy area measured below the diagonal"),
-    Mutant("sign_conflict_counts_zeros", "mergeval/metrics/similarity.py",
-           '"conflicts": float((sa * sb < 0).sum())', '"conflicts": float((sa * sb <= 0).sum())',
-           METRICS, "an entry zero in one task vector counted as a sign conflict"),
-    Mutant("sar_rank_eps_not_squared", "mergeval/metrics/similarity.py",
-           "(tails > eps * eps * tails[0])", "(tails > eps * tails[0])",
-           METRICS, "SAR rank keeps all but eps (not eps^2) of the energy"),
-    Mutant("perplexity_mean_of_text_means", "mergeval/metrics/perplexity.py",
-           "values = [float(v) for text in nlls for v in text]",
-           "values = [math.fsum(map(float, text)) / len(text) for text in nlls if len(text)]",
-           ("tests/test_staged.py::test_perplexity_weights_tokens_not_texts",
-            "tests/test_staged.py::test_perplexity_is_exp_of_the_token_mean", "tests/test_metrics_exact.py"),
-           "perplexity averages texts, not tokens"),
+    Mutant(
+        "normalized_denominator_expert_only",
+        "mergeval/metrics/aggregates.py",
+        "denom = expert - base",
+        "denom = expert",
+        METRICS,
+        "normalized score divided by the expert's score instead of expert - base",
+    ),
+    Mutant(
+        "macro_og_min_constituent",
+        "mergeval/metrics/aggregates.py",
+        "return factor * (avg_m - max(avgs))",
+        "return factor * (avg_m - min(avgs))",
+        METRICS,
+        "Macro-OG against the weakest constituent",
+    ),
+    Mutant(
+        "band_good_at_0_8",
+        "mergeval/metrics/aggregates.py",
+        "if x > 0.8:",
+        "if x >= 0.8:",
+        METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
+        "band: 0.8 counted as good",
+    ),
+    Mutant(
+        "accuracy_stderr_divides_by_n",
+        "mergeval/metrics/aggregates.py",
+        "acc * (1.0 - acc) / (n - 1)",
+        "acc * (1.0 - acc) / n",
+        METRICS,
+        "accuracy stderr with ddof=0",
+    ),
+    Mutant(
+        "mean_normalized_counts_undefined_as_zero",
+        "mergeval/metrics/aggregates.py",
+        "defined = [v for v in values if v is not None]",
+        "defined = [0.0 if v is None else v for v in values]",
+        METRICS,
+        "undefined normalized scores averaged in as 0",
+    ),
+    Mutant(
+        "forgetting_sign",
+        "mergeval/metrics/groups.py",
+        "per_task[t] = b - m",
+        "per_task[t] = m - b",
+        METRICS + ("tests/test_metrics_composed.py",),
+        "forgetting with the wrong sign",
+    ),
+    Mutant(
+        "group_mean_tasks_weighting_is_mean_of_groups",
+        "mergeval/metrics/groups.py",
+        "return math.fsum(rescaled_all) / len(rescaled_all)",
+        "return math.fsum(sums[g] / len(groups[g]) for g in groups) / len(groups)",
+        METRICS + ("tests/test_metrics_composed.py",),
+        "weighting=tasks as the plain mean of group means",
+    ),
+    Mutant(
+        "group_mean_given_sums_groups",
+        "mergeval/metrics/groups.py",
+        "math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total",
+        "math.fsum(w[g] * sums[g] for g in groups) / total",
+        METRICS + ("tests/test_metrics_composed.py",),
+        "weighted group mean of group sums, not means",
+    ),
+    Mutant(
+        "ece_unweighted_bins",
+        "mergeval/metrics/calibration.py",
+        "ece += mask.sum() / conf.size * abs(corr[mask].mean() - conf[mask].mean())",
+        "ece += abs(corr[mask].mean() - conf[mask].mean()) / len(np.unique(bins))",
+        METRICS,
+        "ECE averages bins equally instead of by their size",
+    ),
+    Mutant(
+        "mean_ci_one_sided_z",
+        "mergeval/metrics/uncertainty.py",
+        "return NormalDist().inv_cdf((1.0 + level) / 2.0)",
+        "return NormalDist().inv_cdf(level)",
+        METRICS,
+        "a one-sided quantile for a two-sided interval",
+    ),
+    Mutant(
+        "wilson_center",
+        "mergeval/metrics/uncertainty.py",
+        "center = (p + z * z / (2 * n)) / denom",
+        "center = (p + z * z / n) / denom",
+        METRICS,
+        "Wilson interval's centre with z^2/n instead of z^2/(2n)",
+    ),
+    Mutant(
+        "bootstrap_stderr_ddof0",
+        "mergeval/metrics/uncertainty.py",
+        "np.std(stats, ddof=1)",
+        "np.std(stats)",
+        METRICS,
+        "bootstrap stderr with ddof=0",
+    ),
+    Mutant(
+        "pareto_keeps_equal_y_behind",
+        "mergeval/metrics/tradeoff.py",
+        "if top_y > best_y and",
+        "if top_y >= best_y and",
+        METRICS,
+        "Pareto front keeps a point dominated by one with the same y and a larger x",
+    ),
+    Mutant(
+        "synergy_normal_flipped",
+        "mergeval/metrics/tradeoff.py",
+        "nx, ny = dy, -dx",
+        "nx, ny = -dy, dx",
+        METRICS,
+        "synergy area measured below the diagonal",
+    ),
+    Mutant(
+        "sign_conflict_counts_zeros",
+        "mergeval/metrics/similarity.py",
+        '"conflicts": float((sa * sb < 0).sum())',
+        '"conflicts": float((sa * sb <= 0).sum())',
+        METRICS,
+        "an entry zero in one task vector counted as a sign conflict",
+    ),
+    Mutant(
+        "sar_rank_eps_not_squared",
+        "mergeval/metrics/similarity.py",
+        "(tails > eps * eps * tails[0])",
+        "(tails > eps * tails[0])",
+        METRICS,
+        "SAR rank keeps all but eps (not eps^2) of the energy",
+    ),
+    Mutant(
+        "perplexity_mean_of_text_means",
+        "mergeval/metrics/perplexity.py",
+        "values = [float(v) for text in nlls for v in text]",
+        "values = [math.fsum(map(float, text)) / len(text) for text in nlls if len(text)]",
+        (
+            "tests/test_staged.py::test_perplexity_weights_tokens_not_texts",
+            "tests/test_staged.py::test_perplexity_is_exp_of_the_token_mean",
+            "tests/test_metrics_exact.py",
+        ),
+        "perplexity averages texts, not tokens",
+    ),
     # ------------------------------------------------ merge methods
-    Mutant("kept_count_floor", "mergeval/methods/task_vector.py",
-           "return max(1, math.ceil(round(density * n, 9)))", "return max(1, int(density * n))",
-           METHODS, "TIES keeps floor(density n) entries, one fewer at a fractional count"),
-    Mutant("linear_divides_by_count", "mergeval/methods/task_vector.py",
-           "total = total / sum(w)", "total = total / len(w)",
-           METHODS, "weighted linear merge divided by the number of models, not the weights' sum"),
-    Mutant("ties_mean_by_count_not_weight", "mergeval/methods/task_vector.py",
-           "mass = sum_in_order(agree if unit else wt * agree) if normalize else None",
-           "mass = sum_in_order(agree) if normalize else None",
-           METHODS, "TIES' disjoint mean divides by the number of agreeing experts, not their weights"),
-    Mutant("dare_no_rescale", "mergeval/methods/sparsify.py",
-           'return kept if rescale == "none" else kept / keep_prob', "return kept",
-           SPARSE, "DARE and DELLA forget to rescale the kept entries"),
-    Mutant("breadcrumbs_outliers_rounded_up", "mergeval/methods/sparsify.py",
-           "n_top = int(gamma * delta.numel() + 1e-9)", "n_top = math.ceil(gamma * delta.numel())",
-           SPARSE, "Breadcrumbs drops ceil(gamma n) outliers instead of floor"),
-    Mutant("della_half_span", "mergeval/methods/sparsify.py",
-           "by_rank.mul_(2.0 * epsilon).add_(density - epsilon)",
-           "by_rank.mul_(epsilon).add_(density - epsilon)",
-           SPARSE, "DELLA's keep probabilities span half the interval"),
-    Mutant("della_rescale_by_density", "mergeval/methods/sparsify.py",
-           "return torch.div(delta, p).masked_fill_(dropped, 0.0)",
-           "return torch.div(delta, density).masked_fill_(dropped, 0.0)",
-           SPARSE, "DELLA rescales by the mean keep probability, not each entry's"),
-    Mutant("disjoint_mean_ignores_weights_before_election", "mergeval/methods/task_vector.py",
-           'voters = weighted if compat.option(cfg, "weights_before_election", False, True) else sparse',
-           "voters = sparse",
-           METHODS + SPARSE[:1], "the TIES variants ignore weights_before_election"),
-    Mutant("sce_energy_mean_abs", "mergeval/methods/sparsify.py",
-           "energy = [float(d.double().square().mean()) for d in deltas]",
-           "energy = [float(d.double().abs().mean()) for d in deltas]",
-           SPARSE, "SCE weights by mean |delta| instead of mean square"),
-    Mutant("slerp_endpoints_swapped", "mergeval/methods/geometric.py",
-           "return (s0 * v0 + s1 * v1).to(base.dtype)", "return (s1 * v0 + s0 * v1).to(base.dtype)",
-           METHODS, "slerp's coefficients swapped between base and expert"),
-    Mutant("model_stock_t_denominator", "mergeval/methods/geometric.py",
-           "t = (n * cos / (1.0 + (n - 1) * cos))", "t = (n * cos / (1.0 + n * cos))",
-           METHODS, "Model Stock's t with (1 + N cos) in the denominator"),
-    Mutant("hierarchical_tensor_anchor_swapped", "mergeval/methods/hierarchical.py",
-           "return _lerp(a, b, cosine_weight(", "return _lerp(b, a, cosine_weight(",
-           HIERARCHICAL, "non-layer tensors interpolate from B, not the anchor A"),
-    Mutant("cmm_linear_schedule_off_by_one", "mergeval/methods/curriculum.py",
-           "us = [k / (n - 1) if n > 1 else 0.0 for k in range(n)]", "us = [k / n for k in range(n)]",
-           CURRICULUM, "CMM's linear schedule never reaches its end"),
-    Mutant("cmm_reverse_breaks_ties_backwards", "mergeval/methods/curriculum.py",
-           'return ranked if order == "ranked" else sorted(range(n), key=lambda i: (-scores[i], i))',
-           'return ranked if order == "ranked" else ranked[::-1]',
-           CURRICULUM, "reverse order flips tied experts too"),
-    Mutant("pipeline_stage_uses_modelset_base", "mergeval/methods/pipeline.py",
-           "out = method.merge(values[stage.base],", "out = method.merge(base,",
-           CURRICULUM, "a pipeline stage ignores its own base"),
+    Mutant(
+        "kept_count_floor",
+        "mergeval/methods/task_vector.py",
+        "return max(1, math.ceil(round(density * n, 9)))",
+        "return max(1, int(density * n))",
+        METHODS,
+        "TIES keeps floor(density n) entries, one fewer at a fractional count",
+    ),
+    Mutant(
+        "linear_divides_by_count",
+        "mergeval/methods/task_vector.py",
+        "total = total / sum(w)",
+        "total = total / len(w)",
+        METHODS,
+        "weighted linear merge divided by the number of models, not the weights' sum",
+    ),
+    Mutant(
+        "ties_mean_by_count_not_weight",
+        "mergeval/methods/task_vector.py",
+        "mass = sum_in_order(agree if unit else wt * agree) if normalize else None",
+        "mass = sum_in_order(agree) if normalize else None",
+        METHODS,
+        "TIES' disjoint mean divides by the number of agreeing experts, not their weights",
+    ),
+    Mutant(
+        "dare_no_rescale",
+        "mergeval/methods/sparsify.py",
+        'return kept if rescale == "none" else kept / keep_prob',
+        "return kept",
+        SPARSE,
+        "DARE and DELLA forget to rescale the kept entries",
+    ),
+    Mutant(
+        "breadcrumbs_outliers_rounded_up",
+        "mergeval/methods/sparsify.py",
+        "n_top = int(gamma * delta.numel() + 1e-9)",
+        "n_top = math.ceil(gamma * delta.numel())",
+        SPARSE,
+        "Breadcrumbs drops ceil(gamma n) outliers instead of floor",
+    ),
+    Mutant(
+        "della_half_span",
+        "mergeval/methods/sparsify.py",
+        "by_rank.mul_(2.0 * epsilon).add_(density - epsilon)",
+        "by_rank.mul_(epsilon).add_(density - epsilon)",
+        SPARSE,
+        "DELLA's keep probabilities span half the interval",
+    ),
+    Mutant(
+        "della_rescale_by_density",
+        "mergeval/methods/sparsify.py",
+        "return torch.div(delta, p).masked_fill_(dropped, 0.0)",
+        "return torch.div(delta, density).masked_fill_(dropped, 0.0)",
+        SPARSE,
+        "DELLA rescales by the mean keep probability, not each entry's",
+    ),
+    Mutant(
+        "disjoint_mean_ignores_weights_before_election",
+        "mergeval/methods/task_vector.py",
+        'voters = weighted if compat.option(cfg, "weights_before_election", False, True) else sparse',
+        "voters = sparse",
+        METHODS + SPARSE[:1],
+        "the TIES variants ignore weights_before_election",
+    ),
+    Mutant(
+        "sce_energy_mean_abs",
+        "mergeval/methods/sparsify.py",
+        "energy = [float(d.double().square().mean()) for d in deltas]",
+        "energy = [float(d.double().abs().mean()) for d in deltas]",
+        SPARSE,
+        "SCE weights by mean |delta| instead of mean square",
+    ),
+    Mutant(
+        "slerp_endpoints_swapped",
+        "mergeval/methods/geometric.py",
+        "return (s0 * v0 + s1 * v1).to(base.dtype)",
+        "return (s1 * v0 + s0 * v1).to(base.dtype)",
+        METHODS,
+        "slerp's coefficients swapped between base and expert",
+    ),
+    Mutant(
+        "model_stock_t_denominator",
+        "mergeval/methods/geometric.py",
+        "t = (n * cos / (1.0 + (n - 1) * cos))",
+        "t = (n * cos / (1.0 + n * cos))",
+        METHODS,
+        "Model Stock's t with (1 + N cos) in the denominator",
+    ),
+    Mutant(
+        "hierarchical_tensor_anchor_swapped",
+        "mergeval/methods/hierarchical.py",
+        "return _lerp(a, b, cosine_weight(",
+        "return _lerp(b, a, cosine_weight(",
+        HIERARCHICAL,
+        "non-layer tensors interpolate from B, not the anchor A",
+    ),
+    Mutant(
+        "cmm_linear_schedule_off_by_one",
+        "mergeval/methods/curriculum.py",
+        "us = [k / (n - 1) if n > 1 else 0.0 for k in range(n)]",
+        "us = [k / n for k in range(n)]",
+        CURRICULUM,
+        "CMM's linear schedule never reaches its end",
+    ),
+    Mutant(
+        "cmm_reverse_breaks_ties_backwards",
+        "mergeval/methods/curriculum.py",
+        'return ranked if order == "ranked" else sorted(range(n), key=lambda i: (-scores[i], i))',
+        'return ranked if order == "ranked" else ranked[::-1]',
+        CURRICULUM,
+        "reverse order flips tied experts too",
+    ),
+    Mutant(
+        "pipeline_stage_uses_modelset_base",
+        "mergeval/methods/pipeline.py",
+        "out = method.merge(values[stage.base],",
+        "out = method.merge(base,",
+        CURRICULUM,
+        "a pipeline stage ignores its own base",
+    ),
     # ------------------------------------------------ spec verification
-    Mutant("printed_full_unit", "mergeval/verify/numbers.py",
-           "h = 0.0 if printed.exact else 0.5 * 10.0 **", "h = 0.0 if printed.exact else 10.0 **",
-           VERIFY, "a printed number's uncertainty is a whole last digit"),
-    Mutant("compare_se_added_linearly", "mergeval/verify/claims.py",
-           "    return math.hypot(left.stderr, right.stderr)",
-           "    return left.stderr + right.stderr",
-           VERIFY, "a claim's standard errors added, not in quadrature (operands without per-item outcomes)"),
-    Mutant("compare_strict_as_non_strict", "mergeval/verify/claims.py",
-           'status = "pass" if d_lo > need else "fail" if d_hi <= need else "undetermined"',
-           'status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"',
-           VERIFY, "a strict inequality passes at equality"),
-    Mutant("compare_tolerance_sign", "mergeval/verify/claims.py",
-           "need = stderr_margin * se - tolerance", "need = stderr_margin * se + tolerance",
-           VERIFY, "a claim's tolerance makes it stricter instead of lenient"),
-    Mutant("over_runs_std_population", "mergeval/verify/claims.py",
-           "return Measured(statistics.stdev(values))",
-           "return Measured(statistics.pstdev(values))",
-           VERIFY, "std over runs with ddof=0"),
-    Mutant("run_score_drops_stderr", "mergeval/verify/runs.py",
-           'stderr = float(s.get("stderr") or 0.0)',
-           "stderr = 0.0",
-           VERIFY, "a run's score loses its stderr"),
-    Mutant("forgetting_stderr_sqrt_t", "mergeval/verify/runs.py",
-           "form = total([base[t].form - other[t].form for t in base]) * (scale / len(base))",
-           "form = total([base[t].form - other[t].form for t in base]) * (scale / math.sqrt(len(base)))",
-           VERIFY, "the forgetting metric's stderr divided by sqrt(T), not T"),
-    Mutant("forgetting_default_counts_expert_tasks", "mergeval/verify/runs.py",
-           "tasks = self.body.get(\"tasks\") or [t for t in run.scores if t not in own]",
-           "tasks = self.body.get(\"tasks\") or list(run.scores)",
-           VERIFY, "forgetting by default also averages the experts' own tasks"),
-    Mutant("group_metric_stderr_linear", "mergeval/metrics/paired.py",
-           "    return math.sqrt(math.fsum(var))",
-           "    return math.fsum(math.sqrt(v) for v in var)",
-           VERIFY + PAIRED, "the stderrs of independent tasks summed linearly, not in quadrature"),
-    Mutant("paired_se_not_over_n", "mergeval/metrics/paired.py",
-           "var.append(sample_variance(z) / len(z))", "var.append(sample_variance(z))",
-           PAIRED, "a paired variance not divided by the items"),
-    Mutant("paired_variance_population", "mergeval/metrics/paired.py",
-           "for v in values) / (n - 1)", "for v in values) / n",
-           PAIRED, "the per-item variance with n, not n - 1 as lm-eval's stderr"),
-    Mutant("paired_se_ignores_pairing", "mergeval/metrics/paired.py",
-           "            same = [(o, c) for o, c in items if o.ids == ids]",
-           "            same = [(o, c) for o, c in items if o.ids == ids][:1]",
-           PAIRED, "only one model's items combined per task: the others taken as independent"),
-    Mutant("untestable_ignores_preconditions", "mergeval/verify/claims.py",
-           "        if not related or failing:", "        if not related:",
-           PAIRED, "a finding whose precondition fails is judged as if it held"),
-    Mutant("normalized_mean_base_expert_swapped", "mergeval/verify/formulas.py",
-           "normalized_score(xs[i], xs[n + i], xs[2 * n + i])", "normalized_score(xs[i], xs[2 * n + i], xs[n + i])",
-           VERIFY, "a derived normalized mean takes the expert as the base"),
-    Mutant("strict_ignores_not_run", "mergeval/verify/__main__.py",
-           'unsure = any(not c.ok for c in checks) or any(r.status != "pass" for r in results)',
-           "unsure = any(not c.ok for c in checks)",
-           VERIFY, "--strict lets claims that did not run (or were undetermined) pass"),
+    Mutant(
+        "printed_full_unit",
+        "mergeval/verify/numbers.py",
+        "h = 0.0 if printed.exact else 0.5 * 10.0 **",
+        "h = 0.0 if printed.exact else 10.0 **",
+        VERIFY,
+        "a printed number's uncertainty is a whole last digit",
+    ),
+    Mutant(
+        "compare_se_added_linearly",
+        "mergeval/verify/claims.py",
+        "    return math.hypot(left.stderr, right.stderr)",
+        "    return left.stderr + right.stderr",
+        VERIFY,
+        "a claim's standard errors added, not in quadrature (operands without per-item outcomes)",
+    ),
+    Mutant(
+        "compare_strict_as_non_strict",
+        "mergeval/verify/claims.py",
+        'status = "pass" if d_lo > need else "fail" if d_hi <= need else "undetermined"',
+        'status = "pass" if d_lo >= need else "fail" if d_hi < need else "undetermined"',
+        VERIFY,
+        "a strict inequality passes at equality",
+    ),
+    Mutant(
+        "compare_tolerance_sign",
+        "mergeval/verify/claims.py",
+        "need = stderr_margin * se - tolerance",
+        "need = stderr_margin * se + tolerance",
+        VERIFY,
+        "a claim's tolerance makes it stricter instead of lenient",
+    ),
+    Mutant(
+        "over_runs_std_population",
+        "mergeval/verify/claims.py",
+        "return Measured(statistics.stdev(values))",
+        "return Measured(statistics.pstdev(values))",
+        VERIFY,
+        "std over runs with ddof=0",
+    ),
+    Mutant(
+        "run_score_drops_stderr",
+        "mergeval/verify/runs.py",
+        'stderr = float(s.get("stderr") or 0.0)',
+        "stderr = 0.0",
+        VERIFY,
+        "a run's score loses its stderr",
+    ),
+    Mutant(
+        "forgetting_stderr_sqrt_t",
+        "mergeval/verify/runs.py",
+        "form = total([base[t].form - other[t].form for t in base]) * (scale / len(base))",
+        "form = total([base[t].form - other[t].form for t in base]) * (scale / math.sqrt(len(base)))",
+        VERIFY,
+        "the forgetting metric's stderr divided by sqrt(T), not T",
+    ),
+    Mutant(
+        "forgetting_default_counts_expert_tasks",
+        "mergeval/verify/runs.py",
+        'tasks = self.body.get("tasks") or [t for t in run.scores if t not in own]',
+        'tasks = self.body.get("tasks") or list(run.scores)',
+        VERIFY,
+        "forgetting by default also averages the experts' own tasks",
+    ),
+    Mutant(
+        "group_metric_stderr_linear",
+        "mergeval/metrics/paired.py",
+        "    return math.sqrt(math.fsum(var))",
+        "    return math.fsum(math.sqrt(v) for v in var)",
+        VERIFY + PAIRED,
+        "the stderrs of independent tasks summed linearly, not in quadrature",
+    ),
+    Mutant(
+        "paired_se_not_over_n",
+        "mergeval/metrics/paired.py",
+        "var.append(sample_variance(z) / len(z))",
+        "var.append(sample_variance(z))",
+        PAIRED,
+        "a paired variance not divided by the items",
+    ),
+    Mutant(
+        "paired_variance_population",
+        "mergeval/metrics/paired.py",
+        "for v in values) / (n - 1)",
+        "for v in values) / n",
+        PAIRED,
+        "the per-item variance with n, not n - 1 as lm-eval's stderr",
+    ),
+    Mutant(
+        "paired_se_ignores_pairing",
+        "mergeval/metrics/paired.py",
+        "            same = [(o, c) for o, c in items if o.ids == ids]",
+        "            same = [(o, c) for o, c in items if o.ids == ids][:1]",
+        PAIRED,
+        "only one model's items combined per task: the others taken as independent",
+    ),
+    Mutant(
+        "untestable_ignores_preconditions",
+        "mergeval/verify/claims.py",
+        "        if not related or failing:",
+        "        if not related:",
+        PAIRED,
+        "a finding whose precondition fails is judged as if it held",
+    ),
+    Mutant(
+        "normalized_mean_base_expert_swapped",
+        "mergeval/verify/formulas.py",
+        "normalized_score(xs[i], xs[n + i], xs[2 * n + i])",
+        "normalized_score(xs[i], xs[2 * n + i], xs[n + i])",
+        VERIFY,
+        "a derived normalized mean takes the expert as the base",
+    ),
+    Mutant(
+        "strict_ignores_not_run",
+        "mergeval/verify/__main__.py",
+        'unsure = any(not c.ok for c in checks) or any(r.status != "pass" for r in results)',
+        "unsure = any(not c.ok for c in checks)",
+        VERIFY,
+        "--strict lets claims that did not run (or were undetermined) pass",
+    ),
     # ------------------------------------------------ a second batch, written before any test aimed at it
-    Mutant("wilson_half_width_4n", "mergeval/metrics/uncertainty.py",
-           "z * z / (4 * n * n)", "z * z / (4 * n)",
-           METRICS, "Wilson half-width with z^2/(4n) under the root"),
-    Mutant("bootstrap_ci_one_sided_levels", "mergeval/metrics/uncertainty.py",
-           "[(1.0 - level) / 2.0, (1.0 + level) / 2.0]", "[1.0 - level, level]",
-           METRICS, "bootstrap interval from one-sided quantiles"),
-    Mutant("ece_confidence_not_normalized", "mergeval/metrics/calibration.py",
-           "confidences.append(1.0 / math.fsum(np.exp(ll - ll[pred])))",
-           "confidences.append(min(1.0, float(np.exp(ll[pred]))))",
-           METRICS, "ECE takes the raw choice probability, not the softmax over the choices"),
-    Mutant("both_correct_ignores_gold", "mergeval/metrics/calibration.py",
-           "sum(p == q == g for p, q, g in", "sum(p == q for p, q, g in",
-           METRICS + ("tests/test_consistency.py",), "both-correct counts agreeing answers, right or wrong"),
-    Mutant("sign_conflict_nonzero_over_all", "mergeval/metrics/similarity.py",
-           '"sign_conflict_nonzero": sums["conflicts"] / both if both else None',
-           '"sign_conflict_nonzero": sums["conflicts"] / sums["numel"] if both else None',
-           METRICS, "sign conflicts among non-zero entries divided by all entries"),
-    Mutant("perplexity_ratio_inverted", "mergeval/metrics/perplexity.py",
-           "math.log(candidate[t] / reference[t])", "math.log(reference[t] / candidate[t])",
-           ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_metrics_exact.py"),
-           "the stage-1 key's log ratio inverted"),
-    Mutant("synergy_no_expert_endpoint", "mergeval/metrics/tradeoff.py",
-           "knots.setdefault(0.0, 0.0)", "pass",
-           METRICS, "the synergy frontier does not start at expert 1"),
-    Mutant("band_without_rounding", "mergeval/metrics/aggregates.py",
-           "x = round(normalized, 9)", "x = normalized",
-           METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
-           "a mean a rounding error below 0.5 is failing"),
-    Mutant("task_arithmetic_in_input_dtype", "mergeval/methods/task_vector.py",
-           "delta = weighted_sum((torch.sub(e.float(), b, out=term) for e in experts), w, b)",
-           "delta = weighted_sum(((e - base).float() for e in experts), w, b)",
-           METHODS, "task arithmetic in the checkpoint's dtype (bf16), not float32"),
-    Mutant("trim_by_signed_value", "mergeval/methods/task_vector.py",
-           "keep = first_k_mask(flat.abs(), k)",
-           "keep = first_k_mask(flat, k)",
-           METHODS, "TIES keeps the largest values, not the largest magnitudes"),
-    Mutant("l1_rescale_inverted", "mergeval/methods/compat.py",
-           "    return before / after", "    return after / before",
-           SPARSE, "L1 rescale by the inverse ratio"),
-    Mutant("della_rank_over_n", "mergeval/methods/sparsify.py",
-           "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n - 1)",
-           "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n)",
-           SPARSE, "DELLA's largest entry never reaches density + epsilon"),
-    Mutant("della_radix_ties_reversed", "mergeval/methods/fused_kernels.py",
-           "    for p in range(n):\n        k = x[p] & mag\n        d = k",
-           "    for p in range(n - 1, -1, -1):\n        k = x[p] & mag\n        d = k",
-           ("tests/test_fused.py",) + SPARSE, "DELLA's compiled ranks order tied magnitudes last position first"),
-    Mutant("della_radix_rows_by_rank", "mergeval/methods/fused_kernels.py",
-           "        i = p // row_len", "        i = j // row_len",
-           ("tests/test_fused.py",) + SPARSE, "DELLA's compiled ranks assign rows by sorted position, not entry"),
-    Mutant("sce_keeps_lowest_variance", "mergeval/methods/sparsify.py",
-           "variance = ordered.var(0, unbiased=False).flatten()\n",
-           "variance = ordered.var(0, unbiased=False).flatten()\nvariance = variance.max() - variance\n",
-           SPARSE, "SCE selects the entries of least variance"),
-    Mutant("slerp_antiparallel_not_lerped", "mergeval/methods/geometric.py",
-           "if abs(cos) > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
-           "if cos > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
-           METHODS, "slerp of nearly opposite tensors divides by sin(theta) ~ 0"),
-    Mutant("model_stock_negative_cos", "mergeval/methods/geometric.py",
-           "cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)", "cos = torch.stack(cosines).mean(0).clamp(-1.0, 1.0)",
-           METHODS, "Model Stock's t leaves [0, 1] for opposed task vectors"),
-    Mutant("cmm_interpolates_from_the_base", "mergeval/methods/curriculum.py",
-           "theta.mul_(1 - c).add_(torch.mul(e, c, out=step))",
-           "theta.add_(torch.sub(e, b, out=step).mul_(c))",
-           CURRICULUM, "CMM's interpolate step takes the task vector against the base (additive)"),
-    Mutant("cmm_ignores_lambda", "mergeval/methods/curriculum.py",
-           "return theta.sub_(b).mul_(cfg.lambda_).add_(b).to(base.dtype)",
-           "return theta.to(base.dtype)",
-           CURRICULUM, "CMM ignores lambda"),
-    Mutant("claim_equality_passes_when_possible", "mergeval/verify/claims.py",
-           'status = "pass" if far <= allowed + slack else', 'status = "pass" if near <= allowed + slack else',
-           VERIFY, "== passes when rounding merely allows equality"),
-    Mutant("range_over_one_run", "mergeval/verify/claims.py",
-           'need = 2 if op.over_runs in ("range", "std") else 1', "need = 1",
-           VERIFY, "range/std over a single run (always 0)"),
-    Mutant("derived_macro_counts_merged", "mergeval/verify/formulas.py",
-           "return metric(cut[0], cut[1:], scale=scale)", "return metric(cut[0], cut, scale=scale)",
-           VERIFY, "a derived Macro-Gain counts the merged row as a constituent"),
-    Mutant("interval_ignores_upper_bound", "mergeval/verify/numbers.py",
-           "lo, hi = max(lo, bounds[0]), min(hi, bounds[1])", "lo, hi = max(lo, bounds[0]), hi",
-           VERIFY, "a column's range clips only the lower end"),
-    Mutant("corner_range_lower_corners_only", "mergeval/verify/numbers.py",
-           "for ends in itertools.product((0, 1), repeat=len(free)):",
-           "for ends in itertools.product((0,), repeat=len(free)):",
-           VERIFY, "the derived range evaluated at the lower corner only"),
-    Mutant("checkable_window_ignores_printed", "mergeval/verify/tables.py",
-           "window = (hi - lo) + (p_hi - p_lo)", "window = hi - lo",
-           VERIFY, "'not checkable' ignores the printed value's own rounding"),
-    Mutant("aggregable_any_to_all", "mergeval/run/summary.py",
-           'elif any(not 0.0 <= s["value"] <= 1.0', 'elif all(not 0.0 <= s["value"] <= 1.0',
-           AGGREGATION, "a task is left out only when every model is out of range"),
-    Mutant("forgetting_of_merge_swapped", "mergeval/metrics/composed.py",
-           'return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"]',
-           'return forgetting({t: scores[t][merged]["value"] for t in tasks}, {t: scores[t]["base"]["value"]',
-           AGGREGATION + ("tests/test_metrics_composed.py",), "the run's forgetting is merged minus base"),
+    Mutant(
+        "wilson_half_width_4n",
+        "mergeval/metrics/uncertainty.py",
+        "z * z / (4 * n * n)",
+        "z * z / (4 * n)",
+        METRICS,
+        "Wilson half-width with z^2/(4n) under the root",
+    ),
+    Mutant(
+        "bootstrap_ci_one_sided_levels",
+        "mergeval/metrics/uncertainty.py",
+        "[(1.0 - level) / 2.0, (1.0 + level) / 2.0]",
+        "[1.0 - level, level]",
+        METRICS,
+        "bootstrap interval from one-sided quantiles",
+    ),
+    Mutant(
+        "ece_confidence_not_normalized",
+        "mergeval/metrics/calibration.py",
+        "confidences.append(1.0 / math.fsum(np.exp(ll - ll[pred])))",
+        "confidences.append(min(1.0, float(np.exp(ll[pred]))))",
+        METRICS,
+        "ECE takes the raw choice probability, not the softmax over the choices",
+    ),
+    Mutant(
+        "both_correct_ignores_gold",
+        "mergeval/metrics/calibration.py",
+        "sum(p == q == g for p, q, g in",
+        "sum(p == q for p, q, g in",
+        METRICS + ("tests/test_consistency.py",),
+        "both-correct counts agreeing answers, right or wrong",
+    ),
+    Mutant(
+        "sign_conflict_nonzero_over_all",
+        "mergeval/metrics/similarity.py",
+        '"sign_conflict_nonzero": sums["conflicts"] / both if both else None',
+        '"sign_conflict_nonzero": sums["conflicts"] / sums["numel"] if both else None',
+        METRICS,
+        "sign conflicts among non-zero entries divided by all entries",
+    ),
+    Mutant(
+        "perplexity_ratio_inverted",
+        "mergeval/metrics/perplexity.py",
+        "math.log(candidate[t] / reference[t])",
+        "math.log(reference[t] / candidate[t])",
+        ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_metrics_exact.py"),
+        "the stage-1 key's log ratio inverted",
+    ),
+    Mutant(
+        "synergy_no_expert_endpoint",
+        "mergeval/metrics/tradeoff.py",
+        "knots.setdefault(0.0, 0.0)",
+        "pass",
+        METRICS,
+        "the synergy frontier does not start at expert 1",
+    ),
+    Mutant(
+        "band_without_rounding",
+        "mergeval/metrics/aggregates.py",
+        "x = round(normalized, 9)",
+        "x = normalized",
+        METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
+        "a mean a rounding error below 0.5 is failing",
+    ),
+    Mutant(
+        "task_arithmetic_in_input_dtype",
+        "mergeval/methods/task_vector.py",
+        "delta = weighted_sum((torch.sub(e.float(), b, out=term) for e in experts), w, b)",
+        "delta = weighted_sum(((e - base).float() for e in experts), w, b)",
+        METHODS,
+        "task arithmetic in the checkpoint's dtype (bf16), not float32",
+    ),
+    Mutant(
+        "trim_by_signed_value",
+        "mergeval/methods/task_vector.py",
+        "keep = first_k_mask(flat.abs(), k)",
+        "keep = first_k_mask(flat, k)",
+        METHODS,
+        "TIES keeps the largest values, not the largest magnitudes",
+    ),
+    Mutant(
+        "l1_rescale_inverted",
+        "mergeval/methods/compat.py",
+        "    return before / after",
+        "    return after / before",
+        SPARSE,
+        "L1 rescale by the inverse ratio",
+    ),
+    Mutant(
+        "della_rank_over_n",
+        "mergeval/methods/sparsify.py",
+        "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n - 1)",
+        "by_rank = torch.arange(n, dtype=torch.float32, device=delta.device).div_(n)",
+        SPARSE,
+        "DELLA's largest entry never reaches density + epsilon",
+    ),
+    Mutant(
+        "della_radix_ties_reversed",
+        "mergeval/methods/fused_kernels.py",
+        "    for p in range(n):\n        k = x[p] & mag\n        d = k",
+        "    for p in range(n - 1, -1, -1):\n        k = x[p] & mag\n        d = k",
+        ("tests/test_fused.py",) + SPARSE,
+        "DELLA's compiled ranks order tied magnitudes last position first",
+    ),
+    Mutant(
+        "della_radix_rows_by_rank",
+        "mergeval/methods/fused_kernels.py",
+        "        i = p // row_len",
+        "        i = j // row_len",
+        ("tests/test_fused.py",) + SPARSE,
+        "DELLA's compiled ranks assign rows by sorted position, not entry",
+    ),
+    Mutant(
+        "sce_keeps_lowest_variance",
+        "mergeval/methods/sparsify.py",
+        "variance = ordered.var(0, unbiased=False).flatten()\n",
+        "variance = ordered.var(0, unbiased=False).flatten()\nvariance = variance.max() - variance\n",
+        SPARSE,
+        "SCE selects the entries of least variance",
+    ),
+    Mutant(
+        "slerp_antiparallel_not_lerped",
+        "mergeval/methods/geometric.py",
+        "if abs(cos) > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
+        "if cos > COLINEAR_COS:\n    return ((1.0 - t) * v0 + t * v1)",
+        METHODS,
+        "slerp of nearly opposite tensors divides by sin(theta) ~ 0",
+    ),
+    Mutant(
+        "model_stock_negative_cos",
+        "mergeval/methods/geometric.py",
+        "cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)",
+        "cos = torch.stack(cosines).mean(0).clamp(-1.0, 1.0)",
+        METHODS,
+        "Model Stock's t leaves [0, 1] for opposed task vectors",
+    ),
+    Mutant(
+        "cmm_interpolates_from_the_base",
+        "mergeval/methods/curriculum.py",
+        "theta.mul_(1 - c).add_(torch.mul(e, c, out=step))",
+        "theta.add_(torch.sub(e, b, out=step).mul_(c))",
+        CURRICULUM,
+        "CMM's interpolate step takes the task vector against the base (additive)",
+    ),
+    Mutant(
+        "cmm_ignores_lambda",
+        "mergeval/methods/curriculum.py",
+        "return theta.sub_(b).mul_(cfg.lambda_).add_(b).to(base.dtype)",
+        "return theta.to(base.dtype)",
+        CURRICULUM,
+        "CMM ignores lambda",
+    ),
+    Mutant(
+        "claim_equality_passes_when_possible",
+        "mergeval/verify/claims.py",
+        'status = "pass" if far <= allowed + slack else',
+        'status = "pass" if near <= allowed + slack else',
+        VERIFY,
+        "== passes when rounding merely allows equality",
+    ),
+    Mutant(
+        "range_over_one_run",
+        "mergeval/verify/claims.py",
+        'need = 2 if op.over_runs in ("range", "std") else 1',
+        "need = 1",
+        VERIFY,
+        "range/std over a single run (always 0)",
+    ),
+    Mutant(
+        "derived_macro_counts_merged",
+        "mergeval/verify/formulas.py",
+        "return metric(cut[0], cut[1:], scale=scale)",
+        "return metric(cut[0], cut, scale=scale)",
+        VERIFY,
+        "a derived Macro-Gain counts the merged row as a constituent",
+    ),
+    Mutant(
+        "interval_ignores_upper_bound",
+        "mergeval/verify/numbers.py",
+        "lo, hi = max(lo, bounds[0]), min(hi, bounds[1])",
+        "lo, hi = max(lo, bounds[0]), hi",
+        VERIFY,
+        "a column's range clips only the lower end",
+    ),
+    Mutant(
+        "corner_range_lower_corners_only",
+        "mergeval/verify/numbers.py",
+        "for ends in itertools.product((0, 1), repeat=len(free)):",
+        "for ends in itertools.product((0,), repeat=len(free)):",
+        VERIFY,
+        "the derived range evaluated at the lower corner only",
+    ),
+    Mutant(
+        "checkable_window_ignores_printed",
+        "mergeval/verify/tables.py",
+        "window = (hi - lo) + (p_hi - p_lo)",
+        "window = hi - lo",
+        VERIFY,
+        "'not checkable' ignores the printed value's own rounding",
+    ),
+    Mutant(
+        "aggregable_any_to_all",
+        "mergeval/run/summary.py",
+        'elif any(not 0.0 <= s["value"] <= 1.0',
+        'elif all(not 0.0 <= s["value"] <= 1.0',
+        AGGREGATION,
+        "a task is left out only when every model is out of range",
+    ),
+    Mutant(
+        "forgetting_of_merge_swapped",
+        "mergeval/metrics/composed.py",
+        'return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"]',
+        'return forgetting({t: scores[t][merged]["value"] for t in tasks}, {t: scores[t]["base"]["value"]',
+        AGGREGATION + ("tests/test_metrics_composed.py",),
+        "the run's forgetting is merged minus base",
+    ),
     # ------------------------------------------------ the run's aggregation
-    Mutant("aggregable_excludes_zero", "mergeval/run/summary.py",
-           "not 0.0 <= s[\"value\"] <= 1.0", "not 0.0 < s[\"value\"] <= 1.0",
-           AGGREGATION, "a task where some model scores exactly 0 is left out of the aggregates"),
-    Mutant("aggregable_counts_group_members", "mergeval/run/summary.py",
-           'if not row.get("counted", True) and row.get("higher_is_better", True):',
-           'if False and not row.get("counted", True):',
-           AGGREGATION, "a group's member tasks counted beside their group"),
-    Mutant("aggregate_normalized_base_expert_swapped", "mergeval/run/summary.py",
-           'normalized_score(s[MERGED]["value"], s["base"]["value"], s[role]["value"])',
-           'normalized_score(s[MERGED]["value"], s[role]["value"], s["base"]["value"])',
-           AGGREGATION, "the run's normalized score with base and expert swapped"),
-    Mutant("aggregate_ignores_percent_scale", "mergeval/run/summary.py",
-           '"macro_gain": macro_gain(merged, constituents, scale=scale)',
-           '"macro_gain": macro_gain(merged, constituents)',
-           AGGREGATION, "the run's Macro-Gain ignores metric.scale"),
-    Mutant("group_scores_drop_scale", "mergeval/metrics/composed.py",
-           "scale = {name: g.scale for name, g in metric.groups.items()}", "scale = None",
-           AGGREGATION + ("tests/test_metrics_composed.py",), "group means ignore each group's scale"),
-    Mutant("score_text_drops_stderr", "mergeval/core/outcome.py",
-           'return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"',
-           "return text",
-           AGGREGATION + ("tests/test_report.py",), "the score table drops the stderr"),
+    Mutant(
+        "aggregable_excludes_zero",
+        "mergeval/run/summary.py",
+        'not 0.0 <= s["value"] <= 1.0',
+        'not 0.0 < s["value"] <= 1.0',
+        AGGREGATION,
+        "a task where some model scores exactly 0 is left out of the aggregates",
+    ),
+    Mutant(
+        "aggregable_counts_group_members",
+        "mergeval/run/summary.py",
+        'if not row.get("counted", True) and row.get("higher_is_better", True):',
+        'if False and not row.get("counted", True):',
+        AGGREGATION,
+        "a group's member tasks counted beside their group",
+    ),
+    Mutant(
+        "aggregate_normalized_base_expert_swapped",
+        "mergeval/run/summary.py",
+        'normalized_score(s[MERGED]["value"], s["base"]["value"], s[role]["value"])',
+        'normalized_score(s[MERGED]["value"], s[role]["value"], s["base"]["value"])',
+        AGGREGATION,
+        "the run's normalized score with base and expert swapped",
+    ),
+    Mutant(
+        "aggregate_ignores_percent_scale",
+        "mergeval/run/summary.py",
+        '"macro_gain": macro_gain(merged, constituents, scale=scale)',
+        '"macro_gain": macro_gain(merged, constituents)',
+        AGGREGATION,
+        "the run's Macro-Gain ignores metric.scale",
+    ),
+    Mutant(
+        "group_scores_drop_scale",
+        "mergeval/metrics/composed.py",
+        "scale = {name: g.scale for name, g in metric.groups.items()}",
+        "scale = None",
+        AGGREGATION + ("tests/test_metrics_composed.py",),
+        "group means ignore each group's scale",
+    ),
+    Mutant(
+        "score_text_drops_stderr",
+        "mergeval/core/outcome.py",
+        'return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"',
+        "return text",
+        AGGREGATION + ("tests/test_report.py",),
+        "the score table drops the stderr",
+    ),
 ]
 
 
@@ -425,8 +819,35 @@ class MutantError(Exception):
 
 _LAYOUT = {tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER}
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
-_WHOLE_BEFORE = {"=", "+=", "-=", "*=", "/=", "//=", "%=", "**=", ">>=", "<<=", "&=", "^=", "|=", "@=", ":=", "->",
-                 "return", "assert", "del", "if", "elif", "while", "(", "[", "{", ",", ":"}
+_WHOLE_BEFORE = {
+    "=",
+    "+=",
+    "-=",
+    "*=",
+    "/=",
+    "//=",
+    "%=",
+    "**=",
+    ">>=",
+    "<<=",
+    "&=",
+    "^=",
+    "|=",
+    "@=",
+    ":=",
+    "->",
+    "return",
+    "assert",
+    "del",
+    "if",
+    "elif",
+    "while",
+    "(",
+    "[",
+    "{",
+    ",",
+    ":",
+}
 _WHOLE_AFTER = {")", "]", "}", ",", ":", "=", ";", "for"}
 _NOT_WHOLE_INSIDE = {",", "for", "lambda", "yield", ":="}
 _TUPLE_BEFORE = {"=", "+=", "-=", "*=", "/=", "//=", "%=", "**=", ">>=", "<<=", "&=", "^=", "|=", "@=", "return"}
@@ -449,9 +870,12 @@ def _string_key(text: str) -> tuple:
     prefix = re.match(r"[A-Za-z]*", text).group(0)
     if "f" not in prefix.lower():
         return ("s", ast.literal_eval(text))
-    quote = text[len(prefix):len(prefix) + 3] if text[len(prefix):len(prefix) + 3] in ('"""', "'''") \
+    quote = (
+        text[len(prefix) : len(prefix) + 3]
+        if text[len(prefix) : len(prefix) + 3] in ('"""', "'''")
         else text[len(prefix)]
-    body = text[len(prefix) + len(quote):len(text) - len(quote)]
+    )
+    body = text[len(prefix) + len(quote) : len(text) - len(quote)]
     body = re.sub(r"\\(\\|'|\")", lambda m: m.group(0) if m.group(1) == "\\" else m.group(1), body)
     return ("f", "".join(sorted(prefix.lower())), body)
 
@@ -489,7 +913,7 @@ def tokens(source: str, partial: bool = False) -> list[Token]:
                     break
                 m += 1
             end = raw[m].end
-            text = source[lines[tok.start[0] - 1] + tok.start[1]:lines[end[0] - 1] + end[1]]
+            text = source[lines[tok.start[0] - 1] + tok.start[1] : lines[end[0] - 1] + end[1]]
             tok, k = tokenize.TokenInfo(tokenize.STRING, text, tok.start, end, tok.line), m
         if tok.type == tokenize.STRING:
             part = _string_key(tok.string)
@@ -507,8 +931,7 @@ def tokens(source: str, partial: bool = False) -> list[Token]:
         elif tok.type == tokenize.NEWLINE:
             out.append(Token(("NEWLINE",), tok.string, tok.start, tok.end))
         else:
-            out.append(Token(("OP" if tok.type == tokenize.OP else "NAME", tok.string), tok.string, tok.start,
-                             tok.end))
+            out.append(Token(("OP" if tok.type == tokenize.OP else "NAME", tok.string), tok.string, tok.start, tok.end))
         k += 1
     if partial:
         while out and out[-1].statement_end:
@@ -557,8 +980,11 @@ def _comma_optional(toks: list[Token], pairs: dict[int, int], i: int) -> bool:
     if o is None:
         return toks[i + 1].text == "}"  # the opening bracket lies outside a snippet: only a set/dict is sure
     before = toks[o - 1] if o > 0 else None
-    if toks[o].text == "{" or (toks[o].text == "(" and _is_callee(before)) or \
-            (toks[o].text == "[" and not _is_callee(before)):
+    if (
+        toks[o].text == "{"
+        or (toks[o].text == "(" and _is_callee(before))
+        or (toks[o].text == "[" and not _is_callee(before))
+    ):
         return True
     return sum(t.text == "," for t in _top_level(toks, pairs, o, i + 1)) > 1  # not a one-element tuple
 
@@ -571,8 +997,9 @@ def _whole_after(tok: Token | None) -> bool:
     return tok is None or tok.statement_end or tok.text in _WHOLE_AFTER and tok.key[0] in ("OP", "NAME")
 
 
-def _redundant_parens(toks: list[Token], pairs: dict[int, int], o: int, before: Token | None,
-                      after: Token | None) -> bool:
+def _redundant_parens(
+    toks: list[Token], pairs: dict[int, int], o: int, before: Token | None, after: Token | None
+) -> bool:
     """``toks[o]`` opens parentheses that can go without changing the code: around a whole expression that
     is not a tuple, a generator, a lambda, a yield, a walrus or starred; around a tuple that is a whole
     assignment target or right-hand side or return value; around a for loop's target. ``before``, ``after``:
@@ -589,8 +1016,11 @@ def _redundant_parens(toks: list[Token], pairs: dict[int, int], o: int, before: 
     special = [t.text for t in inside if t.text in _NOT_WHOLE_INSIDE and t.key[0] in ("OP", "NAME")]
     if not special:
         return True
-    return set(special) == {","} and (before is None or before.statement_end or before.text in _TUPLE_BEFORE) \
-        and (after is None or after.statement_end or after.text in ("=", ";"))  # a bare tuple
+    return (
+        set(special) == {","}
+        and (before is None or before.statement_end or before.text in _TUPLE_BEFORE)
+        and (after is None or after.statement_end or after.text in ("=", ";"))
+    )  # a bare tuple
 
 
 @dataclass(frozen=True)
@@ -606,6 +1036,7 @@ def _match_at(F: list[Token], fp: dict[int, int], S: list[Token], sp: dict[int, 
     ``fskip``: the file's closing parentheses still to skip (each with the snippet position where its skipped
     "(" was), ``sskip``: the snippet's; ``check_end``: the skipped snippet parentheses that close at its end
     (position, the token before them), checked again with the file's token after the match."""
+
     def step(i: int, j: int, fskip: frozenset, sskip: frozenset, check_end: tuple) -> Match | None:
         while True:
             pending = {c: o for c, o in fskip}
@@ -636,14 +1067,21 @@ def _match_at(F: list[Token], fp: dict[int, int], S: list[Token], sp: dict[int, 
             found = step(i, j + 1, fskip, sskip, check_end)
             if found:
                 return found
-        if i < len(F) and F[i].text == "(" and i in fp and \
-                _redundant_parens(F, fp, i, F[i - 1] if i else None, F[fp[i] + 1] if fp[i] + 1 < len(F) else None):
+        if (
+            i < len(F)
+            and F[i].text == "("
+            and i in fp
+            and _redundant_parens(F, fp, i, F[i - 1] if i else None, F[fp[i] + 1] if fp[i] + 1 < len(F) else None)
+        ):
             found = step(i + 1, j, fskip | {(fp[i], j)}, sskip, check_end)
             if found:
                 return found
         before = S[j - 1] if j else (F[i - 1] if i else None)
-        if S[j].text == "(" and j in sp and \
-                _redundant_parens(S, sp, j, before, S[sp[j] + 1] if sp[j] + 1 < len(S) else None):
+        if (
+            S[j].text == "("
+            and j in sp
+            and _redundant_parens(S, sp, j, before, S[sp[j] + 1] if sp[j] + 1 < len(S) else None)
+        ):
             ends = ((j, before),) if sp[j] + 1 == len(S) else ()
             return step(i, j + 1, fskip, sskip | {sp[j]}, check_end + ends)
         return None
@@ -684,7 +1122,7 @@ def replacement(before: str, after: str, indent: int, reopen: tuple[int, ...] = 
     S = tokens(before, partial=True)
     depth = _indentation(before, S[0].start[0]) if S else 0
     lines = after.rstrip("\n").split("\n")
-    lines = [line[min(depth, len(line) - len(line.lstrip(" "))):] for line in lines]
+    lines = [line[min(depth, len(line) - len(line.lstrip(" "))) :] for line in lines]
     text = "\n".join([lines[0].lstrip(), *lines[1:]])
     if reopen:
         A = tokens(text, partial=True)
@@ -693,15 +1131,16 @@ def replacement(before: str, after: str, indent: int, reopen: tuple[int, ...] = 
             tail = len(S) - j
             if j < len(A) and [t.key for t in A[:j]] == [t.key for t in S[:j]]:
                 k = j
-            elif tail <= len(A) and [t.key for t in A[len(A) - tail:]] == [t.key for t in S[j:]]:
+            elif tail <= len(A) and [t.key for t in A[len(A) - tail :]] == [t.key for t in S[j:]]:
                 k = len(A) - tail
             else:
-                raise ValueError(f"the file's parentheses around the snippet's end open before its token {j} "
-                                 "and after differs from before on both sides of it")
+                raise ValueError(
+                    f"the file's parentheses around the snippet's end open before its token {j} "
+                    "and after differs from before on both sides of it"
+                )
             at = starts[A[k].start[0] - 1] + A[k].start[1]
             text = text[:at] + "(" + text[at:]
-    return "\n".join([text.split("\n")[0], *[" " * indent + line if line else line
-                                               for line in text.split("\n")[1:]]])
+    return "\n".join([text.split("\n")[0], *[" " * indent + line if line else line for line in text.split("\n")[1:]]])
 
 
 def plant(source: str, before: str, after: str) -> tuple[int, str]:
@@ -737,8 +1176,9 @@ def planted(text: str, mutant: Mutant) -> str:
     except (ValueError, SyntaxError, tokenize.TokenError) as err:
         raise MutantError(f"{mutant.name}: cannot plant in {mutant.path}: {err}") from err
     if count != 1:
-        raise MutantError(f"{mutant.name}: the snippet matches {count} times in {mutant.path} "
-                          f"(expected once): {mutant.before!r}")
+        raise MutantError(
+            f"{mutant.name}: the snippet matches {count} times in {mutant.path} (expected once): {mutant.before!r}"
+        )
     return result
 
 
@@ -754,8 +1194,14 @@ def copy_env(copy: Path) -> dict[str, str]:
 
 def imported_from(copy: Path, env: dict[str, str]) -> Path:
     """Where ``import mergeval`` resolves when run in the copy with its environment."""
-    out = subprocess.run([sys.executable, "-c", "import mergeval; print(mergeval.__file__)"], cwd=copy, env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import mergeval; print(mergeval.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return Path(out.stdout.strip()).resolve()
 
 
@@ -818,8 +1264,10 @@ def check_copy_is_tested(copy: Path, env: dict[str, str], tests: tuple[str, ...]
     finally:
         init.write_text(original)
     if "mutants.py canary" not in output:
-        raise MutantError(f"a canary planted in the copy's mergeval did not reach pytest (exit {code}): "
-                          "the tests import another mergeval")
+        raise MutantError(
+            f"a canary planted in the copy's mergeval did not reach pytest (exit {code}): "
+            "the tests import another mergeval"
+        )
 
 
 def selected(names: list[str]) -> list[Mutant]:

@@ -64,15 +64,27 @@ def plot_medical(runs: list[dict], path: Path) -> None:
     for k, run in enumerate(runs):
         xs = [i - 0.4 + width * (k + 0.5) for i in range(len(tasks))]
         merged = [run["scores"][t]["merged"] for t in tasks]
-        ax.bar(xs, [m["value"] for m in merged], width=width, yerr=[m["stderr"] for m in merged], capsize=2,
-               label=method_label(run))
+        ax.bar(
+            xs,
+            [m["value"] for m in merged],
+            width=width,
+            yerr=[m["stderr"] for m in merged],
+            capsize=2,
+            label=method_label(run),
+        )
     roles = [m["role"] for m in runs[0]["models"] if m["role"] != "merged"]
     styles = {"base": ("gray", ":")} | {r: (c, "--") for r, c in zip(roles[1:], ("black", "tab:brown"))}
     for i, task in enumerate(tasks):
         for role in roles:
             color, style = styles[role]
-            ax.plot([i - 0.45, i + 0.45], [runs[0]["scores"][task][role]["value"]] * 2, color=color, linestyle=style,
-                    linewidth=1.5, label=role if i == 0 else None)
+            ax.plot(
+                [i - 0.45, i + 0.45],
+                [runs[0]["scores"][task][role]["value"]] * 2,
+                color=color,
+                linestyle=style,
+                linewidth=1.5,
+                label=role if i == 0 else None,
+            )
     ax.set_xticks(range(len(tasks)), [short(t) for t in tasks])
     ax.set_ylabel("accuracy ± stderr")
     ax.set_ylim(0, 1.05)
@@ -94,13 +106,32 @@ def plot_cpt(runs: list[dict], path: Path) -> None:
     axes = fig.subplots(1, len(modelsets), sharey=True, squeeze=False)[0]
     for ax, modelset in zip(axes, modelsets):
         for method, color in (("task_arithmetic", "tab:blue"), ("ties", "tab:orange")):
-            chosen = sorted((r for r in runs if r["config"]["modelset"]["name"] == modelset
-                             and r["config"]["method"]["name"] == method), key=lambda r: r["config"]["method"]["lambda_"])
+            chosen = sorted(
+                (
+                    r
+                    for r in runs
+                    if r["config"]["modelset"]["name"] == modelset and r["config"]["method"]["name"] == method
+                ),
+                key=lambda r: r["config"]["method"]["lambda_"],
+            )
             xs = [r["config"]["method"]["lambda_"] for r in chosen]
-            ax.errorbar(xs, [r["aggregates"]["macro_gain"] for r in chosen], yerr=[merged_avg_stderr(r) for r in chosen],
-                        color=color, marker="o", capsize=3, label=f"{method} Macro-Gain")
-            ax.plot(xs, [r["aggregates"]["macro_og"] for r in chosen], color=color, marker="x", linestyle="--",
-                    label=f"{method} Macro-OG")
+            ax.errorbar(
+                xs,
+                [r["aggregates"]["macro_gain"] for r in chosen],
+                yerr=[merged_avg_stderr(r) for r in chosen],
+                color=color,
+                marker="o",
+                capsize=3,
+                label=f"{method} Macro-Gain",
+            )
+            ax.plot(
+                xs,
+                [r["aggregates"]["macro_og"] for r in chosen],
+                color=color,
+                marker="x",
+                linestyle="--",
+                label=f"{method} Macro-OG",
+            )
         one = next(r for r in runs if r["config"]["modelset"]["name"] == modelset)
         ax.set_title(" + ".join(one["config"]["modelset"]["experts"]), fontsize=10)
         ax.axhline(0, color="gray", linewidth=1)
@@ -108,8 +139,9 @@ def plot_cpt(runs: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("points")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
-    fig.suptitle("cpt_finance mini: Macro-Gain / Macro-OG versus lambda (error bar: merged average's stderr)",
-                 fontsize=10)
+    fig.suptitle(
+        "cpt_finance mini: Macro-Gain / Macro-OG versus lambda (error bar: merged average's stderr)", fontsize=10
+    )
     fig.savefig(path, dpi=120, format="png", bbox_inches="tight")
 
 
@@ -120,12 +152,18 @@ def plot_cmm(runs: list[dict], path: Path) -> None:
     first = runs[0]["scores"]
     for role in [m["role"] for m in runs[0]["models"] if m["role"] != "merged"]:
         ax.scatter(first[x_task][role]["value"], first[y_task][role]["value"], marker="*", s=140, color="gray")
-        ax.annotate(role, (first[x_task][role]["value"], first[y_task][role]["value"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+        ax.annotate(
+            role,
+            (first[x_task][role]["value"], first[y_task][role]["value"]),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     for run in runs:
         x, y = run["scores"][x_task]["merged"], run["scores"][y_task]["merged"]
-        ax.errorbar(x["value"], y["value"], xerr=x["stderr"], yerr=y["stderr"], marker="o", capsize=3,
-                    label=run["choice"])
+        ax.errorbar(
+            x["value"], y["value"], xerr=x["stderr"], yerr=y["stderr"], marker="o", capsize=3, label=run["choice"]
+        )
     ax.set_xlabel(f"{short(x_task)} accuracy")
     ax.set_ylabel(f"{short(y_task)} accuracy")
     ax.set_xlim(-0.05, 1.05)

@@ -69,8 +69,14 @@ def modelset_yaml(work: Path, experts: int) -> Path:
     """A config dir with modelset ``synthetic<experts>``: the base and the first ``experts`` experts, each
     scored on one of the tiny benchmark's tasks in turn."""
     tasks = ["mergeval_chem_count", "mergeval_unit_convert"]
-    lines = ["defaults:", "  - modelset_schema", "  - _self_", f"name: synthetic{experts}", f"base: {work / 'base'}",
-             "experts:"]
+    lines = [
+        "defaults:",
+        "  - modelset_schema",
+        "  - _self_",
+        f"name: synthetic{experts}",
+        f"base: {work / 'base'}",
+        "experts:",
+    ]
     for i in range(experts):
         lines += [f"  e{i}:", f"    source: {work / f'e{i}'}", f"    task: {tasks[i % len(tasks)]}"]
     conf = work / "conf" / "modelset"
@@ -84,10 +90,21 @@ def run(work: Path, experts: int, code: Path | None, device: str, dtype: str, ke
     wall time."""
     fresh = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
     conf = modelset_yaml(work, experts)
-    cmd = [sys.executable, "-m", "mergeval", "+experiment=tiny", f"modelset=synthetic{experts}",
-           f"hydra.searchpath=[file://{conf}]", "benchmark.limit=4", f"eval.dtype={dtype}", "eval.batch_size=8",
-           f"eval.device={device}",
-           f"cache_dir={fresh / 'cache'}", f"store.path={fresh / 'r.sqlite'}", f"hydra.run.dir={fresh / 'job'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mergeval",
+        "+experiment=tiny",
+        f"modelset=synthetic{experts}",
+        f"hydra.searchpath=[file://{conf}]",
+        "benchmark.limit=4",
+        f"eval.dtype={dtype}",
+        "eval.batch_size=8",
+        f"eval.device={device}",
+        f"cache_dir={fresh / 'cache'}",
+        f"store.path={fresh / 'r.sqlite'}",
+        f"hydra.run.dir={fresh / 'job'}",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])  # first
@@ -108,10 +125,15 @@ def run(work: Path, experts: int, code: Path | None, device: str, dtype: str, ke
         keep.mkdir(parents=True, exist_ok=True)
         shutil.copy(fresh / "job" / "result.json", keep / f"{Path(code or 'this').name}-{experts}.json")
     shutil.rmtree(fresh, ignore_errors=True)
-    return {"experts": experts, "code": str(code or "this checkout"), "peak_rss_mib": round(peak_kib / 1024),
-            "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"],
-            "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
-            "wall_s": round(seconds, 1), "table": "Macro-Gain" in out}
+    return {
+        "experts": experts,
+        "code": str(code or "this checkout"),
+        "peak_rss_mib": round(peak_kib / 1024),
+        "peak_gpu_allocated_mib": gpu and gpu["allocated_mib"],
+        "peak_gpu_reserved_mib": gpu and gpu["reserved_mib"],
+        "wall_s": round(seconds, 1),
+        "table": "Macro-Gain" in out,
+    }
 
 
 def _vm_hwm_kib(pid: int) -> int:
@@ -122,8 +144,9 @@ def _vm_hwm_kib(pid: int) -> int:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
-    return max((int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM:", "VmRSS:"))),
-               default=0)
+    return max(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM:", "VmRSS:"))), default=0
+    )
 
 
 def main(argv=None) -> None:
@@ -142,26 +165,49 @@ def main(argv=None) -> None:
     counts = [int(n) for n in args.experts.split(",")]
     work = args.work or Path(tempfile.mkdtemp(prefix="mergeval-run-memory-"))
     try:
-        built = subprocess.run([sys.executable, "-c", BUILD, str(HERE), str(work), str(max(counts)), str(args.layers),
-                                str(args.hidden), str(args.intermediate)], capture_output=True, text=True)
+        built = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                BUILD,
+                str(HERE),
+                str(work),
+                str(max(counts)),
+                str(args.layers),
+                str(args.hidden),
+                str(args.intermediate),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if built.returncode != 0:
             raise SystemExit(built.stderr[-3000:])
         params = int(built.stdout.split()[-1])
         size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
         dtype = args.dtype or auto_dtype(args.device)
-        print(f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
-              f"evaluated on {args.device} in {dtype} (one model in memory: "
-              f"{params * (2 if dtype == 'bfloat16' else 4) / 2**20:.0f} MiB of weights)")
+        print(
+            f"synthetic Llama: {params / 1e6:.0f}M parameters, one checkpoint {size / 2**20:.0f} MiB (bf16); "
+            f"evaluated on {args.device} in {dtype} (one model in memory: "
+            f"{params * (2 if dtype == 'bfloat16' else 4) / 2**20:.0f} MiB of weights)"
+        )
         rows = []
         for code in [None] + ([args.code] if args.code else []):
             for n in counts:
                 rows.append(run(work, n, code, args.device, dtype, args.keep))
                 row = rows[-1]
-                gpu = (f"  peak GPU {row['peak_gpu_allocated_mib']:>7} MiB allocated, {row['peak_gpu_reserved_mib']} "
-                       "reserved" if row["peak_gpu_allocated_mib"] is not None else "")
-                print(json.dumps(row) if args.json else
-                      f"{row['code']:>20}  experts={n}  peak RSS {row['peak_rss_mib']:>6} MiB  "
-                      f"({row['peak_rss_mib'] * 2**20 / size:.2f} checkpoints){gpu}  {row['wall_s']} s", flush=True)
+                gpu = (
+                    f"  peak GPU {row['peak_gpu_allocated_mib']:>7} MiB allocated, {row['peak_gpu_reserved_mib']} "
+                    "reserved"
+                    if row["peak_gpu_allocated_mib"] is not None
+                    else ""
+                )
+                print(
+                    json.dumps(row)
+                    if args.json
+                    else f"{row['code']:>20}  experts={n}  peak RSS {row['peak_rss_mib']:>6} MiB  "
+                    f"({row['peak_rss_mib'] * 2**20 / size:.2f} checkpoints){gpu}  {row['wall_s']} s",
+                    flush=True,
+                )
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -36,8 +36,10 @@ def requests(task_dir: Path):
     for name in TASKS:
         for d, line in enumerate((task_dir / f"{name}.jsonl").read_text().splitlines()):
             item = json.loads(line)
-            out += [Instance("loglikelihood", item, (item["prompt"], " " + c), j, (name, d, 1))
-                    for j, c in enumerate(item["choices"])]
+            out += [
+                Instance("loglikelihood", item, (item["prompt"], " " + c), j, (name, d, 1))
+                for j, c in enumerate(item["choices"])
+            ]
     return out
 
 
@@ -47,13 +49,27 @@ def main() -> None:
     ap.add_argument("--n-items", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("scoring_backends.json"))
-    ap.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"],
-                    help="float32 alone on a CPU without bfloat16 kernels (AVX2 only), where bfloat16 is emulated")
-    ap.add_argument("--hflm-softmax", choices=("model", "float32"), default="model",
-                    help="HFLM's log-softmax dtype: the model's (lm-eval's default, as the lm_eval command line runs) "
-                         "or float32 (as mergeval's scorer and benchmarks/sweep_cost.py take it)")
-    ap.add_argument("--roles", nargs="+", choices=("base", "chem", "units"), default=["base", "chem", "units"],
-                    help="which quickstart models to score (the experts are built in the cache if missing)")
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=("bfloat16", "float32"),
+        default=["bfloat16", "float32"],
+        help="float32 alone on a CPU without bfloat16 kernels (AVX2 only), where bfloat16 is emulated",
+    )
+    ap.add_argument(
+        "--hflm-softmax",
+        choices=("model", "float32"),
+        default="model",
+        help="HFLM's log-softmax dtype: the model's (lm-eval's default, as the lm_eval command line runs) "
+        "or float32 (as mergeval's scorer and benchmarks/sweep_cost.py take it)",
+    )
+    ap.add_argument(
+        "--roles",
+        nargs="+",
+        choices=("base", "chem", "units"),
+        default=["base", "chem", "units"],
+        help="which quickstart models to score (the experts are built in the cache if missing)",
+    )
     args = ap.parse_args()
 
     import numpy as np
@@ -76,8 +92,12 @@ def main() -> None:
     reqs = requests(task_dir)
     tokenizer = AutoTokenizer.from_pretrained(base)
     backends = {"hflm": HFLM, "shared_prefix": SharedPrefixLM}
-    report = {"n_items_per_task": args.n_items, "requests_per_model": len(reqs), "hflm_softmax": args.hflm_softmax,
-              "models": {}}
+    report = {
+        "n_items_per_task": args.n_items,
+        "requests_per_model": len(reqs),
+        "hflm_softmax": args.hflm_softmax,
+        "models": {},
+    }
     for role, path in {"base": base, **experts}.items():
         if role not in args.roles:
             continue
@@ -101,10 +121,13 @@ def main() -> None:
                 "answers_equal_to_hflm_reference": float((v.argmax(1) == ref.argmax(1)).mean()),
                 # the two backends in one dtype: per task, the items whose answers differ
                 "answers_differing_from_hflm_same_dtype_per_task": [
-                    int(d.sum()) for d in np.split(v.argmax(1) != lls[("hflm", dtype)].argmax(1), len(TASKS))],
+                    int(d.sum()) for d in np.split(v.argmax(1) != lls[("hflm", dtype)].argmax(1), len(TASKS))
+                ],
             }
         for dtype in args.dtypes:
-            rows[f"speedup {dtype}"] = round(rows[f"hflm {dtype}"]["median_s"] / rows[f"shared_prefix {dtype}"]["median_s"], 2)
+            rows[f"speedup {dtype}"] = round(
+                rows[f"hflm {dtype}"]["median_s"] / rows[f"shared_prefix {dtype}"]["median_s"], 2
+            )
         report["models"][role] = rows
         print(role, json.dumps(rows, indent=1), flush=True)
     args.out.write_text(json.dumps(report, indent=2))

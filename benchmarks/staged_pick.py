@@ -60,15 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     frac = cost["staged"].forward_passes / cost["full"].forward_passes
     frac_examples = cost["staged"].examples / cost["full"].examples
     summary = {
-        "sweep": cfg.modelset.name, "candidates": len(out.candidates), "items_per_task": out.n_full,
-        "stage2_items": out.stage2_items, "stage1_keep": cfg.staged.stage1_keep, "stage3_keep": cfg.staged.stage3_keep,
-        "staged_pick": out.pick, "full_pick": cmp["full_pick"], "same_pick": cmp["same_pick"], "regret": cmp["regret"],
+        "sweep": cfg.modelset.name,
+        "candidates": len(out.candidates),
+        "items_per_task": out.n_full,
+        "stage2_items": out.stage2_items,
+        "stage1_keep": cfg.staged.stage1_keep,
+        "stage3_keep": cfg.staged.stage3_keep,
+        "staged_pick": out.pick,
+        "full_pick": cmp["full_pick"],
+        "same_pick": cmp["same_pick"],
+        "regret": cmp["regret"],
         "early_stop": out.early_stop,
         "forward_passes": {k: v.forward_passes for k, v in cost.items()},
         "examples": {k: v.examples for k, v in cost.items()},
-        "fraction_forward_passes": frac, "fraction_examples": frac_examples,
-        "wall_s": {"staged_stages": round(staged_s, 1), "full_every_candidate": t.get("full"),
-                   "constituents": t.get("constituents"), "total": round(wall, 1)},
+        "fraction_forward_passes": frac,
+        "fraction_examples": frac_examples,
+        "wall_s": {
+            "staged_stages": round(staged_s, 1),
+            "full_every_candidate": t.get("full"),
+            "constituents": t.get("constituents"),
+            "total": round(wall, 1),
+        },
         "full_mean_acc": {c.label: c.mean("full") for c in out.candidates},
         "stage1_ratio": {c.label: c.degradation + 1 for c in out.candidates},
     }
@@ -77,14 +89,20 @@ def main(argv: list[str] | None = None) -> int:
         mark = " <- staged pick" if c.label == out.pick else ""
         mark += " <- full pick" if c.label == cmp["full_pick"] else ""
         print(f"  {c.label:36s} PPL/experts {c.degradation + 1:9.3g}   full acc {c.mean('full'):.3f}{mark}")
-    print(f"staged pick: {out.pick}   full pick: {cmp['full_pick']}   same pick: {'yes' if cmp['same_pick'] else 'NO'}"
-          + ("" if cmp["regret"] is None else f"   regret {cmp['regret']:.3f} mean acc"))
+    print(
+        f"staged pick: {out.pick}   full pick: {cmp['full_pick']}   same pick: {'yes' if cmp['same_pick'] else 'NO'}"
+        + ("" if cmp["regret"] is None else f"   regret {cmp['regret']:.3f} mean acc")
+    )
     for stage in ("stage1", "stage2", "stage3", "staged", "full"):
         print(f"  {stage:7s} {cost[stage].forward_passes:8,d} forward passes  {cost[stage].examples:7,d} examples")
-    print(f"cost of staged / full: {frac:.1%} of forward passes, {frac_examples:.1%} of examples "
-          f"(target <= {TARGET:.0%}: {'met' if frac <= TARGET and cmp['same_pick'] else 'NOT met'})")
-    print(f"wall: staged stages {staged_s:.1f} s, full on every candidate {t.get('full', 0):.1f} s "
-          f"(constituents {t.get('constituents', 0):.1f} s, total {wall:.1f} s)")
+    print(
+        f"cost of staged / full: {frac:.1%} of forward passes, {frac_examples:.1%} of examples "
+        f"(target <= {TARGET:.0%}: {'met' if frac <= TARGET and cmp['same_pick'] else 'NOT met'})"
+    )
+    print(
+        f"wall: staged stages {staged_s:.1f} s, full on every candidate {t.get('full', 0):.1f} s "
+        f"(constituents {t.get('constituents', 0):.1f} s, total {wall:.1f} s)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

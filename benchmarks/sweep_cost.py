@@ -88,33 +88,63 @@ def find_models(cache: Path) -> tuple[Path, dict[str, Path]]:
 
     base = smollm2_dir(cache, "--cache")
     base_fp = fingerprint(base, cache / "fingerprints.json")
-    return base, {role: expert_dir(base, base_fp, domain, OmegaConf.structured(TrainConfig), cache, "--cache")
-                  for role, domain in EXPERTS.items()}
+    return base, {
+        role: expert_dir(base, base_fp, domain, OmegaConf.structured(TrainConfig), cache, "--cache")
+        for role, domain in EXPERTS.items()
+    }
 
 
 def mergekit_config(method: str, lam: float, base: Path, experts: dict[str, Path]) -> str:
-    models = "\n".join(f"  - model: {p}\n    parameters: {{weight: 1.0{', density: 0.5' if method == 'ties' else ''}}}"
-                       for p in experts.values())
+    models = "\n".join(
+        f"  - model: {p}\n    parameters: {{weight: 1.0{', density: 0.5' if method == 'ties' else ''}}}"
+        for p in experts.values()
+    )
     # TIES with normalize: true is the disjoint mean mergeval's ties computes; task arithmetic sums
     normalize = "true" if method == "ties" else "false"
-    return (f"merge_method: {method}\nbase_model: {base}\nmodels:\n{models}\n"
-            f"parameters:\n  lambda: {lam}\n  normalize: {normalize}\ndtype: float32\n")
+    return (
+        f"merge_method: {method}\nbase_model: {base}\nmodels:\n{models}\n"
+        f"parameters:\n  lambda: {lam}\n  normalize: {normalize}\ndtype: float32\n"
+    )
 
 
 def lm_eval_cmd(model: Path, task_dir: Path, out: Path) -> list[str]:
-    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args",
-            f"pretrained={model},dtype={DTYPE},softmax_dtype=float32",
-            "--tasks", ",".join(TASKS), "--include_path", str(task_dir), "--batch_size", "32",
-            "--device", "cpu", "--output_path", str(out)]
+    return [
+        str(BIN / "lm_eval"),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model},dtype={DTYPE},softmax_dtype=float32",
+        "--tasks",
+        ",".join(TASKS),
+        "--include_path",
+        str(task_dir),
+        "--batch_size",
+        "32",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+    ]
 
 
-def run_mergeval(cache: Path, store: Path, lambdas: list[float], n_items: int, work: Path,
-                 log: Path, staged: bool = False) -> tuple[float, Path]:
+def run_mergeval(
+    cache: Path, store: Path, lambdas: list[float], n_items: int, work: Path, log: Path, staged: bool = False
+) -> tuple[float, Path]:
     """(seconds, the sweep directory: each job's result.json, or with ``staged`` the sweep's staged.json)."""
     sweep = work / f"multirun-{time.time_ns()}"
-    cmd = [sys.executable, "-m", "mergeval", "-m", f"method={','.join(METHODS)}",
-           f"method.lambda_={','.join(map(str, lambdas))}", f"cache_dir={cache}", f"store.path={store}",
-           f"benchmark.n_items={n_items}", f"eval.dtype={DTYPE}", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mergeval",
+        "-m",
+        f"method={','.join(METHODS)}",
+        f"method.lambda_={','.join(map(str, lambdas))}",
+        f"cache_dir={cache}",
+        f"store.path={store}",
+        f"benchmark.n_items={n_items}",
+        f"eval.dtype={DTYPE}",
+        f"hydra.sweep.dir={sweep}",
+    ]
     return timed(cmd + ["hydra/sweeper=staged"] * staged, log, cwd=work), sweep
 
 
@@ -141,8 +171,11 @@ def mergeval_accuracies(sweep: Path) -> dict[tuple[str, str], tuple[str, float, 
         for task, by_role in result["scores"].items():
             for role, score in by_role.items():
                 model = merge_label(method["name"], method["lambda_"]) if role == "merged" else role
-                out[model, task] = (score.get("metric", "acc,none"), score.get("value", score.get("acc")),
-                                    score.get("n"))
+                out[model, task] = (
+                    score.get("metric", "acc,none"),
+                    score.get("value", score.get("acc")),
+                    score.get("n"),
+                )
     return out
 
 
@@ -156,8 +189,10 @@ def full_means(sweep: Path) -> dict[str, float]:
     for path in sorted(sweep.rglob("result.json")):
         result = json.loads(path.read_text())
         method = result["config"]["method"]
-        merged = {task: {"value": by_role["merged"].get("value", by_role["merged"].get("acc"))}
-                  for task, by_role in result["scores"].items()}
+        merged = {
+            task: {"value": by_role["merged"].get("value", by_role["merged"].get("acc"))}
+            for task, by_role in result["scores"].items()
+        }
         means[merge_label(method["name"], method["lambda_"])] = mean_accuracy(merged)
     return means
 
@@ -177,8 +212,12 @@ def pick_comparison(means: dict[str, float], order: list[str], pick: str | None)
     between finalists by their stage-2 rank, so a pick that ties the best is ``same_pick: false`` with regret 0:
     the regret is what a pick gives up."""
     best = max(order, key=lambda label: (means[label], -order.index(label)))
-    return {"full_pick": best, "staged_pick": pick, "same_pick": pick == best,
-            "regret": None if pick is None else round(means[best] - means[pick], 6)}
+    return {
+        "full_pick": best,
+        "staged_pick": pick,
+        "same_pick": pick == best,
+        "regret": None if pick is None else round(means[best] - means[pick], 6),
+    }
 
 
 def lm_eval_accuracies(out_dir: Path, model: str) -> dict[tuple[str, str], dict[str, float]]:
@@ -187,8 +226,11 @@ def lm_eval_accuracies(out_dir: Path, model: str) -> dict[tuple[str, str], dict[
     return {(model, task): metrics for task, metrics in json.loads(results.read_text())["results"].items()}
 
 
-def accuracy_mismatches(ours: dict[tuple[str, str], tuple[str, float, int]],
-                        theirs: dict[tuple[str, str], dict[str, float]], tolerance: float) -> list[str]:
+def accuracy_mismatches(
+    ours: dict[tuple[str, str], tuple[str, float, int]],
+    theirs: dict[tuple[str, str], dict[str, float]],
+    tolerance: float,
+) -> list[str]:
     """One line per (model, task) whose accuracies differ by more than ``tolerance`` (a fraction of the items),
     that only one side scored, or whose metric the lm_eval side does not report."""
     lines = [f"{m} / {t}: only the lm_eval side scored it" for m, t in sorted(set(theirs) - set(ours))]
@@ -200,8 +242,10 @@ def accuracy_mismatches(ours: dict[tuple[str, str], tuple[str, float, int]],
             lines.append(f"{model} / {task}: lm_eval reports no {metric}")
         elif abs(value - other[metric]) > tolerance + 1e-9:
             items = f" ({abs(value - other[metric]) * n:.0f} of {n} items)" if n else ""
-            lines.append(f"{model} / {task}: {metric} {value:.4f} (mergeval) vs {other[metric]:.4f} (lm_eval), "
-                         f"differ by {abs(value - other[metric]):.4f}{items} > {tolerance:g}")
+            lines.append(
+                f"{model} / {task}: {metric} {value:.4f} (mergeval) vs {other[metric]:.4f} (lm_eval), "
+                f"differ by {abs(value - other[metric]):.4f}{items} > {tolerance:g}"
+            )
     return lines
 
 
@@ -211,9 +255,12 @@ def main() -> None:
     ap.add_argument("--n-items", type=int, default=200, help="items per task (the quickstart uses 200)")
     ap.add_argument("--lambdas", default="0.25,0.5,0.75,1.0")
     ap.add_argument("--out", type=Path, default=Path("sweep_cost.json"))
-    ap.add_argument("--constituents-once", action="store_true",
-                    help="the baseline evaluates the constituents with the first configuration only (the smart "
-                         "baseline, measured; the re-evaluating one is then not reported)")
+    ap.add_argument(
+        "--constituents-once",
+        action="store_true",
+        help="the baseline evaluates the constituents with the first configuration only (the smart "
+        "baseline, measured; the re-evaluating one is then not reported)",
+    )
     ap.add_argument("--skip-staged", action="store_true", help="leave out mergeval's staged sweep")
     args = ap.parse_args()
     lambdas = [float(x) for x in args.lambdas.split(",")]
@@ -231,14 +278,25 @@ def main() -> None:
     print(f"mergeval warm rerun: {warm:.1f} s", flush=True)
     staged = None
     if not args.skip_staged:  # cold as well: its own cache and store, so nothing of (a) is reused
-        staged_s, staged_sweep = run_mergeval(linked_cache(args.cache, work / "cache-staged"),
-                                              work / "results-staged.sqlite", lambdas, args.n_items, work, log,
-                                              staged=True)
+        staged_s, staged_sweep = run_mergeval(
+            linked_cache(args.cache, work / "cache-staged"),
+            work / "results-staged.sqlite",
+            lambdas,
+            args.n_items,
+            work,
+            log,
+            staged=True,
+        )
         order = [merge_label(m, lam) for m in METHODS for lam in lambdas]
-        staged = {"staged_s": round(staged_s, 1),
-                  **pick_comparison(full_means(cold_sweep), order, staged_pick(staged_sweep))}
-        print(f"mergeval staged sweep: {staged_s:.1f} s, pick {staged['staged_pick']} "
-              f"(full evaluation's best: {staged['full_pick']})", flush=True)
+        staged = {
+            "staged_s": round(staged_s, 1),
+            **pick_comparison(full_means(cold_sweep), order, staged_pick(staged_sweep)),
+        }
+        print(
+            f"mergeval staged sweep: {staged_s:.1f} s, pick {staged['staged_pick']} "
+            f"(full evaluation's best: {staged['full_pick']})",
+            flush=True,
+        )
 
     from mergeval.eval.tasks import write_tasks
 
@@ -254,7 +312,7 @@ def main() -> None:
         t_eval_merged = timed(lm_eval_cmd(out_dir, task_dir, merged_out), log)
         theirs.update(lm_eval_accuracies(merged_out, merge_label(method, lam)))
         t_constituents = 0.0
-        for name, path in (constituents.items() if i == 0 or not args.constituents_once else ()):
+        for name, path in constituents.items() if i == 0 or not args.constituents_once else ():
             constituent_out = work / "lm_eval_out" / f"{name}-{i}"
             t_constituents += timed(lm_eval_cmd(path, task_dir, constituent_out), log)
             if i == 0:  # every configuration re-evaluates the same constituents; the first one is compared
@@ -262,14 +320,28 @@ def main() -> None:
         if i == 0:
             first_constituents = t_constituents
         shutil.rmtree(out_dir)
-        rows.append({"method": method, "lambda": lam, "mergekit_s": round(t_merge, 1),
-                     "lm_eval_merged_s": round(t_eval_merged, 1), "lm_eval_constituents_s": round(t_constituents, 1)})
-        print(f"baseline {method} lambda={lam}: merge {t_merge:.1f} s, eval merged {t_eval_merged:.1f} s, "
-              f"eval constituents {t_constituents:.1f} s", flush=True)
+        rows.append(
+            {
+                "method": method,
+                "lambda": lam,
+                "mergekit_s": round(t_merge, 1),
+                "lm_eval_merged_s": round(t_eval_merged, 1),
+                "lm_eval_constituents_s": round(t_constituents, 1),
+            }
+        )
+        print(
+            f"baseline {method} lambda={lam}: merge {t_merge:.1f} s, eval merged {t_eval_merged:.1f} s, "
+            f"eval constituents {t_constituents:.1f} s",
+            flush=True,
+        )
     baseline_once = sum(r["mergekit_s"] + r["lm_eval_merged_s"] for r in rows) + first_constituents
     report = {
-        "configurations": len(rows), "n_items_per_task": args.n_items, "tasks": TASKS, "cpu_count": os.cpu_count(),
-        "mergeval_cold_s": round(cold, 1), "mergeval_warm_rerun_s": round(warm, 1),
+        "configurations": len(rows),
+        "n_items_per_task": args.n_items,
+        "tasks": TASKS,
+        "cpu_count": os.cpu_count(),
+        "mergeval_cold_s": round(cold, 1),
+        "mergeval_warm_rerun_s": round(warm, 1),
         "baseline_constituents_once_s": round(baseline_once, 1),
         "speedup_cold_vs_constituents_once": round(baseline_once / cold, 2),
     }
@@ -285,8 +357,11 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "baseline_rows"}, indent=2))
     if mismatches:
-        print(f"sweep_cost: the two sides' accuracies differ beyond the scorer's {DTYPE} tolerance ({tolerance:g}), "
-              "so the timings compare different computations:\n  " + "\n  ".join(mismatches), file=sys.stderr)
+        print(
+            f"sweep_cost: the two sides' accuracies differ beyond the scorer's {DTYPE} tolerance ({tolerance:g}), "
+            "so the timings compare different computations:\n  " + "\n  ".join(mismatches),
+            file=sys.stderr,
+        )
         sys.exit(1)
     print(f"accuracies agree within {tolerance:g} on all {len(theirs)} (model, task) pairs")
 

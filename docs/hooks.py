@@ -52,9 +52,9 @@ FIGURES_HERE = "<!-- current-figures -->"
 # else public there without a docstring fails the build.
 METRIC_HELPERS = {
     "mergeval.metrics.paired.total": "the sum of several Linear forms (adds their terms); used by paired_stderr's "
-                                     "callers to combine a claim's two sides",
+    "callers to combine a claim's two sides",
     "mergeval.metrics.composed.forgetting_of_merge": "metric.forgetting_tasks wired to groups.forgetting: the "
-                                                     "merged model's drop below the base on those tasks",
+    "merged model's drop below the base on those tasks",
 }
 CONFIG_GROUPS = ("experiment", "method", "modelset", "benchmark", "metric", "search", "hydra/launcher")
 
@@ -63,9 +63,13 @@ CONFIG_GROUPS = ("experiment", "method", "modelset", "benchmark", "metric", "sea
 
 
 def on_files(files, config):
-    pages = {"reference/methods.md": methods_page, "reference/config.md": config_page,
-             "reference/cli.md": cli_page, "reference/metrics.md": metrics_page,
-             "measurements.md": measurements_page}
+    pages = {
+        "reference/methods.md": methods_page,
+        "reference/config.md": config_page,
+        "reference/cli.md": cli_page,
+        "reference/metrics.md": metrics_page,
+        "measurements.md": measurements_page,
+    }
     for uri, build in pages.items():
         files.append(File.generated(config, uri, content=build()))
     return files
@@ -89,8 +93,10 @@ def cell(text: object) -> str:
     """Text for a Markdown table cell: one line; outside code spans, pipes escaped and ``<``/``>`` written as
     entities (``<cache_dir>`` would otherwise be taken for an HTML tag)."""
     parts = re.split(r"(`+[^`]*`+)", " ".join(str(text).split()))
-    return "".join(part if part.startswith("`") else
-                   part.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;") for part in parts)
+    return "".join(
+        part if part.startswith("`") else part.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        for part in parts
+    )
 
 
 def fmt_default(value: object) -> str:
@@ -133,8 +139,11 @@ def field_comments(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         lines = src.splitlines()
-        comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                    for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+        comments = {
+            tok.start[0]: tok.string.lstrip("#").strip()
+            for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+            if tok.type == tokenize.COMMENT
+        }
         node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef))
         for item in node.body:
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
@@ -186,8 +195,14 @@ def based_on(path: Path) -> str | None:
     import yaml
 
     data = yaml.safe_load(path.read_text()) or {}
-    return next((e for e in data.get("defaults", []) if isinstance(e, str) and e != "_self_"
-                 and (path.parent / f"{e}.yaml").is_file()), None)
+    return next(
+        (
+            e
+            for e in data.get("defaults", [])
+            if isinstance(e, str) and e != "_self_" and (path.parent / f"{e}.yaml").is_file()
+        ),
+        None,
+    )
 
 
 # ---------------------------------------------------------------- merge methods
@@ -199,8 +214,10 @@ def methods_page() -> str:
 
     missing = sorted(name for name, m in METHODS.items() if not m.doc.strip())
     if missing:
-        raise PluginError(f"merge method(s) {', '.join(missing)} have no docstring: write the formula in the "
-                          "merge function's docstring (docs/reference/methods.md is built from it)")
+        raise PluginError(
+            f"merge method(s) {', '.join(missing)} have no docstring: write the formula in the "
+            "merge function's docstring (docs/reference/methods.md is built from it)"
+        )
     conf = ROOT / "conf" / "method"
     presets: dict[str, list[Path]] = {}
     for path in sorted(conf.glob("*.yaml")):
@@ -208,27 +225,42 @@ def methods_page() -> str:
         if schema:
             presets.setdefault(schema.removesuffix("_schema"), []).append(path)
 
-    out = ["# Merge methods", "",
-           "Generated from the method registry (`mergeval/methods/`) and each method's config schema at every "
-           "build of this site: what you read here is what the code does. Choose a method with "
-           "`method=<name>` and set a parameter with `method.<field>=<value>`; the presets in "
-           "`conf/method/` are named configurations of these methods. How methods are chosen and combined is "
-           "under [Concepts: method](../concepts/method.md).", "",
-           "Notation in the formulas: base `b`, expert `e_i`, task vector `d_i = e_i - b`, weights `w_i`, "
-           "`lambda` for `lambda_`.", "",
-           "| method | kind | version | what it is (the docstring's first line) |", "|---|---|---|---|"]
+    out = [
+        "# Merge methods",
+        "",
+        "Generated from the method registry (`mergeval/methods/`) and each method's config schema at every "
+        "build of this site: what you read here is what the code does. Choose a method with "
+        "`method=<name>` and set a parameter with `method.<field>=<value>`; the presets in "
+        "`conf/method/` are named configurations of these methods. How methods are chosen and combined is "
+        "under [Concepts: method](../concepts/method.md).",
+        "",
+        "Notation in the formulas: base `b`, expert `e_i`, task vector `d_i = e_i - b`, weights `w_i`, "
+        "`lambda` for `lambda_`.",
+        "",
+        "| method | kind | version | what it is (the docstring's first line) |",
+        "|---|---|---|---|",
+    ]
     for name, m in sorted(METHODS.items()):
         kind = "layer at a time" if m.merge_layer else "per tensor"
         out.append(f"| [`{name}`](#{name}) | {kind} | {m.version} | {cell(m.doc.splitlines()[0])} |")
-    out += ["", "## Per-tensor rules and per-expert values", "",
-            "Every method's config also takes `rules` (and, for methods with `weights`, `per_expert`), added by "
-            "the registry:", "", doc_block(RULES_DOC), ""]
+    out += [
+        "",
+        "## Per-tensor rules and per-expert values",
+        "",
+        "Every method's config also takes `rules` (and, for methods with `weights`, `per_expert`), added by "
+        "the registry:",
+        "",
+        doc_block(RULES_DOC),
+        "",
+    ]
     for name, m in sorted(METHODS.items()):
         comments = field_comments(m.config)
         hints = typing.get_type_hints(m.config)
         out += [f"## `{name}` {{#{name}}}", "", doc_block(m.doc), ""]
-        facts = [f"kind: {'layer at a time' if m.merge_layer else 'per tensor'}",
-                 f"implementation version {m.version} (part of every stored merge's key)"]
+        facts = [
+            f"kind: {'layer at a time' if m.merge_layer else 'per tensor'}",
+            f"implementation version {m.version} (part of every stored merge's key)",
+        ]
         if m.rows is not None:
             facts.append("large tensors merged in row blocks")
         out += ["; ".join(facts) + ".", ""]
@@ -298,13 +330,23 @@ def schema_rows(cls: type, prefix: str, seen: set[str]) -> list[str]:
         union = typing.get_origin(kind) in (typing.Union, types.UnionType)  # X | None
         options = [a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]
         nested = next((o for o in options if dataclasses.is_dataclass(o)), None)
-        value = next((typing.get_args(o)[1] for o in options if typing.get_origin(o) is dict
-                      and dataclasses.is_dataclass(typing.get_args(o)[1])), None)
+        value = next(
+            (
+                typing.get_args(o)[1]
+                for o in options
+                if typing.get_origin(o) is dict and dataclasses.is_dataclass(typing.get_args(o)[1])
+            ),
+            None,
+        )
         if f.name == "method" and cls.__name__ == "RunConfig":
-            rows.append("| `method` | a method schema | `task_arithmetic` | the merge method: "
-                        "[every method's fields](methods.md) |")
+            rows.append(
+                "| `method` | a method schema | `task_arithmetic` | the merge method: "
+                "[every method's fields](methods.md) |"
+            )
             continue
-        rows.append(f"| `{dotted}` | {fmt_type(kind)} | {fmt_default(default_of(f))} | {cell(comments.get(f.name, ''))} |")
+        rows.append(
+            f"| `{dotted}` | {fmt_type(kind)} | {fmt_default(default_of(f))} | {cell(comments.get(f.name, ''))} |"
+        )
         if nested is not None:
             rows += schema_rows(nested, dotted + ".", seen)
         if value is not None:
@@ -314,17 +356,27 @@ def schema_rows(cls: type, prefix: str, seen: set[str]) -> list[str]:
 
 def config_page() -> str:
     schemas = registered_schemas()
-    out = ["# Configuration", "",
-           "Generated at every build from the structured-config schemas registered in Hydra's ConfigStore "
-           "(`mergeval/run/config.py`, `mergeval/search/schema.py`) and from the YAML files of `conf/`. Every "
-           "field below can be set on the command line (`eval.dtype=float32`) or in a YAML of your own; an "
-           "unknown field or a value of the wrong type is a one-line error before anything runs. The merge "
-           "methods' fields are on [Merge methods](methods.md).", "",
-           "A default written `${mergeval_dtype:...}` or `${mergeval_backend:...}` is resolved when the "
-           "config is read: bfloat16 where the device multiplies it natively, else float32, and the scorer "
-           "that gives the `lm_eval` command line's answers in that precision.", ""]
-    order = ["run_schema", "modelset/modelset_schema", "benchmark/benchmark_schema", "metric/metric_schema",
-             "search_run_schema"]
+    out = [
+        "# Configuration",
+        "",
+        "Generated at every build from the structured-config schemas registered in Hydra's ConfigStore "
+        "(`mergeval/run/config.py`, `mergeval/search/schema.py`) and from the YAML files of `conf/`. Every "
+        "field below can be set on the command line (`eval.dtype=float32`) or in a YAML of your own; an "
+        "unknown field or a value of the wrong type is a one-line error before anything runs. The merge "
+        "methods' fields are on [Merge methods](methods.md).",
+        "",
+        "A default written `${mergeval_dtype:...}` or `${mergeval_backend:...}` is resolved when the "
+        "config is read: bfloat16 where the device multiplies it natively, else float32, and the scorer "
+        "that gives the `lm_eval` command line's answers in that precision.",
+        "",
+    ]
+    order = [
+        "run_schema",
+        "modelset/modelset_schema",
+        "benchmark/benchmark_schema",
+        "metric/metric_schema",
+        "search_run_schema",
+    ]
     for key in order + sorted(set(schemas) - set(order)):
         if key not in schemas:
             raise PluginError(f"the config schema {key} is no longer registered: update docs/hooks.py's order")
@@ -332,10 +384,16 @@ def config_page() -> str:
         group, _, name = key.rpartition("/")
         prefix = f"{group}." if group else ""
         seen: set[str] = set()
-        title = {"run_schema": "The run (`python -m mergeval` and every command on its config tree)",
-                 "search_run_schema": "Recipe search (`python -m mergeval.search`): the `search` section"}
-        out += [f"## {title.get(key, f'`{group}` ({name})')}", "",
-                f"Schema `{name}`: `{cls.__module__}.{cls.__name__}`.", ""]
+        title = {
+            "run_schema": "The run (`python -m mergeval` and every command on its config tree)",
+            "search_run_schema": "Recipe search (`python -m mergeval.search`): the `search` section",
+        }
+        out += [
+            f"## {title.get(key, f'`{group}` ({name})')}",
+            "",
+            f"Schema `{name}`: `{cls.__module__}.{cls.__name__}`.",
+            "",
+        ]
         doc = own_docstring(cls)
         if doc:
             out += [cell(doc), ""]
@@ -352,9 +410,13 @@ def config_page() -> str:
             out += schema_rows(cls, prefix, seen)
         out.append("")
 
-    out += ["## Config groups and their options", "",
-            "The files of `conf/`: choose one with `GROUP=OPTION` (an experiment with `+experiment=OPTION`). "
-            "Each option's description is the comment at the top of its file.", ""]
+    out += [
+        "## Config groups and their options",
+        "",
+        "The files of `conf/`: choose one with `GROUP=OPTION` (an experiment with `+experiment=OPTION`). "
+        "Each option's description is the comment at the top of its file.",
+        "",
+    ]
     for group in CONFIG_GROUPS:
         paths = sorted(p for p in (ROOT / "conf" / group).glob("*.yaml") if not p.stem.endswith("_schema"))
         out += [f"### `{group}`", "", "| option | what it is |", "|---|---|"]
@@ -392,11 +454,13 @@ def commands() -> list[tuple[str, list[str]]]:
 
 def help_of(module: str, sub: list[str]) -> str:
     env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="100", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", module, *sub, "--help"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", module, *sub, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     if done.returncode != 0 or not done.stdout.strip():
-        raise PluginError(f"python -m {module} {' '.join(sub)} --help failed (exit {done.returncode}): "
-                          f"{done.stderr.strip()[-2000:]}")
+        raise PluginError(
+            f"python -m {module} {' '.join(sub)} --help failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
     return done.stdout.rstrip()
 
 
@@ -407,12 +471,17 @@ def cli_page() -> str:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         helps = list(pool.map(lambda c: help_of(*c), listed))
     summaries = {m: s.strip() for m, s in re.findall(r"python -m (\S+)\s+(.+)", ENTRY_POINTS)}
-    out = ["# Command lines", "",
-           "Generated at every build: each command's own `--help`, as it prints it. The commands on the Hydra "
-           "config tree (`mergeval`, `mergeval.merge`, `mergeval.check`, `mergeval.staged`, `mergeval.search`) "
-           "take the same `GROUP=OPTION` and `field=value` overrides ([Configuration](config.md)); every "
-           "mistake they can catch is one line on stderr and exit status 2.", "",
-           "| command | what it does |", "|---|---|"]
+    out = [
+        "# Command lines",
+        "",
+        "Generated at every build: each command's own `--help`, as it prints it. The commands on the Hydra "
+        "config tree (`mergeval`, `mergeval.merge`, `mergeval.check`, `mergeval.staged`, `mergeval.search`) "
+        "take the same `GROUP=OPTION` and `field=value` overrides ([Configuration](config.md)); every "
+        "mistake they can catch is one line on stderr and exit status 2.",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
     for module, sub in listed:
         name = " ".join([f"python -m {module}", *sub])
         anchor = "-".join([module.replace(".", "-"), *sub])
@@ -437,9 +506,13 @@ def metric_functions() -> dict[str, list[tuple[str, object]]]:
     out = {}
     for info in sorted(pkgutil.iter_modules(mergeval.metrics.__path__), key=lambda i: i.name):
         module = importlib.import_module(f"mergeval.metrics.{info.name}")
-        out[module.__name__] = [(n, obj) for n, obj in vars(module).items()
-                                if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-                                and obj.__module__ == module.__name__]
+        out[module.__name__] = [
+            (n, obj)
+            for n, obj in vars(module).items()
+            if not n.startswith("_")
+            and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and obj.__module__ == module.__name__
+        ]
     return out
 
 
@@ -455,25 +528,36 @@ def signature_of(name: str, obj: object) -> str:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return name
-    params = [p.replace(annotation=_Written(p.annotation)) if isinstance(p.annotation, str) else p
-              for p in sig.parameters.values()]
+    params = [
+        p.replace(annotation=_Written(p.annotation)) if isinstance(p.annotation, str) else p
+        for p in sig.parameters.values()
+    ]
     ret = sig.return_annotation
-    return name + str(sig.replace(parameters=params,
-                                  return_annotation=_Written(ret) if isinstance(ret, str) else ret))
+    return name + str(sig.replace(parameters=params, return_annotation=_Written(ret) if isinstance(ret, str) else ret))
 
 
 def metrics_page() -> str:
     found = metric_functions()
-    undocumented = [f"{m}.{n}" for m, items in found.items() for n, obj in items
-                    if not (obj.__doc__ or "").strip() and f"{m}.{n}" not in METRIC_HELPERS]
+    undocumented = [
+        f"{m}.{n}"
+        for m, items in found.items()
+        for n, obj in items
+        if not (obj.__doc__ or "").strip() and f"{m}.{n}" not in METRIC_HELPERS
+    ]
     if undocumented:
-        raise PluginError(f"metric function(s) without a docstring: {', '.join(undocumented)}; write the "
-                          "formula in the docstring (docs/reference/metrics.md is built from it)")
-    out = ["# Metrics", "",
-           "Generated at every build from `mergeval/metrics/`: each module's description, then every public "
-           "function with its signature and docstring (the formula). These are pure functions of score "
-           "tables and tensors; which of them a run reports is chosen by the `metric` group "
-           "([Concepts: metric](../concepts/metric.md)).", ""]
+        raise PluginError(
+            f"metric function(s) without a docstring: {', '.join(undocumented)}; write the "
+            "formula in the docstring (docs/reference/metrics.md is built from it)"
+        )
+    out = [
+        "# Metrics",
+        "",
+        "Generated at every build from `mergeval/metrics/`: each module's description, then every public "
+        "function with its signature and docstring (the formula). These are pure functions of score "
+        "tables and tensors; which of them a run reports is chosen by the `metric` group "
+        "([Concepts: metric](../concepts/metric.md)).",
+        "",
+    ]
     for module, items in found.items():
         mod = sys.modules[module]
         short = module.rsplit(".", 1)[1]

@@ -43,8 +43,11 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    run_cli(main, 'mergeval',
-            "Merge the modelset's experts in memory, evaluate base, experts and merge on the benchmark, print\n  the table and aggregates, write result.json and record the run.")
+    run_cli(
+        main,
+        "mergeval",
+        "Merge the modelset's experts in memory, evaluate base, experts and merge on the benchmark, print\n  the table and aggregates, write result.json and record the run.",
+    )
 
 
 if __name__ == "__main__":

@@ -41,20 +41,47 @@ from pathlib import Path
 # and tokenizer modules are what a run loads; they are imported lazily otherwise; numba is what the merge engine's
 # compiled kernels import, mergeval/methods/fused.py). Not datasets or
 # lm_eval.evaluator: they import pyarrow, whose allocator starts a thread, and a process with threads must not fork.
-PRELOAD = ("torch", "numpy", "safetensors.torch", "omegaconf", "hydra", "hydra.utils", "transformers",
-           "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto",
-           "lm_eval.api.model", "numba")
+PRELOAD = (
+    "torch",
+    "numpy",
+    "safetensors.torch",
+    "omegaconf",
+    "hydra",
+    "hydra.utils",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.auto.tokenization_auto",
+    "lm_eval.api.model",
+    "numba",
+)
 # Environment variables those libraries (or the C runtimes under them) read when imported: a child whose values
 # differ gets a zygote started with its own.
-IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH", "NUMBA",
-                        "OMP_", "MKL_", "KMP_", "CUDA", "NVIDIA", "LD_", "PYTHON", "XDG_", "TQDM", "LC_")
+IMPORT_TIME_PREFIXES = (
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "DATASETS",
+    "TOKENIZERS",
+    "TORCH",
+    "PYTORCH",
+    "NUMBA",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "CUDA",
+    "NVIDIA",
+    "LD_",
+    "PYTHON",
+    "XDG_",
+    "TQDM",
+    "LC_",
+)
 IMPORT_TIME_VARS = ("HOME", "LANG", "LOGLEVEL", "TMPDIR")
 POOL = 3
 
 
 def import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items()
-                        if k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_VARS))
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_VARS))
 
 
 class Zygote:
@@ -63,8 +90,14 @@ class Zygote:
     def __init__(self, env: dict[str, str]):
         self.env = dict(env)
         self.pending = bytearray()
-        self.proc = subprocess.Popen([sys.executable, __file__], env=self.env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+        )
         try:
             self.ready = self._line(timeout=600) == "ready"
         except EOFError:  # it refused to serve (threads after its imports) or could not import
@@ -87,13 +120,20 @@ class Zygote:
         self.pending[:] = rest
         return line.decode().strip()
 
-    def run(self, module: str, args: list[str], cwd: Path, env: dict[str, str],
-            timeout: float | None) -> subprocess.CompletedProcess | None:
+    def run(
+        self, module: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float | None
+    ) -> subprocess.CompletedProcess | None:
         """The child's result, or None if this zygote could not run it (the caller then spawns a fresh one)."""
         with tempfile.TemporaryDirectory(prefix="mergeval-child-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "stdout": str(out),
-                       "stderr": str(err)}
+            request = {
+                "module": module,
+                "args": args,
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(out),
+                "stderr": str(err),
+            }
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
@@ -110,10 +150,15 @@ class Zygote:
                 except ProcessLookupError:
                     pass
                 self._line(timeout=60)
-                raise subprocess.TimeoutExpired([sys.executable, "-m", module, *args], timeout,
-                                                out.read_bytes(), err.read_bytes())
-            return subprocess.CompletedProcess([sys.executable, "-m", module, *args], int(status),
-                                               out.read_text(errors="replace"), err.read_text(errors="replace"))
+                raise subprocess.TimeoutExpired(
+                    [sys.executable, "-m", module, *args], timeout, out.read_bytes(), err.read_bytes()
+                )
+            return subprocess.CompletedProcess(
+                [sys.executable, "-m", module, *args],
+                int(status),
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
 
     def alive(self) -> bool:
         return self.ready and self.proc.poll() is None
@@ -148,8 +193,9 @@ def _zygote_for(env: dict[str, str]) -> Zygote | None:
     return zygote
 
 
-def run_module(module: str, *args: str, cwd: Path | str, env: dict[str, str] | None = None,
-               timeout: float | None = None) -> subprocess.CompletedProcess:
+def run_module(
+    module: str, *args: str, cwd: Path | str, env: dict[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)``, by forking a pre-imported zygote where it can (the module docstring)."""
     env = dict(os.environ if env is None else env)
@@ -159,8 +205,9 @@ def run_module(module: str, *args: str, cwd: Path | str, env: dict[str, str] | N
             done = zygote.run(module, list(args), Path(cwd).resolve(), env, timeout) if zygote else None
         if done is not None:
             return done
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def default_signals() -> None:

@@ -29,6 +29,7 @@ def _share_the_cores() -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = share
     import sys
+
     if "torch" in sys.modules:  # already imported by a plugin: its pool is sized, resize it
         sys.modules["torch"].set_num_threads(int(share))
 
@@ -46,10 +47,20 @@ SHARED_CACHE_PARTS = ("models", "experts", "lm_eval_index")
 # The modules that take minutes, collected first; with pyproject's --no-loadscope-reorder they also start first,
 # so the longest (the reproductions) overlaps the rest of the suite on the other worker. Their tests are marked
 # ``slow``: ``python -m pytest -m "not slow"`` is the inner loop.
-SLOW_MODULES = ("test_reproductions_mini.py", "test_sweeps_scale.py", "test_registry_tasks.py",
-                "test_quickstart_e2e.py", "test_default_scorer_parity.py", "test_lm_eval_results.py",
-                "test_benchmarks_smoke.py", "test_first_hour.py", "test_docs.py", "test_faults.py",
-                "test_store_postgres.py", "test_concurrency.py")
+SLOW_MODULES = (
+    "test_reproductions_mini.py",
+    "test_sweeps_scale.py",
+    "test_registry_tasks.py",
+    "test_quickstart_e2e.py",
+    "test_default_scorer_parity.py",
+    "test_lm_eval_results.py",
+    "test_benchmarks_smoke.py",
+    "test_first_hour.py",
+    "test_docs.py",
+    "test_faults.py",
+    "test_store_postgres.py",
+    "test_concurrency.py",
+)
 
 
 def pytest_collection_modifyitems(items):

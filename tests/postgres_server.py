@@ -24,8 +24,9 @@ USER, PASSWORD = "mergeval", "s3cret"  # the server's superuser; TCP logins need
 
 def find_binaries() -> Path | None:
     """The directory holding initdb, pg_ctl and postgres, or None."""
-    candidates = [os.environ.get("PG_BIN")] + sorted(glob.glob("/usr/lib/postgresql/*/bin"),
-                                                     key=lambda d: int(Path(d).parent.name), reverse=True)
+    candidates = [os.environ.get("PG_BIN")] + sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name), reverse=True
+    )
     on_path = shutil.which("pg_ctl")
     candidates.append(str(Path(on_path).resolve().parent) if on_path else None)
     for directory in filter(None, candidates):
@@ -73,23 +74,44 @@ class Server:
         (self.root / "pw").write_text(PASSWORD)
         if self.as_user:
             os.chown(self.root / "pw", entry.pw_uid, entry.pw_gid)
-        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50")
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=50"
+        )
         try:
-            self._run("initdb", "-D", str(self.data), "-U", USER, f"--pwfile={self.root / 'pw'}",
-                      "--auth-local=trust", "--auth-host=scram-sha-256", "--no-locale", "-E", "UTF8", "--no-sync")
+            self._run(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                USER,
+                f"--pwfile={self.root / 'pw'}",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                "--no-locale",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            )
             self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
         except BaseException:
             shutil.rmtree(self.root, ignore_errors=True)
             raise
 
     def _run(self, tool: str, *args: str) -> None:
-        done = subprocess.run([*self.as_user, str(self.bin / tool), *args], capture_output=True, text=True,
-                              cwd=self.root, env={**os.environ, "LC_ALL": "C"})
+        done = subprocess.run(
+            [*self.as_user, str(self.bin / tool), *args],
+            capture_output=True,
+            text=True,
+            cwd=self.root,
+            env={**os.environ, "LC_ALL": "C"},
+        )
         if done.returncode != 0:
             log = self.root / "log"
-            raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr[-2000:]}"
-                               + (f"\nserver log: {log.read_text()[-2000:]}" if log.exists() else ""))
+            raise RuntimeError(
+                f"{tool} failed ({done.returncode}): {done.stderr[-2000:]}"
+                + (f"\nserver log: {log.read_text()[-2000:]}" if log.exists() else "")
+            )
 
     def url(self, database: str = "postgres", password: str = PASSWORD, port: int | None = None) -> str:
         return f"postgresql://{USER}:{password}@127.0.0.1:{port or self.port}/{database}"

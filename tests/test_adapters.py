@@ -39,9 +39,18 @@ def adapters(tmp_path_factory, tiny_dir):
 
 
 def _overrides(base: Path, experts: dict[str, Path], *extra: str) -> list[str]:
-    return ["+experiment=tiny", "benchmark.n_items=8", "eval.dtype=float32", f"modelset.base={base}",
-            *[o for role, path in experts.items() for o in (f"modelset.experts.{role}.source={path}",
-                                                             f"modelset.experts.{role}.domain=null")], *extra]
+    return [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "eval.dtype=float32",
+        f"modelset.base={base}",
+        *[
+            o
+            for role, path in experts.items()
+            for o in (f"modelset.experts.{role}.source={path}", f"modelset.experts.{role}.domain=null")
+        ],
+        *extra,
+    ]
 
 
 def test_an_adapter_is_applied_as_merge_and_unload_would(adapters, tiny_dir, tmp_path, cache):
@@ -53,8 +62,13 @@ def test_an_adapter_is_applied_as_merge_and_unload_would(adapters, tiny_dir, tmp
 
     identity = model_identity(fingerprint(tiny_dir), tiny_dir)
     full = applied_adapter(adapters["chem"], tiny_dir, identity, str(tiny_dir), tmp_path, "modelset.experts.chem")
-    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
-                                     str(adapters["chem"])).merge_and_unload().state_dict()
+    want = (
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), str(adapters["chem"])
+        )
+        .merge_and_unload()
+        .state_dict()
+    )
     got = load_file(str(full / "model.safetensors"))
     assert set(got) <= set(want) and all(torch.equal(got[n], want[n]) for n in got)
     base = load_file(str(tiny_dir / "model.safetensors"))
@@ -68,26 +82,40 @@ def test_adapters_as_experts_merge_and_evaluate_in_a_run_and_merge_only(adapters
     from mergeval.run import app
     from mergeval.run.lm_eval_import import compose_run_config
 
-    outcome = app.run(compose_run_config(_overrides(tiny_dir, adapters, f"store.path={tmp_path / 's.sqlite'}",
-                                                    f"cache_dir={tmp_path / 'cache'}")), tmp_path / "run")
+    outcome = app.run(
+        compose_run_config(
+            _overrides(tiny_dir, adapters, f"store.path={tmp_path / 's.sqlite'}", f"cache_dir={tmp_path / 'cache'}")
+        ),
+        tmp_path / "run",
+    )
     assert [m.evaluated for m in outcome.models] == ["this run"] * 4
     assert all("adapters" in m.path for m in outcome.models[1:3])
-    out = run_module("mergeval.merge", *_overrides(tiny_dir, adapters, f"output={tmp_path / 'merged'}",
-                                                   f"cache_dir={tmp_path / 'cache'}"), cwd=tmp_path, timeout=600)
+    out = run_module(
+        "mergeval.merge",
+        *_overrides(tiny_dir, adapters, f"output={tmp_path / 'merged'}", f"cache_dir={tmp_path / 'cache'}"),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "merged" / "model.safetensors").is_file()
-    check = run_module("mergeval.check", *_overrides(tiny_dir, adapters, f"cache_dir={tmp_path / 'cache'}"),
-                       cwd=tmp_path, timeout=600)
+    check = run_module(
+        "mergeval.check", *_overrides(tiny_dir, adapters, f"cache_dir={tmp_path / 'cache'}"), cwd=tmp_path, timeout=600
+    )
     assert check.returncode == 0 and "(a PEFT adapter" in check.stdout and "ready" in check.stdout, check.stdout[-3000:]
 
 
 def test_an_adapter_of_another_base_is_one_line(adapters, tiny_dir, tmp_path):
     other = _adapter(tiny_dir, tmp_path / "other", 3, base_name=str(tmp_path))  # names another directory
-    out = run_module("mergeval", *_overrides(tiny_dir, {"chem": other, "units": adapters["units"]},
-                                             f"store.path={tmp_path / 's.sqlite'}"), cwd=tmp_path, timeout=600)
+    out = run_module(
+        "mergeval",
+        *_overrides(tiny_dir, {"chem": other, "units": adapters["units"]}, f"store.path={tmp_path / 's.sqlite'}"),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
-    assert out.stderr.startswith(f"mergeval: error: modelset.experts.chem.source: is a LoRA adapter for {tmp_path}, "
-                                 "not for the modelset's base"), out.stderr
+    assert out.stderr.startswith(
+        f"mergeval: error: modelset.experts.chem.source: is a LoRA adapter for {tmp_path}, not for the modelset's base"
+    ), out.stderr
     hub = _adapter(tiny_dir, tmp_path / "hub", 4, base_name="meta-llama/Llama-3.2-3B")
     from mergeval.core.errors import UserError
     from mergeval.models.adapters import adapter_config, check_adapter_base

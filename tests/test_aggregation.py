@@ -16,23 +16,29 @@ from mergeval.run.config import MetricConfig, MetricGroup
 from mergeval.run.summary import LOWER_IS_BETTER, OUT_OF_RANGE, aggregable, aggregate, constituent_roles
 
 #            base  chem  units merged
-TABLE = {"chem": (0.20, 0.60, 0.30, 0.50),
-         "units": (0.30, 0.25, 0.70, 0.40),
-         "general": (0.80, 0.60, 0.70, 0.65)}
+TABLE = {"chem": (0.20, 0.60, 0.30, 0.50), "units": (0.30, 0.25, 0.70, 0.40), "general": (0.80, 0.60, 0.70, 0.65)}
 ROLES = ("base", "chem", "units", MERGED)
-MODELS = [ModelInfo("base", "b", "fb"), ModelInfo("chem", "c", "fc", task="chem"),
-          ModelInfo("units", "u", "fu", task="units"), ModelInfo(MERGED, "m", "fm")]
+MODELS = [
+    ModelInfo("base", "b", "fb"),
+    ModelInfo("chem", "c", "fc", task="chem"),
+    ModelInfo("units", "u", "fu", task="units"),
+    ModelInfo(MERGED, "m", "fm"),
+]
 TASKS = list(TABLE)
 
 
 def scores(table=TABLE) -> dict:
-    return {t: {r: {"metric": "acc,none", "value": v, "stderr": 0.01, "n": 100} for r, v in zip(ROLES, row)}
-            for t, row in table.items()}
+    return {
+        t: {r: {"metric": "acc,none", "value": v, "stderr": 0.01, "n": 100} for r, v in zip(ROLES, row)}
+        for t, row in table.items()
+    }
 
 
 def metric(**kw) -> MetricConfig:
-    groups = {"domains": MetricGroup(tasks=["chem", "units"], scale=100.0),
-              "general": MetricGroup(tasks=["general"], scale=50.0)}
+    groups = {
+        "domains": MetricGroup(tasks=["chem", "units"], scale=100.0),
+        "general": MetricGroup(tasks=["general"], scale=50.0),
+    }
     return MetricConfig(**{"groups": groups, "forgetting_tasks": ["general"], **kw})
 
 
@@ -55,8 +61,11 @@ def test_the_base_joins_the_constituents_only_when_asked():
 
 def test_fraction_scale_reports_the_same_gain_in_fractions():
     agg = aggregate(scores(), TASKS, MODELS, metric(scale="fraction"))
-    assert (agg["scale"], agg["macro_gain"], agg["macro_og"]) == ("fraction", pytest.approx(-0.05 / 6),
-                                                                  pytest.approx(-0.05))
+    assert (agg["scale"], agg["macro_gain"], agg["macro_og"]) == (
+        "fraction",
+        pytest.approx(-0.05 / 6),
+        pytest.approx(-0.05),
+    )
 
 
 def test_normalized_scores_place_the_merge_between_base_and_expert():
@@ -90,8 +99,10 @@ def test_an_expert_below_the_base_keeps_its_ratio_but_leaves_the_mean():
 def test_group_means_rescale_each_group_and_forgetting_is_base_minus_merged():
     agg = aggregate(scores(), TASKS, MODELS, metric())
     # weighting=tasks: the plain mean of the rescaled tasks, e.g. merged (100*0.5 + 100*0.4 + 50*0.65) / 3
-    want = {r: (100 * TABLE["chem"][i] + 100 * TABLE["units"][i] + 50 * TABLE["general"][i]) / 3
-            for i, r in enumerate(ROLES)}
+    want = {
+        r: (100 * TABLE["chem"][i] + 100 * TABLE["units"][i] + 50 * TABLE["general"][i]) / 3
+        for i, r in enumerate(ROLES)
+    }
     assert agg["groups"] == pytest.approx(want)
     equal = aggregate(scores(), TASKS, MODELS, metric(weighting="equal"))["groups"]
     assert equal[MERGED] == pytest.approx(((50 + 40) / 2 + 32.5) / 2)
@@ -112,25 +123,35 @@ def test_constituent_roles():
 
 
 def test_aggregable_counts_zero_and_one_and_says_why_it_leaves_a_task_out():
-    table = dict(TABLE, zero=(0.0, 0.1, 0.2, 1.0), ppl=(12.0, 11.0, 10.0, 10.5), wide=(0.5, 0.6, 1.2, 0.7),
-                 member=(0.1, 0.2, 0.3, 0.4))
-    rows = {"ppl": {"higher_is_better": False, "counted": True},
-            "member": {"higher_is_better": True, "counted": False},  # counted through its group
-            "wide": {"higher_is_better": True, "counted": True}}
+    table = dict(
+        TABLE,
+        zero=(0.0, 0.1, 0.2, 1.0),
+        ppl=(12.0, 11.0, 10.0, 10.5),
+        wide=(0.5, 0.6, 1.2, 0.7),
+        member=(0.1, 0.2, 0.3, 0.4),
+    )
+    rows = {
+        "ppl": {"higher_is_better": False, "counted": True},
+        "member": {"higher_is_better": True, "counted": False},  # counted through its group
+        "wide": {"higher_is_better": True, "counted": True},
+    }
     counted, excluded = aggregable(scores(table), rows, list(table))
     assert counted == ["chem", "units", "general", "zero"]
     assert excluded == {"ppl": LOWER_IS_BETTER, "wide": OUT_OF_RANGE}
 
 
-@pytest.mark.parametrize("score,text", [
-    ({"value": 0.612, "stderr": 0.021}, "0.612 ± 0.021"),
-    ({"value": 123.456, "stderr": 2.54}, "123.5 ± 2.5"),  # perplexities: one decimal
-    ({"value": 99.9994, "stderr": 0.5}, "99.999 ± 0.500"),
-    ({"value": 0.5}, "0.500"),
-    ({"value": 0.5, "stderr": None}, "0.500"),
-    ({"value": 0.5, "stderr": math.nan}, "0.500"),
-    ({"acc": 0.25, "stderr": 0.04}, "0.250 ± 0.040"),  # a result.json from before per-task metrics
-])
+@pytest.mark.parametrize(
+    "score,text",
+    [
+        ({"value": 0.612, "stderr": 0.021}, "0.612 ± 0.021"),
+        ({"value": 123.456, "stderr": 2.54}, "123.5 ± 2.5"),  # perplexities: one decimal
+        ({"value": 99.9994, "stderr": 0.5}, "99.999 ± 0.500"),
+        ({"value": 0.5}, "0.500"),
+        ({"value": 0.5, "stderr": None}, "0.500"),
+        ({"value": 0.5, "stderr": math.nan}, "0.500"),
+        ({"acc": 0.25, "stderr": 0.04}, "0.250 ± 0.040"),  # a result.json from before per-task metrics
+    ],
+)
 def test_score_text(score, text):
     assert score_text(score) == text
 
@@ -143,8 +164,12 @@ def test_score_value_and_fixed():
 def test_two_experts_on_one_task_normalize_it_by_the_better_and_count_it_once():
     """Both experts naming chem: the table said "mean over -1 of 1 expert tasks" (the task counted once per
     expert that does not beat the base) and normalized chem by whichever expert came last."""
-    both = [ModelInfo("base", "b", "fb"), ModelInfo("chem", "c", "fc", task="chem"),
-            ModelInfo("units", "u", "fu", task="chem"), ModelInfo(MERGED, "m", "fm")]
+    both = [
+        ModelInfo("base", "b", "fb"),
+        ModelInfo("chem", "c", "fc", task="chem"),
+        ModelInfo("units", "u", "fu", task="chem"),
+        ModelInfo(MERGED, "m", "fm"),
+    ]
     agg = aggregate(scores(), TASKS, both, metric())
     assert agg["normalized"] == {"chem": pytest.approx((0.50 - 0.20) / (0.60 - 0.20))}  # chem 0.60 beats units 0.30
     assert agg["normalized_not_counted"] == []

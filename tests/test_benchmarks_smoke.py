@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def test_merge_throughput_smoke_gives_mergekits_ties_merge_bit_for_bit(tmp_path):
@@ -36,8 +42,19 @@ def test_merge_throughput_smoke_gives_mergekits_ties_merge_bit_for_bit(tmp_path)
 
 
 def test_run_memory_reports_each_runs_peak_and_no_gpu_memory_on_the_cpu(tmp_path):
-    done = run_script("run_memory.py", "--layers", "2", "--hidden", "256", "--intermediate", "512", "--experts", "2",
-                      "--json", cwd=tmp_path)
+    done = run_script(
+        "run_memory.py",
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--intermediate",
+        "512",
+        "--experts",
+        "2",
+        "--json",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [row["experts"] for row in rows] == [2]

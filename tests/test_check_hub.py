@@ -91,18 +91,29 @@ def _repo(model_dir: Path, **config_changes) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def hub(tiny_dir):
-    adapter = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-               "base_model_name_or_path": "other/base"}
+    adapter = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": "other/base",
+    }
     config = json.loads((tiny_dir / "config.json").read_text())
-    repos = {"tiny/base": _repo(tiny_dir), "tiny/chem": _repo(tiny_dir), "tiny/units": _repo(tiny_dir),
-             "tiny/wide": _repo(tiny_dir, hidden_size=2 * config["hidden_size"]),
-             "tiny/bigvocab": _repo(tiny_dir, vocab_size=config["vocab_size"] + 64),
-             "tiny/gptq": _repo(tiny_dir, quantization_config={"quant_method": "gptq", "bits": 4}),
-             "tiny/lora-other": {"adapter_config.json": json.dumps(adapter).encode(),
-                                 "adapter_model.safetensors": b"\0" * 4096},
-             "tiny/pickled": {k: v for k, v in _repo(tiny_dir).items() if k != "model.safetensors"}
-             | {"pytorch_model.bin": b"\0" * 4096},
-             "tiny/gated": _repo(tiny_dir)}
+    repos = {
+        "tiny/base": _repo(tiny_dir),
+        "tiny/chem": _repo(tiny_dir),
+        "tiny/units": _repo(tiny_dir),
+        "tiny/wide": _repo(tiny_dir, hidden_size=2 * config["hidden_size"]),
+        "tiny/bigvocab": _repo(tiny_dir, vocab_size=config["vocab_size"] + 64),
+        "tiny/gptq": _repo(tiny_dir, quantization_config={"quant_method": "gptq", "bits": 4}),
+        "tiny/lora-other": {
+            "adapter_config.json": json.dumps(adapter).encode(),
+            "adapter_model.safetensors": b"\0" * 4096,
+        },
+        "tiny/pickled": {k: v for k, v in _repo(tiny_dir).items() if k != "model.safetensors"}
+        | {"pytorch_model.bin": b"\0" * 4096},
+        "tiny/gated": _repo(tiny_dir),
+    }
     server = Hub(repos, gated=("tiny/gated",))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -116,8 +127,7 @@ def hub_env(hub, tmp_path_factory, cache):
     """The check's environment: the stand-in hub, an empty Hugging Face cache, and HF_HUB_OFFLINE=1, which
     offline=false must override. One for the module, so the test children share one pre-imported zygote."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
-    return {**env, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path_factory.mktemp("hf-home")),
-            "HF_HUB_OFFLINE": "1"}
+    return {**env, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path_factory.mktemp("hf-home")), "HF_HUB_OFFLINE": "1"}
 
 
 def _check(hub_env, cwd: Path, base: str, experts: dict[str, str], *extra: str):
@@ -125,11 +135,28 @@ def _check(hub_env, cwd: Path, base: str, experts: dict[str, str], *extra: str):
     of --config-dir: experts cannot be added on the command line); (the completed process, its
     ``mergeval: missing: modelset.*`` lines without that prefix)."""
     (cwd / "conf" / "modelset").mkdir(parents=True)
-    (cwd / "conf" / "modelset" / "hub.yaml").write_text(json.dumps(
-        {"defaults": ["modelset_schema", "_self_"], "name": "hub", "base": base,
-         "experts": {name: {"source": source} for name, source in experts.items()}}))
-    out = run_module("mergeval.check", "--config-dir", str(cwd / "conf"), "+experiment=tiny", "modelset=hub",
-                     "offline=false", *extra, cwd=cwd, env=hub_env, timeout=300)
+    (cwd / "conf" / "modelset" / "hub.yaml").write_text(
+        json.dumps(
+            {
+                "defaults": ["modelset_schema", "_self_"],
+                "name": "hub",
+                "base": base,
+                "experts": {name: {"source": source} for name, source in experts.items()},
+            }
+        )
+    )
+    out = run_module(
+        "mergeval.check",
+        "--config-dir",
+        str(cwd / "conf"),
+        "+experiment=tiny",
+        "modelset=hub",
+        "offline=false",
+        *extra,
+        cwd=cwd,
+        env=hub_env,
+        timeout=300,
+    )
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "HTTP Request" not in out.stdout, out.stdout[-3000:]  # the hub client's request log stays quiet
     lines = [line.removeprefix("mergeval: missing: ") for line in out.stderr.splitlines()]
@@ -146,8 +173,11 @@ def test_compatible_hub_models_are_sized_and_fetched_from_their_metadata_alone(h
     out, lines = _check(hub_env, tmp_path, "hf:tiny/base", {"chem": "hf:tiny/chem", "units": "hf:tiny/units"})
     assert out.returncode == 2
     sizes = {name: len(data) for name, data in hub.repos["tiny/base"].items() if name != "README.md"}
-    assert [line.split(":")[0] for line in lines] == ["modelset.base", "modelset.experts.chem",
-                                                      "modelset.experts.units"], lines
+    assert [line.split(":")[0] for line in lines] == [
+        "modelset.base",
+        "modelset.experts.chem",
+        "modelset.experts.units",
+    ], lines
     for line in lines:
         assert f"on the hub: {len(sizes)} files, " in line and "to download); fetch: hf download tiny/" in line, line
     total = re.search(r"to download from the hub: (.+?) \(3 models not yet local", out.stdout)
@@ -160,24 +190,39 @@ def test_compatible_hub_models_are_sized_and_fetched_from_their_metadata_alone(h
 @pytest.mark.parametrize("vocab_policy", ["error", "base"])
 def test_each_incompatible_expert_is_one_line_naming_it(hub, hub_env, tmp_path, vocab_policy):
     hub.asked.clear()
-    experts = {"chem": "hf:tiny/chem", "wide": "hf:tiny/wide", "lora": "hf:tiny/lora-other",
-               "vocab": "hf:tiny/bigvocab", "gptq": "hf:tiny/gptq", "pickled": "hf:tiny/pickled"}
+    experts = {
+        "chem": "hf:tiny/chem",
+        "wide": "hf:tiny/wide",
+        "lora": "hf:tiny/lora-other",
+        "vocab": "hf:tiny/bigvocab",
+        "gptq": "hf:tiny/gptq",
+        "pickled": "hf:tiny/pickled",
+    }
     out, lines = _check(hub_env, tmp_path, "hf:tiny/base", experts, f"vocab_policy={vocab_policy}")
     assert out.returncode == 2
     fetch = [line.split(":")[0] for line in lines if "; fetch: hf download" in line]
-    assert fetch == ["modelset.base", "modelset.experts.chem", "modelset.experts.wide", "modelset.experts.lora",
-                     "modelset.experts.vocab"], lines
+    assert fetch == [
+        "modelset.base",
+        "modelset.experts.chem",
+        "modelset.experts.wide",
+        "modelset.experts.lora",
+        "modelset.experts.vocab",
+    ], lines
     others = [line for line in lines if "; fetch: hf download" not in line]
-    want = [r"modelset\.experts\.gptq: hf:tiny/gptq \(on the hub: .*quantized \(gptq, 4-bit\), which mergeval "
-            r"cannot dequantize\); fetch: use the unquantized checkpoint",
-            r"modelset\.experts\.pickled: hf:tiny/pickled \(on the hub without \*\.safetensors weights \(only "
-            r"pytorch_model\.bin",
-            r"modelset\.experts\.wide: hidden_size is 64 but the base has 32; merge only models of the base's",
-            r"modelset\.experts\.lora: is a LoRA adapter for other/base, not for the modelset's base hf:tiny/base; "
-            r"set modelset\.base to other/base"]
+    want = [
+        r"modelset\.experts\.gptq: hf:tiny/gptq \(on the hub: .*quantized \(gptq, 4-bit\), which mergeval "
+        r"cannot dequantize\); fetch: use the unquantized checkpoint",
+        r"modelset\.experts\.pickled: hf:tiny/pickled \(on the hub without \*\.safetensors weights \(only "
+        r"pytorch_model\.bin",
+        r"modelset\.experts\.wide: hidden_size is 64 but the base has 32; merge only models of the base's",
+        r"modelset\.experts\.lora: is a LoRA adapter for other/base, not for the modelset's base hf:tiny/base; "
+        r"set modelset\.base to other/base",
+    ]
     if vocab_policy == "error":
-        want.append(r"modelset\.experts\.vocab: vocabulary differs from the base: vocab_size 448 vs 384; merge "
-                    r"models that share the base's tokenizer, or set vocab_policy=base")
+        want.append(
+            r"modelset\.experts\.vocab: vocabulary differs from the base: vocab_size 448 vs 384; merge "
+            r"models that share the base's tokenizer, or set vocab_policy=base"
+        )
     else:
         assert "note: modelset.experts.vocab: vocab_size 448 vs the base's 384" in out.stdout, out.stdout[-3000:]
     assert len(others) == len(want) and all(re.match(w, line) for w, line in zip(want, others)), others
@@ -188,7 +233,8 @@ def test_a_local_base_is_compared_with_a_hub_expert(hub, hub_env, tmp_path, tiny
     out, lines = _check(hub_env, tmp_path, str(tiny_dir), {"chem": "hf:tiny/chem", "wide": "hf:tiny/wide"})
     assert out.returncode == 2
     assert [line.split(";")[0] for line in lines if "fetch: hf download" not in line] == [
-        "modelset.experts.wide: hidden_size is 64 but the base has 32"], lines
+        "modelset.experts.wide: hidden_size is 64 but the base has 32"
+    ], lines
     assert "to download from the hub:" in out.stdout and "(2 models not yet local" in out.stdout
 
 
@@ -196,15 +242,18 @@ def test_a_repository_the_hub_does_not_have_is_one_clear_line(hub, hub_env, tmp_
     out, lines = _check(hub_env, tmp_path, "hf:tiny/base", {"ghost": "hf:nobody/nothing"})
     assert out.returncode == 2
     ghost = [line for line in lines if line.startswith("modelset.experts.ghost")]
-    assert ghost == [f"modelset.experts.ghost: hf:nobody/nothing (no repository nobody/nothing on the hub at "
-                     f"{hub.url} (or it is private)); fetch: check the id (hf:<org>/<name>); for a private "
-                     "repository log in (hf auth login) or set HF_TOKEN"], lines
+    assert ghost == [
+        f"modelset.experts.ghost: hf:nobody/nothing (no repository nobody/nothing on the hub at "
+        f"{hub.url} (or it is private)); fetch: check the id (hf:<org>/<name>); for a private "
+        "repository log in (hf auth login) or set HF_TOKEN"
+    ], lines
 
 
 def test_offline_true_asks_the_hub_nothing(hub, hub_env, tmp_path):
     hub.asked.clear()
-    out = run_module("mergeval.check", "+experiment=tiny", "modelset.base=hf:tiny/base", cwd=tmp_path,
-                     env=hub_env, timeout=300)
+    out = run_module(
+        "mergeval.check", "+experiment=tiny", "modelset.base=hf:tiny/base", cwd=tmp_path, env=hub_env, timeout=300
+    )
     assert out.returncode == 2 and hub.asked == []
     assert "modelset.base: hf:tiny/base (not in the local Hugging Face cache); fetch: hf download" in out.stderr
 
@@ -234,10 +283,14 @@ def test_hub_model_reads_the_file_list_and_the_configs_only(in_process_hub):
     adapter = hub_model("tiny/lora-other", "modelset.experts.x")
     assert adapter.is_adapter and adapter.adapter_base == "other/base" and adapter.config is None
     asked = [path for path in in_process_hub.asked if path != "/api/agent-harnesses"]  # the client's own telemetry
-    assert asked == ["/api/models/tiny/gptq", f"/tiny/gptq/resolve/{COMMIT}/config.json",
-                     f"/tiny/gptq/resolve/{COMMIT}/config.json", "/api/models/tiny/lora-other",
-                     f"/tiny/lora-other/resolve/{COMMIT}/adapter_config.json",
-                     f"/tiny/lora-other/resolve/{COMMIT}/adapter_config.json"]  # HEAD, then GET
+    assert asked == [
+        "/api/models/tiny/gptq",
+        f"/tiny/gptq/resolve/{COMMIT}/config.json",
+        f"/tiny/gptq/resolve/{COMMIT}/config.json",
+        "/api/models/tiny/lora-other",
+        f"/tiny/lora-other/resolve/{COMMIT}/adapter_config.json",
+        f"/tiny/lora-other/resolve/{COMMIT}/adapter_config.json",
+    ]  # HEAD, then GET
 
 
 def test_a_gated_repository_and_an_unreachable_hub_are_user_errors(in_process_hub, monkeypatch):

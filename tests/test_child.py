@@ -40,8 +40,9 @@ def test_a_forked_child_is_what_python_m_gives(zygote, tmp_path, args):
     (tmp_path / "probe_mod.py").write_text(PROBE)
     env = dict(zygote.env, PROBE="here")
     forked = zygote.run("probe_mod", args, tmp_path, env, timeout=120)
-    fresh = subprocess.run([sys.executable, "-m", "probe_mod", *args], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=120)
+    fresh = subprocess.run(
+        [sys.executable, "-m", "probe_mod", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert forked is not None
     assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
     assert forked.stdout.endswith("atexit ran\n") and '"probe": "here"' in forked.stdout
@@ -64,8 +65,14 @@ def test_a_child_past_its_timeout_is_killed_and_the_zygote_serves_on(zygote, tmp
 def test_mergevals_one_line_error_is_the_same_forked_and_fresh(tmp_path, cache):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     forked = run_module("mergeval", "+experiment=tiny", "method.densty=0.5", cwd=tmp_path, env=env, timeout=300)
-    fresh = subprocess.run([sys.executable, "-m", "mergeval", "+experiment=tiny", "method.densty=0.5"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
+    fresh = subprocess.run(
+        [sys.executable, "-m", "mergeval", "+experiment=tiny", "method.densty=0.5"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert forked.returncode == 2 and forked.stderr.startswith("mergeval: error: method.densty: no such field")
 
@@ -73,8 +80,12 @@ def test_mergevals_one_line_error_is_the_same_forked_and_fresh(tmp_path, cache):
 def test_only_import_time_variables_pick_the_zygote():
     base = {"PATH": "/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MERGEVAL_CACHE": "/a"}
     assert import_time_env(base) == import_time_env(dict(base, MERGEVAL_CACHE="/b", PROBE="x"))
-    for changed in ({"HF_HUB_OFFLINE": "0"}, {"OMP_NUM_THREADS": "2"}, {"HOME": "/elsewhere"},
-                    {"HF_DATASETS_OFFLINE": "1"}):
+    for changed in (
+        {"HF_HUB_OFFLINE": "0"},
+        {"OMP_NUM_THREADS": "2"},
+        {"HOME": "/elsewhere"},
+        {"HF_DATASETS_OFFLINE": "1"},
+    ):
         assert import_time_env(base) != import_time_env({**base, **changed}), changed
 
 

@@ -26,8 +26,11 @@ def test_the_default_composes_the_quickstart():
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config")
-        assert (cfg.modelset.name, cfg.benchmark.name, cfg.method.name) == ("quickstart", "quickstart",
-                                                                            "task_arithmetic")
+        assert (cfg.modelset.name, cfg.benchmark.name, cfg.method.name) == (
+            "quickstart",
+            "quickstart",
+            "task_arithmetic",
+        )
         assert cfg.modelset.base == "smollm2"
         explicit = compose("config", overrides=["+experiment=quickstart"])
         assert explicit == cfg
@@ -35,14 +38,17 @@ def test_the_default_composes_the_quickstart():
         assert (ties.method.name, ties.method.density, ties.modelset.base) == ("ties", 0.3, "zoo:tiny")
 
 
-@pytest.mark.parametrize("override,field", [
-    ("method=nope", "method: unknown option 'nope'"),
-    ("modelset=nope", "modelset: unknown option 'nope'"),
-    ("benchmark=nope", "benchmark: unknown option 'nope'"),
-    ("method.lambda_=abc", "method.lambda_"),
-    ("method.densty=0.5", "method.densty: no such field"),
-    ("modelset.train.steps=1.5", "modelset.train.steps"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("method=nope", "method: unknown option 'nope'"),
+        ("modelset=nope", "modelset: unknown option 'nope'"),
+        ("benchmark=nope", "benchmark: unknown option 'nope'"),
+        ("method.lambda_=abc", "method.lambda_"),
+        ("method.densty=0.5", "method.densty: no such field"),
+        ("modelset.train.steps=1.5", "modelset.train.steps"),
+    ],
+)
 def test_bad_overrides_fail_at_compose_time_with_one_line(override, field, tmp_path):
     out = mergeval("+experiment=tiny", override, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
@@ -65,8 +71,15 @@ def test_a_mapping_is_set_from_the_command_line_as_the_readme_writes_it():
 
     from mergeval.run.config import open_mappings, register_configs
 
-    args = ["eval.gen_kwargs={max_gen_toks: 256}", "benchmark.fewshot.mergeval_units=2", "eval.gen_kwarg={}",
-            "modelset.experts.units.sourc=x", "+eval.gen_kwargs.top_k=1", "-m", "eval.dtype=float32"]
+    args = [
+        "eval.gen_kwargs={max_gen_toks: 256}",
+        "benchmark.fewshot.mergeval_units=2",
+        "eval.gen_kwarg={}",
+        "modelset.experts.units.sourc=x",
+        "+eval.gen_kwargs.top_k=1",
+        "-m",
+        "eval.dtype=float32",
+    ]
     assert open_mappings(args) == ["++" + args[0], "++" + args[1], *args[2:]]
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
@@ -90,17 +103,36 @@ def test_an_experiment_sweeps_a_mappings_new_key_as_the_command_line_does(tmp_pa
     (tmp_path / "conf" / "experiment" / "shots.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /modelset: tiny\n  - override /benchmark: tiny\n"
         "benchmark:\n  limit: 4\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
-        "      benchmark.fewshot.mergeval_chem_count: 0,1\n")
-    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=shots", f"store.path={tmp_path / 's.sqlite'}",
-                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        "      benchmark.fewshot.mergeval_chem_count: 0,1\n"
+    )
+    out = mergeval(
+        "--config-dir",
+        str(tmp_path / "conf"),
+        "+experiment=shots",
+        f"store.path={tmp_path / 's.sqlite'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    shots = [json.loads((tmp_path / "sweep" / str(job) / "result.json").read_text())["task_settings"]
-             ["mergeval_chem_count"]["num_fewshot"] for job in (0, 1)]
+    shots = [
+        json.loads((tmp_path / "sweep" / str(job) / "result.json").read_text())["task_settings"]["mergeval_chem_count"][
+            "num_fewshot"
+        ]
+        for job in (0, 1)
+    ]
     assert shots == [0, 1]
     # an experiment of --config-dir's is checked and followed as a packaged one (the flag once turned both off)
     assert "mergeval: sweep 2/2 done" in out.stdout + out.stderr
-    bad = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=shots", "method=ties", "method.density=0,0.5",
-                   f"store.path={tmp_path / 's.sqlite'}", f"hydra.sweep.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    bad = mergeval(
+        "--config-dir",
+        str(tmp_path / "conf"),
+        "+experiment=shots",
+        "method=ties",
+        "method.density=0,0.5",
+        f"store.path={tmp_path / 's.sqlite'}",
+        f"hydra.sweep.dir={tmp_path / 'bad'}",
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "no job was started" in bad.stderr and not (tmp_path / "bad").exists(), bad.stderr
 
 
@@ -111,38 +143,50 @@ def test_an_experiment_keeps_the_sweeper_it_chooses(tmp_path, cache):
     (tmp_path / "conf" / "experiment" / "staged_here.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /modelset: tiny\n  - override /benchmark: tiny\n"
         "  - override /hydra/sweeper: staged\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
-        "      method.lambda_: 0.5,1.0\n")
-    out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=staged_here",
-                   f"store.path={tmp_path / 's.sqlite'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        "      method.lambda_: 0.5,1.0\n"
+    )
+    out = mergeval(
+        "--config-dir",
+        str(tmp_path / "conf"),
+        "+experiment=staged_here",
+        f"store.path={tmp_path / 's.sqlite'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "sweep" / "staged.json").exists() and not (tmp_path / "sweep" / "0").exists()
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["method=ties", "method.density=-0.5"], "method.density"),
-    (["benchmark.fewshot.mergeval_units=two"], "benchmark.fewshot.mergeval_units"),  # a mapping's values: typed
-    (["modelset.experts.units.sourc=x"], "modelset.experts.units.sourc"),
-    (["method=ties", "method.density=0"], "method.density"),
-    (["modelset.base=/no/such/dir"], "modelset.base"),
-    (["modelset.experts.chem.domain=null", "modelset.experts.chem.source=/no/such/model"],
-     "modelset.experts.chem.source"),
-    (["benchmark.tasks=[mergeval_nope]"], "benchmark.tasks"),
-    (["metric.scale=permille"], "metric.scale"),
-    (["eval.batch_size=0"], "eval.batch_size"),
-    (["modelset.experts.chem.domain=poetry"], "modelset.experts.chem.domain"),
-    (["+method.densty=0.3"], "method.densty"),  # a misspelt key added with + is not silently ignored
-    (["+benchmark.limt=3"], "benchmark.limt"),
-    (["benchmark.num_fewshot=-1"], "benchmark.num_fewshot"),
-    (["sweep.best=macro_gian"], "sweep.best"),  # once silently left the best-so-far out of a sweep's progress
-    # free mappings take new keys from the command line (config.open_mappings), so their keys are checked here
-    (["eval.gen_kwargs.max_gen_tokens=8"], "eval.gen_kwargs.max_gen_tokens"),  # was generate()'s traceback, mid-run
-    (["benchmark.fewshot.mergeval_chem_cont=1"], "benchmark.fewshot.mergeval_chem_cont"),
-    (["search.space.lambda_={low: 0.1, high: 1}"], "search"),  # only mergeval.search's: a plain run has no section
-    # a new entry of a mapping of dataclasses: OmegaConf's "mol: Invalid type assigned: dict is not a subclass..."
-    (["+metric.groups.mol={tasks: [mergeval_chem_count], scale: 100}"], "metric.groups.mol"),
-    (["++modelset.experts.extra={domain: acronym}"], "modelset.experts.extra"),
-    (["benchmark.fewshott.mergeval_chem_count=0"], "benchmark.fewshott"),  # was "...[...].benchmark.fewshott"
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["method=ties", "method.density=-0.5"], "method.density"),
+        (["benchmark.fewshot.mergeval_units=two"], "benchmark.fewshot.mergeval_units"),  # a mapping's values: typed
+        (["modelset.experts.units.sourc=x"], "modelset.experts.units.sourc"),
+        (["method=ties", "method.density=0"], "method.density"),
+        (["modelset.base=/no/such/dir"], "modelset.base"),
+        (
+            ["modelset.experts.chem.domain=null", "modelset.experts.chem.source=/no/such/model"],
+            "modelset.experts.chem.source",
+        ),
+        (["benchmark.tasks=[mergeval_nope]"], "benchmark.tasks"),
+        (["metric.scale=permille"], "metric.scale"),
+        (["eval.batch_size=0"], "eval.batch_size"),
+        (["modelset.experts.chem.domain=poetry"], "modelset.experts.chem.domain"),
+        (["+method.densty=0.3"], "method.densty"),  # a misspelt key added with + is not silently ignored
+        (["+benchmark.limt=3"], "benchmark.limt"),
+        (["benchmark.num_fewshot=-1"], "benchmark.num_fewshot"),
+        (["sweep.best=macro_gian"], "sweep.best"),  # once silently left the best-so-far out of a sweep's progress
+        # free mappings take new keys from the command line (config.open_mappings), so their keys are checked here
+        (["eval.gen_kwargs.max_gen_tokens=8"], "eval.gen_kwargs.max_gen_tokens"),  # was generate()'s traceback, mid-run
+        (["benchmark.fewshot.mergeval_chem_cont=1"], "benchmark.fewshot.mergeval_chem_cont"),
+        (["search.space.lambda_={low: 0.1, high: 1}"], "search"),  # only mergeval.search's: a plain run has no section
+        # a new entry of a mapping of dataclasses: OmegaConf's "mol: Invalid type assigned: dict is not a subclass..."
+        (["+metric.groups.mol={tasks: [mergeval_chem_count], scale: 100}"], "metric.groups.mol"),
+        (["++modelset.experts.extra={domain: acronym}"], "modelset.experts.extra"),
+        (["benchmark.fewshott.mergeval_chem_count=0"], "benchmark.fewshott"),  # was "...[...].benchmark.fewshott"
+    ],
+)
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = mergeval("+experiment=tiny", *overrides, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
@@ -151,8 +195,10 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tm
     assert not list(tmp_path.rglob("result.json")) and not list(tmp_path.rglob(".hydra"))
 
 
-@pytest.mark.parametrize("text,where", [("experts:\n  a:\n    source: x\n   b: 1\n", "line 4, column 4"),
-                                        ("experts:\n\ta: 1\n", "line 2, column 1")])
+@pytest.mark.parametrize(
+    "text,where",
+    [("experts:\n  a:\n    source: x\n   b: 1\n", "line 4, column 4"), ("experts:\n\ta: 1\n", "line 2, column 1")],
+)
 def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_place(text, where, tmp_path):
     (tmp_path / "conf" / "modelset").mkdir(parents=True)
     (tmp_path / "conf" / "modelset" / "mine.yaml").write_text(text)
@@ -160,7 +206,8 @@ def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_place(text, where
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"mergeval: error: {tmp_path / 'conf' / 'modelset' / 'mine.yaml'}, {where}: not valid YAML"), out.stderr
+        f"mergeval: error: {tmp_path / 'conf' / 'modelset' / 'mine.yaml'}, {where}: not valid YAML"
+    ), out.stderr
 
 
 def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
@@ -169,12 +216,22 @@ def test_a_config_file_that_is_a_list_is_one_line_with_the_fix(tmp_path):
     out = mergeval("--config-dir", str(tmp_path / "conf"), "+experiment=tiny", "benchmark=mine", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "mergeval: error: benchmark/mine: the file holds a list, where the fields of a BenchmarkConfig belong; "
-        "write it as 'field: value' lines (see conf/benchmark/ for examples)"], out.stderr[-3000:]
+        "write it as 'field: value' lines (see conf/benchmark/ for examples)"
+    ], out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("best,ok", [("macro_gain", True), ("normalized_mean", True), ("forgetting.mean", True),
-                                     ("groups.math.merged", True), ("macro_gian", False), ("normalized", False),
-                                     ("macro_gain.mean", False)])
+@pytest.mark.parametrize(
+    "best,ok",
+    [
+        ("macro_gain", True),
+        ("normalized_mean", True),
+        ("forgetting.mean", True),
+        ("groups.math.merged", True),
+        ("macro_gian", False),
+        ("normalized", False),
+        ("macro_gain.mean", False),
+    ],
+)
 def test_sweep_best_names_a_number_among_the_aggregates(best, ok):
     from mergeval.core.errors import UserError
     from mergeval.run.checks import check_best
@@ -194,8 +251,12 @@ def test_an_expert_that_is_a_copy_is_refused(copy_of, tmp_path, cache):
 
     source = zoo_dir("tiny", cache) if copy_of == "the base" else None
     units = [f"modelset.experts.units.source={source}"] if source else ["modelset.experts.units.domain=chem_count"]
-    out = mergeval("+experiment=tiny", "modelset.experts.units.domain=null" if source else "modelset.experts.units.task=null",
-                   *units, cwd=tmp_path)
+    out = mergeval(
+        "+experiment=tiny",
+        "modelset.experts.units.domain=null" if source else "modelset.experts.units.task=null",
+        *units,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.strip().splitlines() if "building expert" not in ln]  # chem's first build
     assert len(lines) == 1 and lines[0].startswith("mergeval: error: modelset.experts.units: is "), out.stderr
@@ -209,7 +270,8 @@ def test_a_sweep_with_a_mistyped_launcher_says_so_before_any_progress(tmp_path):
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "mergeval: error: hydra/launcher: unknown option 'paralel'; choose one of: basic, "), out.stderr
+        "mergeval: error: hydra/launcher: unknown option 'paralel'; choose one of: basic, "
+    ), out.stderr
     assert " parallel," in lines[0]
 
 
@@ -227,13 +289,18 @@ def test_an_expert_with_another_tokenizer_is_refused(tmp_path, cache):
     a, b = sorted(vocab, key=vocab.get)[-2:]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (expert / "tokenizer.json").write_text(json.dumps(doc))
-    out = mergeval("+experiment=tiny", "modelset.experts.units.domain=null", f"modelset.experts.units.source={expert}",
-                   cwd=tmp_path)
+    out = mergeval(
+        "+experiment=tiny",
+        "modelset.experts.units.domain=null",
+        f"modelset.experts.units.source={expert}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: modelset.experts.units: its tokenizer differs from the base's (model in tokenizer.json), "
         "and every model is evaluated with the base's; merge models that share the base's tokenizer, or set "
-        "vocab_policy=union or truncate to merge across vocabularies anyway"], out.stderr
+        "vocab_policy=union or truncate to merge across vocabularies anyway"
+    ], out.stderr
 
 
 def test_mismatched_architecture_is_one_line(tmp_path, cache):
@@ -241,8 +308,9 @@ def test_mismatched_architecture_is_one_line(tmp_path, cache):
 
     ZOO["tiny_wide"] = dict(ZOO["tiny"], hidden_size=48)  # same process only: build the odd model here
     wide = zoo_dir("tiny_wide", cache)
-    out = mergeval("+experiment=tiny", "modelset.experts.chem.domain=null",
-                   f"modelset.experts.chem.source={wide}", cwd=tmp_path)
+    out = mergeval(
+        "+experiment=tiny", "modelset.experts.chem.domain=null", f"modelset.experts.chem.source={wide}", cwd=tmp_path
+    )
     assert out.returncode == 2
     assert out.stderr.strip().startswith("mergeval: error: modelset.experts.chem: hidden_size is 48"), out.stderr
 
@@ -289,7 +357,8 @@ def test_a_job_directory_named_again_keeps_another_configurations_result(tmp_pat
     assert other.returncode == 2 and other.stderr.strip().splitlines() == [
         f"mergeval: error: hydra.run.dir: '{job}' already holds the result.json of another configuration (run "
         f"{json.loads(kept)['run_id'][:8]}, method task_arithmetic); choose a new directory (by default each run "
-        "gets its own) or remove that result.json"], other.stderr[-3000:]
+        "gets its own) or remove that result.json"
+    ], other.stderr[-3000:]
     assert (job / "result.json").read_text() == kept
     again = mergeval("+experiment=tiny", f"hydra.run.dir={job}", cwd=tmp_path)
     assert again.returncode == 0 and read_result(job)["run_id"] != json.loads(kept)["run_id"], again.stderr[-3000:]
@@ -305,8 +374,16 @@ def test_a_mergekit_file_run_is_titled_and_recorded_by_the_files_method_and_mode
 
     experts = [make_expert(tiny_dir, tmp_path / f"e{i}", seed=i) for i in (1, 2)]
     path = tmp_path / "ties.yaml"
-    path.write_text(yaml.safe_dump({"merge_method": "ties", "base_model": str(tiny_dir), "parameters": {"density": 0.5},
-                                    "models": [{"model": str(e), "parameters": {"weight": 1.0}} for e in experts]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "ties",
+                "base_model": str(tiny_dir),
+                "parameters": {"density": 0.5},
+                "models": [{"model": str(e), "parameters": {"weight": 1.0}} for e in experts],
+            }
+        )
+    )
     store = tmp_path / "r.sqlite"
     out = mergeval(f"mergekit={path}", "benchmark=tiny", "eval.dtype=float32", f"store.path={store}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -319,11 +396,15 @@ def test_similarity_to_the_merge_is_there_when_the_merge_was_stored_before(tmp_p
     """A merge reused from the store has no tensors, so "a~merged" once vanished from the second run."""
     store = f"store.path={tmp_path / 'r.sqlite'}"
     for job in ("first", "second"):
-        out = mergeval("+experiment=tiny", "metric=full", "method.lambda_=0.7", store, f"hydra.run.dir={job}",
-                       cwd=tmp_path)
+        out = mergeval(
+            "+experiment=tiny", "metric=full", "method.lambda_=0.7", store, f"hydra.run.dir={job}", cwd=tmp_path
+        )
         assert out.returncode == 0, out.stderr[-3000:]
-        assert set(read_result(tmp_path / job)["aggregates"]["similarity"]) == {"chem~units", "chem~merged",
-                                                                                "units~merged"}, job
+        assert set(read_result(tmp_path / job)["aggregates"]["similarity"]) == {
+            "chem~units",
+            "chem~merged",
+            "units~merged",
+        }, job
 
 
 def test_multirun_writes_one_result_per_job(tmp_path, cache):
@@ -331,8 +412,7 @@ def test_multirun_writes_one_result_per_job(tmp_path, cache):
     assert out.returncode == 0, out.stderr[-3000:]
     results = sorted(tmp_path.rglob("result.json"))
     assert len(results) == 3 and len({r.parent for r in results}) == 3
-    assert {read_result(r.parent)["config"]["method"]["name"] for r in results} == {
-        "linear", "task_arithmetic", "ties"}
+    assert {read_result(r.parent)["config"]["method"]["name"] for r in results} == {"linear", "task_arithmetic", "ties"}
 
 
 def test_save_merged_writes_a_loadable_model(tmp_path, cache):
@@ -362,8 +442,9 @@ def test_adding_a_task_evaluates_only_that_task(tmp_path, cache):
     assert all(set(per_task) == set(b["tasks"]) for per_task in b["aggregates"]["calibration"].values())
 
 
-@pytest.mark.parametrize("body,status", [("print('ran')", 0),
-                                         ("raise UserError('method.density', 'is 2', 'use a value in (0, 1]')", 2)])
+@pytest.mark.parametrize(
+    "body,status", [("print('ran')", 0), ("raise UserError('method.density', 'is 2', 'use a value in (0, 1]')", 2)]
+)
 def test_the_exit_skips_the_last_collection_of_what_the_command_made(body, status, tmp_path):
     """run_cli's atexit handler freezes what is alive, after the command's own work and before the
     interpreter's last collection (mergeval.run.cli.skip_final_collection), also after an error's exit 2."""
@@ -382,8 +463,13 @@ run_cli(main)
     assert done.returncode == status, done.stderr
     frozen = int(done.stdout.split("frozen at exit:")[1])
     assert frozen > 1000, done.stdout
-    plain = subprocess.run([sys.executable, "-c", program.replace("run_cli(main)", "main()")], cwd=tmp_path,
-                           capture_output=True, text=True, check=False)
+    plain = subprocess.run(
+        [sys.executable, "-c", program.replace("run_cli(main)", "main()")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert plain.stdout.split("frozen at exit:")[1].strip() == "0"  # without run_cli nothing is frozen
 
 
@@ -394,19 +480,26 @@ def test_a_checks_mistake_is_its_one_line_without_hydras_report(tmp_path, cache)
 
     out = run_module("mergeval.check", "+experiment=tiny", "benchmark.fewshot.mergeval_chem_cont=1", cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        out.stderr.strip()] and out.stderr.startswith("mergeval: error: benchmark.fewshot.mergeval_chem_cont:")
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(
+        "mergeval: error: benchmark.fewshot.mergeval_chem_cont:"
+    )
 
 
 # Every key a schema lacks, at every depth and in every group, in every command that composes a run's config:
 # the review found these four accepted (a misspelt +store.paht even wrote to the default store).
-MISSPELT_PLUS = [("+sead=5", "sead", "seed"), ("+evall.dtype=float32", "evall", "eval"),
-                 ("+store.paht=STORE", "store.paht", "store.path"),
-                 ("+modelset.train.stpes=3", "modelset.train.stpes", "modelset.train.steps"),
-                 ("+modelset.experts.chem.calibration.nn=3", "modelset.experts.chem.calibration.nn",
-                  "modelset.experts.chem.calibration.n"),
-                 ("+sweep.pol_s=1", "sweep.pol_s", "sweep.poll_s"), ("+staged.stage1_kep=2", "staged.stage1_kep",
-                                                                     "staged.stage1_keep")]
+MISSPELT_PLUS = [
+    ("+sead=5", "sead", "seed"),
+    ("+evall.dtype=float32", "evall", "eval"),
+    ("+store.paht=STORE", "store.paht", "store.path"),
+    ("+modelset.train.stpes=3", "modelset.train.stpes", "modelset.train.steps"),
+    (
+        "+modelset.experts.chem.calibration.nn=3",
+        "modelset.experts.chem.calibration.nn",
+        "modelset.experts.chem.calibration.n",
+    ),
+    ("+sweep.pol_s=1", "sweep.pol_s", "sweep.poll_s"),
+    ("+staged.stage1_kep=2", "staged.stage1_kep", "staged.stage1_keep"),
+]
 
 
 @pytest.mark.parametrize("override,field,near", MISSPELT_PLUS)
@@ -430,19 +523,35 @@ def test_free_mappings_and_every_shipped_experiment_pass_the_key_check():
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for name in experiments:
             check_known_keys(compose("config", overrides=[f"+experiment={name}"]))
-        check_known_keys(compose("config", overrides=["+experiment=tiny", "++eval.gen_kwargs.max_gen_toks=8",
-                                                      "++benchmark.fewshot.mergeval_chem_count=1"]))
+        check_known_keys(
+            compose(
+                "config",
+                overrides=[
+                    "+experiment=tiny",
+                    "++eval.gen_kwargs.max_gen_toks=8",
+                    "++benchmark.fewshot.mergeval_chem_count=1",
+                ],
+            )
+        )
 
 
 @pytest.mark.parametrize("module", ["mergeval", "mergeval.merge", "mergeval.search", "mergeval.staged"])
 def test_a_misspelt_plus_key_is_refused_by_every_command_before_it_writes(module, tmp_path):
     store = tmp_path / "store.sqlite"
     for override, field, _ in MISSPELT_PLUS[:4]:
-        out = run_module(module, "+experiment=tiny", f"cache_dir={tmp_path / 'cache'}",
-                         override.replace("STORE", str(store)), cwd=tmp_path, env=dict(os.environ), timeout=300)
+        out = run_module(
+            module,
+            "+experiment=tiny",
+            f"cache_dir={tmp_path / 'cache'}",
+            override.replace("STORE", str(store)),
+            cwd=tmp_path,
+            env=dict(os.environ),
+            timeout=300,
+        )
         assert out.returncode == 2, out.stderr[-2000:]
-        assert out.stderr.strip().splitlines() == [out.stderr.strip()] and \
-            out.stderr.startswith(f"mergeval: error: {field}: no such field"), out.stderr[-2000:]
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(
+            f"mergeval: error: {field}: no such field"
+        ), out.stderr[-2000:]
     assert not store.exists() and not (tmp_path / "cache").exists() and not list(tmp_path.rglob(".hydra"))
 
 
@@ -452,13 +561,19 @@ def test_a_misspelt_plus_key_is_refused_in_a_multirun_before_any_job(tmp_path):
     assert not list(tmp_path.rglob("result.json"))
 
 
-@pytest.mark.parametrize("override,line", [
-    ("seed=${oc.env:HOME}", "seed: the interpolation (${oc.env:HOME}) gives '"),
-    ("seed=${nope.x}", "seed: ${nope.x} names no field of the config; refer to a field that exists"),
-    ("cache_dir=${oc.env:MERGEVAL_TEST_UNSET}", "cache_dir: the environment variable MERGEVAL_TEST_UNSET is not set; "
-                                                 "set it (export MERGEVAL_TEST_UNSET=...) or give a default"),
-    ("cache_dir=${nosuch:1}", "cache_dir: no resolver named 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("seed=${oc.env:HOME}", "seed: the interpolation (${oc.env:HOME}) gives '"),
+        ("seed=${nope.x}", "seed: ${nope.x} names no field of the config; refer to a field that exists"),
+        (
+            "cache_dir=${oc.env:MERGEVAL_TEST_UNSET}",
+            "cache_dir: the environment variable MERGEVAL_TEST_UNSET is not set; "
+            "set it (export MERGEVAL_TEST_UNSET=...) or give a default",
+        ),
+        ("cache_dir=${nosuch:1}", "cache_dir: no resolver named 'nosuch'"),
+    ],
+)
 def test_an_interpolation_that_cannot_resolve_is_one_line_with_a_fix_for_its_cause(override, line, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MERGEVAL_TEST_UNSET"}
     out = run_module("mergeval", "+experiment=tiny", override, cwd=tmp_path, env=env, timeout=300)
@@ -472,6 +587,7 @@ def _limit_file_size(limit: int):
 
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 
@@ -479,14 +595,27 @@ def _limit_file_size(limit: int):
 def test_a_job_directory_past_the_file_size_limit_is_one_line_naming_it_and_is_removed(limit, tmp_path):
     """Hydra writes the job directory's .hydra files before mergeval runs: past ``ulimit -f`` (or on a full disk)
     that was a line without a path and a truncated config.yaml / hydra.yaml left behind."""
-    out = subprocess.run([sys.executable, "-m", "mergeval", "+experiment=tiny", "hydra.run.dir=job",
-                          f"store.path={tmp_path / 's.sqlite'}"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, preexec_fn=_limit_file_size(limit))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mergeval",
+            "+experiment=tiny",
+            "hydra.run.dir=job",
+            f"store.path={tmp_path / 's.sqlite'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit_file_size(limit),
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
         f"mergeval: error: hydra.run.dir: cannot write the job directory {tmp_path / 'job'} (the file grew past "
         "the file-size limit); raise the limit (ulimit -f) or write elsewhere; or choose another directory with "
-        "hydra.run.dir=DIR"], out.stderr[-2000:]
+        "hydra.run.dir=DIR"
+    ], out.stderr[-2000:]
     assert not (tmp_path / "job").exists()
 
 
@@ -501,10 +630,21 @@ def test_a_path_that_is_not_utf8_is_one_line_naming_it(module, where, tmp_path):
     cwd = tmp_path / NOT_UTF8 if where == "cwd" else tmp_path
     cwd.mkdir(exist_ok=True)
     place = str(tmp_path / NOT_UTF8 / "x")
-    args = {"cwd": [], "output": [f"output={place}"], "cache_dir": [f"cache_dir={place}"],
-            "store.path": [f"store.path={place}"], "quoted cache_dir": [f"cache_dir='{place}'"]}[where]
-    out = subprocess.run([sys.executable, "-m", module, "+experiment=tiny", *args], cwd=cwd, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    args = {
+        "cwd": [],
+        "output": [f"output={place}"],
+        "cache_dir": [f"cache_dir={place}"],
+        "store.path": [f"store.path={place}"],
+        "quoted cache_dir": [f"cache_dir='{place}'"],
+    }[where]
+    out = subprocess.run(
+        [sys.executable, "-m", module, "+experiment=tiny", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
     assert "not UTF-8 text" in out.stderr and "caf\\xe9" in out.stderr, out.stderr
     field = {"cwd": "hydra.run.dir", "quoted cache_dir": "cache_dir"}.get(where, where)
@@ -516,16 +656,19 @@ def test_a_path_that_is_not_utf8_is_one_line_naming_it(module, where, tmp_path):
 def test_a_value_the_override_grammar_cannot_read_says_to_quote_it(override, tmp_path):
     out = mergeval("+experiment=tiny", override, cwd=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
-    assert out.stderr.startswith("mergeval: error: output: Hydra's override grammar cannot read the value") \
-        and "\"output='...'\"" in out.stderr and "Lexer" not in out.stderr, out.stderr
+    assert (
+        out.stderr.startswith("mergeval: error: output: Hydra's override grammar cannot read the value")
+        and "\"output='...'\"" in out.stderr
+        and "Lexer" not in out.stderr
+    ), out.stderr
 
 
 EXPERIMENTS_THAT_RUN_CODE = {
     "callback": "hydra:\n  callbacks:\n    copy:\n      _target_: shutil.copyfile\n      src: {src}\n      dst: {dst}\n",
     "handler": "hydra:\n  job_logging:\n    handlers:\n      console:\n        class: shutil.copyfile\n"
-               "        src: {src}\n        dst: {dst}\n",
+    "        src: {src}\n        dst: {dst}\n",
     "factory": "hydra:\n  hydra_logging:\n    formatters:\n      simple:\n        (): shutil.copyfile\n"
-               "        src: {src}\n        dst: {dst}\n",
+    "        src: {src}\n        dst: {dst}\n",
 }
 
 
@@ -546,14 +689,20 @@ def test_a_config_file_cannot_run_code_through_hydra(kind, tmp_path):
 def test_the_users_own_command_line_may_set_callbacks_and_a_bad_handler_is_one_line(tmp_path, cache):
     from mergeval.run.sweep_check import code_in_config
 
-    assert code_in_config(["+experiment=tiny", "+hydra.callbacks.log._target_=hydra.experimental.callbacks."
-                                               "LogJobReturnCallback"]) is None
+    assert (
+        code_in_config(
+            ["+experiment=tiny", "+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"]
+        )
+        is None
+    )
     assert code_in_config(["+experiment=tiny"]) is None
-    out = mergeval("+experiment=tiny", f"hydra.job_logging.handlers.file.filename={tmp_path / 'no' / 'x.log'}",
-                   cwd=tmp_path)
+    out = mergeval(
+        "+experiment=tiny", f"hydra.job_logging.handlers.file.filename={tmp_path / 'no' / 'x.log'}", cwd=tmp_path
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-3000:]
-    assert out.stderr.startswith("mergeval: error: hydra.job_logging.handlers.file: logging cannot set it up "
-                                 "(FileNotFoundError"), out.stderr
+    assert out.stderr.startswith(
+        "mergeval: error: hydra.job_logging.handlers.file: logging cannot set it up (FileNotFoundError"
+    ), out.stderr
     assert not (tmp_path / "outputs").exists()
 
 
@@ -568,13 +717,17 @@ def test_task_yamls_that_run_python_need_an_explicit_opt_in(tmp_path, cache):
     (tasks / "plain.yaml").write_text("task: plain\ndataset_path: json\n")
     check_no_task_code(tasks, "benchmark.include_path[0]")
     (tasks / "mine.yaml").write_text("task: mine\nprocess_docs: !function utils.process_docs\n")
-    with pytest.raises(UserError, match=r"mine.yaml runs Python code .*!function utils.process_docs.*"
-                                        r"benchmark.allow_task_code=true"):
+    with pytest.raises(
+        UserError,
+        match=r"mine.yaml runs Python code .*!function utils.process_docs.*"
+        r"benchmark.allow_task_code=true",
+    ):
         check_no_task_code(tasks, "benchmark.include_path[0]")
     out = mergeval("+experiment=tiny", f"benchmark.include_path=[{tasks}]", cwd=tmp_path)
     assert out.returncode == 2 and "benchmark.include_path[0]:" in out.stderr and "allow_task_code" in out.stderr
-    assert OmegaConf.structured(__import__("mergeval.run.config", fromlist=["x"]).BenchmarkConfig).allow_task_code \
-        is False
+    assert (
+        OmegaConf.structured(__import__("mergeval.run.config", fromlist=["x"]).BenchmarkConfig).allow_task_code is False
+    )
 
 
 def test_the_next_run_removes_the_job_directory_of_a_killed_merge(tmp_path, cache):
@@ -582,8 +735,12 @@ def test_the_next_run_removes_the_job_directory_of_a_killed_merge(tmp_path, cach
     the next command removes that job directory (its owner is proven gone), never one that may still be live."""
     from mergeval.core.proc import tmp_prefix
 
-    dead = subprocess.run([sys.executable, "-c", "from mergeval.core.proc import tmp_prefix; "
-                           "print(tmp_prefix('merged_model'))"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "from mergeval.core.proc import tmp_prefix; print(tmp_prefix('merged_model'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     day = tmp_path / "outputs" / "day"
     killed, live, starting = day / "killed", day / "live", day / "starting"
     for job, prefix in ((killed, dead.stdout.strip()), (live, tmp_prefix("merged_model")), (starting, None)):
@@ -591,7 +748,13 @@ def test_the_next_run_removes_the_job_directory_of_a_killed_merge(tmp_path, cach
         (job / "merge.log").write_text("")
         if prefix:
             (job / f"{prefix}abc").mkdir()
-    out = run_module("mergeval.merge", "+experiment=tiny", f"hydra.run.dir={day / 'next'}", cwd=tmp_path,
-                     env=dict(os.environ), timeout=600)
+    out = run_module(
+        "mergeval.merge",
+        "+experiment=tiny",
+        f"hydra.run.dir={day / 'next'}",
+        cwd=tmp_path,
+        env=dict(os.environ),
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert not killed.exists() and live.exists() and starting.exists() and (day / "next" / "merged_model").is_dir()

@@ -41,8 +41,9 @@ def test_cmm_order_changes_the_merged_model(tmp_path, tiny_dir):
     for order in ("given", "reverse"):
         run_dir = tmp_path / order
         run_dir.mkdir()
-        out = mergeval("+experiment=tiny", "method=cmm", f"method.order={order}",
-                       "method.validation_scores=[0.2,0.9]", cwd=run_dir)
+        out = mergeval(
+            "+experiment=tiny", "method=cmm", f"method.order={order}", "method.validation_scores=[0.2,0.9]", cwd=run_dir
+        )
         result = result_of(out, run_dir)
         fps[order] = next(m["fingerprint"] for m in result["models"] if m["role"] == "merged")
         assert result["merge"]["order"] == (["chem", "units"] if order == "given" else ["units", "chem"])
@@ -90,20 +91,23 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "metric.forgetting_tasks" in out.stderr
 
 
-@pytest.mark.parametrize("preset,name,values", [
-    ("medical_dare_ties", "dare_ties", {"density": 0.6}),
-    ("medical_della", "della", {"density": 0.6, "epsilon": 0.05}),
-    ("medical_breadcrumbs", "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
-    ("mergebench_soup", "task_arithmetic", {"lambda_": 0.2}),
-    ("mergebench_task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
-    ("mergebench_ties", "ties", {"density": 0.3, "lambda_": 0.4}),
-    ("mergebench_dare", "dare_linear", {"density": 0.1, "lambda_": 0.4, "rescale": "inverse_density"}),
-    ("mergebench_consensus_ta", "consensus_ta", {"lambda_": 0.4, "k": 2, "tall_lambda": 0.2, "strict": True}),
-    ("regmean", "regmean", {"alpha": 0.5}),
-    ("fisher", "fisher", {"epsilon": 1e-10}),
-    ("localize_stitch", "localize_stitch", {"sparsity": 0.1}),
-    ("localize_stitch_trained", "localize_stitch_trained", {"sparsity": 0.1, "lr": 1e8, "sigmoid_bias": 3.0}),
-])
+@pytest.mark.parametrize(
+    "preset,name,values",
+    [
+        ("medical_dare_ties", "dare_ties", {"density": 0.6}),
+        ("medical_della", "della", {"density": 0.6, "epsilon": 0.05}),
+        ("medical_breadcrumbs", "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
+        ("mergebench_soup", "task_arithmetic", {"lambda_": 0.2}),
+        ("mergebench_task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
+        ("mergebench_ties", "ties", {"density": 0.3, "lambda_": 0.4}),
+        ("mergebench_dare", "dare_linear", {"density": 0.1, "lambda_": 0.4, "rescale": "inverse_density"}),
+        ("mergebench_consensus_ta", "consensus_ta", {"lambda_": 0.4, "k": 2, "tall_lambda": 0.2, "strict": True}),
+        ("regmean", "regmean", {"alpha": 0.5}),
+        ("fisher", "fisher", {"epsilon": 1e-10}),
+        ("localize_stitch", "localize_stitch", {"sparsity": 0.1}),
+        ("localize_stitch_trained", "localize_stitch_trained", {"sparsity": 0.1, "lr": 1e8, "sigmoid_bias": 3.0}),
+    ],
+)
 def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
     from hydra import compose, initialize_config_module
 
@@ -115,14 +119,24 @@ def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name
     assert cfg.method.name == name and {k: cfg.method[k] for k in values} == values
 
 
-@pytest.mark.parametrize("constituents,roles", [("experts", ["chem", "units"]),
-                                                ("base_and_experts", ["base", "chem", "units"])])
+@pytest.mark.parametrize(
+    "constituents,roles", [("experts", ["chem", "units"]), ("base_and_experts", ["base", "chem", "units"])]
+)
 def test_every_aggregate_recomputes_from_the_result_files_scores(tmp_path, tiny_dir, constituents, roles):
     """Macro-Gain, Macro-OG, normalized scores, group means and forgetting, recomputed here by hand from the
     per-task scores in result.json, for two and three constituents (the base counted only when asked)."""
     # metric=full: groups domains (chem, units) and general, equal weights; forgetting on general_facts
-    result = result_of(mergeval("+experiment=tiny", "metric=full", f"metric.constituents={constituents}",
-                                "metric.similarity=false", "metric.calibration=false", cwd=tmp_path), tmp_path)
+    result = result_of(
+        mergeval(
+            "+experiment=tiny",
+            "metric=full",
+            f"metric.constituents={constituents}",
+            "metric.similarity=false",
+            "metric.calibration=false",
+            cwd=tmp_path,
+        ),
+        tmp_path,
+    )
     s = {t: {role: v["value"] for role, v in by_role.items()} for t, by_role in result["scores"].items()}
     tasks, agg = result["tasks"], result["aggregates"]
     avg = {role: sum(s[t][role] for t in tasks) / len(tasks) for role in ("base", "chem", "units", "merged")}

@@ -71,8 +71,16 @@ def run_pair(cache: Path, sync: Path, mode: str, script: str = CHILD) -> list[su
     """Start both children, abort the survivor if one fails, and return both results."""
     sync.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(cache), str(sync), str(i), mode], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(cache), str(sync), str(i), mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     while any(p.poll() is None for p in procs):
         if any(p.poll() not in (None, 0) for p in procs):
             (sync / "abort").touch()
@@ -127,8 +135,13 @@ def test_a_second_builder_waits_for_the_first_and_builds_nothing(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
 
     def start(me: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", LOCKED, str(cache), str(sync), me], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", LOCKED, str(cache), str(sync), me],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     first = start("0")
     while not (sync / "building-0").exists():  # the first holds the lock, inside its build
@@ -224,8 +237,9 @@ def test_a_writer_killed_at_random_points_leaves_old_or_new_content_never_partia
     rng = random.Random(20)
     latest, start = 0, 1
     for round_ in range(20):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(start)],
-                                  stdout=subprocess.PIPE, text=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(start)], stdout=subprocess.PIPE, text=True
+        )
         assert writer.stdout.readline().strip() == "ready"
         # 0-2 whole writes first (1 in the first round), then the kill at a random point: with a disk slow
         # to fsync (CI, the other worker writing) a kill 0-50 ms after "ready" alone could land before any

@@ -30,6 +30,7 @@ def jsonl(task_dir, name) -> list[dict]:
 
 # --- the lettered tasks --------------------------------------------------------------------------------------------
 
+
 def test_the_lettered_prompt_lists_the_choices_after_the_question():
     item = {"question": "Convert 7 kg to g.", "choices": ["70 g", "7000 g", "700 g"], "answer": 1}
     assert lettered_prompt(item) == "Question: Convert 7 kg to g.\nA. 70 g\nB. 7000 g\nC. 700 g\nAnswer:"
@@ -42,10 +43,11 @@ def test_each_lettered_task_asks_the_cloze_items_in_order_with_letters_as_choice
     task_dir = write_tasks(CLOZE + LETTERED, 12, cache, split=split, n_validation=n_validation)
     for cloze, lettered in zip(CLOZE, LETTERED):
         a, b = jsonl(task_dir, cloze), jsonl(task_dir, lettered)
-        assert [(r["question"], r["choices"], r["answer"]) for r in a] == \
-               [(r["question"], r["choices"], r["answer"]) for r in b]
+        assert [(r["question"], r["choices"], r["answer"]) for r in a] == [
+            (r["question"], r["choices"], r["answer"]) for r in b
+        ]
         for row in b:
-            assert row["letters"] == ["A", "B", "C", "D"][:len(row["choices"])]
+            assert row["letters"] == ["A", "B", "C", "D"][: len(row["choices"])]
             letter = row["letters"][row["answer"]]
             assert f"\n{letter}. {row['choices'][row['answer']]}\n" in row["prompt"]
             assert row["prompt"].endswith("\nAnswer:")
@@ -67,15 +69,30 @@ def test_the_lettered_tasks_share_the_cloze_pools():
 # changed once, on purpose, when the task YAML gained datasets' cache_dir (layout 2): that line is no part
 # of the digest, so the digests below are the original ones.
 CLOZE_DIGESTS = {
-    (24, "test", 0): ("13a39bd5b92f3d27", {"mergeval_chem_count": "38e5440b2fb1ae88",
-                                           "mergeval_unit_convert": "c4b0572efb1cf01e",
-                                           "mergeval_general_facts": "3da848ee98208267"}),
-    (200, "test", 0): ("44c91e55e3f6fecf", {"mergeval_chem_count": "c5209bec94afb021",
-                                            "mergeval_unit_convert": "8b031c3f465a033b",
-                                            "mergeval_general_facts": "c99ed306088acec1"}),
-    (24, "validation", 20): ("80f9ea2747a82e75", {"mergeval_chem_count": "5229fc121b356c96",
-                                                  "mergeval_unit_convert": "37876db1f19d1962",
-                                                  "mergeval_general_facts": "9d74977a59c91531"}),
+    (24, "test", 0): (
+        "13a39bd5b92f3d27",
+        {
+            "mergeval_chem_count": "38e5440b2fb1ae88",
+            "mergeval_unit_convert": "c4b0572efb1cf01e",
+            "mergeval_general_facts": "3da848ee98208267",
+        },
+    ),
+    (200, "test", 0): (
+        "44c91e55e3f6fecf",
+        {
+            "mergeval_chem_count": "c5209bec94afb021",
+            "mergeval_unit_convert": "8b031c3f465a033b",
+            "mergeval_general_facts": "c99ed306088acec1",
+        },
+    ),
+    (24, "validation", 20): (
+        "80f9ea2747a82e75",
+        {
+            "mergeval_chem_count": "5229fc121b356c96",
+            "mergeval_unit_convert": "37876db1f19d1962",
+            "mergeval_general_facts": "9d74977a59c91531",
+        },
+    ),
 }
 
 
@@ -93,14 +110,18 @@ def test_cloze_tasks_keep_their_digests_alone_and_beside_the_lettered_ones(cache
 
 # --- metric.consistency: config checks -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pairs,says", [
-    ([["mergeval_chem_count"]], "not a pair"),
-    ([["mergeval_chem_count", "mergeval_chem_count_mc", "mergeval_unit_convert"]], "not a pair"),
-    ([["mergeval_chem_count", "mergeval_chem_count"]], "not a pair"),
-    ([["mergeval_chem_count", "mergeval_general_facts_mc"]], "not in benchmark.tasks"),
-    ([["mergeval_chem_count", "mergeval_unit_convert_mc"]], "pair mergeval_chem_count with mergeval_chem_count_mc"),
-    ([["mergeval_unit_convert_mc", "mergeval_chem_count"]], "pair mergeval_unit_convert with"),
-])
+
+@pytest.mark.parametrize(
+    "pairs,says",
+    [
+        ([["mergeval_chem_count"]], "not a pair"),
+        ([["mergeval_chem_count", "mergeval_chem_count_mc", "mergeval_unit_convert"]], "not a pair"),
+        ([["mergeval_chem_count", "mergeval_chem_count"]], "not a pair"),
+        ([["mergeval_chem_count", "mergeval_general_facts_mc"]], "not in benchmark.tasks"),
+        ([["mergeval_chem_count", "mergeval_unit_convert_mc"]], "pair mergeval_chem_count with mergeval_chem_count_mc"),
+        ([["mergeval_unit_convert_mc", "mergeval_chem_count"]], "pair mergeval_unit_convert with"),
+    ],
+)
 def test_bad_consistency_pairs_are_one_line_errors_naming_the_field(pairs, says):
     tasks = ["mergeval_chem_count", "mergeval_unit_convert", "mergeval_chem_count_mc", "mergeval_unit_convert_mc"]
     with pytest.raises(UserError) as err:
@@ -109,8 +130,10 @@ def test_bad_consistency_pairs_are_one_line_errors_naming_the_field(pairs, says)
 
 
 def test_pairs_of_one_task_in_two_formats_pass_in_either_order():
-    check_metric_config(MetricConfig(consistency=[["mergeval_chem_count_mc", "mergeval_chem_count"]]),
-                        ["mergeval_chem_count", "mergeval_chem_count_mc"])
+    check_metric_config(
+        MetricConfig(consistency=[["mergeval_chem_count_mc", "mergeval_chem_count"]]),
+        ["mergeval_chem_count", "mergeval_chem_count_mc"],
+    )
 
 
 def test_the_consistency_group_on_a_benchmark_without_lettered_tasks_fails_in_one_line(tmp_path, cache):
@@ -121,6 +144,7 @@ def test_the_consistency_group_on_a_benchmark_without_lettered_tasks_fails_in_on
 
 
 # --- metric.consistency: the composed function ---------------------------------------------------------------------
+
 
 def rows_of(lls: list[list[float]], gold: list[int]) -> list[dict]:
     return [{"doc_id": i, "lls": ll, "gold": g} for i, (ll, g) in enumerate(zip(lls, gold))]
@@ -173,12 +197,15 @@ def test_agreement_on_hand_made_items():
     assert out == {"agreement": 0.75, "n": 4, "acc_a": 0.5, "acc_b": 0.25, "both_correct": 0.25}
 
 
-@pytest.mark.parametrize("change,says", [
-    (lambda rows: rows[:-1], "different items"),
-    (lambda rows: [dict(r, gold=(r["gold"] + 1) % 2) for r in rows], "differs"),
-    (lambda rows: [dict(r, lls=r["lls"] + [-1.0]) for r in rows], "differs"),
-    (lambda rows: rows + rows[:1], "twice"),
-])
+@pytest.mark.parametrize(
+    "change,says",
+    [
+        (lambda rows: rows[:-1], "different items"),
+        (lambda rows: [dict(r, gold=(r["gold"] + 1) % 2) for r in rows], "differs"),
+        (lambda rows: [dict(r, lls=r["lls"] + [-1.0]) for r in rows], "differs"),
+        (lambda rows: rows + rows[:1], "twice"),
+    ],
+)
 def test_formats_holding_different_items_are_refused(change, says):
     a = rows_of([[0.0, -1.0], [-1.0, 0.0]], [0, 1])
     with pytest.raises(ValueError, match=says):
@@ -189,33 +216,67 @@ def test_consistency_per_role_and_pair_with_none_for_models_without_samples():
     cloze, lettered = rows_of([[0, -1], [0, -1]], [0, 1]), rows_of([[0, -1], [-1, 0]], [0, 1])
     out = consistency({"base": {"x": cloze, "x_mc": lettered}, "old": None}, [["x", "x_mc"]])
     assert out["old"] is None
-    assert out["base"] == {"x~x_mc": {"agreement": 0.5, "n": 2, "acc": {"x": 0.5, "x_mc": 1.0},
-                                      "both_correct": 0.5}}
+    assert out["base"] == {"x~x_mc": {"agreement": 0.5, "n": 2, "acc": {"x": 0.5, "x_mc": 1.0}, "both_correct": 0.5}}
 
 
 def test_the_terminal_report_shows_each_models_consistency():
-    per_pair = {"mergeval_chem_count~mergeval_chem_count_mc": {
-        "agreement": 0.625, "n": 8, "acc": {"mergeval_chem_count": 0.75, "mergeval_chem_count_mc": 0.5},
-        "both_correct": 0.375}}
-    scores = {"mergeval_chem_count": {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "merged")}}
-    outcome = Outcome([ModelInfo("base", "zoo", "f0"), ModelInfo("merged", "ta", "f1")], list(scores), scores,
-                      {"normalized": {}, "normalized_mean": None, "normalized_band": "undefined", "scale": "percent",
-                       "macro_gain": 0.0, "macro_og": 0.0, "consistency": {"base": per_pair, "merged": None}}, {})
+    per_pair = {
+        "mergeval_chem_count~mergeval_chem_count_mc": {
+            "agreement": 0.625,
+            "n": 8,
+            "acc": {"mergeval_chem_count": 0.75, "mergeval_chem_count_mc": 0.5},
+            "both_correct": 0.375,
+        }
+    }
+    scores = {
+        "mergeval_chem_count": {
+            r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "merged")
+        }
+    }
+    outcome = Outcome(
+        [ModelInfo("base", "zoo", "f0"), ModelInfo("merged", "ta", "f1")],
+        list(scores),
+        scores,
+        {
+            "normalized": {},
+            "normalized_mean": None,
+            "normalized_band": "undefined",
+            "scale": "percent",
+            "macro_gain": 0.0,
+            "macro_og": 0.0,
+            "consistency": {"base": per_pair, "merged": None},
+        },
+        {},
+    )
     console = Console(record=True, width=160)
     render(outcome, "t", console)
     text = console.export_text()
     line = next(line for line in text.splitlines() if line.startswith("│ base"))
-    assert [c.strip() for c in line.strip("│").split("│")] == ["base", "chem_count", "chem_count_mc", "0.625",
-                                                              "0.750", "0.500", "0.375", "8"]
+    assert [c.strip() for c in line.strip("│").split("│")] == [
+        "base",
+        "chem_count",
+        "chem_count_mc",
+        "0.625",
+        "0.750",
+        "0.500",
+        "0.375",
+        "8",
+    ]
     assert "no kept samples" in next(line for line in text.splitlines() if line.startswith("│ merged"))
 
 
 # --- one real run --------------------------------------------------------------------------------------------------
 
+
 def test_a_run_reports_consistency_for_every_model_from_the_kept_log_likelihoods(tmp_path, tiny_dir):
     n_items = 6
-    out = mergeval("+experiment=tiny", "metric=consistency", f"benchmark.tasks=[{','.join(CLOZE + LETTERED)}]",
-                   f"benchmark.n_items={n_items}", cwd=tmp_path)
+    out = mergeval(
+        "+experiment=tiny",
+        "metric=consistency",
+        f"benchmark.tasks=[{','.join(CLOZE + LETTERED)}]",
+        f"benchmark.n_items={n_items}",
+        cwd=tmp_path,
+    )
     result = result_of(out, tmp_path)
     got = result["aggregates"]["consistency"]
     assert set(got) == {"base", "chem", "units", "merged"}
@@ -230,13 +291,15 @@ def test_a_run_reports_consistency_for_every_model_from_the_kept_log_likelihoods
         assert any(line.startswith(f"│ {role} ") and "chem_count_mc" in line for line in out.stdout.splitlines())
 
 
-
 def test_samples_of_tasks_evaluated_in_different_runs_are_read_together(tmp_path):
     from mergeval.eval import samples
 
     one = samples.write(tmp_path / "one.jsonl", {"a": [{"doc_id": 0, "lls": [0.0, -1.0], "gold": 0}]})
     two = samples.write(tmp_path / "two.jsonl", {"b": [{"doc_id": 0, "lls": [-2.0, -1.0], "gold": 1}]})
     got = samples.read_tasks({"a": str(one), "b": str(two)})
-    assert got == {"a": [{"doc_id": 0, "lls": [0.0, -1.0], "gold": 0}], "b": [{"doc_id": 0, "lls": [-2.0, -1.0], "gold": 1}]}
+    assert got == {
+        "a": [{"doc_id": 0, "lls": [0.0, -1.0], "gold": 0}],
+        "b": [{"doc_id": 0, "lls": [-2.0, -1.0], "gold": 1}],
+    }
     assert samples.read_tasks({"a": str(one), "b": None}) is None  # a task stored without samples
     assert samples.read_tasks({"a": str(two)}) is None  # the file does not hold that task

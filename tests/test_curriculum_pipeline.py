@@ -105,17 +105,24 @@ def test_cmm_depends_on_the_order(seed, update):
 
 def test_additive_linear_formula_by_hand():
     base, experts = tensors(3, 3)
-    cfg = CmmConfig(order="ranked", validation_scores=[0.9, 0.1, 0.5], start=0.3, end=0.6, lambda_=0.8,
-                    update="additive")
+    cfg = CmmConfig(
+        order="ranked", validation_scores=[0.9, 0.1, 0.5], start=0.3, end=0.6, lambda_=0.8, update="additive"
+    )
     d = [e - base for e in experts]
     expected = base + 0.8 * (0.3 * d[1] + 0.45 * d[2] + 0.6 * d[0])  # weakest (1) first, strongest (0) last
     torch.testing.assert_close(cmm.merge(base, experts, cfg, GEN), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("field,value,fix", [
-    ("order", "random", "order"), ("schedule", "cosine", "schedule"), ("update", "ema", "update"),
-    ("validation_scores", [0.1], "validation_scores"), ("validation_items", 0, "validation_items"),
-])
+@pytest.mark.parametrize(
+    "field,value,fix",
+    [
+        ("order", "random", "order"),
+        ("schedule", "cosine", "schedule"),
+        ("update", "ema", "update"),
+        ("validation_scores", [0.1], "validation_scores"),
+        ("validation_items", 0, "validation_items"),
+    ],
+)
 def test_cmm_bad_config(field, value, fix):
     with pytest.raises(UserError) as err:
         cmm.validate(CmmConfig(**{field: value}), 2)
@@ -135,15 +142,20 @@ def test_single_stage_pipeline_equals_its_method():
     base, experts = tensors(4, 2)
     cfg = PipelineConfig(stages=[stage("m", "base", ["a", "b"], name="ties", density=0.4)], expert_names=["a", "b"])
     pipeline.validate(cfg, 2)
-    torch.testing.assert_close(pipeline.merge(base, experts, cfg, GEN),
-                               ties.merge(base, experts, TiesConfig(density=0.4), GEN))
+    torch.testing.assert_close(
+        pipeline.merge(base, experts, cfg, GEN), ties.merge(base, experts, TiesConfig(density=0.4), GEN)
+    )
 
 
 def test_two_stage_pipeline_composes():
     base, (a, b) = tensors(5, 2)
-    cfg = PipelineConfig(stages=[stage("half", "base", ["a"], name="task_arithmetic", lambda_=0.5),
-                                 stage("final", "half", ["b"], name="linear")],
-                         expert_names=["a", "b"])
+    cfg = PipelineConfig(
+        stages=[
+            stage("half", "base", ["a"], name="task_arithmetic", lambda_=0.5),
+            stage("final", "half", ["b"], name="linear"),
+        ],
+        expert_names=["a", "b"],
+    )
     pipeline.validate(cfg, 2)
     half = base + 0.5 * (a - base)
     torch.testing.assert_close(pipeline.merge(base, [a, b], cfg, GEN), b)  # linear of one model = that model
@@ -153,24 +165,31 @@ def test_two_stage_pipeline_composes():
 
 def test_random_stages_are_deterministic():
     base, experts = tensors(6, 2)
-    cfg = PipelineConfig(stages=[stage("d", "base", ["a", "b"], name="dare_ties", density=0.5)],
-                         expert_names=["a", "b"])
+    cfg = PipelineConfig(
+        stages=[stage("d", "base", ["a", "b"], name="dare_ties", density=0.5)], expert_names=["a", "b"]
+    )
     out = [pipeline.merge(base, experts, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("stages,field", [
-    ([], "method.stages"),
-    ([stage("x", "base", ["nope"], name="linear")], "method.stages[0]"),
-    ([stage("a", "base", ["b"], name="linear")], "method.stages[0].name"),
-    ([stage("x", "base", [], name="linear")], "method.stages[0].inputs"),
-    ([stage("x", "base", ["a"], name="nosuch")], "method.stages[0].method.name"),
-    ([stage("x", "base", ["a"], name="ties", density=2.0)], "method.density"),
-    ([stage("x", "base", ["a"], name="ties", densty=0.5)], "method.stages[0].method.densty"),
-    ([stage("x", "base", ["a"], name="cmm")], "method.stages[0].method.validation_scores"),
-    ([stage("x", "base", ["a"], name="linear"), stage("y", "base", ["b"], name="linear")], "method.stages"),
-    ([stage("x", "base", ["a"], name="ties", rules=[{"match": "*", "density": 0.3}])], "method.stages[0].method.rules"),
-])
+@pytest.mark.parametrize(
+    "stages,field",
+    [
+        ([], "method.stages"),
+        ([stage("x", "base", ["nope"], name="linear")], "method.stages[0]"),
+        ([stage("a", "base", ["b"], name="linear")], "method.stages[0].name"),
+        ([stage("x", "base", [], name="linear")], "method.stages[0].inputs"),
+        ([stage("x", "base", ["a"], name="nosuch")], "method.stages[0].method.name"),
+        ([stage("x", "base", ["a"], name="ties", density=2.0)], "method.density"),
+        ([stage("x", "base", ["a"], name="ties", densty=0.5)], "method.stages[0].method.densty"),
+        ([stage("x", "base", ["a"], name="cmm")], "method.stages[0].method.validation_scores"),
+        ([stage("x", "base", ["a"], name="linear"), stage("y", "base", ["b"], name="linear")], "method.stages"),
+        (
+            [stage("x", "base", ["a"], name="ties", rules=[{"match": "*", "density": 0.3}])],
+            "method.stages[0].method.rules",
+        ),
+    ],
+)
 def test_pipeline_bad_config(stages, field):
     with pytest.raises(UserError) as err:
         pipeline.validate(PipelineConfig(stages=stages, expert_names=["a", "b"]), 2)
@@ -213,8 +232,15 @@ def test_only_sequential_readings_depend_on_the_order_once_each_expert_has_its_w
     base, experts = tensors(seed, n)
     scores = list(range(n))
     for update, sensitive in (("additive", False), ("interpolate", True), ("ties_step", True)):
-        up, down = (cmm.merge(base, experts, CmmConfig(order=order, validation_scores=scores, schedule="constant",
-                                                       start=0.5, update=update), GEN) for order in ("ranked", "reverse"))
+        up, down = (
+            cmm.merge(
+                base,
+                experts,
+                CmmConfig(order=order, validation_scores=scores, schedule="constant", start=0.5, update=update),
+                GEN,
+            )
+            for order in ("ranked", "reverse")
+        )
         assert torch.allclose(up, down, atol=1e-5) is not sensitive, update
 
 
@@ -247,9 +273,10 @@ def test_near_ties_are_neighbours_closer_than_one_combined_stderr():
     # ranked: c 0.20, a 0.50, b 0.53, d 0.90; se 0.03 each -> a/b 0.03 apart = 0.71 combined se
     got = near_ties(["a", "b", "c", "d"], [0.50, 0.53, 0.20, 0.90], [0.03] * 4)
     assert [t["experts"] for t in got] == [["a", "b"]]
-    assert got[0]["scores"] == [0.50, 0.53] and got[0]["gap_in_stderrs"] == pytest.approx(0.03 / (0.03 * 2 ** 0.5))
-    assert near_ties(["a", "b"], [0.5, 0.5], [0.0, 0.0]) == [{"experts": ["a", "b"], "scores": [0.5, 0.5],
-                                                              "gap_in_stderrs": None}]  # an exact tie
+    assert got[0]["scores"] == [0.50, 0.53] and got[0]["gap_in_stderrs"] == pytest.approx(0.03 / (0.03 * 2**0.5))
+    assert near_ties(["a", "b"], [0.5, 0.5], [0.0, 0.0]) == [
+        {"experts": ["a", "b"], "scores": [0.5, 0.5], "gap_in_stderrs": None}
+    ]  # an exact tie
     assert near_ties(["a", "b"], [0.5, 0.6], [0.0, 0.0]) == []
     assert near_ties(["a", "b"], [0.5, 0.5], [None, 0.1]) == []  # no stderr: not judged
 

@@ -65,8 +65,9 @@ def test_a_copied_cache_points_its_tasks_at_itself_and_keeps_their_digests(tmp_p
         assert task_digest(copied, name) == digests[name]
 
 
-@pytest.mark.parametrize("names,n,field", [(["nope"], 10, "benchmark.tasks"),
-                                           (["mergeval_chem_count"], 0, "benchmark.n_items")])
+@pytest.mark.parametrize(
+    "names,n,field", [(["nope"], 10, "benchmark.tasks"), (["mergeval_chem_count"], 0, "benchmark.n_items")]
+)
 def test_bad_task_settings(cache, names, n, field):
     with pytest.raises(UserError) as err:
         write_tasks(names, n, cache)

@@ -94,8 +94,11 @@ def test_regmean_shrinkage_and_unseen_inputs_by_hand():
 
 def test_tall_and_consensus_masks_by_hand():
     base = torch.zeros(4)
-    e1, e2, e3 = torch.tensor([1.0, 0.0, 2.0, 0.1]), torch.tensor([1.0, 3.0, -2.0, 0.0]), torch.tensor(
-        [0.0, 0.0, 0.0, 5.0])
+    e1, e2, e3 = (
+        torch.tensor([1.0, 0.0, 2.0, 0.1]),
+        torch.tensor([1.0, 3.0, -2.0, 0.0]),
+        torch.tensor([0.0, 0.0, 0.0, 5.0]),
+    )
     # mtl = (2, 3, 0, 5.1); m_t = |t| >= 0.5 |mtl - t|:
     # e1: 1>=0.5, 0>=1.5 no, 2>=1 yes, 0.1>=2.5 no -> (1,0,1,0)
     # e2: 1>=0.5, 3>=0 yes, 2>=1 yes, 0>=2.55 no   -> (1,1,1,0)
@@ -130,8 +133,9 @@ def test_localize_stitch_by_hand_and_at_full_density():
     out = METHODS["localize_stitch"].merge(base, [e1, e2], cfg, torch.Generator())
     # masks (1,1,0,0) and (1,0,0,1): entry 0 overlaps -> mean (4+2)/2; entry 1 from e1; 2 none; 3 from e2
     assert out.tolist() == pytest.approx([3.0, -3.0, 0.0, -6.0])
-    full = METHODS["localize_stitch"].merge(base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(
-        sparsity=1.0, scope="tensor"), torch.Generator())
+    full = METHODS["localize_stitch"].merge(
+        base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(sparsity=1.0, scope="tensor"), torch.Generator()
+    )
     assert torch.allclose(full, 1 + (e1 + e2) / 2)
 
 
@@ -142,14 +146,17 @@ def cal(task="chem_count", split="train", n=8):
     return SimpleNamespace(task=task, split=split, n=n)
 
 
-@pytest.mark.parametrize("kwargs,field,words", [
-    (dict(split="test"), "x.split", "never uses the test split"),
-    (dict(split="dev"), "x.split", "unknown split"),
-    (dict(n=0), "x.n", "positive"),
-    (dict(task="mergeval_nope"), "x.task", "unknown calibration task"),
-    (dict(task="mergeval_general_facts"), "x.split", "no training split"),
-    (dict(task="mergeval_chem_count", split="validation", n=400), "x.n", "fewer than"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field,words",
+    [
+        (dict(split="test"), "x.split", "never uses the test split"),
+        (dict(split="dev"), "x.split", "unknown split"),
+        (dict(n=0), "x.n", "positive"),
+        (dict(task="mergeval_nope"), "x.task", "unknown calibration task"),
+        (dict(task="mergeval_general_facts"), "x.split", "no training split"),
+        (dict(task="mergeval_chem_count", split="validation", n=400), "x.n", "fewer than"),
+    ],
+)
 def test_calibration_config_errors_name_the_field(kwargs, field, words):
     with pytest.raises(UserError) as err:
         check_calibration(cal(**kwargs), "x", 200)
@@ -177,12 +184,18 @@ def test_calibration_from_lm_eval_tasks_uses_their_own_splits_never_the_scored_o
     from mergeval.merge.expert_statistics import compute
     from mergeval.run.config import BenchmarkConfig, EvalConfig
 
-    data = {"hellaswag": {"validation": "shipped:data/hellaswag/validation.jsonl",
-                          "train": "shipped:data/hellaswag/train.jsonl"},
-            "medqa_4options": {"test": "shipped:data/medqa_4options/test.jsonl",
-                               "validation": "shipped:data/medqa_4options/validation.jsonl",
-                               "train": "shipped:data/medqa_4options/train.jsonl"},
-            "gsm8k": {"test": "shipped:data/gsm8k/test.jsonl", "train": "shipped:data/gsm8k/train.jsonl"}}
+    data = {
+        "hellaswag": {
+            "validation": "shipped:data/hellaswag/validation.jsonl",
+            "train": "shipped:data/hellaswag/train.jsonl",
+        },
+        "medqa_4options": {
+            "test": "shipped:data/medqa_4options/test.jsonl",
+            "validation": "shipped:data/medqa_4options/validation.jsonl",
+            "train": "shipped:data/medqa_4options/train.jsonl",
+        },
+        "gsm8k": {"test": "shipped:data/gsm8k/test.jsonl", "train": "shipped:data/gsm8k/train.jsonl"},
+    }
     bench = OmegaConf.structured(BenchmarkConfig(name="b", tasks=["hellaswag"], data=data))
     ev = OmegaConf.structured(EvalConfig())
     train = calibration_items(cal("hellaswag", "train", 3), "x", 200, bench, ev, cache)
@@ -215,8 +228,10 @@ def two_layer(tiny_dir, tmp_path_factory):
     """The two-layer tiny Llama, two noisy experts and each one's calibration items (train / validation)."""
     root = tmp_path_factory.mktemp("data_aware")
     experts = [make_expert(tiny_dir, root / f"e{i}", seed=10 + i, scale=0.05) for i in range(2)]
-    items = [calibration_items(cal("chem_count", "train", 4), "x", 200),
-             calibration_items(cal("unit_convert", "validation", 4), "x", 200)]
+    items = [
+        calibration_items(cal("chem_count", "train", 4), "x", 200),
+        calibration_items(cal("unit_convert", "validation", 4), "x", 200),
+    ]
     return tiny_dir, experts, items, root
 
 
@@ -257,9 +272,15 @@ def dense_grams(model_dir, items):
 
     model = load_model(model_dir, dtype=torch.float32)
     xs: dict[str, list[np.ndarray]] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: xs.setdefault(n, []).append(
-        inp[0].detach().reshape(-1, inp[0].shape[-1]).double().numpy()))
-        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, inp, n=n: xs.setdefault(n, []).append(
+                inp[0].detach().reshape(-1, inp[0].shape[-1]).double().numpy()
+            )
+        )
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head"
+    ]
     with torch.no_grad():
         for ids, _ in _dense_examples(model_dir, items):
             model(input_ids=ids)
@@ -277,7 +298,10 @@ def _engine_merge(name, base, experts, items, root, cache, **params):
     from mergeval.methods import get_method
     from mergeval.models.fingerprint import fingerprint
 
-    dirs = [str(statistics_dir(get_method(name).needs.statistics, e, fingerprint(e), its, cache)[0]) for e, its in zip(experts, items)]
+    dirs = [
+        str(statistics_dir(get_method(name).needs.statistics, e, fingerprint(e), its, cache)[0])
+        for e, its in zip(experts, items)
+    ]
     method = METHODS[name]
     cfg = method.config(statistics=dirs, **params)
     method.validate(cfg, len(experts))
@@ -330,18 +354,25 @@ def test_data_aware_methods_are_refused_without_calibration(cache):
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         for name in ("fisher", "regmean"):
-            cfg = compose("config", overrides=["+experiment=tiny", f"method={name}",
-                                               "modelset.experts.units.calibration=null"])
+            cfg = compose(
+                "config", overrides=["+experiment=tiny", f"method={name}", "modelset.experts.units.calibration=null"]
+            )
             with pytest.raises(UserError) as err:
                 validate(cfg)
             assert err.value.field == "modelset.experts.units.calibration"
-        cfg = compose("config", overrides=["+experiment=tiny", "method=consensus_ta",
-                                           "modelset.experts.chem.calibration.split=test"])
+        cfg = compose(
+            "config",
+            overrides=["+experiment=tiny", "method=consensus_ta", "modelset.experts.chem.calibration.split=test"],
+        )
         with pytest.raises(UserError) as err:
             validate(cfg)
         assert err.value.field == "modelset.experts.chem.calibration.split"
-        validate(compose("config", overrides=["+experiment=tiny", "method=consensus_ta",
-                                              "modelset.experts.units.calibration=null"]))  # data-free: fine
+        validate(
+            compose(
+                "config",
+                overrides=["+experiment=tiny", "method=consensus_ta", "modelset.experts.units.calibration=null"],
+            )
+        )  # data-free: fine
 
 
 def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_layer, cache):
@@ -361,8 +392,11 @@ def test_localize_stitch_over_the_whole_model_matches_a_dense_global_top_k(two_l
     for k in (1, 7, 1000, flat[0].numel()):
         assert kth_largest_delta(base, experts[0], k) == torch.sort(flat[0], descending=True).values[k - 1].item()
     method = METHODS["localize_stitch"]
-    cfg, info = fill_thresholds(method.config(sparsity=0.05), base, [ModelInfo("base", "", "", str(base))] + [
-        ModelInfo(f"e{i}", "", "", str(e)) for i, e in enumerate(experts)])
+    cfg, info = fill_thresholds(
+        method.config(sparsity=0.05),
+        base,
+        [ModelInfo("base", "", "", str(base))] + [ModelInfo(f"e{i}", "", "", str(e)) for i, e in enumerate(experts)],
+    )
     assert info["kept_per_expert"] == math.ceil(0.05 * flat[0].numel())
     merged = read_dir(merge_to_disk(method, cfg, base, experts, root / "out-ls"))
     cuts = [torch.sort(f, descending=True).values[info["kept_per_expert"] - 1] for f in flat]
@@ -387,11 +421,14 @@ def test_pipeline_stages_refuse_what_needs_preparation():
     from mergeval.methods.pipeline import PipelineConfig, StageConfig
 
     def pipeline(stage_method):
-        return PipelineConfig(stages=[StageConfig(name="s", inputs=["a", "b"], method=stage_method)],
-                              expert_names=["a", "b"])
+        return PipelineConfig(
+            stages=[StageConfig(name="s", inputs=["a", "b"], method=stage_method)], expert_names=["a", "b"]
+        )
 
-    for stage_method, field in (({"name": "fisher"}, "method.stages[0].method.name"),
-                                ({"name": "localize_stitch"}, "method.stages[0].method.scope")):
+    for stage_method, field in (
+        ({"name": "fisher"}, "method.stages[0].method.name"),
+        ({"name": "localize_stitch"}, "method.stages[0].method.scope"),
+    ):
         with pytest.raises(UserError) as err:
             METHODS["pipeline"].validate(pipeline(stage_method), 2)
         assert err.value.field == field
@@ -411,9 +448,18 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
 
     base, experts, items, root = two_layer
     models = [ModelInfo("base", "", fingerprint(base), str(base))] + [
-        ModelInfo(f"e{i}", "", fingerprint(e), str(e)) for i, e in enumerate(experts)]
-    run = SimpleNamespace(benchmark=SimpleNamespace(n_items=200), eval=None, modelset=SimpleNamespace(experts={
-        "e0": {"calibration": cal("chem_count", "train", 4)}, "e1": {"calibration": cal("unit_convert", "validation", 4)}}))
+        ModelInfo(f"e{i}", "", fingerprint(e), str(e)) for i, e in enumerate(experts)
+    ]
+    run = SimpleNamespace(
+        benchmark=SimpleNamespace(n_items=200),
+        eval=None,
+        modelset=SimpleNamespace(
+            experts={
+                "e0": {"calibration": cal("chem_count", "train", 4)},
+                "e1": {"calibration": cal("unit_convert", "validation", 4)},
+            }
+        ),
+    )
     method = METHODS["localize_stitch_trained"]
     cfg, _ = fill_thresholds(method.config(sparsity=0.2, lr=1e5), base, models)
     cfg, info = fill_statistics(run, method.name, "localize", cfg, models, cache, base)
@@ -446,7 +492,8 @@ def test_trained_localize_stitch_against_a_dense_gradient_and_mask(two_layer, ca
             ms.append(s0 - 1e5 * sig * (1 - sig) * g * d.double() > 0)
             moved += int((ms[-1] != (s0 > 0)).sum())
         want = b[n].float() + sum(m * d for m, d in zip(ms, ds)) / torch.stack([m.float() for m in ms]).sum(0).clamp(
-            min=1)
+            min=1
+        )
         assert torch.allclose(merged[n].float(), want, atol=1e-7), n
     assert moved > 0
 
@@ -462,14 +509,16 @@ def test_check_states_the_calibration_passes(cache):
 
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
-        for method, kind, words in (("fisher", "fisher", "one forward + backward pass each"),
-                                    ("regmean", "gram", "one forward pass each"),
-                                    ("localize_stitch_trained", "localize", "one forward + backward pass each")):
+        for method, kind, words in (
+            ("fisher", "fisher", "one forward + backward pass each"),
+            ("regmean", "gram", "one forward pass each"),
+            ("localize_stitch_trained", "localize", "one forward + backward pass each"),
+        ):
             out = io.StringIO()
-            _print_calibration_cost(compose("config", overrides=["+experiment=tiny", f"method={method}"]),
-                                    Console(file=out, width=300))
-            assert f"calibration: chem: {kind} statistics from 64 chem_count " \
-                   f"train items, {words}" in out.getvalue()
+            _print_calibration_cost(
+                compose("config", overrides=["+experiment=tiny", f"method={method}"]), Console(file=out, width=300)
+            )
+            assert f"calibration: chem: {kind} statistics from 64 chem_count train items, {words}" in out.getvalue()
         out = io.StringIO()
         _print_calibration_cost(compose("config", overrides=["+experiment=tiny", "method=ties"]), Console(file=out))
         assert out.getvalue() == ""

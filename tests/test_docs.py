@@ -55,8 +55,7 @@ def hooks():
 
 def fenced(text: str) -> list[tuple[str, str]]:
     """(language, body) of every fenced block of a Markdown text, in order (indented fences too)."""
-    return [(m.group(2), m.group(3)) for m in
-            re.finditer(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", text, flags=re.M | re.S)]
+    return [(m.group(2), m.group(3)) for m in re.finditer(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", text, flags=re.M | re.S)]
 
 
 def two_commands(text: str) -> str:
@@ -70,8 +69,9 @@ def test_the_readme_is_short_and_keeps_the_two_commands_ci_runs():
     commands = two_commands(text)
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]  # the test command, exactly
     assert ci in commands.splitlines(), "README's command 2 is no longer the one .ci/run runs"
-    assert commands == two_commands((DOCS / "getting-started" / "install.md").read_text()), \
+    assert commands == two_commands((DOCS / "getting-started" / "install.md").read_text()), (
         "the install page's two commands differ from the README's"
+    )
     # after the two commands: no history, no hour-stamped timings, no commit narration, no CPU-family caveats
     rest = text.split("## Two commands", 1)[1].split("\n## ", 1)[1]
     for stale in (r"\b\d\d:\d\d-\d\d:\d\d\b", r"\bat [0-9a-f]{7}\b", r"\bon 20\d\d-\d\d-\d\d\b", r"AVX", r"\bAMX\b"):
@@ -105,7 +105,7 @@ def schema_fields(cls: type, prefix: str) -> set[str]:
         kind, dotted = hints[f.name], prefix + f.name
         out.add(dotted)
         union = typing.get_origin(kind) in (typing.Union, types.UnionType)
-        for option in ([a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]):
+        for option in [a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]:
             if dataclasses.is_dataclass(option):
                 out |= schema_fields(option, dotted + ".")
             elif typing.get_origin(option) is dict and dataclasses.is_dataclass(typing.get_args(option)[1]):
@@ -138,9 +138,9 @@ def section(markdown: str, anchor: str) -> str:
     match = re.search(rf"^(#+) .*\{{#{re.escape(anchor)}\}}$", markdown, flags=re.M)
     assert match, f"no heading #{anchor}"
     level = len(match.group(1))
-    rest = markdown[match.end():]
+    rest = markdown[match.end() :]
     end = re.search(rf"^#{{1,{level}}} ", rest, flags=re.M)
-    return rest[:end.start()] if end else rest
+    return rest[: end.start()] if end else rest
 
 
 def test_the_methods_page_lists_every_registered_method_with_every_parameter_and_default():
@@ -155,8 +155,11 @@ def test_the_methods_page_lists_every_registered_method_with_every_parameter_and
         for f in dataclasses.fields(method.config):
             row = next((line for line in text.splitlines() if line.startswith(f"| `{f.name}` |")), None)
             assert row is not None, f"{name}.{f.name}"
-            if f.default is not dataclasses.MISSING and isinstance(f.default, (int, float)) \
-                    and not isinstance(f.default, bool):
+            if (
+                f.default is not dataclasses.MISSING
+                and isinstance(f.default, (int, float))
+                and not isinstance(f.default, bool)
+            ):
                 assert f"`{f.default}`" in row, (name, f.name, row)
     # every conf/method file shows under the method whose schema it extends
     for path in (ROOT / "conf" / "method").glob("*.yaml"):
@@ -166,8 +169,13 @@ def test_the_methods_page_lists_every_registered_method_with_every_parameter_and
 def test_the_config_page_lists_every_field_of_every_registered_schema_and_every_group_option():
     page = hooks().config_page()
     schemas = {k: v for k, v in registered_schemas().items() if not k.startswith("method/")}
-    assert {"run_schema", "modelset/modelset_schema", "benchmark/benchmark_schema", "metric/metric_schema",
-            "search_run_schema"} <= set(schemas)
+    assert {
+        "run_schema",
+        "modelset/modelset_schema",
+        "benchmark/benchmark_schema",
+        "metric/metric_schema",
+        "search_run_schema",
+    } <= set(schemas)
     fields: set[str] = set()
     for key, cls in schemas.items():
         group = key.rpartition("/")[0]
@@ -193,9 +201,13 @@ def metric_functions() -> dict[str, list[str]]:
     out = {}
     for info in pkgutil.iter_modules(mergeval.metrics.__path__):
         module = importlib.import_module(f"mergeval.metrics.{info.name}")
-        out[info.name] = [n for n, obj in vars(module).items() if not n.startswith("_")
-                          and (isinstance(obj, types.FunctionType) or isinstance(obj, type))
-                          and obj.__module__ == module.__name__]
+        out[info.name] = [
+            n
+            for n, obj in vars(module).items()
+            if not n.startswith("_")
+            and (isinstance(obj, types.FunctionType) or isinstance(obj, type))
+            and obj.__module__ == module.__name__
+        ]
     return out
 
 
@@ -239,13 +251,19 @@ def test_the_performance_page_takes_its_figures_from_results_md_only():
     table = h.current_figures()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| benchmark")]
     assert len(rows) >= 10
-    for needed in ("merge_throughput.py --models quickstart", "sweep_cost.py", "run_memory.py", "command 1",
-                   "command 2"):
+    for needed in (
+        "merge_throughput.py --models quickstart",
+        "sweep_cost.py",
+        "run_memory.py",
+        "command 1",
+        "command 2",
+    ):
         assert needed in table, needed
     performance = (DOCS / "performance.md").read_text()
     assert h.FIGURES_HERE in performance
-    assert not re.search(r"\d+(\.\d+)?\s?(s|MiB)\b", performance.replace(h.FIGURES_HERE, "")), \
+    assert not re.search(r"\d+(\.\d+)?\s?(s|MiB)\b", performance.replace(h.FIGURES_HERE, "")), (
         "a figure written on the performance page instead of in benchmarks/RESULTS.md"
+    )
 
 
 # ---------------------------------------------------------------- the site, built strictly
@@ -257,19 +275,42 @@ def site(tmp_path_factory) -> Path:
     --help), as CI's test command runs it."""
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert "WARNING" not in done.stderr, done.stderr[-6000:]
     return out
 
 
 def test_the_site_builds_strictly_with_every_page(site):
-    for page in ("index.html", "getting-started/your-models/index.html", "guides/reproductions/index.html",
-                 "reference/methods/index.html", "reference/config/index.html", "reference/cli/index.html",
-                 "reference/metrics/index.html", "performance/index.html", "measurements/index.html",
-                 "specs/index.html"):
+    for page in (
+        "index.html",
+        "getting-started/your-models/index.html",
+        "guides/reproductions/index.html",
+        "reference/methods/index.html",
+        "reference/config/index.html",
+        "reference/cli/index.html",
+        "reference/metrics/index.html",
+        "performance/index.html",
+        "measurements/index.html",
+        "specs/index.html",
+    ):
         assert (site / page).is_file(), page
     performance = (site / "performance" / "index.html").read_text()
     assert "merge_throughput.py --models quickstart" in performance and "<table>" in performance
@@ -287,8 +328,16 @@ def test_the_command_line_page_shows_every_command_s_own_help(site):
             modules.add(".".join(rel.parts[:-1]))
         elif 'if __name__ == "__main__":' in path.read_text():
             modules.add(".".join(rel.parts))
-    assert {"mergeval", "mergeval.merge", "mergeval.verify", "mergeval.check", "mergeval.search",
-            "mergeval.results", "mergeval.report", "mergeval.staged"} <= modules
+    assert {
+        "mergeval",
+        "mergeval.merge",
+        "mergeval.verify",
+        "mergeval.check",
+        "mergeval.search",
+        "mergeval.results",
+        "mergeval.report",
+        "mergeval.staged",
+    } <= modules
     for module in modules:
         assert f'id="{module.replace(".", "-")}"' in page, module
     assert "usage: python -m mergeval.verify" in page and "python -m mergeval.merge [+experiment=NAME]" in page
@@ -312,8 +361,11 @@ class Shown:
 
 def command_pages() -> list[str]:
     """The pages a reader follows, in the site's navigation order."""
-    return [m for m in re.findall(r"^\s*- [^:\n]+: ([\w/.-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
-            if m.startswith(COMMAND_PAGES)]
+    return [
+        m
+        for m in re.findall(r"^\s*- [^:\n]+: ([\w/.-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+        if m.startswith(COMMAND_PAGES)
+    ]
 
 
 def commands_in(script: str) -> list[str]:
@@ -339,8 +391,9 @@ def cheap(command: str) -> bool:
 def reads_earlier_output(command: str, block: list[str]) -> bool:
     """Whether a command reads what an earlier command of its block wrote (``output=mk/``, then
     ``mergekit=mk/mergekit.yaml``): it runs where that one does."""
-    written = [a.split("=", 1)[1] for c in block[:block.index(command)] for a in shlex.split(c)
-               if a.startswith("output=")]
+    written = [
+        a.split("=", 1)[1] for c in block[: block.index(command)] for a in shlex.split(c) if a.startswith("output=")
+    ]
     return any(w and w in a for w in written for a in shlex.split(command)[3:] if not a.startswith("output="))
 
 
@@ -354,16 +407,20 @@ def shown_commands() -> tuple[list[Shown], list[str]]:
                 continue
             placeholder = any(p in body for p in PLACEHOLDERS)
             if lang == "bash":
-                if not placeholder and all(TINY.search(c) or cheap(c) or reads_earlier_output(c, commands)
-                                           for c in commands):
+                if not placeholder and all(
+                    TINY.search(c) or cheap(c) or reads_earlier_output(c, commands) for c in commands
+                ):
                     shown.append(Shown(page, "block", body))
                     continue
                 for c in commands:
                     if TINY.search(c) and "/tmp/" not in c:
                         orphans.append(f"{page}: {c}")
-                    elif (module_of(c) in HYDRA_MODULES and not any(p in c for p in PLACEHOLDERS)
-                          and not re.search(r"(^| )-m( |$)", c.split(" ", 3)[-1])
-                          and "mergekit=" not in c):
+                    elif (
+                        module_of(c) in HYDRA_MODULES
+                        and not any(p in c for p in PLACEHOLDERS)
+                        and not re.search(r"(^| )-m( |$)", c.split(" ", 3)[-1])
+                        and "mergekit=" not in c
+                    ):
                         shown.append(Shown(page, "compose", c))
                 continue
             # a transcript: `$ command` lines, each followed by what it printed
@@ -375,7 +432,7 @@ def shown_commands() -> tuple[list[Shown], list[str]]:
                 if not TINY.search(command) or "/tmp/" in command:
                     continue  # a recorded run on the reader's own models or files
                 printed = []
-                for later in lines[i + 1:]:
+                for later in lines[i + 1 :]:
                     if later.startswith("$ "):
                         break
                     printed.append(later)
@@ -405,15 +462,22 @@ SHOWN = readme_commands() + SHOWN
 
 
 def test_every_tiny_command_the_pages_show_is_run():
-    assert not ORPHANS, ("tiny commands in a block with commands the test cannot run; give them a block of their "
-                         f"own: {ORPHANS}")
+    assert not ORPHANS, (
+        f"tiny commands in a block with commands the test cannot run; give them a block of their own: {ORPHANS}"
+    )
     kinds = {s.kind for s in SHOWN}
     assert {"block", "error", "compose"} <= kinds, kinds
     scripts = "\n".join(s.text for s in SHOWN)
-    for expected in ("python -m mergeval +experiment=tiny", "python -m mergeval.staged +experiment=tiny_staged",
-                     "python -m mergeval.search +experiment=tiny", "mergeval.report multirun/",
-                     "mergekit=mk/mergekit.yaml", "python -m mergeval.verify --all --strict",
-                     "hydra/sweeper=staged +experiment=tiny", "results import lmout"):
+    for expected in (
+        "python -m mergeval +experiment=tiny",
+        "python -m mergeval.staged +experiment=tiny_staged",
+        "python -m mergeval.search +experiment=tiny",
+        "mergeval.report multirun/",
+        "mergekit=mk/mergekit.yaml",
+        "python -m mergeval.verify --all --strict",
+        "hydra/sweeper=staged +experiment=tiny",
+        "results import lmout",
+    ):
         assert expected in scripts, expected
 
 
@@ -422,13 +486,23 @@ def workdir(tmp_path_factory, cache) -> Path:
     """The reader's working directory, shared by the commands in page order; with ``myconf/modelset/mine.yaml``
     of "Your own models" pointing at the tiny zoo's base and experts."""
     where = tmp_path_factory.mktemp("reader")
-    done = run_module("mergeval", "+experiment=tiny", "hydra.run.dir=tiny-models", cwd=where,
-                      env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900)
+    done = run_module(
+        "mergeval",
+        "+experiment=tiny",
+        "hydra.run.dir=tiny-models",
+        cwd=where,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     models = {m["role"]: m["path"] for m in json.loads((where / "tiny-models" / "result.json").read_text())["models"]}
     page = (DOCS / "getting-started" / "your-models.md").read_text()
-    text = own_models_yaml(page).replace("/models/base", models["base"]).replace(
-        "/models/math", models["chem"]).replace("/models/code", models["units"])
+    text = (
+        own_models_yaml(page)
+        .replace("/models/base", models["base"])
+        .replace("/models/math", models["chem"])
+        .replace("/models/code", models["units"])
+    )
     (where / "myconf" / "modelset").mkdir(parents=True)
     (where / "myconf" / "modelset" / "mine.yaml").write_text(text)
     return where
@@ -439,8 +513,13 @@ def own_models_yaml(page: str) -> str:
 
 
 def own_models_command(page: str) -> str:
-    return next(line for lang, body in fenced(page) if lang == "bash" for line in body.splitlines()
-                if line.startswith("python -m mergeval --config-dir myconf"))
+    return next(
+        line
+        for lang, body in fenced(page)
+        if lang == "bash"
+        for line in body.splitlines()
+        if line.startswith("python -m mergeval --config-dir myconf")
+    )
 
 
 def reader_env() -> dict[str, str]:
@@ -451,8 +530,9 @@ def reader_env() -> dict[str, str]:
 @pytest.mark.parametrize("shown", SHOWN, ids=[s.id for s in SHOWN])
 def test_a_command_the_pages_show_does_what_they_say(shown, workdir):
     if shown.kind == "block":
-        done = subprocess.run(["bash", "-e", "-c", shown.text], cwd=workdir, env=reader_env(), capture_output=True,
-                              text=True, timeout=900)
+        done = subprocess.run(
+            ["bash", "-e", "-c", shown.text], cwd=workdir, env=reader_env(), capture_output=True, text=True, timeout=900
+        )
         assert done.returncode == 0, (shown.page, shown.text, done.stdout[-2000:], done.stderr[-3000:])
         return
     args = shlex.split(shown.text)[3:]
@@ -477,7 +557,9 @@ def test_your_own_models_merge_with_ties_and_score_on_hellaswag(workdir):
     assert re.search(r"^  name: ties$", done.stdout, flags=re.M) and "- hellaswag" in done.stdout, done.stdout
     offline = [a for a in args if a != "offline=false"] + [
         "benchmark.data.hellaswag.validation=shipped:data/hellaswag/validation.jsonl",
-        "benchmark.data.hellaswag.train=shipped:data/hellaswag/train.jsonl", "hydra.run.dir=own-models"]
+        "benchmark.data.hellaswag.train=shipped:data/hellaswag/train.jsonl",
+        "hydra.run.dir=own-models",
+    ]
     done = run_module("mergeval", *offline, cwd=workdir, env=reader_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((workdir / "own-models" / "result.json").read_text())

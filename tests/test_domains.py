@@ -23,8 +23,10 @@ def digest(obj) -> str:
 # Measured on the generators as they were before any domain was added (commit 6a7e412): the quickstart's
 # training and evaluation items, and the cache keys of its experts (from SmolLM2's blake2b fingerprint, the scheme
 # then; 30 x 16 steps).
-@pytest.mark.parametrize("domain,items,key", [("chem_count", "8555b15b6700f95f", "083227aebcb0fa3c"),
-                                              ("unit_convert", "c122b81e7b05a213", "c62889da09b2faea")])
+@pytest.mark.parametrize(
+    "domain,items,key",
+    [("chem_count", "8555b15b6700f95f", "083227aebcb0fa3c"), ("unit_convert", "c122b81e7b05a213", "c62889da09b2faea")],
+)
 def test_quickstart_domains_keep_their_items_and_expert_keys(domain, items, key):
     assert digest(list(split_items(domain, 0, 480, 500))) == items
     train = SimpleNamespace(steps=30, batch_size=16, lr=5e-5, seed=0, dtype="bfloat16")  # bf16 autocast
@@ -53,4 +55,4 @@ def test_competing_domains_ask_the_same_questions_in_opposite_directions():
     down, _ = split_items("unit_reduce", 0, 50, 10)
     assert all(i["question"].startswith("Convert ") for i in up + down)
     ratio = {round(float(i["question"].split()[1]) / float(i["choices"][i["answer"]].split()[0]), 6) for i in down}
-    assert ratio <= {10.0 ** p for p in range(0, 5)} and len(ratio) > 1
+    assert ratio <= {10.0**p for p in range(0, 5)} and len(ratio) > 1

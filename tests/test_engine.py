@@ -72,8 +72,10 @@ def method_and_cfg(name: str, **params):
 # ---------------------------------------------------------------- streaming == in memory
 
 
-@pytest.mark.parametrize("name,params", [("ties", {"density": 0.4}), ("dare_ties", {"density": 0.5}),
-                                         ("task_arithmetic", {"lambda_": 0.7}), ("della", {})])
+@pytest.mark.parametrize(
+    "name,params",
+    [("ties", {"density": 0.4}), ("dare_ties", {"density": 0.5}), ("task_arithmetic", {"lambda_": 0.7}), ("della", {})],
+)
 def test_streaming_output_equals_the_in_memory_merge_bit_for_bit(name, params, tiny_dir, experts, tmp_path):
     method, cfg = method_and_cfg(name, **params)
     out = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "out", seed=5)
@@ -107,11 +109,18 @@ print(where)
 
 @pytest.mark.skipif(not fused.available(), reason="numba is not installed")
 @pytest.mark.parametrize("name,where", [("dare_ties", "['MainThread']"), ("task_arithmetic", "[]")])
-def test_a_merge_loads_the_kernels_before_its_workers_start_and_only_where_they_apply(name, where, tiny_dir, experts,
-                                                                                      tmp_path):
+def test_a_merge_loads_the_kernels_before_its_workers_start_and_only_where_they_apply(
+    name, where, tiny_dir, experts, tmp_path
+):
     """Loaded by the first worker, they kept the other waiting on numba's locks (execute._load_kernels_first)."""
-    out = subprocess.run([sys.executable, "-c", LOADED_WHERE, name, str(tiny_dir), *map(str, experts),
-                          str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", LOADED_WHERE, name, str(tiny_dir), *map(str, experts), str(tmp_path / "out")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.stdout.strip() == where, out.stdout + out.stderr[-2000:]
 
 
@@ -123,8 +132,9 @@ def test_row_blocks_are_written_in_place_by_the_threads_that_merge_them(tiny_dir
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every tensor of the tiny model in row blocks
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     writers, pwrite = [], os.pwrite
-    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (writers.append(threading.current_thread().name),
-                                                            pwrite(fd, data, at))[1])
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, data, at: (writers.append(threading.current_thread().name), pwrite(fd, data, at))[1]
+    )
     blocks = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "blocks", seed=3)
     assert len(writers) > 20 and all(name.startswith(execute.THREAD_NAME) for name in writers)
     assert (blocks / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
@@ -144,8 +154,9 @@ def test_the_kernel_takes_the_experts_rows_read_into_one_stack(name, tiny_dir, e
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     monkeypatch.setattr(fused, "MIN_ENTRIES", 2)  # the tiny model's tensors take the kernel
     given, merge_rows = [], fused.merge_rows
-    monkeypatch.setattr(fused, "merge_rows", lambda base, rows, **kw: (given.append(type(rows)),
-                                                                        merge_rows(base, rows, **kw))[1])
+    monkeypatch.setattr(
+        fused, "merge_rows", lambda base, rows, **kw: (given.append(type(rows)), merge_rows(base, rows, **kw))[1]
+    )
     blocks = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "blocks", seed=4)
     assert len(given) > 20 and set(given) == {fused.StackedRows}
     assert (blocks / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
@@ -158,14 +169,18 @@ def test_rows_are_read_into_a_given_tensor_of_their_shape_and_dtype_only(tiny_di
     into = torch.empty(rows, dtype=reader.dtypes[name])
     assert reader.get_rows(name, 1, 3, out=into) is into
     assert torch.equal(into, reader.get(name)[1:3])
-    for wrong in (torch.empty(rows, dtype=torch.float64), torch.empty((3, *rows[1:]), dtype=into.dtype),
-                  torch.empty(rows[::-1], dtype=into.dtype).t()):
+    for wrong in (
+        torch.empty(rows, dtype=torch.float64),
+        torch.empty((3, *rows[1:]), dtype=into.dtype),
+        torch.empty(rows[::-1], dtype=into.dtype).t(),
+    ):
         with pytest.raises(ValueError, match="out is"):
             reader.get_rows(name, 1, 3, out=wrong)
 
 
-def test_without_positioned_reads_and_writes_a_merge_seeks_instead_with_the_same_bytes(tiny_dir, experts, tmp_path,
-                                                                                          monkeypatch):
+def test_without_positioned_reads_and_writes_a_merge_seeks_instead_with_the_same_bytes(
+    tiny_dir, experts, tmp_path, monkeypatch
+):
     """Where the platform has no os.preadv / os.pwrite (Windows), the reader and the in-place writer seek on
     their own descriptor and give the same bytes."""
     method, cfg = method_and_cfg("ties", density=0.5)
@@ -250,8 +265,9 @@ def test_an_interrupted_merge_leaves_no_output(error, tiny_dir, experts, tmp_pat
     assert 7 <= len(calls) <= 7 + execute.WINDOW and list(tmp_path.iterdir()) == []  # nor a temporary sibling
 
 
-def test_a_merge_stopped_by_its_consumer_does_not_wait_for_the_units_still_running(tiny_dir, experts, tmp_path,
-                                                                                   monkeypatch):
+def test_a_merge_stopped_by_its_consumer_does_not_wait_for_the_units_still_running(
+    tiny_dir, experts, tmp_path, monkeypatch
+):
     """The writer fails (here: an interruption) while a worker is still merging a later unit: merge_to_disk
     raises at once, leaving that unit to end by itself, instead of waiting for it (which made Ctrl-C wait for
     the slowest running unit)."""
@@ -301,8 +317,9 @@ def test_dare_is_deterministic_across_runs_and_the_seed_matters(tiny_dir, expert
 def test_merge_into_a_live_model_equals_the_in_memory_merge(tiny_dir, experts):
     method, cfg = method_and_cfg("dare_linear", density=0.6)
     live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, experts, seed=2)
-    expected = load_model(tiny_dir, merge_tensors(method, cfg, load_tensors(tiny_dir),
-                                                  [load_tensors(p) for p in experts], seed=2))
+    expected = load_model(
+        tiny_dir, merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in experts], seed=2)
+    )
     reference = expected.state_dict()
     for name, tensor in live.state_dict().items():
         assert torch.equal(tensor, reference[name]), name
@@ -311,13 +328,14 @@ def test_merge_into_a_live_model_equals_the_in_memory_merge(tiny_dir, experts):
 def _in_bfloat16(model_dir: Path, out: Path) -> Path:
     """A copy of a checkpoint with every floating tensor rounded to bfloat16 (config and tokenizer as they are)."""
     shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in load_tensors(model_dir).items()},
-              str(out / "model.safetensors"))
+    save_file(
+        {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in load_tensors(model_dir).items()},
+        str(out / "model.safetensors"),
+    )
     return out
 
 
-def test_a_live_merge_evaluated_in_its_checkpoints_dtype_is_built_in_it_with_the_same_bits(tiny_dir, experts,
-                                                                                           tmp_path):
+def test_a_live_merge_evaluated_in_its_checkpoints_dtype_is_built_in_it_with_the_same_bits(tiny_dir, experts, tmp_path):
     """bfloat16 checkpoints evaluated in bfloat16: the live model is built in bfloat16, not float32 (half the
     memory), and holds the same merged values, hence the same fingerprint; float32 checkpoints evaluated in
     bfloat16 still merge into a float32 model, which alone holds their merged values exactly."""
@@ -360,6 +378,7 @@ def test_the_consumer_runs_on_one_torch_thread_and_the_callers_count_comes_back(
 
         def fail(*args):
             raise RuntimeError("a merge that fails")
+
         monkeypatch.setattr(execute, "_merge_unit", fail)
         with pytest.raises(RuntimeError, match="a merge that fails"):
             list(execute.run_plan(plan, method, base, inputs, 0, {}))
@@ -479,6 +498,7 @@ def test_a_truncated_checkpoint_is_a_clear_error(tiny_dir, tmp_path):
 
 def with_vocab(tiny_dir: Path, dst: Path, rows: int, seed: int) -> Path:
     """A tiny expert whose embedding has ``rows`` rows (cut, or extended with random rows) and matching config."""
+
     def resize(tensors, where):
         emb = tensors["model.embed_tokens.weight"]
         extra = torch.randn(max(0, rows - emb.shape[0]), emb.shape[1], generator=torch.Generator().manual_seed(seed))
@@ -506,8 +526,9 @@ def test_vocab_mismatch_is_an_error_by_default_naming_tensors_shapes_and_the_pol
 def test_truncate_merges_the_shared_rows_and_writes_the_smaller_vocabulary(tiny_dir, experts, tmp_path):
     small = with_vocab(tiny_dir, tmp_path / "small", 370, seed=3)
     method, cfg = method_and_cfg("task_arithmetic", lambda_=0.5)
-    out = merge_to_disk(method, cfg, tiny_dir, {"a": experts[0], "small": small}, tmp_path / "out",
-                        vocab_policy="truncate")
+    out = merge_to_disk(
+        method, cfg, tiny_dir, {"a": experts[0], "small": small}, tmp_path / "out", vocab_policy="truncate"
+    )
     emb = "model.embed_tokens.weight"
     inputs = [load_tensors(p) for p in (tiny_dir, experts[0], small)]
     for t in inputs:
@@ -599,8 +620,15 @@ def test_depth_runs_from_the_embeddings_through_the_layers_to_the_head(n_layers)
     assert count_layers([f"model.layers.{i}.x" for i in range(n_layers)] + ["lm_head.weight"]) == n_layers
 
 
-names = st.sampled_from(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                         "model.layers.3.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"])
+names = st.sampled_from(
+    [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.3.mlp.up_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+)
 rule_value = st.one_of(st.floats(0.05, 1), st.lists(st.floats(0.05, 1), min_size=1, max_size=4))
 globs = st.sampled_from(["*", "*mlp*", "*self_attn*", "model.layers.*", "lm_head*", "nothing*"])
 
@@ -671,8 +699,9 @@ def test_every_resolved_value_is_validated_before_any_tensor_is_read(tiny_dir):
     from mergeval.merge.plan import check_plan
 
     method = get_method("della")
-    cfg = method.config(density=0.5, epsilon=0.0, rules=[{"match": "*", "density": 0.95},
-                                                         {"match": "model.layers.1.*", "epsilon": 0.1}])
+    cfg = method.config(
+        density=0.5, epsilon=0.0, rules=[{"match": "*", "density": 0.95}, {"match": "model.layers.1.*", "epsilon": 0.1}]
+    )
     method.validate(cfg, 2)  # every knot is valid with the top-level values
     reader = CheckpointReader(tiny_dir, "modelset.base")
     reader.get = lambda name: pytest.fail("a tensor was read before validation")
@@ -694,13 +723,18 @@ def test_every_method_config_has_rules_and_the_yamls_still_compose():
         for name in METHODS:
             if (ROOT / "conf" / "method" / f"{name}.yaml").exists():
                 compose("config", overrides=["+experiment=tiny", f"method={name}"])
-        cfg = compose("config", overrides=["+experiment=tiny", "method=ties",
-                                           "method.rules=[{match: '*mlp*', density: [0.2, 0.8]}, {lambda_: 0.5}]"])
+        cfg = compose(
+            "config",
+            overrides=[
+                "+experiment=tiny",
+                "method=ties",
+                "method.rules=[{match: '*mlp*', density: [0.2, 0.8]}, {lambda_: 0.5}]",
+            ],
+        )
         from omegaconf import OmegaConf
 
         typed = OmegaConf.to_object(cfg.method)
-        assert [(r.match, r.density, r.lambda_) for r in typed.rules] == [("*mlp*", [0.2, 0.8], None),
-                                                                          ("*", None, 0.5)]
+        assert [(r.match, r.density, r.lambda_) for r in typed.rules] == [("*mlp*", [0.2, 0.8], None), ("*", None, 0.5)]
 
 
 # ---------------------------------------------------------------- layer-at-a-time methods
@@ -725,8 +759,14 @@ def layer_method(calls: list, with_tensor_merge: bool) -> MergeMethod:
         calls.append(["tensor"])
         return base.clone()
 
-    return MergeMethod("layer_mean", with_rules(MeanConfig), merge_tensor if with_tensor_merge else None,
-                       lambda cfg, n: None, merge_layer.__doc__, merge_layer=merge_layer)
+    return MergeMethod(
+        "layer_mean",
+        with_rules(MeanConfig),
+        merge_tensor if with_tensor_merge else None,
+        lambda cfg, n: None,
+        merge_layer.__doc__,
+        merge_layer=merge_layer,
+    )
 
 
 @pytest.mark.parametrize("with_tensor_merge", [False, True])
@@ -737,8 +777,9 @@ def test_layer_methods_get_whole_layers_and_stream_like_the_rest(with_tensor_mer
     out = merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / "out")
     base = load_tensors(tiny_dir)
     # the engine's worker threads merge units concurrently, so the calls come in any order (the output does not)
-    layer_calls = sorted((c for c in calls if c != ["tensor"] and layer_of(c[0]) and len(c) > 1),
-                         key=lambda c: layer_of(c[0])[1])
+    layer_calls = sorted(
+        (c for c in calls if c != ["tensor"] and layer_of(c[0]) and len(c) > 1), key=lambda c: layer_of(c[0])[1]
+    )
     assert [layer_of(c[0])[1] for c in layer_calls] == [0, 1]
     assert all(c == sorted(n for n in base if n.startswith(f"model.layers.{i}.")) for i, c in enumerate(layer_calls))
     outside = [n for n in base if not layer_of(n)]
@@ -754,16 +795,26 @@ def test_layer_methods_get_whole_layers_and_stream_like_the_rest(with_tensor_mer
 
 
 def test_build_plan_units():
-    dtypes = {"model.embed_tokens.weight": torch.float32, "model.layers.0.a": torch.float32,
-              "model.layers.0.b": torch.float32, "model.layers.1.a": torch.float32,
-              "model.layers.1.ids": torch.int64, "model.norm.weight": torch.float32}
+    dtypes = {
+        "model.embed_tokens.weight": torch.float32,
+        "model.layers.0.a": torch.float32,
+        "model.layers.0.b": torch.float32,
+        "model.layers.1.a": torch.float32,
+        "model.layers.1.ids": torch.int64,
+        "model.norm.weight": torch.float32,
+    }
     per_tensor = build_plan(get_method("ties"), get_method("ties").config(), dtypes)
-    assert [(u.names, u.kind) for u in per_tensor] == [((n,), "copy" if n.endswith("ids") else "tensor")
-                                                       for n in sorted(dtypes)]
+    assert [(u.names, u.kind) for u in per_tensor] == [
+        ((n,), "copy" if n.endswith("ids") else "tensor") for n in sorted(dtypes)
+    ]
     layered = build_plan(layer_method([], False), MeanConfig(), dtypes)
     assert [(u.key, u.kind) for u in layered] == [
-        ("model.embed_tokens.weight", "layer"), ("model.layers.0", "layer"), ("model.layers.1", "layer"),
-        ("model.layers.1.ids", "copy"), ("model.norm.weight", "layer")]
+        ("model.embed_tokens.weight", "layer"),
+        ("model.layers.0", "layer"),
+        ("model.layers.1", "layer"),
+        ("model.layers.1.ids", "copy"),
+        ("model.norm.weight", "layer"),
+    ]
     assert layered[1].names == ("model.layers.0.a", "model.layers.0.b")
 
 
@@ -776,8 +827,14 @@ def merge_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_merge_cli_end_to_end_on_the_tiny_zoo(tmp_path, cache):
-    out = merge_cli("+experiment=tiny", "method=dare_ties", "seed=3", f"output={tmp_path / 'merged'}",
-                    "method.rules=[{match: '*mlp*', density: [0.3, 0.9]}]", cwd=tmp_path)
+    out = merge_cli(
+        "+experiment=tiny",
+        "method=dare_ties",
+        "seed=3",
+        f"output={tmp_path / 'merged'}",
+        "method.rules=[{match: '*mlp*', density: [0.3, 0.9]}]",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"merged model: {tmp_path / 'merged'}" in out.stdout
     model = load_model(tmp_path / "merged")
@@ -787,12 +844,15 @@ def test_merge_cli_end_to_end_on_the_tiny_zoo(tmp_path, cache):
     assert [p.name for p in (tmp_path / "merged").iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["method=ties", "method.density=1.5"], "method.density"),
-    (["method=ties", "method.rules=[{match: '*mlp*', density: [0.5, 2.0]}]"], "method.rules[0].density"),
-    (["method=ties", "method.rules=[{match: '*', densty: 0.5}]"], "method.rules[...].densty: no such field"),
-    (["vocab_policy=merge"], "vocab_policy"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["method=ties", "method.density=1.5"], "method.density"),
+        (["method=ties", "method.rules=[{match: '*mlp*', density: [0.5, 2.0]}]"], "method.rules[0].density"),
+        (["method=ties", "method.rules=[{match: '*', densty: 0.5}]"], "method.rules[...].densty: no such field"),
+        (["vocab_policy=merge"], "vocab_policy"),
+    ],
+)
 def test_merge_cli_bad_input_exits_2_with_one_line_and_leaves_nothing(overrides, field, tmp_path, cache):
     out = merge_cli("+experiment=tiny", *overrides, f"output={tmp_path / 'merged'}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -810,9 +870,15 @@ def test_merge_cli_nan_expert_exits_2_with_one_line(tiny_dir, tmp_path, cache):
     good = make_expert(tiny_dir, tmp_path / "inputs" / "good", seed=8)
     work = tmp_path / "work"
     work.mkdir()
-    out = merge_cli("+experiment=tiny", "modelset.experts.chem.domain=null", f"modelset.experts.chem.source={broken}",
-                    "modelset.experts.units.domain=null", f"modelset.experts.units.source={good}",
-                    f"output={work / 'merged'}", cwd=work)
+    out = merge_cli(
+        "+experiment=tiny",
+        "modelset.experts.chem.domain=null",
+        f"modelset.experts.chem.source={broken}",
+        "modelset.experts.units.domain=null",
+        f"modelset.experts.units.source={good}",
+        f"output={work / 'merged'}",
+        cwd=work,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: error: modelset.experts.chem:")
@@ -829,10 +895,29 @@ def test_peak_memory_does_not_grow_with_model_size():
     If a merge held the inputs (or just one of them) in memory, the difference would be at least
     one checkpoint's growth (84 MiB here); the threshold is a fifth of all three inputs' growth. Measured
     differences between the two depths were within +-20 MiB, run-to-run noise of the allocator."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "merge_memory.py"), "--json", "--layers", "4,16",
-                          "--hidden", "256", "--intermediate", "2048", "--vocab", "4096", "--heads", "4",
-                          "--dtype", "float32"], capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "merge_memory.py"),
+            "--json",
+            "--layers",
+            "4,16",
+            "--hidden",
+            "256",
+            "--intermediate",
+            "2048",
+            "--vocab",
+            "4096",
+            "--heads",
+            "4",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     small, large = [json.loads(line) for line in out.stdout.strip().splitlines()]
     assert small["largest_tensor_bytes"] == large["largest_tensor_bytes"]

@@ -34,11 +34,19 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def cli(module: str, *args: str, cwd: Path, prefix: tuple[str, ...] = (), preexec=None,
-        timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(
+    module: str, *args: str, cwd: Path, prefix: tuple[str, ...] = (), preexec=None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     if prefix or preexec:  # a command around the interpreter, or a hook before it starts: a fresh process
-        return subprocess.run([*prefix, sys.executable, "-m", module, *args], cwd=cwd, env=child_env(),
-                              capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+        return subprocess.run(
+            [*prefix, sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=preexec,
+        )
     return run_module(module, *args, cwd=cwd, env=child_env(), timeout=timeout)
 
 
@@ -64,14 +72,22 @@ def leftovers(*dirs: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def zoo(tiny_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fault-zoo")
-    return {"base": tiny_dir, "e0": make_expert(tiny_dir, root / "e0", seed=1),
-            "e1": make_expert(tiny_dir, root / "e1", seed=2)}
+    return {
+        "base": tiny_dir,
+        "e0": make_expert(tiny_dir, root / "e0", seed=1),
+        "e1": make_expert(tiny_dir, root / "e1", seed=2),
+    }
 
 
 def modelset(base: Path, e0: Path, e1: Path) -> list[str]:
-    return ["+experiment=tiny", f"modelset.base={base}", "modelset.experts.chem.domain=null",
-            f"modelset.experts.chem.source={e0}", "modelset.experts.units.domain=null",
-            f"modelset.experts.units.source={e1}"]
+    return [
+        "+experiment=tiny",
+        f"modelset.base={base}",
+        "modelset.experts.chem.domain=null",
+        f"modelset.experts.chem.source={e0}",
+        "modelset.experts.units.domain=null",
+        f"modelset.experts.units.source={e1}",
+    ]
 
 
 def damaged_copy(zoo, tmp_path: Path, damage) -> Path:
@@ -109,8 +125,10 @@ def _index_names_missing_shard(d: Path) -> None:
     half = len(names) // 2
     save_file({n: tensors[n] for n in names[:half]}, str(d / "model-00001-of-00002.safetensors"))
     (d / "model.safetensors").unlink()
-    weight_map = {n: "model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors"
-                  for i, n in enumerate(names)}
+    weight_map = {
+        n: "model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors"
+        for i, n in enumerate(names)
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
@@ -165,8 +183,7 @@ def test_a_damaged_expert_is_found_before_merging(case, zoo, tmp_path):
 def test_a_damaged_expert_is_one_line_and_leaves_nothing(case, zoo, tmp_path):
     damage, says = DAMAGE[case]
     bad = damaged_copy(zoo, tmp_path, damage)
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], bad), f"output={tmp_path / 'out'}",
-              cwd=tmp_path)
+    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], bad), f"output={tmp_path / 'out'}", cwd=tmp_path)
     assert_one_line(out, "modelset.experts.units", says)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
@@ -175,8 +192,7 @@ def test_the_full_run_checks_a_damaged_base_before_anything(zoo, tmp_path):
     bad = tmp_path / "base"
     shutil.copytree(zoo["base"], bad)
     _truncate(bad)
-    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}",
-              cwd=tmp_path)
+    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}", cwd=tmp_path)
     assert_one_line(out, "modelset.base", "truncated")
     assert "evaluating" not in out.stdout and not leftovers(tmp_path)
     assert [r[0] for r in sqlite3.connect(tmp_path / "r.sqlite").execute("SELECT status FROM runs")] == ["failed"]
@@ -186,8 +202,7 @@ def test_a_damaged_tokenizer_fails_before_merging(zoo, tmp_path):
     bad = tmp_path / "base"
     shutil.copytree(zoo["base"], bad)
     (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
-    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}",
-              cwd=tmp_path)
+    out = cli("mergeval", *modelset(bad, zoo["e0"], zoo["e1"]), f"store.path={tmp_path / 'r.sqlite'}", cwd=tmp_path)
     assert_one_line(out, "modelset.base", "transformers cannot load AutoTokenizer")
     assert "evaluating" not in out.stdout and not leftovers(tmp_path)
 
@@ -197,10 +212,21 @@ def test_nan_in_an_expert_names_the_same_field_and_directory_in_a_run_as_in_merg
         tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
 
     bad = make_expert(zoo["base"], tmp_path / "nan", seed=9, change=poison)
-    lines = [assert_one_line(cli(module, *modelset(zoo["base"], zoo["e0"], bad), f"store.path={tmp_path / 'r.sqlite'}",
-                                 f"output={tmp_path / 'out'}", cwd=tmp_path), "modelset.experts.units",
-                             f"in {bad}", "NaN or Inf")
-             for module in ("mergeval", "mergeval.merge")]
+    lines = [
+        assert_one_line(
+            cli(
+                module,
+                *modelset(zoo["base"], zoo["e0"], bad),
+                f"store.path={tmp_path / 'r.sqlite'}",
+                f"output={tmp_path / 'out'}",
+                cwd=tmp_path,
+            ),
+            "modelset.experts.units",
+            f"in {bad}",
+            "NaN or Inf",
+        )
+        for module in ("mergeval", "mergeval.merge")
+    ]
     assert lines[0] == lines[1] and not leftovers(tmp_path)
 
 
@@ -222,8 +248,13 @@ def test_output_in_a_read_only_directory(zoo, tmp_path):
     locked.mkdir()
     locked.chmod(0o555)
     try:
-        out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={locked / 'out'}",
-                  cwd=tmp_path, prefix=unprivileged())
+        out = cli(
+            "mergeval.merge",
+            *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+            f"output={locked / 'out'}",
+            cwd=tmp_path,
+            prefix=unprivileged(),
+        )
     finally:
         locked.chmod(0o755)
     assert_one_line(out, str(locked), "permission denied")
@@ -232,8 +263,12 @@ def test_output_in_a_read_only_directory(zoo, tmp_path):
 
 def test_output_below_an_existing_file(zoo, tmp_path):
     (tmp_path / "afile").write_text("x")
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
-              f"output={tmp_path / 'afile' / 'sub' / 'out'}", cwd=tmp_path)
+    out = cli(
+        "mergeval.merge",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"output={tmp_path / 'afile' / 'sub' / 'out'}",
+        cwd=tmp_path,
+    )
     assert_one_line(out, str(tmp_path / "afile"), "is a file, not a directory")
     assert not leftovers(tmp_path)
 
@@ -262,8 +297,13 @@ def test_a_file_size_limit_while_writing_the_merge(zoo, tmp_path):
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={tmp_path / 'out'}",
-              cwd=tmp_path, preexec=small_files)
+    out = cli(
+        "mergeval.merge",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"output={tmp_path / 'out'}",
+        cwd=tmp_path,
+        preexec=small_files,
+    )
     assert_one_line(out, str(tmp_path / "out"), "file-size limit")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
@@ -273,16 +313,22 @@ def small_fs(tmp_path):
     """A 64 KiB tmpfs (root with mount rights only; skipped elsewhere): a real full disk."""
     where = tmp_path / "small"
     where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root with mount rights)")
     yield where
     subprocess.run(["umount", str(where)], check=True)
 
 
 def test_a_full_disk_while_writing_the_merge(zoo, tmp_path, small_fs):
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={small_fs / 'out'}",
-              cwd=tmp_path)
+    out = cli(
+        "mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"output={small_fs / 'out'}", cwd=tmp_path
+    )
     assert_one_line(out, str(small_fs / "out"), "no space left")
     assert not list(small_fs.iterdir()) and not leftovers(tmp_path)
 
@@ -305,8 +351,11 @@ def test_a_full_disk_under_a_native_writer_is_one_line_naming_the_directory(zoo,
     assert not list(small_fs.iterdir())
     from safetensors import SafetensorError  # raised where no atomic_dir names the place: still one line
 
-    assert user_failure(SafetensorError("I/O error: No space left on device (os error 28)")).line().startswith(
-        "mergeval: error: disk: no space left on the device")
+    assert (
+        user_failure(SafetensorError("I/O error: No space left on device (os error 28)"))
+        .line()
+        .startswith("mergeval: error: disk: no space left on the device")
+    )
     assert user_failure(SafetensorError("header too large")) is None  # not the environment: a bug, traceback
 
 
@@ -314,8 +363,13 @@ def test_a_full_disk_under_a_native_writer_is_one_line_naming_the_directory(zoo,
 def test_cache_dir_below_a_file(zoo, tmp_path, below):
     """The line names the setting and the file in the way (below it, the file's path, not the one asked for)."""
     (tmp_path / "afile").write_text("x")
-    out = cli("mergeval.merge", *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
-              f"cache_dir={tmp_path / 'afile' / below}", f"output={tmp_path / 'out'}", cwd=tmp_path)
+    out = cli(
+        "mergeval.merge",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"cache_dir={tmp_path / 'afile' / below}",
+        f"output={tmp_path / 'out'}",
+        cwd=tmp_path,
+    )
     assert_one_line(out, f"cache_dir: '{tmp_path / 'afile'}' is a file, not a directory")
 
 
@@ -332,8 +386,14 @@ def test_a_read_only_store_fails_at_open_not_mid_run(zoo, tmp_path):
     store = tmp_path / "r.sqlite"
     make_store(store)
     store.chmod(0o444)
-    out = cli("mergeval", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
-              "benchmark.limit=4", cwd=tmp_path, prefix=unprivileged())
+    out = cli(
+        "mergeval",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"store.path={store}",
+        "benchmark.limit=4",
+        cwd=tmp_path,
+        prefix=unprivileged(),
+    )
     assert_one_line(out, "store.path", "read-only")
     assert "evaluating" not in out.stdout and not leftovers(tmp_path)
 
@@ -344,12 +404,17 @@ def test_a_damaged_store_is_found_at_open(damage, zoo, tmp_path):
     make_store(store)
     data = bytearray(store.read_bytes())
     if damage == "page":  # the runs table's page (4096-byte pages; page 6 is its root in a new store)
-        data[4096 * 5:4096 * 5 + 300] = b"\x07" * 300
+        data[4096 * 5 : 4096 * 5 + 300] = b"\x07" * 300
     else:
         data[:100] = os.urandom(100)
     store.write_bytes(bytes(data))
-    out = cli("mergeval", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
-              "benchmark.limit=4", cwd=tmp_path)
+    out = cli(
+        "mergeval",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"store.path={store}",
+        "benchmark.limit=4",
+        cwd=tmp_path,
+    )
     assert_one_line(out, "store.path", "damaged")
     assert not leftovers(tmp_path)
 
@@ -364,7 +429,7 @@ def test_a_store_damaged_mid_run_is_one_line(tmp_path):
         root = db.execute("SELECT rootpage FROM sqlite_master WHERE name='runs'").fetchone()[0]
         page = db.execute("PRAGMA page_size").fetchone()[0]
     data = bytearray(store.path.read_bytes())
-    data[page * (root - 1):page * (root - 1) + 200] = b"\x07" * 200
+    data[page * (root - 1) : page * (root - 1) + 200] = b"\x07" * 200
     store.path.write_bytes(bytes(data))
     with pytest.raises(UserError, match="store.path: .* is damaged"):
         store.start_run("r1", experiment="e", method="m", config={}, versions={}, git={})
@@ -409,9 +474,15 @@ def signal_mid_merge(models: dict[str, Path], parent: Path, sig: int, attempts: 
         out = parent / f"out{attempt}"
         # faulthandler: should the process crash after all (it aborted once at exit, before mergeval.run.cli.end_now),
         # its threads' stacks are in the failure's message
-        proc = subprocess.Popen(merge_cmd(models, out), cwd=parent, env=dict(child_env(), PYTHONFAULTHANDLER="1"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=default_signals)
+        proc = subprocess.Popen(
+            merge_cmd(models, out),
+            cwd=parent,
+            env=dict(child_env(), PYTHONFAULTHANDLER="1"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=default_signals,
+        )
         # frozen with the temporary directory still there: the merge is mid-write. It may also have renamed it into
         # place between the glob and the freeze (CI saw one exit 0 that way); then it is a merge that finished first
         if started(parent, proc, out.name) and any(parent.glob(f".tmp-{out.name}-*")):
@@ -444,8 +515,15 @@ def medium(cache, tmp_path_factory) -> dict[str, Path]:
 
 
 def merge_cmd(models: dict[str, Path], out: Path) -> list[str]:
-    return [sys.executable, "-m", "mergeval.merge", *modelset(models["base"], models["e0"], models["e1"]),
-            "method=ties", "method.density=0.3", f"output={out}"]
+    return [
+        sys.executable,
+        "-m",
+        "mergeval.merge",
+        *modelset(models["base"], models["e0"], models["e1"]),
+        "method=ties",
+        "method.density=0.3",
+        f"output={out}",
+    ]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -454,7 +532,9 @@ def test_a_signal_mid_merge_stops_cleanly(sig, medium, tmp_path):
     assert status == 2 and "Traceback" not in err, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: interrupted by"), err[-3000:]
-    assert "run the same command again to merge" in lines[0] and "evaluations" not in lines[0]  # a merge evaluates nothing
+    assert (
+        "run the same command again to merge" in lines[0] and "evaluations" not in lines[0]
+    )  # a merge evaluates nothing
     # caught while writing: no output, unless the rename into place won the race (then it is whole)
     assert (not out.exists() or whole(out)) and not leftovers(tmp_path)
 
@@ -495,9 +575,15 @@ HELD_IN_MERGING = merge_with_units("""\
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_merge_ends_without_waiting_for_a_running_unit(sig, medium, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", HELD_IN_MERGING, *merge_cmd(medium, out)[3:]], cwd=tmp_path,
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_signals)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_IN_MERGING, *merge_cmd(medium, out)[3:]],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     try:
         assert proc.stdout.readline().strip() == "held in merging", proc.stderr.read()[-3000:]
         proc.send_signal(sig)
@@ -517,8 +603,14 @@ def fail_while_merging(error: str, medium, tmp_path) -> tuple[int, str]:
         time.sleep(600)
     if call == 2:
         raise {error}""")
-    proc = subprocess.Popen([sys.executable, "-c", script, *merge_cmd(medium, tmp_path / "out")[3:]],
-                            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *merge_cmd(medium, tmp_path / "out")[3:]],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _, err = proc.communicate(timeout=120)  # waiting for the held unit would take 600 s
     finally:
@@ -531,7 +623,8 @@ def test_a_merge_that_fails_ends_without_waiting_for_a_running_unit(medium, tmp_
     the error's one line comes at once, status 2, and the process ends without waiting for that unit, as an
     interrupted merge does."""
     status, err = fail_while_merging(
-        'UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")', medium, tmp_path)
+        'UserError("modelset.experts.units.source", "tensor X holds NaN", "check the checkpoint")', medium, tmp_path
+    )
     expected = "mergeval: error: modelset.experts.units.source: tensor X holds NaN; check the checkpoint"
     assert status == 2 and err.strip().splitlines() == [expected], err[-3000:]
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
@@ -543,7 +636,8 @@ def test_an_unexpected_error_mid_merge_shows_its_traceback_and_ends_without_wait
     status, err = fail_while_merging('RuntimeError("a bug in a merge method")', medium, tmp_path)
     assert status == 1, err[-3000:]
     assert "Traceback (most recent call last):" in err and err.rstrip().endswith(
-        "RuntimeError: a bug in a merge method"), err[-3000:]
+        "RuntimeError: a bug in a merge method"
+    ), err[-3000:]
     # no half-written output; the job directory stays, with its log, as after any unexpected error
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
 
@@ -572,8 +666,15 @@ def test_a_live_process_temporary_files_are_never_removed(tmp_path):
 
 
 def run_cmd(models: dict[str, Path], store: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mergeval", *modelset(models["base"], models["e0"], models["e1"]),
-            f"store.path={store}", "benchmark.limit=4", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "mergeval",
+        *modelset(models["base"], models["e0"], models["e1"]),
+        f"store.path={store}",
+        "benchmark.limit=4",
+        *extra,
+    ]
 
 
 def statuses(store: Path) -> list[tuple[str, str | None]]:
@@ -602,8 +703,15 @@ runpy.run_module("mergeval", run_name="__main__", alter_sys=True)
 def evaluating(zoo, store: Path, cwd: Path) -> subprocess.Popen:
     """A run into job directory ``first``, returned while it is inside its first evaluation (held there)."""
     cmd = [sys.executable, "-c", HELD_IN_EVALUATION, *run_cmd(zoo, store, "hydra.run.dir=first")[3:]]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_signals)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     for line in proc.stdout:
         if line.strip() == "held in evaluation":
             return proc
@@ -692,8 +800,15 @@ except KeyboardInterrupt:
 
 
 def test_an_interruption_discarded_inside_a_workers_job_still_interrupts_it(tmp_path):
-    out = subprocess.run([sys.executable, "-c", DISCARDED_IN_A_JOB, str(tmp_path / "job")], capture_output=True,
-                         text=True, env=child_env(), preexec_fn=default_signals, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", DISCARDED_IN_A_JOB, str(tmp_path / "job")],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        preexec_fn=default_signals,
+        timeout=60,
+        check=False,
+    )
     assert out.stdout.split() == ["interrupted", "False", "True"], out.stdout + out.stderr[-2000:]
     assert out.stderr == ""  # not Python's "Exception ignored in" report
 
@@ -745,8 +860,14 @@ sys.exit(0)
 def test_an_interruption_while_the_interpreter_waits_for_threads_at_exit_ends_it_cleanly(sig):
     """Python reports it as unraisable and would go on to its teardown with the thread still in torch, which then
     aborted the process ("terminate called without an active exception"); the command ends at once instead."""
-    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AT_EXIT], env=dict(child_env(), PYTHONFAULTHANDLER="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_AT_EXIT],
+        env=dict(child_env(), PYTHONFAULTHANDLER="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     try:
         assert proc.stdout.readline().strip() == "waiting for threads at exit", proc.stderr.read()[-3000:]
         proc.send_signal(sig)
@@ -761,15 +882,27 @@ def test_an_interruption_while_the_interpreter_waits_for_threads_at_exit_ends_it
 def test_an_interruption_whose_exception_python_discards_still_interrupts(signame, raised, main_thread):
     """``blocked``: the signal sent again must reach the main thread itself; raised from a timer thread it landed
     there, and the main thread's wait never returned (an interrupted merge hung in the suite)."""
-    out = subprocess.run([sys.executable, "-c", SWALLOWED_SIGTERM, signame, main_thread], capture_output=True,
-                         text=True, env=child_env(), preexec_fn=default_signals, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_SIGTERM, signame, main_thread],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        preexec_fn=default_signals,
+        timeout=60,
+    )
     assert out.stdout.strip() == f"interrupted {raised}", out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("signame,raised", [("SIGTERM", "Interrupted"), ("SIGINT", "KeyboardInterrupt")])
 def test_an_interruption_inside_importlib_is_delivered_after_it(signame, raised):
-    out = subprocess.run([sys.executable, "-c", IN_IMPORTLIB, signame], capture_output=True, text=True,
-                         env=child_env(), preexec_fn=default_signals, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", IN_IMPORTLIB, signame],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        preexec_fn=default_signals,
+        timeout=60,
+    )
     assert out.stdout.split() == ["deferred", "interrupted", raised], out.stdout + out.stderr[-2000:]
 
 
@@ -792,8 +925,15 @@ def test_sigkill_leaves_running_until_the_next_process_proves_it_dead(zoo, tmp_p
 
 def test_a_sweep_checks_every_job_before_the_first(zoo, tmp_path):
     store = tmp_path / "r.sqlite"
-    out = cli("mergeval", "-m", *modelset(zoo["base"], zoo["e0"], zoo["e1"]), f"store.path={store}",
-              "method=ties", "method.density=0.5,0,1.5", cwd=tmp_path)
+    out = cli(
+        "mergeval",
+        "-m",
+        *modelset(zoo["base"], zoo["e0"], zoo["e1"]),
+        f"store.path={store}",
+        "method=ties",
+        "method.density=0.5,0,1.5",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("mergeval: error: ") for line in lines), out.stderr

@@ -25,8 +25,17 @@ def test_help_describes_mergeval_and_its_real_choices(module, tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("mergeval: merge LLM checkpoints") and f"python -m {module} " in text
-    for choice in ("task_arithmetic", "ties", "quickstart_registry", "cmm_chem", "cmm_overall", "mergeval.check",
-                   "result.json", "results.sqlite", "offline=false"):
+    for choice in (
+        "task_arithmetic",
+        "ties",
+        "quickstart_registry",
+        "cmm_chem",
+        "cmm_overall",
+        "mergeval.check",
+        "result.json",
+        "results.sqlite",
+        "offline=false",
+    ):
         assert choice in text, choice
     assert "_schema" not in text and "powered by Hydra" not in text
     assert not (tmp_path / "outputs").exists()
@@ -34,8 +43,10 @@ def test_help_describes_mergeval_and_its_real_choices(module, tmp_path):
 
 def test_importing_the_evaluator_leaves_the_hub_switch_alone():
     """offline=false must reach the model resolver: no module may force HF_HUB_OFFLINE on import."""
-    code = ("import os; os.environ.pop('HF_HUB_OFFLINE', None); import mergeval.eval.harness, mergeval.eval.suite, "
-            "mergeval.run.app; print(os.environ.get('HF_HUB_OFFLINE'))")
+    code = (
+        "import os; os.environ.pop('HF_HUB_OFFLINE', None); import mergeval.eval.harness, mergeval.eval.suite, "
+        "mergeval.run.app; print(os.environ.get('HF_HUB_OFFLINE'))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "None", out.stderr
@@ -60,8 +71,9 @@ def test_a_run_is_quiet_caches_only_where_asked_and_warns_when_experts_did_not_l
     their own tasks, get a warning that their normalized scores mean nothing."""
     home, own_cache = tmp_path / "home", tmp_path / "cache"
     home.mkdir()
-    out = run("mergeval", "+experiment=tiny_registry", cwd=tmp_path,
-              env={"HOME": str(home), "MERGEVAL_CACHE": str(own_cache)})
+    out = run(
+        "mergeval", "+experiment=tiny_registry", cwd=tmp_path, env={"HOME": str(home), "MERGEVAL_CACHE": str(own_cache)}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Tokenizing inputs" not in out.stderr and "it/s]" not in out.stderr.replace("step/s", "")
     # the merge is evaluated first (then released, so one model is in memory at a time), the constituents after
@@ -69,8 +81,14 @@ def test_a_run_is_quiet_caches_only_where_asked_and_warns_when_experts_did_not_l
     assert not (home / ".cache" / "huggingface").exists(), sorted(p.name for p in home.rglob("*"))[:10]
     assert (own_cache / "hf_datasets").is_dir()
     assert "does not beat the base on its own task mergeval_chem_count" in out.stdout
-    verbose = run("mergeval", "+experiment=tiny_registry", "verbose=true", "eval.force=true", cwd=tmp_path,
-                  env={"HOME": str(home), "MERGEVAL_CACHE": str(own_cache)})
+    verbose = run(
+        "mergeval",
+        "+experiment=tiny_registry",
+        "verbose=true",
+        "eval.force=true",
+        cwd=tmp_path,
+        env={"HOME": str(home), "MERGEVAL_CACHE": str(own_cache)},
+    )
     assert verbose.returncode == 0 and "Tokenizing inputs" in verbose.stderr
 
 
@@ -80,8 +98,16 @@ def test_merge_to_a_given_output_leaves_no_job_directory(tmp_path, cache):
     assert (tmp_path / "merged" / "config.json").is_file() and not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.parametrize("value,want", [((0.3 - 0.2) / (0.4 - 0.2), "moderate"),  # 0.4999999999999999
-                                        ((0.4 + 0.6) / 2, "moderate"), ((0.8 + 0.9) / 2, "good"), ((0.7 + 0.9) / 2, "moderate"), (0.495, "failing")])
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        ((0.3 - 0.2) / (0.4 - 0.2), "moderate"),  # 0.4999999999999999
+        ((0.4 + 0.6) / 2, "moderate"),
+        ((0.8 + 0.9) / 2, "good"),
+        ((0.7 + 0.9) / 2, "moderate"),
+        (0.495, "failing"),
+    ],
+)
 def test_a_score_shown_as_the_band_edge_gets_that_band(value, want):
     assert f"{value:.2f}" != "0.50" or want == "moderate"
     assert band(value) == want
@@ -117,11 +143,20 @@ def test_an_editable_install_puts_the_checkout_on_the_path(tmp_path):
     import zipfile
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", f"""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os
 os.chdir({str(root)!r})
 from setuptools import build_meta
-print(build_meta.build_editable({str(tmp_path)!r}))"""], capture_output=True, text=True, check=False)
+print(build_meta.build_editable({str(tmp_path)!r}))""",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     names = zipfile.ZipFile(tmp_path / done.stdout.split()[-1]).namelist()
     pth = [n for n in names if n.endswith(".pth")]

@@ -28,8 +28,23 @@ from mergeval.methods.task_vector import TORCH_ROWS_IN_ORDER, sum_in_order
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not installed")
 
-SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-38, -3e38, 3e38, float("inf"), float("-inf"), float("nan"), 1.0, -1.0,
-           2.0, -2.0, 0.5]
+SPECIAL = [
+    0.0,
+    -0.0,
+    1e-45,
+    -1e-45,
+    1e-38,
+    -3e38,
+    3e38,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1.0,
+    -1.0,
+    2.0,
+    -2.0,
+    0.5,
+]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -46,8 +61,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2 ** 63 - 1), before=st.integers(0, 1500), n=st.integers(0, 5000),
-       density=st.sampled_from([0.0, 1e-9, 0.1, 0.5, 0.6, 0.7, 0.9, 0.999999999, 1 - 2 ** -25]))
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    before=st.integers(0, 1500),
+    n=st.integers(0, 5000),
+    density=st.sampled_from([0.0, 1e-9, 0.1, 0.5, 0.6, 0.7, 0.9, 0.999999999, 1 - 2**-25]),
+)
 def test_keep_draws_are_torch_rands_comparison_and_leave_the_generator_where_torch_does(seed, before, n, density):
     ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
     torch.rand(before, generator=ours), torch.rand(before, generator=theirs)  # any position in the state
@@ -57,12 +76,12 @@ def test_keep_draws_are_torch_rands_comparison_and_leave_the_generator_where_tor
     assert torch.equal(torch.rand(700, generator=ours), torch.rand(700, generator=theirs))
 
 
-@given(st.one_of(st.floats(0.0, 1.0), st.sampled_from([1e-9, 2 ** -25, 0.7, 0.1, 1 - 2 ** -25, 1.0])))
+@given(st.one_of(st.floats(0.0, 1.0), st.sampled_from([1e-9, 2**-25, 0.7, 0.1, 1 - 2**-25, 1.0])))
 def test_the_threshold_splits_torchs_uniforms_where_density_does(density):
     t = fused.keep_threshold(density)
-    u = torch.tensor([m * 2.0 ** -24 for m in (t - 1, t) if 0 <= m < 2 ** 24], dtype=torch.float32)
+    u = torch.tensor([m * 2.0**-24 for m in (t - 1, t) if 0 <= m < 2**24], dtype=torch.float32)
     kept = (u < density).tolist()  # torch's own comparison
-    assert kept == [m < t for m in (t - 1, t) if 0 <= m < 2 ** 24]
+    assert kept == [m < t for m in (t - 1, t) if 0 <= m < 2**24]
 
 
 def test_keep_draws_in_pieces_are_the_draws_in_one_call():
@@ -81,7 +100,7 @@ def blocks(draw):
     """(base, experts) with deltas that are often zero, cancel between experts or are special values."""
     n_exp = draw(st.integers(1, 8))  # more than torch adds in order (task_vector.TORCH_ROWS_IN_ORDER)
     n = draw(st.integers(1, 1300))  # several CHUNKs and a partial one
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     b = rng.standard_normal(n).astype(np.float32)
     e = b + (rng.standard_normal((n_exp, n)) * draw(st.sampled_from([1e-3, 0.1, 10.0]))).astype(np.float32)
     unchanged = rng.random((n_exp, n)) < 0.2
@@ -151,7 +170,7 @@ def test_an_election_near_zero_takes_the_sorted_sums_sign():
     # 1 + 2^-24 - 1 - 2^-24 in order is 0 (+2^-24 is lost), sorted it is -2^-24 + ... : only the sorted sum's
     # sign is the same in every order (task_vector.sign_of_sum), so three experts here need the sort
     base = torch.zeros(4)
-    experts = [torch.full((4,), x) for x in (1.0, 2.0 ** -24, -1.0 - 2.0 ** -23)]
+    experts = [torch.full((4,), x) for x in (1.0, 2.0**-24, -1.0 - 2.0**-23)]
     cfg = get_method("ties").config(weights=[1.0] * 3)
     expected = _combine(base, experts, cfg, None, True, lambda d, i: d)
     got = fused.merge_rows(base, experts, weights=[1.0] * 3, elect=True, lambda_=1.0)
@@ -214,8 +233,14 @@ def test_the_counting_pass_gives_thresholds_counts_and_candidates(block, k_share
 
 def test_mergeval_numba_0_turns_the_kernels_off():
     check = "from mergeval.methods import fused; print(fused.available(), fused.usable(1 << 30))"
-    off = subprocess.run([sys.executable, "-c", check], env={**os.environ, "MERGEVAL_NUMBA": "0"},
-                         capture_output=True, text=True, timeout=300, check=False)
+    off = subprocess.run(
+        [sys.executable, "-c", check],
+        env={**os.environ, "MERGEVAL_NUMBA": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert off.stdout.split() == ["False", "False"], off.stderr[-2000:]
 
 
@@ -253,7 +278,8 @@ def test_ranks_by_radix_sort_are_a_stable_sorts(n_rows, row_len, levels, special
     if special:
         flat = rows.view(-1)
         flat[::3] = torch.tensor([1e-45, -3.4e38, 3.4e38, -0.0, 5e-39, 1e-38, -1e-45])[
-            torch.arange(flat[::3].numel()) % 7]
+            torch.arange(flat[::3].numel()) % 7
+        ]
     by_rank = torch.randn(row_len, generator=g)  # any values: each must land at its rank
     assert torch.equal(fused.placed_by_rank(rows, by_rank), stable_sort_placed(rows, by_rank))
 

@@ -19,9 +19,12 @@ def nearswap(base: torch.Tensor, expert: torch.Tensor, t: float) -> torch.Tensor
     return NEARSWAP.merge(base, [expert], NEARSWAP.config(t=t), torch.Generator())
 
 
-pairs = st.integers(1, 64).flatmap(lambda n: st.tuples(
-    st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n),
-    st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n)))
+pairs = st.integers(1, 64).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n),
+        st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n),
+    )
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -52,8 +55,9 @@ def test_the_result_keeps_the_base_dtype():
     assert nearswap(b, b + 1, 0.5).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("t,experts,field", [(-0.1, 1, "method.t"), (float("nan"), 1, "method.t"),
-                                             (0.1, 2, "modelset.experts")])
+@pytest.mark.parametrize(
+    "t,experts,field", [(-0.1, 1, "method.t"), (float("nan"), 1, "method.t"), (0.1, 2, "modelset.experts")]
+)
 def test_bad_settings_name_the_field(t, experts, field):
     with pytest.raises(UserError) as err:
         NEARSWAP.validate(NEARSWAP.config(t=t), experts)
@@ -80,8 +84,10 @@ def points(draw, at_least: int = 2, at_most: int = 4):
     shape = draw(st.sampled_from([(7,), (3, 5), (4, 3, 2)]))
     n = draw(st.integers(at_least, at_most))
     common = torch.randn(shape, generator=g)
-    models = [(common + draw(st.sampled_from([0.3, 1.0])) * torch.randn(shape, generator=g))
-              * draw(st.floats(0.25, 4.0)) for _ in range(n)]
+    models = [
+        (common + draw(st.sampled_from([0.3, 1.0])) * torch.randn(shape, generator=g)) * draw(st.floats(0.25, 4.0))
+        for _ in range(n)
+    ]
     return models[0], models[1:]
 
 
@@ -90,16 +96,19 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(points(3, 3), st.sampled_from([{}, {"nuslerp_flatten": False}, {"nuslerp_flatten": False,
-                                                                      "nuslerp_row_wise": True}]))
+@given(
+    points(3, 3),
+    st.sampled_from([{}, {"nuslerp_flatten": False}, {"nuslerp_flatten": False, "nuslerp_row_wise": True}]),
+)
 def test_nuslerp_with_all_the_weight_on_one_model_returns_it(data, shape):
     base, experts = data
     for i in range(2):
         w = [1.0 - i, float(i)]
         torch.testing.assert_close(merge("nuslerp", base, experts, weights=w, **shape), experts[i], **CLOSE)
         both = [base, experts[0]]
-        torch.testing.assert_close(merge("nuslerp", base, experts[:1], weights=w, include_base=True, **shape),
-                                   both[i], **CLOSE)
+        torch.testing.assert_close(
+            merge("nuslerp", base, experts[:1], weights=w, include_base=True, **shape), both[i], **CLOSE
+        )
 
 
 @settings(max_examples=60, deadline=None)
@@ -123,12 +132,15 @@ def test_nuslerp_weights_give_t_and_rows_are_slerped_alone(data, t):
     e = expert.reshape(m.shape)
     rows = merge("nuslerp", m, [e], weights=[1 - t, t], include_base=True, nuslerp_flatten=False)
     for i in range(m.shape[0]):  # one angle per row: each row is the flattened slerp of that row
-        torch.testing.assert_close(rows[i], merge("nuslerp", m[i], [e[i]], weights=[1 - t, t], include_base=True),
-                                   **CLOSE)
-    columns = merge("nuslerp", m, [e], weights=[1 - t, t], include_base=True, nuslerp_flatten=False,
-                    nuslerp_row_wise=True)
-    transposed = merge("nuslerp", m.T.contiguous(), [e.T.contiguous()], weights=[1 - t, t], include_base=True,
-                       nuslerp_flatten=False)  # row_wise: the columns are the vectors
+        torch.testing.assert_close(
+            rows[i], merge("nuslerp", m[i], [e[i]], weights=[1 - t, t], include_base=True), **CLOSE
+        )
+    columns = merge(
+        "nuslerp", m, [e], weights=[1 - t, t], include_base=True, nuslerp_flatten=False, nuslerp_row_wise=True
+    )
+    transposed = merge(
+        "nuslerp", m.T.contiguous(), [e.T.contiguous()], weights=[1 - t, t], include_base=True, nuslerp_flatten=False
+    )  # row_wise: the columns are the vectors
     torch.testing.assert_close(columns, transposed.T, **CLOSE)
     scaled = merge("nuslerp", m, [e], weights=[3 * (1 - t), 3 * t], include_base=True)
     torch.testing.assert_close(scaled, merge("nuslerp", m, [e], weights=[1 - t, t], include_base=True), **CLOSE)
@@ -141,8 +153,9 @@ def test_identical_models_give_themselves(data, t):
     expert = base * 1.5 - 0.25
     same = [expert.clone(), expert.clone(), expert.clone()]
     torch.testing.assert_close(merge("nuslerp", base, same[:2], weights=[1 - t, t + 0.1]), expert, **CLOSE)
-    torch.testing.assert_close(merge("nuslerp", expert, same[:1], weights=[1 - t, t + 0.1], include_base=True),
-                               expert, **CLOSE)
+    torch.testing.assert_close(
+        merge("nuslerp", expert, same[:1], weights=[1 - t, t + 0.1], include_base=True), expert, **CLOSE
+    )
     torch.testing.assert_close(merge("multislerp", base, same, weights=[1.0, t, 2.0]), expert, **CLOSE)
     torch.testing.assert_close(merge("karcher", base, same), expert, **CLOSE)
     torch.testing.assert_close(merge("karcher", expert, same, include_base=True), expert, **CLOSE)
@@ -168,8 +181,11 @@ def test_two_models_at_equal_weights_meet_at_the_midpoint_of_the_arc(data):
     mid = (x.norm() + y.norm()) / 2 * merge("nuslerp", unit(x), [unit(y)], include_base=True)
     torch.testing.assert_close(merge("karcher", base, [x, y]), mid, **CLOSE)
     torch.testing.assert_close(merge("multislerp", x, [y], include_base=True), mid, **CLOSE)
-    torch.testing.assert_close(merge("multislerp", base, [x, y], weights=[2.0, 2.0]),  # normalised weights
-                               base + _task_midpoint(base, x, y), **CLOSE)
+    torch.testing.assert_close(
+        merge("multislerp", base, [x, y], weights=[2.0, 2.0]),  # normalised weights
+        base + _task_midpoint(base, x, y),
+        **CLOSE,
+    )
     if abs(x.norm() - y.norm()) < 1e-6 * x.norm():  # equal norms: NuSLERP's t = 0.5 is the same point
         torch.testing.assert_close(merge("nuslerp", x, [y], include_base=True), mid, **CLOSE)
 
@@ -185,7 +201,7 @@ def test_multislerp_norm_is_the_weighted_mean_norm(data, weights):
     """|merged| = sum_i w_i |x_i| with normalised weights: the direction cos(r) mu + sin(r)/r v is a unit vector
     (mu and v orthogonal, r = |v| up to eps)."""
     base, experts = data
-    w = weights[:len(experts)]
+    w = weights[: len(experts)]
     merged = merge("multislerp", base, experts, weights=w)
     mean_norm = sum(wi * (e - base).norm() for wi, e in zip(w, experts)) / sum(w)
     assert (merged - base).norm().item() == pytest.approx(mean_norm.item(), rel=1e-5)
@@ -233,8 +249,9 @@ def test_the_hand_computed_quarter_turn():
     means of the two are (1, 1) / sqrt(2), of norm the mean norm."""
     e0, e1 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])
     half = 2**-0.5
-    torch.testing.assert_close(merge("nuslerp", e0, [e1 / 3], weights=[2.0, 1.0], include_base=True),
-                               torch.tensor([3**0.5 / 2, 0.5]))
+    torch.testing.assert_close(
+        merge("nuslerp", e0, [e1 / 3], weights=[2.0, 1.0], include_base=True), torch.tensor([3**0.5 / 2, 0.5])
+    )
     torch.testing.assert_close(merge("karcher", e0, [e0, e1]), 2 * torch.tensor([half, half]))
     torch.testing.assert_close(merge("multislerp", e0, [e1], include_base=True), 2 * torch.tensor([half, half]))
     torch.testing.assert_close(merge("nuslerp", torch.zeros(2), [e0, e1 / 3]), torch.tensor([half, half]))
@@ -247,15 +264,22 @@ def test_the_spherical_methods_keep_the_base_dtype(name):
     assert merge(name, b, [b * (1 + i) + 0.5 for i in range(n)]).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name,params,experts,field", [
-    ("nuslerp", {}, 1, "modelset.experts"), ("nuslerp", {}, 3, "modelset.experts"),
-    ("nuslerp", {"include_base": True}, 2, "modelset.experts"), ("nuslerp", {"weights": [1.0]}, 2, "method.weights"),
-    ("nuslerp", {"include_base": True, "weights": [1.0, 2.0, 3.0]}, 1, "method.weights"),
-    ("multislerp", {"eps": -1.0}, 2, "method.eps"), ("multislerp", {"weights": [1.0, -1.0]}, 2, "method.weights"),
-    ("multislerp", {"include_base": True, "weights": [1.0, 1.0]}, 2, "method.weights"),
-    ("karcher", {"max_iter": -1}, 2, "method.max_iter"), ("karcher", {"tol": float("nan")}, 2, "method.tol"),
-    ("karcher", {}, 0, "modelset.experts"),
-])
+@pytest.mark.parametrize(
+    "name,params,experts,field",
+    [
+        ("nuslerp", {}, 1, "modelset.experts"),
+        ("nuslerp", {}, 3, "modelset.experts"),
+        ("nuslerp", {"include_base": True}, 2, "modelset.experts"),
+        ("nuslerp", {"weights": [1.0]}, 2, "method.weights"),
+        ("nuslerp", {"include_base": True, "weights": [1.0, 2.0, 3.0]}, 1, "method.weights"),
+        ("multislerp", {"eps": -1.0}, 2, "method.eps"),
+        ("multislerp", {"weights": [1.0, -1.0]}, 2, "method.weights"),
+        ("multislerp", {"include_base": True, "weights": [1.0, 1.0]}, 2, "method.weights"),
+        ("karcher", {"max_iter": -1}, 2, "method.max_iter"),
+        ("karcher", {"tol": float("nan")}, 2, "method.tol"),
+        ("karcher", {}, 0, "modelset.experts"),
+    ],
+)
 def test_bad_spherical_settings_name_the_field(name, params, experts, field):
     method = get_method(name)
     with pytest.raises(UserError) as err:
@@ -268,5 +292,6 @@ def test_weights_summing_to_zero_without_normalising_are_allowed():
     method.validate(method.config(weights=[1.0, -1.0], normalize_weights=False), 2)
     nu = get_method("nuslerp")  # |w_1 + w_2| < 1e-6: t = 0.5, as mergekit
     b, x, y = torch.zeros(2), torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
-    torch.testing.assert_close(nu.merge(b, [x, y], nu.config(weights=[1.0, -1.0]), torch.Generator()),
-                               torch.tensor([2**-0.5, 2**-0.5]))
+    torch.testing.assert_close(
+        nu.merge(b, [x, y], nu.config(weights=[1.0, -1.0]), torch.Generator()), torch.tensor([2**-0.5, 2**-0.5])
+    )

@@ -39,9 +39,17 @@ def test_a_run_on_the_gpu_merges_the_same_bits_scores_like_the_cpu_and_records_i
     results = {}
     for device in ("cpu", "cuda"):
         job = tmp_path / device
-        out = run_module("mergeval", "+experiment=tiny", "method=ties", f"eval.device={device}",
-                         f"hydra.run.dir={job}", f"store.path={job / 'results.sqlite'}", cwd=tmp_path,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900)
+        out = run_module(
+            "mergeval",
+            "+experiment=tiny",
+            "method=ties",
+            f"eval.device={device}",
+            f"hydra.run.dir={job}",
+            f"store.path={job / 'results.sqlite'}",
+            cwd=tmp_path,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+            timeout=900,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         results[device] = json.loads((job / "result.json").read_text())
     cpu, gpu = results["cpu"], results["cuda"]
@@ -67,16 +75,25 @@ def test_vllm_backend_serves_generation(tiny_dir, cache):
     suite = build_suite(bench(tasks=["gsm8k"]), eval_cfg(), cache)
     model = load_model(tiny_dir, None, torch.float32)
     score = Harness(suite, suite.entries, batch_size=8, limit=4, backend="vllm").score(
-        model, AutoTokenizer.from_pretrained(tiny_dir))
+        model, AutoTokenizer.from_pretrained(tiny_dir)
+    )
     assert score["gsm8k"].n == 4 and 0.0 <= score["gsm8k"].value <= 1.0
 
 
 # merge.device=cuda (mergeval/merge/execute.py's Device). The same bits as the CPU where every step is elementwise,
 # a selection (TIES' cut, DELLA's stable ranks) or a mask drawn from the CPU generator; paper mode (compat=mergekit
 # follows torch's unstable sort at tied magnitudes, whose order is the device's own)
-SAME_BITS = {"linear": {}, "task_arithmetic": {"lambda_": 0.7}, "ties": {"density": 0.3},
-             "dare_ties": {"density": 0.4}, "dare_linear": {"density": 0.5}, "della": {"density": 0.5},
-             "della_linear": {"density": 0.5}, "breadcrumbs": {"density": 0.6}, "breadcrumbs_ties": {"density": 0.6}}
+SAME_BITS = {
+    "linear": {},
+    "task_arithmetic": {"lambda_": 0.7},
+    "ties": {"density": 0.3},
+    "dare_ties": {"density": 0.4},
+    "dare_linear": {"density": 0.5},
+    "della": {"density": 0.5},
+    "della_linear": {"density": 0.5},
+    "breadcrumbs": {"density": 0.6},
+    "breadcrumbs_ties": {"density": 0.6},
+}
 ONE_EXPERT = {"slerp", "nearswap", "arcee_fusion"}
 
 
@@ -87,8 +104,9 @@ def _gpu_inputs(tiny_dir, tmp_path):
 
 
 @cuda
-def test_a_gpu_merge_has_the_cpus_bits_for_elementwise_and_random_methods_and_rounding_for_reductions(tiny_dir,
-                                                                                                       tmp_path):
+def test_a_gpu_merge_has_the_cpus_bits_for_elementwise_and_random_methods_and_rounding_for_reductions(
+    tiny_dir, tmp_path
+):
     from mergeval.merge import merge_into_model, merge_to_disk
     from mergeval.merge.execute import Device
     from mergeval.methods import METHODS, get_method
@@ -103,10 +121,10 @@ def test_a_gpu_merge_has_the_cpus_bits_for_elementwise_and_random_methods_and_ro
         experts = inputs[:1] if name in ONE_EXPERT else inputs
         cpu = read_dir(merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / f"cpu-{name}", seed=3))
         device = Device("cuda")
-        gpu = read_dir(merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / f"gpu-{name}", seed=3,
-                                     device=device))
-        live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, experts, seed=3,
-                                device="cuda").state_dict()
+        gpu = read_dir(merge_to_disk(method, cfg, tiny_dir, experts, tmp_path / f"gpu-{name}", seed=3, device=device))
+        live = merge_into_model(
+            load_model(tiny_dir), method, cfg, tiny_dir, experts, seed=3, device="cuda"
+        ).state_dict()
         assert device.peak > 0, name
         for n, t in cpu.items():
             for got in (gpu[n], live[n].to(t.dtype)):
@@ -129,8 +147,13 @@ def test_merge_only_on_the_gpu_holds_about_one_tensor_not_the_model():
     experts = [{n: t + 0.01 * torch.randn(shape, generator=g) for n, t in base.items()} for _ in range(2)]
     tensor = 4 * shape[0] * shape[1]
     inputs = 3 * tensor  # one tensor of the base and of each expert
-    for name, params in (("task_arithmetic", {}), ("ties", {"density": 0.3}), ("dare_ties", {"density": 0.4}),
-                         ("della", {"density": 0.5}), ("karcher", {})):
+    for name, params in (
+        ("task_arithmetic", {}),
+        ("ties", {"density": 0.3}),
+        ("dare_ties", {"density": 0.4}),
+        ("della", {"density": 0.5}),
+        ("karcher", {}),
+    ):
         method = get_method(name)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -28,8 +28,15 @@ def tiny_llama(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -110,8 +117,12 @@ def test_layer_merge_formula_and_endpoints():
     opposite = method.merge_layer(base, [a, {n: base[n] - d_a[n] for n in base}], CFG, g)
     for n in base:  # opposed task vectors: w = 0 -> the anchor A
         torch.testing.assert_close(opposite[n], a[n])
-    half = method.merge_layer(base, [a, {n: base[n] + 2 * d_a[n] for n in base}],
-                              HierarchicalConfig(t_max=0.5, num_attention_heads=HEADS, num_key_value_heads=KV), g)
+    half = method.merge_layer(
+        base,
+        [a, {n: base[n] + 2 * d_a[n] for n in base}],
+        HierarchicalConfig(t_max=0.5, num_attention_heads=HEADS, num_key_value_heads=KV),
+        g,
+    )
     for n in base:
         torch.testing.assert_close(half[n], base[n] + 1.5 * d_a[n])
 
@@ -136,11 +147,16 @@ def test_bad_configs():
     filled = fill_head_counts(HierarchicalConfig(), {"num_attention_heads": 9, "num_key_value_heads": 3})
     assert (filled.num_attention_heads, filled.num_key_value_heads) == (9, 3)
     # counts given against the base's config.json were once used as given, aligning the wrong head slices
-    for counts, key in (({"num_attention_heads": 8}, "num_attention_heads"), ({"num_key_value_heads": 1}, "num_key_value_heads")):
+    for counts, key in (
+        ({"num_attention_heads": 8}, "num_attention_heads"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+    ):
         with pytest.raises(UserError, match="the base's config.json says") as err:
             fill_head_counts(HierarchicalConfig(**counts), {"num_attention_heads": 4, "num_key_value_heads": 2})
         assert err.value.field == f"method.{key}"
-    same = fill_head_counts(HierarchicalConfig(num_attention_heads=4), {"num_attention_heads": 4, "num_key_value_heads": 2})
+    same = fill_head_counts(
+        HierarchicalConfig(num_attention_heads=4), {"num_attention_heads": 4, "num_key_value_heads": 2}
+    )
     assert (same.num_attention_heads, same.num_key_value_heads) == (4, 2)
 
 

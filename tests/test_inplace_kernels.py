@@ -18,7 +18,7 @@ import mergeval.methods.select as select
 from mergeval.methods.select import Threshold, exact, first_ties_drop, first_ties_mask, keep_only_, zero_dropped_
 from mergeval.methods.task_vector import disjoint_merge, sign_of_sum, weighted_sum
 
-VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.75, 3.0, 1e-40, -1e-40, 2.0 ** -20, 1e30, -7.25])
+VALUES = st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -0.75, 3.0, 1e-40, -1e-40, 2.0**-20, 1e30, -7.25])
 WEIGHTS = st.sampled_from([1.0, 0.5, -0.25, 2.0, 1.0, 1.0])
 
 
@@ -36,10 +36,19 @@ def stacks(draw, max_n: int = 6):
 
 @given(stacks(), st.lists(WEIGHTS, min_size=6, max_size=6))
 def test_weighted_sum_is_pythons_sum_bit_for_bit(terms, w):
-    w = w[:terms.shape[0]]
+    w = w[: terms.shape[0]]
     expected = sum(wi * t for wi, t in zip(w, terms.clone()))
     got = weighted_sum(list(terms.clone()), w, terms[0])
     assert torch.equal(bits(got), bits(expected + torch.zeros_like(terms[0])))  # sum([]) is 0: a tensor here
+
+
+def in_order(stacked: torch.Tensor) -> torch.Tensor:
+    """The sum over the experts as the definition adds them: in order, from +0.0 (torch's ``sum(0)`` may pair
+    them otherwise, which moves a sum such as 1e30 + 1e30 + 5e29 by one ulp)."""
+    total = torch.zeros_like(stacked[0])
+    for row in stacked:
+        total = total + row
+    return total
 
 
 def reference_disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
@@ -51,18 +60,29 @@ def reference_disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     voters = weighted if cfg.weights_before_election else sparse
     gamma = sign_of_sum(voters) if cfg.sign_rule == "sum" else torch.sign(torch.sign(voters).sum(0))
     agree = ((sparse * gamma) > 0).to(sparse.dtype)
-    tau = (weighted * agree).sum(0)
+    tau = in_order(weighted * agree)
     if not cfg.normalize:
         return tau
-    mass = (agree if unit else wt * agree).sum(0)
+    mass = in_order(agree if unit else wt * agree)
     return tau / mass.where(mass != 0, torch.ones_like(mass))
 
 
-@given(stacks(), st.lists(WEIGHTS, min_size=6, max_size=6), st.booleans(), st.sampled_from(["sum", "count"]),
-       st.booleans(), st.booleans())
+@given(
+    stacks(),
+    st.lists(WEIGHTS, min_size=6, max_size=6),
+    st.booleans(),
+    st.sampled_from(["sum", "count"]),
+    st.booleans(),
+    st.booleans(),
+)
 def test_disjoint_merge_gives_the_plain_formulas_bits(sparse, w, weighted, sign_rule, before, normalize):
-    cfg = types.SimpleNamespace(weights=w[:sparse.shape[0]] if weighted else None, sign_rule=sign_rule,
-                                weights_before_election=before, normalize=normalize, compat="paper")
+    cfg = types.SimpleNamespace(
+        weights=w[: sparse.shape[0]] if weighted else None,
+        sign_rule=sign_rule,
+        weights_before_election=before,
+        normalize=normalize,
+        compat="paper",
+    )
     expected = reference_disjoint_merge(sparse.clone(), cfg)
     given_in = sparse.clone()
     got = disjoint_merge(given_in, cfg)
@@ -78,9 +98,18 @@ def test_first_ties_drop_is_the_masks_complement(values, quota):
     assert torch.equal(first_ties_drop(a, tau, quota), ~first_ties_mask(a, tau, quota))
 
 
-@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 1e-45, -1e-45, 3.4e38, float("inf"),
-                                  -float("inf"), float("nan")]), min_size=1, max_size=80),
-       st.sampled_from([0.0, 1e-45, 1.0, 2.0, 3.4e38, float("inf")]), st.floats(0.0, 1.0), st.booleans())
+@given(
+    st.lists(
+        st.sampled_from(
+            [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 1e-45, -1e-45, 3.4e38, float("inf"), -float("inf"), float("nan")]
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    st.sampled_from([0.0, 1e-45, 1.0, 2.0, 3.4e38, float("inf")]),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+)
 def test_zero_dropped_is_masked_fill_of_the_drop_mask_bit_for_bit(values, tau, share, view_of_a_row):
     """The bit-level fast path (float32 on the CPU) against the torch formula it replaces: NaN kept, -0.0 and
     the tied entries past the quota dropped to +0.0, infinities compared as magnitudes."""
@@ -96,8 +125,13 @@ def test_zero_dropped_is_masked_fill_of_the_drop_mask_bit_for_bit(values, tau, s
     assert torch.equal(bits(got), bits(expected))
 
 
-@given(st.lists(st.tuples(st.sampled_from([0.0, -0.0, 1.0, -2.5, 1e-45, -1e-45, float("inf"), float("nan")]),
-                          st.booleans()), min_size=1, max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0.0, -0.0, 1.0, -2.5, 1e-45, -1e-45, float("inf"), float("nan")]), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
 def test_keep_only_is_masked_fill_of_the_complement_bit_for_bit(pairs):
     """DARE's sparsifier in row blocks (rows.DareRows): the kept entries as they were, the others +0.0."""
     d = torch.tensor([v for v, _ in pairs], dtype=torch.float32)
@@ -106,8 +140,12 @@ def test_keep_only_is_masked_fill_of_the_complement_bit_for_bit(pairs):
     assert torch.equal(bits(keep_only_(d.clone(), keep)), bits(expected))
 
 
-@given(st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf")]), min_size=1, max_size=7),
-       st.integers(0, 2 ** 31), st.floats(0.0, 1.0), st.integers(1, 9))
+@given(
+    st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf")]), min_size=1, max_size=7),
+    st.integers(0, 2**31),
+    st.floats(0.0, 1.0),
+    st.integers(1, 9),
+)
 def test_thresholds_numpy_count_is_its_torch_count(palette, seed, fraction, chunks):
     """Threshold.count by NumPy (float32 on the CPU) gives the torch path's candidates, counts and ties on
     tensors large enough for finite sampled bounds, with many ties at the cut."""
@@ -133,8 +171,11 @@ def test_thresholds_numpy_count_is_its_torch_count(palette, seed, fraction, chun
         assert found[True][0] == exact(a, k)
 
 
-@given(st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0]), min_size=40, max_size=400),
-       st.integers(1, 400), st.integers(1, 7))
+@given(
+    st.lists(st.sampled_from([0.0, 1e-40, 0.25, 0.5, 1.0, 2.0, 4.0]), min_size=40, max_size=400),
+    st.integers(1, 400),
+    st.integers(1, 7),
+)
 def test_threshold_counts_chunks_handed_in_one_reused_buffer(values, k, chunks):
     a = torch.tensor(values)
     k = min(k, a.numel())
@@ -144,7 +185,7 @@ def test_threshold_counts_chunks_handed_in_one_reused_buffer(values, k, chunks):
         t.sample(p)
     buffer = torch.empty(max(p.numel() for p in pieces))
     for p in pieces:  # as TiesRows.prepare: every chunk's |d_i| computed into the same buffer
-        view = buffer[:p.numel()]
+        view = buffer[: p.numel()]
         view.copy_(p)
         t.count(view)
         buffer.fill_(float("nan"))  # the caller reuses its buffer: what was handed in must not be kept
@@ -167,8 +208,13 @@ def reference_cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen) -> 
     return (b + cfg.lambda_ * (theta - b)).to(base.dtype)
 
 
-@given(stacks(max_n=5), st.sampled_from(["additive", "interpolate"]), st.sampled_from([1.0, 0.7, -0.5]),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(["linear", "constant"]))
+@given(
+    stacks(max_n=5),
+    st.sampled_from(["additive", "interpolate"]),
+    st.sampled_from([1.0, 0.7, -0.5]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from(["linear", "constant"]),
+)
 def test_cmm_in_place_gives_the_plain_updates_bits(models, update, lam, dtype, kind):
     from mergeval.methods import get_method
 
@@ -179,6 +225,8 @@ def test_cmm_in_place_gives_the_plain_updates_bits(models, update, lam, dtype, k
     base, experts = models[0].to(dtype), [m.to(dtype) for m in models[1:]]
     got = method.merge(base, [e.clone() for e in experts], cfg, torch.Generator())
     expected = reference_cmm(base, experts, cfg, torch.Generator())
-    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
     assert torch.equal(base, models[0].to(dtype))  # the base is left as it was

@@ -16,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """import-linter's command on the ``mergeval`` package found under ``root``, with the project's contracts."""
     command = Path(sys.executable).parent / "lint-imports"
-    return subprocess.run([str(command), "--no-cache", str(ROOT / "pyproject.toml")], cwd=root, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=300)
+    return subprocess.run(
+        [str(command), "--no-cache", str(ROOT / "pyproject.toml")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
 
 
 def test_the_layers_hold():
@@ -28,8 +34,12 @@ def test_the_layers_hold():
 
 def planted(tmp_path: Path, module: str, line: str) -> Path:
     """A copy of the package whose ``module`` (a path under mergeval/) imports as ``line`` says, inside a function."""
-    shutil.copytree(ROOT / "mergeval", tmp_path / "mergeval", symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "conf", "library"))
+    shutil.copytree(
+        ROOT / "mergeval",
+        tmp_path / "mergeval",
+        symlinks=True,
+        ignore=shutil.ignore_patterns("__pycache__", "conf", "library"),
+    )
     target = tmp_path / "mergeval" / module
     target.write_text(target.read_text() + f"\n\ndef _planted():\n    {line}\n")
     return tmp_path
@@ -56,12 +66,21 @@ def test_what_a_method_needs_is_declared_where_it_is_registered():
     from mergeval.methods import METHODS
 
     assert {n: m.needs.statistics for n, m in METHODS.items() if m.needs.statistics} == {
-        "fisher": "fisher", "regmean": "gram", "localize_stitch_trained": "localize"}
+        "fisher": "fisher",
+        "regmean": "gram",
+        "localize_stitch_trained": "localize",
+    }
     assert all(m.needs.statistics in (None, *KINDS) for m in METHODS.values())
     assert {n for n, m in METHODS.items() if m.needs.at_run_time()} == {"cmm", "hierarchical", "pipeline"}
     names = "|".join(sorted(METHODS, key=len, reverse=True))
-    by_name = re.compile(rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})""")
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "mergeval").rglob("*.py"))
-             if "methods" not in p.parts and p.name != "mergekit_config.py"
-             for i, line in enumerate(p.read_text().splitlines(), start=1) if by_name.search(line)]
+    by_name = re.compile(
+        rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})"""
+    )
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "mergeval").rglob("*.py"))
+        if "methods" not in p.parts and p.name != "mergekit_config.py"
+        for i, line in enumerate(p.read_text().splitlines(), start=1)
+        if by_name.search(line)
+    ]
     assert not found, found

@@ -23,9 +23,17 @@ TASK = "mergeval_chem_count"
 
 
 def overrides(store: Path) -> list[str]:
-    return ["+experiment=tiny", f"benchmark.tasks=[{TASK}]", "benchmark.n_items=8", "modelset.train.steps=1",
-            "modelset.experts.units.task=null",
-            "eval.backend=hflm", "eval.batch_size=1", "eval.dtype=float32", f"store.path={store}"]
+    return [
+        "+experiment=tiny",
+        f"benchmark.tasks=[{TASK}]",
+        "benchmark.n_items=8",
+        "modelset.train.steps=1",
+        "modelset.experts.units.task=null",
+        "eval.backend=hflm",
+        "eval.batch_size=1",
+        "eval.dtype=float32",
+        f"store.path={store}",
+    ]
 
 
 def lm_eval_cli(model_dir: Path, cache: Path, out: Path) -> Path:
@@ -35,10 +43,32 @@ def lm_eval_cli(model_dir: Path, cache: Path, out: Path) -> Path:
 
     tasks = write_tasks([TASK], 8, cache)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={model_dir},dtype=float32", "--tasks", TASK, "--include_path", str(tasks),
-                           "--batch_size", "1", "--device", "cpu", "--output_path", str(out), "--log_samples"],
-                          env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model_dir},dtype=float32",
+            "--tasks",
+            TASK,
+            "--include_path",
+            str(tasks),
+            "--batch_size",
+            "1",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return next(out.rglob("results_*.json"))
 
@@ -81,8 +111,10 @@ def test_a_run_reuses_the_imported_evaluation_with_its_numbers(lm_eval_out, impo
 def test_imported_samples_become_mergevals_per_choice_log_likelihoods(lm_eval_out, imported_run):
     from mergeval.eval.samples import read
 
-    logged = {r["doc_id"]: r for r in map(json.loads, next(lm_eval_out.parent.glob(f"samples_{TASK}_*.jsonl"))
-                                          .read_text().splitlines())}
+    logged = {
+        r["doc_id"]: r
+        for r in map(json.loads, next(lm_eval_out.parent.glob(f"samples_{TASK}_*.jsonl")).read_text().splitlines())
+    }
     kept = read(imported_run["imported"]["samples"])[TASK]
     assert len(kept) == len(logged) == 8
     for row in kept:
@@ -109,8 +141,21 @@ def _edit(data: dict, samples: list[dict], what: str) -> None:
     edits[what]()
 
 
-@pytest.mark.parametrize("what", ["versions.", "n-shot.", "n-samples.", "benchmark.limit", "eval.batch_size",
-                                  "eval.dtype", "eval.backend", "lm_eval:", "configs.", "RESULTS."])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "versions.",
+        "n-shot.",
+        "n-samples.",
+        "benchmark.limit",
+        "eval.batch_size",
+        "eval.dtype",
+        "eval.backend",
+        "lm_eval:",
+        "configs.",
+        "RESULTS.",
+    ],
+)
 def test_a_file_that_differs_from_the_run_is_refused_in_one_line(what, lm_eval_out, tmp_path, capsys):
     data = json.loads(lm_eval_out.read_text())
     samples_file = next(lm_eval_out.parent.glob(f"samples_{TASK}_*.jsonl"))
@@ -152,8 +197,12 @@ def test_exported_files_are_read_where_lm_eval_puts_numbers_and_import_back(lm_e
 
     outcome, lm = imported_run["outcome"], json.loads(lm_eval_out.read_text())
     written = export_run(imported_run["store"], outcome.run_id[:8], tmp_path / "out")
-    assert sorted(p.name for p in written) == ["results_base.json", "results_chem.json", "results_merged.json",
-                                               "results_units.json"]
+    assert sorted(p.name for p in written) == [
+        "results_base.json",
+        "results_chem.json",
+        "results_merged.json",
+        "results_units.json",
+    ]
     base = json.loads((tmp_path / "out" / "results_base.json").read_text())
     for key in ("acc,none", "acc_stderr,none"):
         assert base["results"][TASK][key] == lm["results"][TASK][key]
@@ -188,8 +237,14 @@ def test_the_saved_merge_loads_and_its_card_has_inputs_and_evaluation(imported_r
     outcome = imported_run["outcome"]
     merged = outcome.models[-1]
     where = Path(merged.path)
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "README.md"} <= {p.name for p in where.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= {p.name for p in where.iterdir()}
     assert AutoModelForCausalLM.from_pretrained(where).num_parameters() > 0
     assert fingerprint(where) == merged.weights  # the bytes saved are the merge that was scored
     card = (where / "README.md").read_text()
@@ -197,5 +252,7 @@ def test_the_saved_merge_loads_and_its_card_has_inputs_and_evaluation(imported_r
     row = next(line for line in card.splitlines() if line.startswith(f"| {TASK} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:3] == [TASK, "acc,none", "8"]
-    assert cells[3:] == [f"{outcome.scores[TASK][m.role]['value']:.4f} ± {outcome.scores[TASK][m.role]['stderr']:.4f}"
-                         for m in outcome.models]
+    assert cells[3:] == [
+        f"{outcome.scores[TASK][m.role]['value']:.4f} ± {outcome.scores[TASK][m.role]['stderr']:.4f}"
+        for m in outcome.models
+    ]

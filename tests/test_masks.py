@@ -24,9 +24,12 @@ def merge(method, base: torch.Tensor, experts: list[torch.Tensor], **params) -> 
 
 values = st.floats(-2, 2, width=32)
 # (base, experts): 1 to 6 experts (above 4 the sum over experts is no longer torch's own order) of 1 to 48 entries
-inputs = st.tuples(st.integers(1, 48), st.integers(1, 6)).flatmap(lambda nk: st.tuples(
-    st.lists(values, min_size=nk[0], max_size=nk[0]),
-    st.lists(st.lists(values, min_size=nk[0], max_size=nk[0]), min_size=nk[1], max_size=nk[1])))
+inputs = st.tuples(st.integers(1, 48), st.integers(1, 6)).flatmap(
+    lambda nk: st.tuples(
+        st.lists(values, min_size=nk[0], max_size=nk[0]),
+        st.lists(st.lists(values, min_size=nk[0], max_size=nk[0]), min_size=nk[1], max_size=nk[1]),
+    )
+)
 epsilons = st.sampled_from([0.0, 1e-5, 0.1, 0.5, 1.0])
 
 
@@ -60,10 +63,16 @@ def test_entries_no_expert_changed_by_more_than_epsilon_stay_the_base_s(pair, ep
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 48).flatmap(lambda n: st.tuples(
-    st.lists(values, min_size=n, max_size=n),
-    st.lists(st.floats(2 ** -6, 2, width=32) | st.floats(-2, -2 ** -6, width=32), min_size=n, max_size=n),
-    st.lists(st.integers(-1, 4), min_size=n, max_size=n))), st.integers(1, 5))
+@given(
+    st.integers(1, 48).flatmap(
+        lambda n: st.tuples(
+            st.lists(values, min_size=n, max_size=n),
+            st.lists(st.floats(2**-6, 2, width=32) | st.floats(-2, -(2**-6), width=32), min_size=n, max_size=n),
+            st.lists(st.integers(-1, 4), min_size=n, max_size=n),
+        )
+    ),
+    st.integers(1, 5),
+)
 def test_ram_of_disjoint_task_vectors_is_task_arithmetic_bit_for_bit(data, n_experts):
     """Each entry changed by one expert at most: it takes that expert's change, as task arithmetic's sum does."""
     base, change, owner = (torch.tensor(x) for x in data)
@@ -127,8 +136,11 @@ def test_ramplus_with_epsilon_0_and_an_expert_equal_to_the_base_stays_finite():
 # ---------------------------------------------------------------- Arcee Fusion
 
 
-matrices = st.tuples(st.integers(1, 6), st.integers(1, 12)).flatmap(lambda shape: st.tuples(
-    st.just(shape), *[st.lists(values, min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])] * 2))
+matrices = st.tuples(st.integers(1, 6), st.integers(1, 12)).flatmap(
+    lambda shape: st.tuples(
+        st.just(shape), *[st.lists(values, min_size=shape[0] * shape[1], max_size=shape[0] * shape[1])] * 2
+    )
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -187,11 +199,19 @@ def test_the_results_keep_the_base_dtype():
         assert merge(method, b, [e]).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("method,params,experts,field", [
-    (RAM, {"epsilon": -1e-5}, 2, "method.epsilon"), (RAM, {"epsilon": float("nan")}, 2, "method.epsilon"),
-    (RAMPLUS, {"epsilon": -1.0}, 2, "method.epsilon"), (RAMPLUS, {"r": float("inf")}, 2, "method.r"),
-    (RAMPLUS, {"alpha": -0.1}, 2, "method.alpha"), (RAMPLUS, {"compat": "nope"}, 2, "method.compat"),
-    (FUSION, {}, 2, "modelset.experts"), (FUSION, {}, 0, "modelset.experts")])
+@pytest.mark.parametrize(
+    "method,params,experts,field",
+    [
+        (RAM, {"epsilon": -1e-5}, 2, "method.epsilon"),
+        (RAM, {"epsilon": float("nan")}, 2, "method.epsilon"),
+        (RAMPLUS, {"epsilon": -1.0}, 2, "method.epsilon"),
+        (RAMPLUS, {"r": float("inf")}, 2, "method.r"),
+        (RAMPLUS, {"alpha": -0.1}, 2, "method.alpha"),
+        (RAMPLUS, {"compat": "nope"}, 2, "method.compat"),
+        (FUSION, {}, 2, "modelset.experts"),
+        (FUSION, {}, 0, "modelset.experts"),
+    ],
+)
 def test_bad_settings_name_the_field(method, params, experts, field):
     with pytest.raises(UserError) as err:
         method.validate(method.config(**params), experts)

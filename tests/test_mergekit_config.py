@@ -27,8 +27,16 @@ from mergeval.run.mergekit_config import OWN, from_mergekit, to_mergekit
 from tests.child import run_module
 from tests.test_mergekit_parity import requires_mergekit
 
-ARCH = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+ARCH = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +47,27 @@ def models(tmp_path_factory) -> dict[str, Path]:
     config = LlamaConfig(**ARCH, architectures=["LlamaForCausalLM"])
     with torch.random.fork_rng():
         torch.manual_seed(1)
-        base = {k: v.detach().clone() for k, v in LlamaForCausalLM(config).state_dict().items()
-                if k != "lm_head.weight"}
+        base = {
+            k: v.detach().clone() for k, v in LlamaForCausalLM(config).state_dict().items() if k != "lm_head.weight"
+        }
     g = torch.Generator().manual_seed(1)
-    base = {k: (1 + 0.1 * torch.randn(v.shape, generator=g)) if k.endswith("norm.weight") else v
-            for k, v in base.items()}
+    base = {
+        k: (1 + 0.1 * torch.randn(v.shape, generator=g)) if k.endswith("norm.weight") else v for k, v in base.items()
+    }
     common = {k: torch.randn(v.shape, generator=g) for k, v in base.items()}
     out = {}
     for name, scale in [("base", None), ("math", 1.0), ("code", -0.6), ("chat", 1.3)]:
-        tensors = base if scale is None else {
-            k: v + 0.03 * (scale * common[k] + torch.randn(v.shape, generator=g)) for k, v in base.items()}
+        tensors = (
+            base
+            if scale is None
+            else {k: v + 0.03 * (scale * common[k] + torch.randn(v.shape, generator=g)) for k, v in base.items()}
+        )
         path = root / name
         path.mkdir()
         config.save_pretrained(path)
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(path / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: t.contiguous() for k, t in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+        )
         out[name] = path
     return out
 
@@ -64,9 +78,11 @@ def mergekit_merge(doc: dict, root: Path) -> dict[str, torch.Tensor]:
     from mergekit.options import MergeOptions
 
     out = root / f"mk-{uuid.uuid4().hex}"
-    run_merge(MergeConfiguration.model_validate(doc), str(out),
-              MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False,
-                           quiet=True))
+    run_merge(
+        MergeConfiguration.model_validate(doc),
+        str(out),
+        MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False, quiet=True),
+    )
     tensors = {}
     for path in sorted(out.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
@@ -96,64 +112,148 @@ def examples(m: dict[str, Path]) -> dict[str, dict]:
     b, x, y, z = (str(m[k]) for k in ("base", "math", "code", "chat"))
     return {
         "ties": {  # mergekit's README TIES example, on our models
-            "models": [{"model": x, "parameters": {"density": [1, 0.7, 0.1], "weight": 1.0}},
-                       {"model": y, "parameters": {"density": 0.5, "weight": [0, 0.3, 0.7, 1]}},
-                       {"model": z, "parameters": {"density": 0.33, "weight": [{"filter": "mlp", "value": 0.5},
-                                                                               {"value": 0}]}}],
-            "merge_method": "ties", "base_model": b, "parameters": {"normalize": True, "int8_mask": True},
-            "dtype": "float32"},
-        "slerp": {"models": [{"model": b}, {"model": x}], "merge_method": "slerp", "base_model": b,
-                  "parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
-                                       {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]},
-                  "dtype": "float32"},
-        "breadcrumbs_ties": {"models": [{"model": b}, {"model": x, "parameters": {"weight": 0.7, "density": 0.45}},
-                                        {"model": y, "parameters": {"weight": 0.5, "gamma": 0.02}}],
-                             "merge_method": "breadcrumbs_ties", "base_model": b,
-                             "parameters": {"density": 0.3, "gamma": 0.05, "lambda": 0.9}},
-        "task_arithmetic": {"models": [{"model": x, "parameters": {"weight": [{"filter": "embed", "value": 0.2},
-                                                                              {"value": [0.3, 1.0]}]}},
-                                       {"model": y, "parameters": {"weight": 0.5}}],
-                            "merge_method": "task_arithmetic", "base_model": b,
-                            "parameters": {"lambda": [0.5, 1.0], "normalize": False}},
-        "linear": {"models": [{"model": x, "parameters": {"weight": 1.0}}, {"model": y, "parameters": {"weight": 0.3}},
-                              {"model": z, "parameters": {"weight": [0.2, 0.9]}}], "merge_method": "linear"},
-        "model_stock": {"models": [{"model": b}, {"model": x}, {"model": y}, {"model": z}],
-                        "merge_method": "model_stock", "base_model": b},
-        "sce": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "sce", "base_model": b,
-                "parameters": {"select_topk": 0.35}},
-        "nuslerp": {"models": [{"model": x, "parameters": {"weight": 1.0}},
-                               {"model": y, "parameters": {"weight": [0.2, 0.8]}}],
-                    "merge_method": "nuslerp", "base_model": b, "parameters": {"nuslerp_flatten": False}},
-        "nuslerp-no-base": {"models": [{"model": b, "parameters": {"weight": 0.4}},
-                                       {"model": x, "parameters": {"weight": 0.9}}],
-                            "merge_method": "nuslerp",
-                            "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True}},
-        "multislerp": {"models": [{"model": x, "parameters": {"weight": 1.0}},
-                                  {"model": y, "parameters": {"weight": 0.5}},
-                                  {"model": z, "parameters": {"weight": [{"filter": "mlp", "value": 2.0},
-                                                                         {"value": 1.0}]}}],
-                       "merge_method": "multislerp", "base_model": b},
-        "multislerp-no-base": {"models": [{"model": b, "parameters": {"weight": 0.5}},
-                                          {"model": x, "parameters": {"weight": 0.3}},
-                                          {"model": z, "parameters": {"weight": 0.4}}],
-                               "merge_method": "multislerp", "parameters": {"normalize_weights": False, "eps": 1e-6}},
-        "karcher": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "karcher", "base_model": b,
-                    "parameters": {"max_iter": 20, "tol": 1e-6}},
+            "models": [
+                {"model": x, "parameters": {"density": [1, 0.7, 0.1], "weight": 1.0}},
+                {"model": y, "parameters": {"density": 0.5, "weight": [0, 0.3, 0.7, 1]}},
+                {
+                    "model": z,
+                    "parameters": {"density": 0.33, "weight": [{"filter": "mlp", "value": 0.5}, {"value": 0}]},
+                },
+            ],
+            "merge_method": "ties",
+            "base_model": b,
+            "parameters": {"normalize": True, "int8_mask": True},
+            "dtype": "float32",
+        },
+        "slerp": {
+            "models": [{"model": b}, {"model": x}],
+            "merge_method": "slerp",
+            "base_model": b,
+            "parameters": {
+                "t": [
+                    {"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                    {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},
+                    {"value": 0.5},
+                ]
+            },
+            "dtype": "float32",
+        },
+        "breadcrumbs_ties": {
+            "models": [
+                {"model": b},
+                {"model": x, "parameters": {"weight": 0.7, "density": 0.45}},
+                {"model": y, "parameters": {"weight": 0.5, "gamma": 0.02}},
+            ],
+            "merge_method": "breadcrumbs_ties",
+            "base_model": b,
+            "parameters": {"density": 0.3, "gamma": 0.05, "lambda": 0.9},
+        },
+        "task_arithmetic": {
+            "models": [
+                {"model": x, "parameters": {"weight": [{"filter": "embed", "value": 0.2}, {"value": [0.3, 1.0]}]}},
+                {"model": y, "parameters": {"weight": 0.5}},
+            ],
+            "merge_method": "task_arithmetic",
+            "base_model": b,
+            "parameters": {"lambda": [0.5, 1.0], "normalize": False},
+        },
+        "linear": {
+            "models": [
+                {"model": x, "parameters": {"weight": 1.0}},
+                {"model": y, "parameters": {"weight": 0.3}},
+                {"model": z, "parameters": {"weight": [0.2, 0.9]}},
+            ],
+            "merge_method": "linear",
+        },
+        "model_stock": {
+            "models": [{"model": b}, {"model": x}, {"model": y}, {"model": z}],
+            "merge_method": "model_stock",
+            "base_model": b,
+        },
+        "sce": {
+            "models": [{"model": x}, {"model": y}, {"model": z}],
+            "merge_method": "sce",
+            "base_model": b,
+            "parameters": {"select_topk": 0.35},
+        },
+        "nuslerp": {
+            "models": [{"model": x, "parameters": {"weight": 1.0}}, {"model": y, "parameters": {"weight": [0.2, 0.8]}}],
+            "merge_method": "nuslerp",
+            "base_model": b,
+            "parameters": {"nuslerp_flatten": False},
+        },
+        "nuslerp-no-base": {
+            "models": [{"model": b, "parameters": {"weight": 0.4}}, {"model": x, "parameters": {"weight": 0.9}}],
+            "merge_method": "nuslerp",
+            "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        },
+        "multislerp": {
+            "models": [
+                {"model": x, "parameters": {"weight": 1.0}},
+                {"model": y, "parameters": {"weight": 0.5}},
+                {"model": z, "parameters": {"weight": [{"filter": "mlp", "value": 2.0}, {"value": 1.0}]}},
+            ],
+            "merge_method": "multislerp",
+            "base_model": b,
+        },
+        "multislerp-no-base": {
+            "models": [
+                {"model": b, "parameters": {"weight": 0.5}},
+                {"model": x, "parameters": {"weight": 0.3}},
+                {"model": z, "parameters": {"weight": 0.4}},
+            ],
+            "merge_method": "multislerp",
+            "parameters": {"normalize_weights": False, "eps": 1e-6},
+        },
+        "karcher": {
+            "models": [{"model": x}, {"model": y}, {"model": z}],
+            "merge_method": "karcher",
+            "base_model": b,
+            "parameters": {"max_iter": 20, "tol": 1e-6},
+        },
         "karcher-no-base": {"models": [{"model": x}, {"model": z}], "merge_method": "karcher"},
-        "ram": {"models": [{"model": x}, {"model": y}, {"model": z}], "merge_method": "ram", "base_model": b,
-                "parameters": {"epsilon": [{"filter": "mlp", "value": 0.03}, {"value": [0.0, 0.05]}]}},
-        "ramplus_tl": {"models": [{"model": x}, {"model": y}], "merge_method": "ramplus_tl", "base_model": b,
-                       "parameters": {"r": [0.1, 0.6], "alpha": [{"filter": "self_attn", "value": 2.0}, {"value": 0.5}],
-                                      "epsilon": 0.04}},
+        "ram": {
+            "models": [{"model": x}, {"model": y}, {"model": z}],
+            "merge_method": "ram",
+            "base_model": b,
+            "parameters": {"epsilon": [{"filter": "mlp", "value": 0.03}, {"value": [0.0, 0.05]}]},
+        },
+        "ramplus_tl": {
+            "models": [{"model": x}, {"model": y}],
+            "merge_method": "ramplus_tl",
+            "base_model": b,
+            "parameters": {
+                "r": [0.1, 0.6],
+                "alpha": [{"filter": "self_attn", "value": 2.0}, {"value": 0.5}],
+                "epsilon": 0.04,
+            },
+        },
         "arcee_fusion": {"models": [{"model": b}, {"model": y}], "merge_method": "arcee_fusion", "base_model": b},
     }
 
 
 @requires_mergekit
-@pytest.mark.parametrize("name", ["ties", "slerp", "breadcrumbs_ties", "task_arithmetic", "linear",
-                                  "model_stock", "sce", "nuslerp", "nuslerp-no-base", "multislerp",
-                                  "multislerp-no-base", "karcher", "karcher-no-base", "ram", "ramplus_tl",
-                                  "arcee_fusion"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ties",
+        "slerp",
+        "breadcrumbs_ties",
+        "task_arithmetic",
+        "linear",
+        "model_stock",
+        "sce",
+        "nuslerp",
+        "nuslerp-no-base",
+        "multislerp",
+        "multislerp-no-base",
+        "karcher",
+        "karcher-no-base",
+        "ram",
+        "ramplus_tl",
+        "arcee_fusion",
+    ],
+)
 def test_imported_config_gives_mergekits_tensors_and_exports_it_back(models, tmp_path, name):
     doc = examples(models)[name]
     theirs = mergekit_merge(doc, tmp_path)
@@ -171,40 +271,58 @@ def test_per_model_gradients_and_filters_become_expert_rules_in_mergekits_preced
     """Per-model settings are rules with expert: i after the global ones; filters reversed (first match wins)."""
     _, cfg, *_ = mergeval_merge(examples(models)["ties"])
     rules = [{k: v for k, v in vars(r).items() if v is not None} for r in cfg.rules]
-    assert rules == [{"match": "*", "expert": 0, "density": [1, 0.7, 0.1]}, {"match": "*", "expert": 0, "weight": 1.0},
-                     {"match": "*", "expert": 1, "density": 0.5}, {"match": "*", "expert": 1, "weight": [0, 0.3, 0.7, 1]},
-                     {"match": "*", "expert": 2, "density": 0.33}, {"match": "*", "expert": 2, "weight": 0},
-                     {"match": "*mlp*", "expert": 2, "weight": 0.5}]
+    assert rules == [
+        {"match": "*", "expert": 0, "density": [1, 0.7, 0.1]},
+        {"match": "*", "expert": 0, "weight": 1.0},
+        {"match": "*", "expert": 1, "density": 0.5},
+        {"match": "*", "expert": 1, "weight": [0, 0.3, 0.7, 1]},
+        {"match": "*", "expert": 2, "density": 0.33},
+        {"match": "*", "expert": 2, "weight": 0},
+        {"match": "*mlp*", "expert": 2, "weight": 0.5},
+    ]
     assert cfg.compat == "mergekit" and cfg.normalize is True
 
 
-@pytest.mark.parametrize("patch,field", [
-    ({"slices": [{"sources": []}]}, "mergekit.models"),  # slices or models, not both
-    ({"modules": {"text": {}}}, "mergekit.modules"),
-    ({"merge_method": "passthrough"}, "mergekit.merge_method"),
-    ({"merge_method": "model_breadcrumbs"}, "mergekit.merge_method"),
-    ({"tokenizer_source": "org/not-in-the-file"}, "mergekit.tokenizer_source"),
-    ({"tokenizer": {"source": "union", "tokens": {"<x>": {"source": "base"}}}}, "mergekit.tokenizer"),
-    ({"chat_template": "chatml"}, "mergekit.chat_template"),
-    ({"models": [{"model": "org/m+org/lora", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
-    ({"models": [{"model": "MATH", "parameters": {"weight": 1, "lambda": 2}}]}, "mergekit.models[0].parameters.lambda"),
-    ({"models": [{"model": "MATH"}]}, "mergekit.models[0].parameters.weight"),
-    ({"parameters": {"epsilon": 0.1}}, "mergekit.parameters.epsilon"),
-    ({"parameters": {"normalize": [{"filter": "mlp", "value": True}]}}, "mergekit.parameters.normalize"),
-    ({"base_model": None}, "mergekit.base_model"),
-    ({"base_model": "./no/such/base"}, "mergekit.base_model"),  # a mistyped path is not a hub id to download
-    ({"models": [{"model": "/no/such/dir", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
-    ({"models": [{"model": "MATH", "parameters": {"weight": 1, "densty": 0.5}}]},
-     "mergekit.models[0].parameters.densty"),
-    ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
-    ({"dtype": "float31"}, "mergekit.dtype"),  # refused before the note about dtype was printed
-    # a parameter ram shares across models: mergekit 0.1.5 silently ignores it under a model
-    ({"merge_method": "ram", "models": [{"model": "MATH", "parameters": {"epsilon": 0.1}}]},
-     "mergekit.models[0].parameters.epsilon"),
-])
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"slices": [{"sources": []}]}, "mergekit.models"),  # slices or models, not both
+        ({"modules": {"text": {}}}, "mergekit.modules"),
+        ({"merge_method": "passthrough"}, "mergekit.merge_method"),
+        ({"merge_method": "model_breadcrumbs"}, "mergekit.merge_method"),
+        ({"tokenizer_source": "org/not-in-the-file"}, "mergekit.tokenizer_source"),
+        ({"tokenizer": {"source": "union", "tokens": {"<x>": {"source": "base"}}}}, "mergekit.tokenizer"),
+        ({"chat_template": "chatml"}, "mergekit.chat_template"),
+        ({"models": [{"model": "org/m+org/lora", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
+        (
+            {"models": [{"model": "MATH", "parameters": {"weight": 1, "lambda": 2}}]},
+            "mergekit.models[0].parameters.lambda",
+        ),
+        ({"models": [{"model": "MATH"}]}, "mergekit.models[0].parameters.weight"),
+        ({"parameters": {"epsilon": 0.1}}, "mergekit.parameters.epsilon"),
+        ({"parameters": {"normalize": [{"filter": "mlp", "value": True}]}}, "mergekit.parameters.normalize"),
+        ({"base_model": None}, "mergekit.base_model"),
+        ({"base_model": "./no/such/base"}, "mergekit.base_model"),  # a mistyped path is not a hub id to download
+        ({"models": [{"model": "/no/such/dir", "parameters": {"weight": 1}}]}, "mergekit.models[0].model"),
+        (
+            {"models": [{"model": "MATH", "parameters": {"weight": 1, "densty": 0.5}}]},
+            "mergekit.models[0].parameters.densty",
+        ),
+        ({"parameters": {"lamda": 0.5}}, "mergekit.parameters.lamda"),
+        ({"dtype": "float31"}, "mergekit.dtype"),  # refused before the note about dtype was printed
+        # a parameter ram shares across models: mergekit 0.1.5 silently ignores it under a model
+        (
+            {"merge_method": "ram", "models": [{"model": "MATH", "parameters": {"epsilon": 0.1}}]},
+            "mergekit.models[0].parameters.epsilon",
+        ),
+    ],
+)
 def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
-    doc = {"merge_method": "ties", "base_model": str(models["base"]),
-           "models": [{"model": str(models["math"]), "parameters": {"weight": 1, "density": 0.5}}]}
+    doc = {
+        "merge_method": "ties",
+        "base_model": str(models["base"]),
+        "models": [{"model": str(models["math"]), "parameters": {"weight": 1, "density": 0.5}}],
+    }
     for key, value in patch.items():
         doc[key] = yaml.safe_load(yaml.safe_dump(value).replace("MATH", str(models["math"])))
     with pytest.raises(UserError) as err:
@@ -219,8 +337,12 @@ def test_what_mergeval_cannot_express_is_refused_by_key(models, patch, field):
 def test_paper_mode_merges_are_not_exported(models):
     method = get_method("ties")
     assert to_mergekit(method.config(density=0.5), "b", ["e"]) is None  # ceil counts: mergekit cannot
-    assert to_mergekit(method.config(density=0.5, compat="mergekit", rules=[{"match": "model.*", "density": 0.3}]),
-                       "b", ["e"]) is None  # a glob mergekit's substring filters cannot say
+    assert (
+        to_mergekit(
+            method.config(density=0.5, compat="mergekit", rules=[{"match": "model.*", "density": 0.3}]), "b", ["e"]
+        )
+        is None
+    )  # a glob mergekit's substring filters cannot say
     assert to_mergekit(method.config(density=0.5, compat="mergekit"), "b", ["e"])["parameters"]["density"] == 0.5
 
 
@@ -252,8 +374,14 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
     path = tmp_path / "ties.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "merged"
-    done = run_module("mergeval.merge", f"mergekit={path}", f"output={out}", f"cache_dir={tmp_path / 'cache'}",
-                      cwd=tmp_path, timeout=300)
+    done = run_module(
+        "mergeval.merge",
+        f"mergekit={path}",
+        f"output={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     ours = load_file(str(out / "model.safetensors"))
     assert {t.dtype for t in ours.values()} == {torch.bfloat16}
@@ -271,10 +399,13 @@ def test_out_dtype_is_the_dtype_the_merge_is_written_in_as_in_mergekit(models, t
         assert ((theirs[k].float() - ours[k].float()).abs() <= step).all(), k
 
 
-@pytest.mark.parametrize("key,value,fix", [
-    ("modules", {"text": {"slices": []}}, "merge whole models with models:"),
-    ("chat_template", "chatml", "drop chat_template:"),
-])
+@pytest.mark.parametrize(
+    "key,value,fix",
+    [
+        ("modules", {"text": {"slices": []}}, "merge whole models with models:"),
+        ("chat_template", "chatml", "drop chat_template:"),
+    ],
+)
 def test_each_unsupported_key_gets_a_fix_that_fits_it(key, value, fix):
     with pytest.raises(UserError) as err:
         from_mergekit({"merge_method": "linear", key: value, "models": [{"model": "a", "parameters": {"weight": 1}}]})
@@ -283,12 +414,16 @@ def test_each_unsupported_key_gets_a_fix_that_fits_it(key, value, fix):
 
 def test_a_global_value_that_every_model_overrides_is_not_exported():
     method = get_method("ties")
-    every = to_mergekit(method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, {"density": 0.7}]),
-                        "b", ["e1", "e2"])
+    every = to_mergekit(
+        method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, {"density": 0.7}]),
+        "b",
+        ["e1", "e2"],
+    )
     assert "density" not in every["parameters"]
     assert [m["parameters"]["density"] for m in every["models"]] == [0.3, 0.7]
-    some = to_mergekit(method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, None]), "b",
-                       ["e1", "e2"])
+    some = to_mergekit(
+        method.config(density=0.5, compat="mergekit", per_expert=[{"density": 0.3}, None]), "b", ["e1", "e2"]
+    )
     assert some["parameters"]["density"] == 0.5  # the second model reads it
 
 
@@ -301,8 +436,9 @@ def test_where_the_spherical_methods_take_the_base_from():
     assert [r["weight"] for r in cfg["rules"]] == [0.3, 0.7] and not notes
     cfg, modelset, _ = from_mergekit({"merge_method": "multislerp", "models": two, "base_model": "org/base"})
     assert "include_base" not in cfg and modelset["base"] == "hf:org/base" and list(modelset["experts"]) == ["a", "b"]
-    cfg, modelset, notes = from_mergekit({"merge_method": "karcher", "models": ["org/a", "org/b", "org/c"],
-                                          "parameters": {"max_iter": 30, "tol": 1e-6}})
+    cfg, modelset, notes = from_mergekit(
+        {"merge_method": "karcher", "models": ["org/a", "org/b", "org/c"], "parameters": {"max_iter": 30, "tol": 1e-6}}
+    )
     assert cfg["include_base"] and cfg["max_iter"] == 30 and isinstance(cfg["max_iter"], int)
     assert modelset["base"] == "hf:org/c" and list(modelset["experts"]) == ["a", "b"] and not notes
     _, modelset, notes = from_mergekit({"merge_method": "karcher", "models": ["org/a", "org/b"], "base_model": "org/a"})
@@ -317,8 +453,10 @@ def test_the_spherical_methods_export_their_base_as_mergekit_reads_it():
     nuslerp, karcher = get_method("nuslerp"), get_method("karcher")
     as_model = to_mergekit(nuslerp.config(include_base=True, weights=[0.4, 0.6]), "B", ["e"])
     assert "base_model" not in as_model
-    assert as_model["models"] == [{"model": "B", "parameters": {"weight": 0.4}},
-                                  {"model": "e", "parameters": {"weight": 0.6}}]
+    assert as_model["models"] == [
+        {"model": "B", "parameters": {"weight": 0.4}},
+        {"model": "e", "parameters": {"weight": 0.6}},
+    ]
     assert to_mergekit(nuslerp.config(), "B", ["e1", "e2"])["base_model"] == "B"
     averaged = to_mergekit(karcher.config(include_base=True), "B", ["e1", "e2"])
     assert averaged["base_model"] == "B" and [m["model"] for m in averaged["models"]] == ["e1", "e2"]

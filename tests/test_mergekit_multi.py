@@ -27,11 +27,23 @@ from tests.test_mergekit_parity import requires_mergekit
 def three_stages(m: dict[str, Path]) -> list[dict]:
     b, x, y, z = (str(m[k]) for k in ("base", "math", "code", "chat"))
     return [
-        {"name": "pair", "merge_method": "multislerp", "base_model": b, "dtype": "float32",
-         "models": [{"model": x, "parameters": {"weight": 1.0}}, {"model": y, "parameters": {"weight": 0.4}}]},
+        {
+            "name": "pair",
+            "merge_method": "multislerp",
+            "base_model": b,
+            "dtype": "float32",
+            "models": [{"model": x, "parameters": {"weight": 1.0}}, {"model": y, "parameters": {"weight": 0.4}}],
+        },
         {"name": "mean", "merge_method": "karcher", "dtype": "float32", "models": [{"model": z}, {"model": "pair"}]},
-        {"merge_method": "nuslerp", "base_model": b, "dtype": "float32",
-         "models": [{"model": "mean", "parameters": {"weight": 0.7}}, {"model": "pair", "parameters": {"weight": 0.3}}]},
+        {
+            "merge_method": "nuslerp",
+            "base_model": b,
+            "dtype": "float32",
+            "models": [
+                {"model": "mean", "parameters": {"weight": 0.7}},
+                {"model": "pair", "parameters": {"weight": 0.3}},
+            ],
+        },
     ]
 
 
@@ -48,25 +60,42 @@ def tensors(out: Path) -> dict[str, torch.Tensor]:
 
 
 def merge(file: Path, out: Path, cache: Path, cwd: Path) -> subprocess.CompletedProcess:
-    done = run_module("mergeval.merge", f"mergekit={file}", f"output={out}", f"cache_dir={cache}", cwd=cwd,
-                      timeout=300)
+    done = run_module("mergeval.merge", f"mergekit={file}", f"output={out}", f"cache_dir={cache}", cwd=cwd, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
 
 
 def stage_lines(done: subprocess.CompletedProcess) -> list[tuple[str, str]]:
     """(stage, merging or reused) for each stage the command reports, in order."""
-    return [(line.split("'")[1], line.split(": ", 1)[1].split(" ")[0]) for line in done.stdout.splitlines()
-            if line.startswith("mergekit stage '")]
+    return [
+        (line.split("'")[1], line.split(": ", 1)[1].split(" ")[0])
+        for line in done.stdout.splitlines()
+        if line.startswith("mergekit stage '")
+    ]
 
 
 @requires_mergekit
 def test_three_stages_give_mergekit_multis_tensors_and_are_reused_from_the_cache(models, tmp_path):  # noqa: F811
     file = write(tmp_path / "multi.yaml", three_stages(models))
     theirs = tmp_path / "mergekit-out"
-    done = subprocess.run(["mergekit-multi", str(file), "--out-path", str(theirs), "-I", str(tmp_path / "mk-stages"),
-                           "--no-copy-tokenizer", "--no-lazy-unpickle", "--no-write-model-card", "--quiet"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            "mergekit-multi",
+            str(file),
+            "--out-path",
+            str(theirs),
+            "-I",
+            str(tmp_path / "mk-stages"),
+            "--no-copy-tokenizer",
+            "--no-lazy-unpickle",
+            "--no-write-model-card",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     cache = tmp_path / "cache"
     first = merge(file, tmp_path / "ours", cache, tmp_path)
@@ -104,8 +133,9 @@ def test_three_stages_give_mergekit_multis_tensors_and_are_reused_from_the_cache
 def test_the_final_merge_names_the_stages_it_uses(models, tmp_path):  # noqa: F811
     """The stages' directories replace their names; those the final does not use are not merged."""
     docs = three_stages(models)
-    named, final = mergekit_multi.stages(docs + [{"name": "spare", **{k: v for k, v in docs[0].items()
-                                                                       if k != "name"}}])
+    named, final = mergekit_multi.stages(
+        docs + [{"name": "spare", **{k: v for k, v in docs[0].items() if k != "name"}}]
+    )
     assert list(named) == ["pair", "mean", "spare"]
     assert mergekit_multi.order(named, final, "mergekit[3]") == ["pair", "mean"]
     out = mergekit_multi.substituted(final, {"mean": "/m", "pair": "/p"}, "mergekit[3]")
@@ -124,8 +154,10 @@ def _error(docs: list[dict]) -> UserError:
 
 def test_the_files_mistakes_are_named_by_field(models):  # noqa: F811
     docs = three_stages(models)
-    cycle = [dict(docs[0], models=[{"model": "mean", "parameters": {"weight": 1.0}}, *docs[0]["models"][1:]]),
-             *docs[1:]]
+    cycle = [
+        dict(docs[0], models=[{"model": "mean", "parameters": {"weight": 1.0}}, *docs[0]["models"][1:]]),
+        *docs[1:],
+    ]
     err = _error(cycle)
     assert err.field == "mergekit[pair]" and "pair -> mean -> pair" in err.problem
     self_use = [dict(docs[1], models=[{"model": "mean"}, {"model": str(models["chat"])}]), docs[2]]
@@ -148,8 +180,14 @@ def test_the_files_mistakes_are_named_by_field(models):  # noqa: F811
 def test_a_multi_stage_mistake_ends_the_command_in_one_line(models, tmp_path):  # noqa: F811
     docs = three_stages(models)
     file = write(tmp_path / "bad.yaml", [docs[0], dict(docs[1], name="pair"), docs[2]])
-    done = run_module("mergeval.merge", f"mergekit={file}", f"output={tmp_path / 'out'}",
-                      f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, timeout=300)
+    done = run_module(
+        "mergeval.merge",
+        f"mergekit={file}",
+        f"output={tmp_path / 'out'}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "mergekit[1].name" in done.stderr
     assert not (tmp_path / "out").exists()
@@ -164,20 +202,31 @@ def test_a_run_builds_the_stages_and_evaluates_the_final_merge(tmp_path, tiny_di
     from tests.test_engine import make_expert
 
     a, b, c = (str(make_expert(tiny_dir, tmp_path / f"e{i}", seed=i)) for i in (1, 2, 3))
-    docs = [{"name": "ab", "merge_method": "linear", "base_model": str(tiny_dir), "dtype": "float32",
-             "models": [{"model": a, "parameters": {"weight": 0.5}}, {"model": b, "parameters": {"weight": 0.5}}]},
-            {"merge_method": "task_arithmetic", "base_model": str(tiny_dir), "dtype": "float32",
-             "models": [{"model": "ab", "parameters": {"weight": 1.0}}, {"model": c, "parameters": {"weight": 0.5}}]}]
+    docs = [
+        {
+            "name": "ab",
+            "merge_method": "linear",
+            "base_model": str(tiny_dir),
+            "dtype": "float32",
+            "models": [{"model": a, "parameters": {"weight": 0.5}}, {"model": b, "parameters": {"weight": 0.5}}],
+        },
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": str(tiny_dir),
+            "dtype": "float32",
+            "models": [{"model": "ab", "parameters": {"weight": 1.0}}, {"model": c, "parameters": {"weight": 0.5}}],
+        },
+    ]
     file = write(tmp_path / "multi.yaml", docs)
     store = f"store.path={tmp_path / 'r.sqlite'}"
-    out = mergeval(f"mergekit={file}", "benchmark=tiny", "eval.dtype=float32", store, "hydra.run.dir=one",
-                   cwd=tmp_path)
+    out = mergeval(f"mergekit={file}", "benchmark=tiny", "eval.dtype=float32", store, "hydra.run.dir=one", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert stage_lines(out) == [("ab", "merging")], out.stdout
     rows = {m["role"]: m for m in json.loads((tmp_path / "one" / "result.json").read_text())["models"]}
     assert list(rows) == ["base", "ab", "e3", "merged"] and rows["ab"]["evaluated"] == "this run"
     assert Path(rows["ab"]["path"]).parent == cache / mergekit_multi.STAGES_DIR
-    again = mergeval(f"mergekit={file}", "benchmark=tiny", "eval.dtype=float32", store, "hydra.run.dir=two",
-                     cwd=tmp_path)
+    again = mergeval(
+        f"mergekit={file}", "benchmark=tiny", "eval.dtype=float32", store, "hydra.run.dir=two", cwd=tmp_path
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert stage_lines(again) == [("ab", "reused")], again.stdout

@@ -55,10 +55,19 @@ from mergeval.methods.sparsify import della_keep_prob
 
 requires_mergekit = pytest.mark.skipif(
     importlib.util.find_spec("mergekit") is None,
-    reason="mergekit is not installed; `pip install '.[test]'` installs the pinned version these comparisons need")
+    reason="mergekit is not installed; `pip install '.[test]'` installs the pinned version these comparisons need",
+)
 
-ARCH = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+ARCH = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
 EXPERT_SCALES = (1.0, 0.7, 1.4)  # unequal task-vector sizes: SCE's weights and TIES' sum vote matter
 SHARED, OWN = 0.04, 0.03  # task vector = SHARED * common + OWN * own noise: mean cosine ~0.6, many sign conflicts
 W3 = [1.0, 0.4, 1.6]
@@ -86,8 +95,9 @@ class Tiny:
 def _save(path: Path, config, tensors: dict[str, torch.Tensor]) -> Path:
     path.mkdir(parents=True)
     config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     return path
 
 
@@ -120,7 +130,8 @@ def tiny(tmp_path_factory) -> Tiny:
     slerp = {name: b + 0.05 * _row_scale(b.shape, g) * torch.randn(b.shape, generator=g) for name, b in base.items()}
     slerp["model.norm.weight"] = 1.3 * base["model.norm.weight"]  # colinear: cos = 1
     slerp["model.layers.0.input_layernorm.weight"] = base["model.layers.0.input_layernorm.weight"] + 1e-3 * torch.randn(
-        32, generator=g)  # cos ~ 1 - 1e-7, above the 0.9995 threshold
+        32, generator=g
+    )  # cos ~ 1 - 1e-7, above the 0.9995 threshold
     # Quantised on a grid of 2^-6 (base) and 2^-8 (deltas) so every e - b is exact in float32:
     # d_0 + d_1 = 0 bit for bit, and magnitudes repeat (ties at every trimming cut).
     qbase = {name: torch.round(b * 64) / 64 for name, b in base.items()}
@@ -133,32 +144,49 @@ def tiny(tmp_path_factory) -> Tiny:
     anti[2][ZERO] = torch.zeros_like(qbase[ZERO])  # a zero tensor: slerp's zero-norm case
     anti_root = root / "anti"
     anti_root.mkdir()
-    return Tiny(base=_save(root / "base", config, base),
-                experts=[_save(root / f"expert{i}", config, e) for i, e in enumerate(experts)],
-                small_experts=[_save(root / f"small{i}", config, {n: base[n] + 0.01 * (e[n] - base[n]) for n in base})
-                               for i, e in enumerate(experts)],
-                slerp_expert=_save(root / "slerp", config, slerp),
-                anti=[_save(anti_root / "base", config, qbase)] + [_save(anti_root / f"e{i}", config, e)
-                                                                   for i, e in enumerate(anti)], root=root)
+    return Tiny(
+        base=_save(root / "base", config, base),
+        experts=[_save(root / f"expert{i}", config, e) for i, e in enumerate(experts)],
+        small_experts=[
+            _save(root / f"small{i}", config, {n: base[n] + 0.01 * (e[n] - base[n]) for n in base})
+            for i, e in enumerate(experts)
+        ],
+        slerp_expert=_save(root / "slerp", config, slerp),
+        anti=[_save(anti_root / "base", config, qbase)]
+        + [_save(anti_root / f"e{i}", config, e) for i, e in enumerate(anti)],
+        root=root,
+    )
 
 
 # ---------------------------------------------------------------- running both tools
 
 
-def run_mergekit(tiny: Tiny, method: str, models: list[tuple[Path, dict]], parameters: dict,
-                 base: bool | Path = True, seed: int | None = None) -> dict[str, torch.Tensor]:
+def run_mergekit(
+    tiny: Tiny,
+    method: str,
+    models: list[tuple[Path, dict]],
+    parameters: dict,
+    base: bool | Path = True,
+    seed: int | None = None,
+) -> dict[str, torch.Tensor]:
     """mergekit's merge of ``models`` (each with its per-model parameters), read back and deleted."""
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
-    config = {"merge_method": method, "dtype": "float32", "out_dtype": "float32", "parameters": parameters,
-              "models": [{"model": str(path), **({"parameters": p} if p else {})} for path, p in models]}
+    config = {
+        "merge_method": method,
+        "dtype": "float32",
+        "out_dtype": "float32",
+        "parameters": parameters,
+        "models": [{"model": str(path), **({"parameters": p} if p else {})} for path, p in models],
+    }
     if base:
         config["base_model"] = str(tiny.base if base is True else base)
     out = tiny.root / f"mergekit-{uuid.uuid4().hex}"
-    options = MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False,
-                           quiet=True, random_seed=seed)
+    options = MergeOptions(
+        device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False, quiet=True, random_seed=seed
+    )
     run_merge(MergeConfiguration.model_validate(config), str(out), options)
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(out.glob("*.safetensors")):
@@ -167,8 +195,9 @@ def run_mergekit(tiny: Tiny, method: str, models: list[tuple[Path, dict]], param
     return tensors
 
 
-def run_mergeval(tiny: Tiny, method: str, params: dict, experts: list[Path],
-                 seeds=(0,), base: Path | None = None) -> list[dict[str, torch.Tensor]]:
+def run_mergeval(
+    tiny: Tiny, method: str, params: dict, experts: list[Path], seeds=(0,), base: Path | None = None
+) -> list[dict[str, torch.Tensor]]:
     """mergeval's in-memory merge, once per seed."""
     merge = get_method(method)
     cfg = merge.config(**params)
@@ -203,21 +232,56 @@ def C(id, method, ours=None, shared=None, per_model=None, weights=None) -> Case:
 TIES_LIKE = {"weights_before_election": True}
 DETERMINISTIC = [
     C("linear", "linear", {"weights": [1.0, 2.0, 0.5]}, {"normalize": True}, weights=[1.0, 2.0, 0.5]),
-    C("linear-sum", "linear", {"weights": [1.0, 2.0, 0.5], "normalize": False}, {"normalize": False},
-      weights=[1.0, 2.0, 0.5]),
+    C(
+        "linear-sum",
+        "linear",
+        {"weights": [1.0, 2.0, 0.5], "normalize": False},
+        {"normalize": False},
+        weights=[1.0, 2.0, 0.5],
+    ),
     C("task_arithmetic", "task_arithmetic", {}, {"lambda": 1.0}, weights=[1, 1, 1]),
     C("task_arithmetic-weighted", "task_arithmetic", {"lambda_": 0.7, "weights": W3}, {"lambda": 0.7}, weights=W3),
     C("ties", "ties", {"density": 0.5, **TIES_LIKE}, {"normalize": True}, {"density": 0.5}, weights=[1, 1, 1]),
-    C("ties-weighted", "ties", {"density": 0.25, "lambda_": 0.8, "weights": W3, **TIES_LIKE},
-      {"normalize": True, "lambda": 0.8}, {"density": 0.25}, weights=W3),
-    C("breadcrumbs", "breadcrumbs", {"density": 0.75, "gamma": 0.01}, {}, {"density": 0.75, "gamma": 0.01},
-      weights=[1, 1, 1]),
-    C("breadcrumbs-weighted", "breadcrumbs", {"density": 0.5, "gamma": 0.05, "lambda_": 0.9, "weights": W3},
-      {"lambda": 0.9}, {"density": 0.5, "gamma": 0.05}, weights=W3),
-    C("breadcrumbs_ties", "breadcrumbs_ties", {"density": 0.75, "gamma": 0.01, **TIES_LIKE}, {"normalize": True},
-      {"density": 0.75, "gamma": 0.01}, weights=[1, 1, 1]),
-    C("breadcrumbs_ties-weighted", "breadcrumbs_ties", {"density": 0.5, "gamma": 0.05, "weights": W3, **TIES_LIKE},
-      {"normalize": True}, {"density": 0.5, "gamma": 0.05}, weights=W3),
+    C(
+        "ties-weighted",
+        "ties",
+        {"density": 0.25, "lambda_": 0.8, "weights": W3, **TIES_LIKE},
+        {"normalize": True, "lambda": 0.8},
+        {"density": 0.25},
+        weights=W3,
+    ),
+    C(
+        "breadcrumbs",
+        "breadcrumbs",
+        {"density": 0.75, "gamma": 0.01},
+        {},
+        {"density": 0.75, "gamma": 0.01},
+        weights=[1, 1, 1],
+    ),
+    C(
+        "breadcrumbs-weighted",
+        "breadcrumbs",
+        {"density": 0.5, "gamma": 0.05, "lambda_": 0.9, "weights": W3},
+        {"lambda": 0.9},
+        {"density": 0.5, "gamma": 0.05},
+        weights=W3,
+    ),
+    C(
+        "breadcrumbs_ties",
+        "breadcrumbs_ties",
+        {"density": 0.75, "gamma": 0.01, **TIES_LIKE},
+        {"normalize": True},
+        {"density": 0.75, "gamma": 0.01},
+        weights=[1, 1, 1],
+    ),
+    C(
+        "breadcrumbs_ties-weighted",
+        "breadcrumbs_ties",
+        {"density": 0.5, "gamma": 0.05, "weights": W3, **TIES_LIKE},
+        {"normalize": True},
+        {"density": 0.5, "gamma": 0.05},
+        weights=W3,
+    ),
     C("model_stock", "model_stock", {}),
     C("model_stock-filter_wise", "model_stock", {"filter_wise": True}, {"filter_wise": True}),
     C("sce", "sce", {"normalize": True, "uniform_below": 1e-6}, {"select_topk": 1.0}),
@@ -234,13 +298,17 @@ SMALL = {"linear", "linear-sum", "task_arithmetic", "task_arithmetic-weighted", 
 
 
 @requires_mergekit
-@pytest.mark.parametrize("case,size", [(c, "large") for c in DETERMINISTIC]
-                         + [(c, "small") for c in DETERMINISTIC if c.id in SMALL],
-                         ids=lambda v: v.id if isinstance(v, Case) else v)
+@pytest.mark.parametrize(
+    "case,size",
+    [(c, "large") for c in DETERMINISTIC] + [(c, "small") for c in DETERMINISTIC if c.id in SMALL],
+    ids=lambda v: v.id if isinstance(v, Case) else v,
+)
 def test_same_tensors_as_mergekit(tiny, case, size):
     experts = tiny.experts if size == "large" else tiny.small_experts
-    models = [(path, {**case.per_model, **({"weight": w} if case.weights else {})})
-              for path, w in zip(experts, case.weights or [None] * len(experts))]
+    models = [
+        (path, {**case.per_model, **({"weight": w} if case.weights else {})})
+        for path, w in zip(experts, case.weights or [None] * len(experts))
+    ]
     theirs = run_mergekit(tiny, case.method, models, case.shared, base=case.method != "linear")
     assert_same_tensors(run_mergeval(tiny, case.method, case.ours, experts)[0], theirs)
 
@@ -248,8 +316,13 @@ def test_same_tensors_as_mergekit(tiny, case, size):
 @requires_mergekit
 def test_linear_with_the_base_as_a_model(tiny):
     weights = [0.5, 1.0, 1.0, 1.0]
-    theirs = run_mergekit(tiny, "linear", [(p, {"weight": w}) for p, w in zip([tiny.base, *tiny.experts], weights)],
-                          {"normalize": True}, base=False)
+    theirs = run_mergekit(
+        tiny,
+        "linear",
+        [(p, {"weight": w}) for p, w in zip([tiny.base, *tiny.experts], weights)],
+        {"normalize": True},
+        base=False,
+    )
     (ours,) = run_mergeval(tiny, "linear", {"weights": weights, "include_base": True}, tiny.experts)
     assert_same_tensors(ours, theirs)
 
@@ -261,8 +334,11 @@ def test_nearswap_same_tensors_as_mergekit_bit_for_bit(tiny, t):
     assert_same_tensors(run_mergeval(tiny, "nearswap", {"t": t}, [tiny.slerp_expert])[0], theirs, atol=0)
 
 
-SPHERICAL = {"flat": {}, "rows": {"nuslerp_flatten": False}, "columns": {"nuslerp_flatten": False,
-                                                                       "nuslerp_row_wise": True}}
+SPHERICAL = {
+    "flat": {},
+    "rows": {"nuslerp_flatten": False},
+    "columns": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+}
 
 
 @requires_mergekit
@@ -277,13 +353,18 @@ def test_nuslerp_same_tensors_as_mergekit_bit_for_bit(tiny, shape, weights):
     assert_same_tensors(ours, theirs, atol=0)
     pair = [tiny.base, tiny.slerp_expert]
     theirs = run_mergekit(tiny, "nuslerp", [(p, {"weight": w}) for p, w in zip(pair, weights)], params, base=False)
-    ours = run_mergeval(tiny, "nuslerp", {**params, "weights": list(weights), "include_base": True},
-                        [tiny.slerp_expert])[0]
+    ours = run_mergeval(
+        tiny, "nuslerp", {**params, "weights": list(weights), "include_base": True}, [tiny.slerp_expert]
+    )[0]
     assert_same_tensors(ours, theirs, atol=0)
 
 
 MULTISLERP = [  # (models besides the base, weights, normalize_weights)
-    (2, (1.0, 0.4), True), (3, tuple(W3), True), (3, tuple(W3), False), (3, (0.2, 0.3, 0.1), False)]
+    (2, (1.0, 0.4), True),
+    (3, tuple(W3), True),
+    (3, tuple(W3), False),
+    (3, (0.2, 0.3, 0.1), False),
+]
 
 
 @requires_mergekit
@@ -294,22 +375,41 @@ def test_multislerp_same_tensors_as_mergekit_bit_for_bit(tiny, n, weights, norma
     theirs = run_mergekit(tiny, "multislerp", [(p, {"weight": w}) for p, w in zip(tiny.experts, weights)], params)
     ours = run_mergeval(tiny, "multislerp", {**params, "weights": list(weights)}, tiny.experts[:n])[0]
     assert_same_tensors(ours, theirs, atol=0)
-    models = [tiny.base, *tiny.experts[:n - 1]]
+    models = [tiny.base, *tiny.experts[: n - 1]]
     theirs = run_mergekit(tiny, "multislerp", [(p, {"weight": w}) for p, w in zip(models, weights)], params, base=False)
-    ours = run_mergeval(tiny, "multislerp", {**params, "weights": list(weights), "include_base": True},
-                        tiny.experts[:n - 1])[0]
+    ours = run_mergeval(
+        tiny, "multislerp", {**params, "weights": list(weights), "include_base": True}, tiny.experts[: n - 1]
+    )[0]
     assert_same_tensors(ours, theirs, atol=0)
+
 
 # RAM and RAM+ inputs: (base, experts). The regular experts change every entry (epsilon 1e-5 keeps them all:
 # every entry shared), so larger epsilons make each expert's changed set a part of the tensor; the anti experts
 # d_0 = -d_1 (exact zero sums of the shared quotients), d_2 zero on half the entries, all on a 2^-8 grid, so
 # epsilon 0 and 0.01 give entries changed by 0, 1, 2 and 3 experts.
-RAM_INPUTS = {"regular-2": lambda t: (t.base, t.experts[:2]), "regular-3": lambda t: (t.base, t.experts),
-              "small-3": lambda t: (t.base, t.small_experts),
-              "anti-2": lambda t: (t.anti[0], [t.anti[1], t.anti[3]]), "anti-3": lambda t: (t.anti[0], t.anti[1:])}
-RAM_CASES = [("regular-2", 1e-5), ("regular-2", 0.05), ("regular-2", 0.15), ("regular-3", 1e-5),
-             ("regular-3", 0.03), ("regular-3", 0.08), ("small-3", 1e-5), ("small-3", 5e-4), ("anti-2", 0.0),
-             ("anti-2", 0.01), ("anti-2", 0.02), ("anti-3", 0.0), ("anti-3", 1e-5), ("anti-3", 0.01)]
+RAM_INPUTS = {
+    "regular-2": lambda t: (t.base, t.experts[:2]),
+    "regular-3": lambda t: (t.base, t.experts),
+    "small-3": lambda t: (t.base, t.small_experts),
+    "anti-2": lambda t: (t.anti[0], [t.anti[1], t.anti[3]]),
+    "anti-3": lambda t: (t.anti[0], t.anti[1:]),
+}
+RAM_CASES = [
+    ("regular-2", 1e-5),
+    ("regular-2", 0.05),
+    ("regular-2", 0.15),
+    ("regular-3", 1e-5),
+    ("regular-3", 0.03),
+    ("regular-3", 0.08),
+    ("small-3", 1e-5),
+    ("small-3", 5e-4),
+    ("anti-2", 0.0),
+    ("anti-2", 0.01),
+    ("anti-2", 0.02),
+    ("anti-3", 0.0),
+    ("anti-3", 1e-5),
+    ("anti-3", 0.01),
+]
 RAMPLUS = [{}, {"r": 0.5, "alpha": 4.0}, {"r": 0.0}]  # mergekit's defaults; rho mostly below the cap; RAM's
 
 
@@ -378,10 +478,12 @@ def test_karcher_with_a_zero_tensor_same_tensors_as_mergekit(tiny):
     ours = run_mergeval(tiny, "karcher", {}, tiny.anti[1:], base=tiny.anti[0])[0]
     assert_same_tensors(ours, theirs, atol=0)
 
+
 @requires_mergekit
 def test_ram_cases_exercise_every_count_and_both_sides_of_the_cap(tiny):
     """The RAM cases above hold entries changed by 0, 1, 2 and 3 experts, and RAM+ ratios rho below and above
     both caps (0.2, 4), 0 included; RAM differs from task arithmetic, RAM+ from RAM: the parity is not vacuous."""
+
     def counts_and_rhos(inputs: str, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
         base, experts = RAM_INPUTS[inputs](tiny)
         b, es = tiny.tensors(base), [tiny.tensors(p) for p in experts]
@@ -418,9 +520,14 @@ def test_ramplus_tl_where_mergekit_gives_nan(tiny, tmp_path):
 
 
 # Arcee Fusion inputs: (base, expert); mergekit takes the base and exactly one other model.
-FUSION_INPUTS = {"expert0": lambda t: (t.base, t.experts[0]), "expert2": lambda t: (t.base, t.experts[2]),
-                 "small": lambda t: (t.base, t.small_experts[0]), "slerp": lambda t: (t.base, t.slerp_expert),
-                 "anti": lambda t: (t.anti[0], t.anti[3]), "base": lambda t: (t.base, t.base)}
+FUSION_INPUTS = {
+    "expert0": lambda t: (t.base, t.experts[0]),
+    "expert2": lambda t: (t.base, t.experts[2]),
+    "small": lambda t: (t.base, t.small_experts[0]),
+    "slerp": lambda t: (t.base, t.slerp_expert),
+    "anti": lambda t: (t.anti[0], t.anti[3]),
+    "base": lambda t: (t.base, t.base),
+}
 
 
 @requires_mergekit
@@ -452,6 +559,7 @@ def test_arcee_fusion_refuses_two_experts_as_mergekit_does(tiny):
         run_mergeval(tiny, "arcee_fusion", {}, tiny.experts[:2])
     assert err.value.field == "modelset.experts"
 
+
 @requires_mergekit
 @pytest.mark.parametrize("t", [0.3, 0.5, 1.0])
 def test_slerp_same_tensors_as_mergekit(tiny, t):
@@ -470,13 +578,15 @@ def test_fixture_exercises_the_differences(tiny):
     assert conflict > 0.2, f"only {conflict:.2f} of the entries have a sign conflict"
     for name in base:  # model_stock parity needs positive mean cosines per tensor and per row
         d = [(e[name] - base[name]).reshape(base[name].shape[0] if base[name].dim() > 1 else 1, -1) for e in experts]
-        cos = torch.stack([torch.nn.functional.cosine_similarity(d[i], d[j], dim=-1)
-                           for i in range(3) for j in range(i + 1, 3)]).mean(0)
+        cos = torch.stack(
+            [torch.nn.functional.cosine_similarity(d[i], d[j], dim=-1) for i in range(3) for j in range(i + 1, 3)]
+        ).mean(0)
         assert cos.min() > 0.05, name
     # With unequal weights, the paper's order (election before weighting) gives another merge than
     # mergekit's: so the weighted TIES parity above does test the option, not a coincidence.
-    theirs = run_mergekit(tiny, "ties", [(p, {"weight": w, "density": 0.25}) for p, w in zip(tiny.experts, W3)],
-                          {"normalize": True})
+    theirs = run_mergekit(
+        tiny, "ties", [(p, {"weight": w, "density": 0.25}) for p, w in zip(tiny.experts, W3)], {"normalize": True}
+    )
     (paper,) = run_mergeval(tiny, "ties", {"density": 0.25, "weights": W3}, tiny.experts)
     assert max((paper[n] - theirs[n]).abs().max().item() for n in paper) > 1e-3
     # On the small experts mergekit's SCE weights the experts equally (uniform_below=1e-6), mergeval's
@@ -496,23 +606,63 @@ MK = {"compat": "mergekit"}
 W_NEG = [1.0, -0.5, 1.2]  # a negative weight flips an expert's vote (mergekit elects on w_i s_i)
 COMPAT = [  # densities give fractional counts: 0.3 * 2048 = 614.4, 0.3 * 32 = 9.6, 0.45 * 64 * 8 = 230.4 ...
     C("task_arithmetic", "task_arithmetic", {**MK, "lambda_": 0.7, "weights": W3}, {"lambda": 0.7}, weights=W3),
-    C("task_arithmetic-normalize", "task_arithmetic", {**MK, "normalize": True, "weights": W3}, {"normalize": True},
-      weights=W3),
+    C(
+        "task_arithmetic-normalize",
+        "task_arithmetic",
+        {**MK, "normalize": True, "weights": W3},
+        {"normalize": True},
+        weights=W3,
+    ),
     C("linear", "linear", {**MK, "weights": W3}, {}, weights=W3),
     C("ties", "ties", {**MK, "density": 0.3}, {}, {"density": 0.3}, weights=[1, 1, 1]),
-    C("ties-weighted", "ties", {**MK, "density": 0.45, "lambda_": 0.8, "weights": W_NEG}, {"lambda": 0.8},
-      {"density": 0.45}, weights=W_NEG),
-    C("ties-sum-rescale", "ties", {**MK, "density": 0.3, "normalize": False, "rescale": "l1", "weights": W3},
-      {"normalize": False, "rescale": True}, {"density": 0.3}, weights=W3),
-    C("breadcrumbs", "breadcrumbs", {**MK, "density": 0.3, "gamma": 0.05, "weights": W3}, {}, {"density": 0.3,
-                                                                                              "gamma": 0.05}, W3),
-    C("breadcrumbs-crowded", "breadcrumbs", {**MK, "density": 0.98, "gamma": 0.05, "normalize": True},
-      {"normalize": True}, {"density": 0.98, "gamma": 0.05}, weights=[1, 1, 1]),
-    C("breadcrumbs_ties", "breadcrumbs_ties", {**MK, "density": 0.3, "gamma": 0.02}, {},
-      {"density": 0.3, "gamma": 0.02}, weights=[1, 1, 1]),
-    C("breadcrumbs_ties-normalize", "breadcrumbs_ties", {**MK, "density": 0.55, "gamma": 0.01, "normalize": True,
-                                                         "weights": W_NEG}, {"normalize": True},
-      {"density": 0.55, "gamma": 0.01}, weights=W_NEG),
+    C(
+        "ties-weighted",
+        "ties",
+        {**MK, "density": 0.45, "lambda_": 0.8, "weights": W_NEG},
+        {"lambda": 0.8},
+        {"density": 0.45},
+        weights=W_NEG,
+    ),
+    C(
+        "ties-sum-rescale",
+        "ties",
+        {**MK, "density": 0.3, "normalize": False, "rescale": "l1", "weights": W3},
+        {"normalize": False, "rescale": True},
+        {"density": 0.3},
+        weights=W3,
+    ),
+    C(
+        "breadcrumbs",
+        "breadcrumbs",
+        {**MK, "density": 0.3, "gamma": 0.05, "weights": W3},
+        {},
+        {"density": 0.3, "gamma": 0.05},
+        W3,
+    ),
+    C(
+        "breadcrumbs-crowded",
+        "breadcrumbs",
+        {**MK, "density": 0.98, "gamma": 0.05, "normalize": True},
+        {"normalize": True},
+        {"density": 0.98, "gamma": 0.05},
+        weights=[1, 1, 1],
+    ),
+    C(
+        "breadcrumbs_ties",
+        "breadcrumbs_ties",
+        {**MK, "density": 0.3, "gamma": 0.02},
+        {},
+        {"density": 0.3, "gamma": 0.02},
+        weights=[1, 1, 1],
+    ),
+    C(
+        "breadcrumbs_ties-normalize",
+        "breadcrumbs_ties",
+        {**MK, "density": 0.55, "gamma": 0.01, "normalize": True, "weights": W_NEG},
+        {"normalize": True},
+        {"density": 0.55, "gamma": 0.01},
+        weights=W_NEG,
+    ),
     C("model_stock", "model_stock", {**MK}),
     C("model_stock-filter_wise", "model_stock", {**MK, "filter_wise": True}, {"filter_wise": True}),
     C("sce-topk", "sce", {**MK, "select_topk": 0.3}, {"select_topk": 0.3}),
@@ -521,12 +671,17 @@ COMPAT = [  # densities give fractional counts: 0.3 * 2048 = 614.4, 0.3 * 32 = 9
 
 
 @requires_mergekit
-@pytest.mark.parametrize("case,fixture", [(c, f) for c in COMPAT for f in ("regular", "anti")],
-                         ids=lambda v: v.id if isinstance(v, Case) else v)
+@pytest.mark.parametrize(
+    "case,fixture",
+    [(c, f) for c in COMPAT for f in ("regular", "anti")],
+    ids=lambda v: v.id if isinstance(v, Case) else v,
+)
 def test_compat_same_tensors_as_mergekit(tiny, case, fixture):
     base, experts = (tiny.base, tiny.experts) if fixture == "regular" else (tiny.anti[0], tiny.anti[1:])
-    models = [(path, {**case.per_model, **({"weight": w} if case.weights else {})})
-              for path, w in zip(experts, case.weights or [None] * len(experts))]
+    models = [
+        (path, {**case.per_model, **({"weight": w} if case.weights else {})})
+        for path, w in zip(experts, case.weights or [None] * len(experts))
+    ]
     theirs = run_mergekit(tiny, case.method, models, case.shared, base=base if case.method != "linear" else False)
     (ours,) = run_mergeval(tiny, case.method, case.ours, experts, base=base)
     assert_same_tensors(ours, theirs, atol=1e-6)
@@ -576,20 +731,44 @@ class RandomCase:
 
 RANDOM_SINGLE = [  # one expert, weight 1, lambda 1: the merged delta is the sparsified task vector itself
     RandomCase("dare", "dare_linear", {"compat": "mergekit", "density": 0.3}, {}, {"density": 0.3}, (1.0,)),
-    RandomCase("della", "della_linear", {"compat": "mergekit", "density": 0.5, "epsilon": 0.2},
-               {}, {"density": 0.5, "epsilon": 0.2}, (1.0,)),
+    RandomCase(
+        "della",
+        "della_linear",
+        {"compat": "mergekit", "density": 0.5, "epsilon": 0.2},
+        {},
+        {"density": 0.5, "epsilon": 0.2},
+        (1.0,),
+    ),
 ]
 RANDOM_MULTI = [  # compat=mergekit with mergekit's defaults (rescale l1; normalize false for dare_ties, true for della)
-    RandomCase("dare_linear", "dare_linear", {"compat": "mergekit", "density": 0.5, "weights": W3}, {},
-               {"density": 0.5}, tuple(W3)),
-    RandomCase("dare_ties", "dare_ties", {"compat": "mergekit", "density": 0.3, "weights": W3}, {},
-               {"density": 0.3}, tuple(W3)),
+    RandomCase(
+        "dare_linear",
+        "dare_linear",
+        {"compat": "mergekit", "density": 0.5, "weights": W3},
+        {},
+        {"density": 0.5},
+        tuple(W3),
+    ),
+    RandomCase(
+        "dare_ties", "dare_ties", {"compat": "mergekit", "density": 0.3, "weights": W3}, {}, {"density": 0.3}, tuple(W3)
+    ),
     # the paper mode with mergekit-like options (L1 rescale, ranks within rows) stays close to mergekit too
-    RandomCase("della_linear-paper", "della_linear",
-               {"density": 0.5, "epsilon": 0.15, "rescale": "l1", "rank_scope": "row", "lambda_": 0.8},
-               {"rescale": True, "lambda": 0.8}, {"density": 0.5, "epsilon": 0.15}, (1.0, 1.0, 1.0)),
-    RandomCase("della", "della", {"compat": "mergekit", "density": 0.4, "epsilon": 0.2, "weights": W3}, {},
-               {"density": 0.4, "epsilon": 0.2}, tuple(W3)),
+    RandomCase(
+        "della_linear-paper",
+        "della_linear",
+        {"density": 0.5, "epsilon": 0.15, "rescale": "l1", "rank_scope": "row", "lambda_": 0.8},
+        {"rescale": True, "lambda": 0.8},
+        {"density": 0.5, "epsilon": 0.15},
+        (1.0, 1.0, 1.0),
+    ),
+    RandomCase(
+        "della",
+        "della",
+        {"compat": "mergekit", "density": 0.4, "epsilon": 0.2, "weights": W3},
+        {},
+        {"density": 0.4, "epsilon": 0.2},
+        tuple(W3),
+    ),
 ]
 
 
@@ -772,8 +951,9 @@ def ties_full(base, experts):
 def test_sce_uniform_below_under_the_energy_changes_nothing(data, normalize, frac):
     base, experts = data
     energy = sum(float((e - base).double().square().mean()) for e in experts)
-    assert torch.equal(sce(base, experts, normalize=normalize, uniform_below=frac * energy),
-                       sce(base, experts, normalize=normalize))
+    assert torch.equal(
+        sce(base, experts, normalize=normalize, uniform_below=frac * energy), sce(base, experts, normalize=normalize)
+    )
 
 
 @pytest.mark.parametrize("value", [-1e-6, float("nan"), float("inf")])

@@ -48,9 +48,16 @@ CASES = {
     "arcee_fusion": (1, {}),
     "passthrough": (0, {"scale": 0.5}),
     "localize_stitch": (3, {"scope": "tensor"}),
-    "pipeline": (3, {"stages": [StageConfig("pair", {"name": "ties", "density": 0.5}, inputs=["e0", "e1"]),
-                                StageConfig("all", {"name": "task_arithmetic", "lambda_": 0.8}, inputs=["pair", "e2"])],
-                     "expert_names": ["e0", "e1", "e2"]}),
+    "pipeline": (
+        3,
+        {
+            "stages": [
+                StageConfig("pair", {"name": "ties", "density": 0.5}, inputs=["e0", "e1"]),
+                StageConfig("all", {"name": "task_arithmetic", "lambda_": 0.8}, inputs=["pair", "e2"]),
+            ],
+            "expert_names": ["e0", "e1", "e2"],
+        },
+    ),
     "localize_stitch_trained": (3, {"thresholds": [0.01, 0.01, 0.01]}),
 }
 STATISTICS = {"fisher": "fisher", "regmean": "gram", "localize_stitch_trained": "localize"}  # synthetic, below
@@ -118,12 +125,19 @@ def output_sums(name: str, extra: dict, base: Path, experts: list[Path], root: P
     params = {**params, **extra}
     chosen = experts[:n]
     if name in STATISTICS:
-        params = {**params, "statistics": [_statistics(STATISTICS[name], e, root / f"stats-{name}-{i}", seed=50 + i)
-                                           for i, e in enumerate(chosen)]}
+        params = {
+            **params,
+            "statistics": [
+                _statistics(STATISTICS[name], e, root / f"stats-{name}-{i}", seed=50 + i) for i, e in enumerate(chosen)
+            ],
+        }
     if name == "hierarchical":  # head counts: filled from the base's config.json by a run
         config = json.loads((base / "config.json").read_text())
-        params = {**params, "num_attention_heads": config["num_attention_heads"],
-                  "num_key_value_heads": config["num_key_value_heads"]}
+        params = {
+            **params,
+            "num_attention_heads": config["num_attention_heads"],
+            "num_key_value_heads": config["num_key_value_heads"],
+        }
     cfg = method.config(**params)
     method.validate(cfg, n)
     out = merge_to_disk(method, cfg, base, chosen, root / f"out-{name}-{len(extra)}", seed=7)
@@ -157,12 +171,14 @@ def test_a_changed_output_comes_with_a_new_implementation_version(key, guard_inp
     version = METHODS[name].version
     assert recorded["version"] == version, (
         f"{name} is at implementation version {version}, recorded at {recorded['version']}: record its output "
-        "again (python -m tests.test_method_versions) and commit tests/method_outputs.json")
+        "again (python -m tests.test_method_versions) and commit tests/method_outputs.json"
+    )
     got = output_sums(name, extra, base, experts, root)
     assert got == pytest.approx(recorded["sums"], rel=RTOL, abs=ATOL), (
         f"{key}: the output changed (task-vector sums {got} against {recorded['sums']}) while its implementation "
         f"version stayed {version}: raise it where the method is registered, so merges stored by the old code "
-        "are not reused for the new, then record (python -m tests.test_method_versions)")
+        "are not reused for the new, then record (python -m tests.test_method_versions)"
+    )
 
 
 def record(cache: Path) -> None:
@@ -174,8 +190,10 @@ def record(cache: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base, experts = inputs(zoo_dir("tiny", cache), root)
-        out = {key: {"version": METHODS[name].version, "sums": output_sums(name, extra, base, experts, root)}
-               for key, (name, extra) in guarded().items()}
+        out = {
+            key: {"version": METHODS[name].version, "sums": output_sums(name, extra, base, experts, root)}
+            for key, (name, extra) in guarded().items()
+        }
     RECORD.write_text(json.dumps(out, indent=1) + "\n")
     print(f"recorded {len(out)} methods in {RECORD}")
 

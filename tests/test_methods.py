@@ -97,8 +97,9 @@ def test_ties_weights_before_election_changes_the_sign():
     # unweighted election: sum -1 -> negative -> only b
     assert merge("ties", base, [a, b], density=1.0, weights=[3.0, 1.0]).item() == pytest.approx(-2.0)
     # mergekit order: weighted sum 3 - 2 = +1 -> positive -> only a
-    assert merge("ties", base, [a, b], density=1.0, weights=[3.0, 1.0],
-                 weights_before_election=True).item() == pytest.approx(1.0)
+    assert merge(
+        "ties", base, [a, b], density=1.0, weights=[3.0, 1.0], weights_before_election=True
+    ).item() == pytest.approx(1.0)
 
 
 def test_trim_count_is_not_inflated_by_float_error():
@@ -110,14 +111,17 @@ def test_task_arithmetic_formula():
     assert merge("task_arithmetic", base, [a, b], lambda_=0.5).item() == pytest.approx(1 + 0.5 * (1 + 3))
 
 
-@pytest.mark.parametrize("name,params,field", [
-    ("ties", {"density": -0.1}, "method.density"),
-    ("ties", {"density": 1.5}, "method.density"),
-    ("ties", {"sign_rule": "vote"}, "method.sign_rule"),
-    ("task_arithmetic", {"lambda_": float("nan")}, "method.lambda_"),
-    ("task_arithmetic", {"weights": [1.0]}, "method.weights"),
-    ("linear", {"weights": [1.0, -1.0]}, "method.weights"),
-])
+@pytest.mark.parametrize(
+    "name,params,field",
+    [
+        ("ties", {"density": -0.1}, "method.density"),
+        ("ties", {"density": 1.5}, "method.density"),
+        ("ties", {"sign_rule": "vote"}, "method.sign_rule"),
+        ("task_arithmetic", {"lambda_": float("nan")}, "method.lambda_"),
+        ("task_arithmetic", {"weights": [1.0]}, "method.weights"),
+        ("linear", {"weights": [1.0, -1.0]}, "method.weights"),
+    ],
+)
 def test_invalid_hyperparameters_name_the_field(name, params, field):
     method = get_method(name)
     with pytest.raises(UserError) as err:
@@ -146,7 +150,10 @@ def test_ties_elects_the_sign_on_the_trimmed_deltas_by_hand():
     from mergeval.methods.task_vector import TiesConfig
 
     base = torch.zeros(4)
-    experts = [torch.tensor([3.0, 10.0, 0.0, 0.0]), torch.tensor([-4.0, 0.0, 9.0, 8.0]),
-               torch.tensor([0.5, -2.0, -3.0, 0.25])]
+    experts = [
+        torch.tensor([3.0, 10.0, 0.0, 0.0]),
+        torch.tensor([-4.0, 0.0, 9.0, 8.0]),
+        torch.tensor([0.5, -2.0, -3.0, 0.25]),
+    ]
     merged = get_method("ties").merge(base, experts, TiesConfig(density=0.5), torch.Generator().manual_seed(0))
     torch.testing.assert_close(merged, torch.tensor([3.0, 10.0, 9.0, 8.0]))

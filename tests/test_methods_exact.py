@@ -46,8 +46,9 @@ def test_linear_divides_by_the_sum_of_the_weights():
 
 def test_task_arithmetic_with_weights_and_lambda():
     # 1 + 0.5 * (2 * (2 - 1) + 0.5 * (4 - 1)) = 1 + 0.5 * 3.5
-    assert merge("task_arithmetic", t(1.0), [t(2.0), t(4.0)], weights=[2.0, 0.5],
-                 lambda_=0.5).item() == pytest.approx(2.75)
+    assert merge("task_arithmetic", t(1.0), [t(2.0), t(4.0)], weights=[2.0, 0.5], lambda_=0.5).item() == pytest.approx(
+        2.75
+    )
 
 
 def test_ties_disjoint_mean_is_weighted_by_the_agreeing_weights():
@@ -164,23 +165,43 @@ def test_cmm_interpolate_steps_by_hand():
     out = merge("cmm", t(0.0), [t(1.0), t(2.0)], order="given", schedule="constant", start=0.5, end=0.5)
     assert out.item() == pytest.approx(1.25)
     # lambda scales theta_N - b: 2 * 1.25; ranked by the scores, expert 1 (0.2) first: 0.5 * 2 = 1, 0.5 + 0.5 = 1
-    out = merge("cmm", t(0.0), [t(1.0), t(2.0)], order="ranked", validation_scores=[0.9, 0.2],
-                schedule="constant", start=0.5, end=0.5, lambda_=2.0)
+    out = merge(
+        "cmm",
+        t(0.0),
+        [t(1.0), t(2.0)],
+        order="ranked",
+        validation_scores=[0.9, 0.2],
+        schedule="constant",
+        start=0.5,
+        end=0.5,
+        lambda_=2.0,
+    )
     assert out.item() == pytest.approx(2.0)
 
 
 def test_cmm_ties_step_weights_the_model_so_far_by_one_minus_c():
     # step 1 (c = 0.25): TIES of [b, e1] with weights [0.75, 0.25]: only e1 moves: 0.25 * 4 / 0.25 = 4
     # step 2 (c = 0.75): deltas 4 (weight 0.25) and 8 (weight 0.75): (1 + 6) / 1 = 7
-    out = merge("cmm", t(0.0), [t(4.0), t(8.0)], order="given", update="ties_step", schedule="linear",
-                start=0.25, end=0.75, density=1.0)
+    out = merge(
+        "cmm",
+        t(0.0),
+        [t(4.0), t(8.0)],
+        order="given",
+        update="ties_step",
+        schedule="linear",
+        start=0.25,
+        end=0.75,
+        density=1.0,
+    )
     assert out.item() == pytest.approx(7.0)
 
 
 def test_a_pipeline_stage_merges_around_its_own_base():
     # half = 0 + 0.5 * (2 - 0) = 1; final around half: 1 + 0.5 * (4 - 1) = 2.5 (around the modelset's base: 2)
-    stages = [StageConfig(name="half", base="base", inputs=["a"], method={"name": "task_arithmetic", "lambda_": 0.5}),
-              StageConfig(name="final", base="half", inputs=["c"], method={"name": "task_arithmetic", "lambda_": 0.5})]
+    stages = [
+        StageConfig(name="half", base="base", inputs=["a"], method={"name": "task_arithmetic", "lambda_": 0.5}),
+        StageConfig(name="final", base="half", inputs=["c"], method={"name": "task_arithmetic", "lambda_": 0.5}),
+    ]
     cfg = PipelineConfig(stages=stages, expert_names=["a", "c"])
     METHODS["pipeline"].validate(cfg, 2)
     assert METHODS["pipeline"].merge(t(0.0), [t(2.0), t(4.0)], cfg, torch.Generator()).item() == pytest.approx(2.5)

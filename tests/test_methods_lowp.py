@@ -20,8 +20,8 @@ SETTINGS = settings(max_examples=40, deadline=None)
 LOW = [torch.bfloat16, torch.float16]
 # Unit roundoff of the output dtype (round to nearest: half an ulp, relative): bfloat16 keeps 8 significant
 # bits, float16 11. The float32 arithmetic in between adds at most a few 2^-24 of the terms' magnitudes.
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
-F32_SLACK = 2.0 ** -20
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+F32_SLACK = 2.0**-20
 
 
 def tolerance(dtype: torch.dtype, ref: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
@@ -61,8 +61,9 @@ def merge(name: str, base, experts, seed: int = 0, **params):
     return method.merge(base, experts, cfg, torch.Generator().manual_seed(seed))
 
 
-def ties_reference(base: torch.Tensor, experts: list[torch.Tensor], weights: list[float], lam: float,
-                   sign_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ties_reference(
+    base: torch.Tensor, experts: list[torch.Tensor], weights: list[float], lam: float, sign_rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TIES at density 1 in float64, entry by entry as the paper states it: (result, magnitude of its terms)."""
     b = base.double()
     d = torch.stack([e.double() - b for e in experts])
@@ -75,11 +76,14 @@ def ties_reference(base: torch.Tensor, experts: list[torch.Tensor], weights: lis
 
 
 @SETTINGS
-@given(low_precision_models(), st.lists(st.sampled_from([0.5, 1.0, 1.5, 3.0]), min_size=4, max_size=4),
-       st.sampled_from([0.5, 1.0, 1.25]))
+@given(
+    low_precision_models(),
+    st.lists(st.sampled_from([0.5, 1.0, 1.5, 3.0]), min_size=4, max_size=4),
+    st.sampled_from([0.5, 1.0, 1.25]),
+)
 def test_task_arithmetic_and_linear_match_float64(data, weights, lam):
     base, experts, dtype = data
-    w = weights[:len(experts)]
+    w = weights[: len(experts)]
     b = base.double()
     ds = [e.double() - b for e in experts]
     ref = b + lam * sum(wi * d for wi, d in zip(w, ds))
@@ -105,24 +109,57 @@ def test_ties_matches_float64_with_zero_deltas_and_sign_ties(data, sign_rule, we
 
 
 @SETTINGS
-@given(low_precision_models(min_experts=2),
-       st.sampled_from(["task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
-                        "della", "della_linear", "sce"]))
+@given(
+    low_precision_models(min_experts=2),
+    st.sampled_from(
+        [
+            "task_arithmetic",
+            "ties",
+            "dare_linear",
+            "dare_ties",
+            "breadcrumbs",
+            "breadcrumbs_ties",
+            "della",
+            "della_linear",
+            "sce",
+        ]
+    ),
+)
 def test_an_expert_equal_to_the_base_changes_nothing(data, name):
     """Appended last, a zero task vector leaves every earlier expert's random draws alone, adds nothing,
     never votes and never joins a disjoint mean: the merge is bit for bit the merge without it."""
     base, experts, _ = data
-    params = {"dare_linear": {"density": 0.5}, "dare_ties": {"density": 0.5}, "ties": {"density": 0.5},
-              "breadcrumbs": {"density": 0.5, "gamma": 0.1}, "breadcrumbs_ties": {"density": 0.5, "gamma": 0.1},
-              "della": {"density": 0.5, "epsilon": 0.2}, "della_linear": {"density": 0.5, "epsilon": 0.2}}
+    params = {
+        "dare_linear": {"density": 0.5},
+        "dare_ties": {"density": 0.5},
+        "ties": {"density": 0.5},
+        "breadcrumbs": {"density": 0.5, "gamma": 0.1},
+        "breadcrumbs_ties": {"density": 0.5, "gamma": 0.1},
+        "della": {"density": 0.5, "epsilon": 0.2},
+        "della_linear": {"density": 0.5, "epsilon": 0.2},
+    }
     p = params.get(name, {})
     assert torch.equal(merge(name, base, [*experts, base.clone()], **p), merge(name, base, experts, **p))
 
 
 @SETTINGS
-@given(low_precision_models(max_experts=3),
-       st.sampled_from(["linear", "task_arithmetic", "ties", "dare_ties", "della", "breadcrumbs_ties", "sce",
-                        "model_stock", "slerp", "cmm"]))
+@given(
+    low_precision_models(max_experts=3),
+    st.sampled_from(
+        [
+            "linear",
+            "task_arithmetic",
+            "ties",
+            "dare_ties",
+            "della",
+            "breadcrumbs_ties",
+            "sce",
+            "model_stock",
+            "slerp",
+            "cmm",
+        ]
+    ),
+)
 def test_experts_all_equal_to_the_base_return_the_base(data, name):
     base, experts, dtype = data
     n = 1 if name == "slerp" else max(2, len(experts)) if name == "model_stock" else len(experts)
@@ -169,11 +206,14 @@ def test_low_precision_checkpoint_merges_match_float64(tiny_dir, dtype):
     base32 = load_tensors(tiny_dir)
     g = torch.Generator().manual_seed(0)
     base = {n: t.to(dtype) for n, t in base32.items()}
-    experts = [{n: (t + 0.01 * torch.randn(t.shape, generator=g)).to(dtype) for n, t in base32.items()}
-               for _ in range(2)]
+    experts = [
+        {n: (t + 0.01 * torch.randn(t.shape, generator=g)).to(dtype) for n, t in base32.items()} for _ in range(2)
+    ]
     weights, lam = [0.7, 1.3], 0.9
-    for name, params in (("task_arithmetic", {"lambda_": lam, "weights": weights}),
-                         ("ties", {"lambda_": lam, "weights": weights, "density": 1.0})):
+    for name, params in (
+        ("task_arithmetic", {"lambda_": lam, "weights": weights}),
+        ("ties", {"lambda_": lam, "weights": weights, "density": 1.0}),
+    ):
         method = METHODS[name]
         merged = merge_tensors(method, method.config(**params), base, experts, seed=0, progress=False)
         assert set(merged) == set(base)
@@ -191,8 +231,14 @@ def test_low_precision_checkpoint_merges_match_float64(tiny_dir, dtype):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1.0, -2.5, 3e38, -3e38, float("inf"), -float("inf")]),
-                min_size=2, max_size=40), st.sampled_from([-1.0, -0.0, 0.0, 1.0]))
+@given(
+    st.lists(
+        st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1.0, -2.5, 3e38, -3e38, float("inf"), -float("inf")]),
+        min_size=2,
+        max_size=40,
+    ),
+    st.sampled_from([-1.0, -0.0, 0.0, 1.0]),
+)
 def test_the_agreement_product_is_the_sign_comparison(values, gamma):
     """disjoint_merge's A_i = [s_i * gamma > 0] equals [sign(s_i) == gamma and s_i != 0] for gamma in {-1, 0, +1}."""
     s = torch.tensor(values, dtype=torch.float32)

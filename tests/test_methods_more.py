@@ -47,8 +47,13 @@ def test_lambda_zero_returns_base(data, name):
 
 
 @SETTINGS
-@given(tensors(min_experts=2), st.sampled_from(["breadcrumbs_ties", "sce", "dare_ties", "della"]),
-       st.booleans(), st.floats(0.1, 1.0), st.randoms())
+@given(
+    tensors(min_experts=2),
+    st.sampled_from(["breadcrumbs_ties", "sce", "dare_ties", "della"]),
+    st.booleans(),
+    st.floats(0.1, 1.0),
+    st.randoms(),
+)
 def test_election_methods_do_not_depend_on_expert_order(data, name, flag, frac, rnd):
     # The random ones (dare_ties, della) consume their draws in expert order, so only their
     # deterministic setting (keep everything) is order-invariant pointwise; see the module docstring.
@@ -68,10 +73,12 @@ def test_election_methods_do_not_depend_on_expert_order(data, name, flag, frac, 
 @given(tensors(max_experts=1), st.sampled_from(["dare_linear", "breadcrumbs", "della_linear", "sce"]))
 def test_one_expert_kept_whole_with_weight_one_returns_it(data, name):
     base, experts = data
-    params = {"dare_linear": {"density": 1.0, "weights": [1.0]},
-              "breadcrumbs": {"density": 1.0, "gamma": 0.0, "weights": [1.0]},
-              "della_linear": {"density": 1.0, "epsilon": 0.0, "weights": [1.0]},
-              "sce": {}}[name]
+    params = {
+        "dare_linear": {"density": 1.0, "weights": [1.0]},
+        "breadcrumbs": {"density": 1.0, "gamma": 0.0, "weights": [1.0]},
+        "della_linear": {"density": 1.0, "epsilon": 0.0, "weights": [1.0]},
+        "sce": {},
+    }[name]
     assert torch.allclose(merge(name, base, experts, **params), experts[0], atol=1e-6)
 
 
@@ -89,13 +96,17 @@ def test_dare_with_density_one_is_task_arithmetic_and_ties(data, rescale, lam, d
     for sign_rule in ("sum", "count"):
         for before in (False, True):
             tie = dict(lambda_=lam, weights=weights, density=1.0, sign_rule=sign_rule, weights_before_election=before)
-            assert torch.allclose(merge("dare_ties", base, experts, rescale=rescale, **tie),
-                                  merge("ties", base, experts, **tie), atol=1e-6)
+            assert torch.allclose(
+                merge("dare_ties", base, experts, rescale=rescale, **tie),
+                merge("ties", base, experts, **tie),
+                atol=1e-6,
+            )
 
 
 @SETTINGS
-@given(tensors(shapes=((16, 16), (9, 30))), st.sampled_from(RANDOM_METHODS), st.floats(0.1, 0.9),
-       st.integers(0, 2**31 - 1))
+@given(
+    tensors(shapes=((16, 16), (9, 30))), st.sampled_from(RANDOM_METHODS), st.floats(0.1, 0.9), st.integers(0, 2**31 - 1)
+)
 def test_a_seed_fixes_the_output_and_another_seed_changes_it(data, name, density, seed):
     base, experts = data
     params = {"density": density}
@@ -124,8 +135,9 @@ def test_dare_keeps_density_and_is_unbiased(data, density, seed):
     """
     _, (delta,) = data
     n = delta.numel()
-    outs = torch.stack([dare_drop(delta, density, "inverse_density", torch.Generator().manual_seed(seed + i))
-                        for i in range(SEEDS)]).double()
+    outs = torch.stack(
+        [dare_drop(delta, density, "inverse_density", torch.Generator().manual_seed(seed + i)) for i in range(SEEDS)]
+    ).double()
     kept = (outs != 0).double().mean()
     assert abs(kept - density) <= 7 * math.sqrt(density * (1 - density) / (n * SEEDS))
     sd = delta.double().abs() * math.sqrt((1 - density) / (density * SEEDS))
@@ -154,8 +166,9 @@ def test_breadcrumbs_keeps_exactly_the_intended_entries():
     expected = torch.tensor([0.0, 0.0, 3.0, 0.0, 2.0, 1.0, -4.0, 0.0, 0.0, 0.0])
     assert torch.equal(breadcrumbs_mask(delta, 0.4, 0.2), expected)
     base = torch.ones(10)
-    out = merge("breadcrumbs", base, [base + delta, base - delta], density=0.4, gamma=0.2,
-                weights=[2.0, 1.0], lambda_=0.5)
+    out = merge(
+        "breadcrumbs", base, [base + delta, base - delta], density=0.4, gamma=0.2, weights=[2.0, 1.0], lambda_=0.5
+    )
     assert torch.allclose(out, base + 0.5 * (2 * expected - expected))
     # gamma below 1/n drops no outlier
     assert torch.equal(breadcrumbs_mask(delta, 0.2, 0.05), torch.tensor([0.0, -5.0] + [0.0] * 7 + [6.0]))
@@ -181,7 +194,7 @@ def test_breadcrumbs_equals_a_stable_sort_of_the_magnitudes(values, density, gam
     rest = delta.clone()
     rest[order[:n_top]] = 0
     reference = torch.zeros_like(delta)
-    band = torch.sort(rest.abs(), descending=True, stable=True).indices[:max(1, math.ceil(density * n))]
+    band = torch.sort(rest.abs(), descending=True, stable=True).indices[: max(1, math.ceil(density * n))]
     reference[band] = rest[band]
     assert torch.equal(breadcrumbs_mask(delta, density, gamma), reference)
 
@@ -210,8 +223,11 @@ def test_breadcrumbs_keeps_a_middle_band_of_magnitudes(data, density, gamma):
 @given(tensors(min_experts=2), st.floats(0.05, 1.0))
 def test_breadcrumbs_ties_without_outliers_is_ties(data, density):
     base, experts = data
-    assert torch.allclose(merge("breadcrumbs_ties", base, experts, density=density, gamma=0.0),
-                          merge("ties", base, experts, density=density), atol=1e-6)
+    assert torch.allclose(
+        merge("breadcrumbs_ties", base, experts, density=density, gamma=0.0),
+        merge("ties", base, experts, density=density),
+        atol=1e-6,
+    )
 
 
 # ---------------------------------------------------------------- DELLA
@@ -236,14 +252,22 @@ def sorted_ranks(delta: torch.Tensor, rank_scope: str) -> torch.Tensor:
     rows = delta.reshape(delta.shape[0], -1) if rank_scope == "row" and delta.dim() >= 2 else delta.reshape(1, -1)
     n = rows.shape[1]
     rank = torch.empty(rows.shape)
-    rank.scatter_(1, torch.sort(rows.abs(), dim=1, stable=True).indices,
-                  (torch.arange(n, dtype=torch.float32) / (n - 1)).expand(rows.shape[0], n).contiguous())
+    rank.scatter_(
+        1,
+        torch.sort(rows.abs(), dim=1, stable=True).indices,
+        (torch.arange(n, dtype=torch.float32) / (n - 1)).expand(rows.shape[0], n).contiguous(),
+    )
     return rank.view_as(delta)
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 6), st.sampled_from(["tensor", "row"]),
-       st.sampled_from([None, "finite", "infinite"]), st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    st.integers(1, 6),
+    st.sampled_from(["tensor", "row"]),
+    st.sampled_from([None, "finite", "infinite"]),
+    st.integers(0, 2**31 - 1),
+)
 def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, extreme, seed):
     # few distinct magnitudes of both signs and zeros of both signs: many ties, kept by position; the int64-key
     # sort (sparsify._placed_by_rank) must give torch's stable sort's ranks, and so the same probabilities
@@ -262,8 +286,14 @@ def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, e
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 6), st.sampled_from(["tensor", "row"]),
-       st.sampled_from(["inverse_prob", "l1", "none"]), st.integers(1, 7), st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    st.integers(1, 6),
+    st.sampled_from(["tensor", "row"]),
+    st.sampled_from(["inverse_prob", "l1", "none"]),
+    st.integers(1, 7),
+    st.integers(0, 2**31 - 1),
+)
 def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, levels, rank_scope, rescale, chunk, seed):
     # della_magprune in place and in fewer temporaries (sparsify.py) against its definition written out:
     # m = [u < p] with u = torch.rand from the same generator, then m * d / p (or as is, or L1-matched); and
@@ -275,10 +305,14 @@ def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, leve
     delta = torch.randint(-levels, levels + 1, shape, generator=g).float() * 0.375 + torch.randn(shape, generator=g)
     density, eps = 0.6, 0.3
     reference_p = della_keep_prob(delta, density, eps, rank_scope)
-    kept = torch.where(torch.rand(delta.shape, generator=torch.Generator().manual_seed(seed)) < reference_p, delta,
-                       torch.zeros_like(delta))
-    expected = {"inverse_prob": lambda: kept / reference_p, "none": lambda: kept,
-                "l1": lambda: match_l1(delta, kept)}[rescale]()
+    kept = torch.where(
+        torch.rand(delta.shape, generator=torch.Generator().manual_seed(seed)) < reference_p,
+        delta,
+        torch.zeros_like(delta),
+    )
+    expected = {"inverse_prob": lambda: kept / reference_p, "none": lambda: kept, "l1": lambda: match_l1(delta, kept)}[
+        rescale
+    ]()
     before = delta.clone()
     chunk_was = sparsify.KEY_CHUNK
     try:
@@ -298,8 +332,12 @@ def test_della_is_unbiased(data, density, seed):
     _, (delta,) = data
     eps = 0.15
     p = della_keep_prob(delta, density, eps).double()
-    outs = torch.stack([della_magprune(delta, density, eps, "inverse_prob", torch.Generator().manual_seed(seed + i))
-                        for i in range(SEEDS)]).double()
+    outs = torch.stack(
+        [
+            della_magprune(delta, density, eps, "inverse_prob", torch.Generator().manual_seed(seed + i))
+            for i in range(SEEDS)
+        ]
+    ).double()
     sd = delta.double().abs() * torch.sqrt((1 - p) / (p * SEEDS))
     assert ((outs.mean(0) - delta.double()).abs() <= 7 * sd + 1e-6).all()
 
@@ -308,10 +346,14 @@ def test_della_is_unbiased(data, density, seed):
 @given(tensors(), st.floats(0.05, 1.0), st.integers(0, 2**31 - 1), st.sampled_from(["sum", "count"]))
 def test_della_without_epsilon_is_dare(data, density, seed, sign_rule):
     base, experts = data
-    assert torch.equal(merge("della", base, experts, seed=seed, density=density, epsilon=0.0, sign_rule=sign_rule),
-                       merge("dare_ties", base, experts, seed=seed, density=density, sign_rule=sign_rule))
-    assert torch.equal(merge("della_linear", base, experts, seed=seed, density=density, epsilon=0.0),
-                       merge("dare_linear", base, experts, seed=seed, density=density))
+    assert torch.equal(
+        merge("della", base, experts, seed=seed, density=density, epsilon=0.0, sign_rule=sign_rule),
+        merge("dare_ties", base, experts, seed=seed, density=density, sign_rule=sign_rule),
+    )
+    assert torch.equal(
+        merge("della_linear", base, experts, seed=seed, density=density, epsilon=0.0),
+        merge("dare_linear", base, experts, seed=seed, density=density),
+    )
 
 
 # ---------------------------------------------------------------- SCE
@@ -331,8 +373,7 @@ def test_sce_by_hand():
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2)), min_size=2, max_size=40),
-       st.floats(0.05, 0.95))
+@given(st.lists(st.tuples(st.integers(-2, 2), st.integers(-2, 2)), min_size=2, max_size=40), st.floats(0.05, 0.95))
 def test_sce_selects_the_first_of_a_stable_variance_sort(pairs, fraction):
     """Small integers: tied variances everywhere, zero variance where both experts moved alike (kept or not,
     by position, matters there); the selection is the first k of a stable descending sort of the variances."""
@@ -408,40 +449,46 @@ def test_model_stock_does_not_depend_on_expert_order(data, filter_wise, rnd):
     base, experts = data
     shuffled = experts[:]
     rnd.shuffle(shuffled)
-    assert torch.allclose(merge("model_stock", base, experts, filter_wise=filter_wise),
-                          merge("model_stock", base, shuffled, filter_wise=filter_wise), atol=1e-6)
+    assert torch.allclose(
+        merge("model_stock", base, experts, filter_wise=filter_wise),
+        merge("model_stock", base, shuffled, filter_wise=filter_wise),
+        atol=1e-6,
+    )
 
 
 # ---------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("name,params,n_experts,field", [
-    ("dare_linear", {"density": 0.0}, 2, "method.density"),
-    ("dare_ties", {"density": 1.5}, 2, "method.density"),
-    ("dare_linear", {"rescale": "l2"}, 2, "method.rescale"),
-    ("dare_ties", {"sign_rule": "vote"}, 2, "method.sign_rule"),
-    ("dare_linear", {"lambda_": float("inf")}, 2, "method.lambda_"),
-    ("dare_ties", {"weights": [1.0]}, 2, "method.weights"),
-    ("breadcrumbs", {"density": -0.1}, 2, "method.density"),
-    ("breadcrumbs", {"gamma": 1.0}, 2, "method.gamma"),
-    ("breadcrumbs_ties", {"gamma": -0.01}, 2, "method.gamma"),
-    ("breadcrumbs", {"density": 0.95, "gamma": 0.1}, 2, "method.gamma"),
-    ("breadcrumbs_ties", {"weights": [1.0, 2.0, 3.0]}, 2, "method.weights"),
-    ("della", {"density": 0.5, "epsilon": 0.5}, 2, "method.epsilon"),
-    ("della_linear", {"density": 0.9, "epsilon": 0.2}, 2, "method.epsilon"),
-    ("della", {"epsilon": -0.1}, 2, "method.epsilon"),
-    ("della_linear", {"density": 2.0}, 2, "method.density"),
-    ("della", {"rescale": "inverse_density"}, 2, "method.rescale"),
-    ("della", {"sign_rule": "max"}, 2, "method.sign_rule"),
-    ("sce", {"select_topk": 0.0}, 2, "method.select_topk"),
-    ("sce", {"select_topk": 1.2}, 2, "method.select_topk"),
-    ("sce", {"select_topk": 0.5}, 1, "modelset.experts"),
-    ("sce", {"lambda_": float("nan")}, 2, "method.lambda_"),
-    ("slerp", {"t": -0.1}, 1, "method.t"),
-    ("slerp", {"t": 1.5}, 1, "method.t"),
-    ("slerp", {}, 2, "modelset.experts"),
-    ("model_stock", {}, 1, "modelset.experts"),
-])
+@pytest.mark.parametrize(
+    "name,params,n_experts,field",
+    [
+        ("dare_linear", {"density": 0.0}, 2, "method.density"),
+        ("dare_ties", {"density": 1.5}, 2, "method.density"),
+        ("dare_linear", {"rescale": "l2"}, 2, "method.rescale"),
+        ("dare_ties", {"sign_rule": "vote"}, 2, "method.sign_rule"),
+        ("dare_linear", {"lambda_": float("inf")}, 2, "method.lambda_"),
+        ("dare_ties", {"weights": [1.0]}, 2, "method.weights"),
+        ("breadcrumbs", {"density": -0.1}, 2, "method.density"),
+        ("breadcrumbs", {"gamma": 1.0}, 2, "method.gamma"),
+        ("breadcrumbs_ties", {"gamma": -0.01}, 2, "method.gamma"),
+        ("breadcrumbs", {"density": 0.95, "gamma": 0.1}, 2, "method.gamma"),
+        ("breadcrumbs_ties", {"weights": [1.0, 2.0, 3.0]}, 2, "method.weights"),
+        ("della", {"density": 0.5, "epsilon": 0.5}, 2, "method.epsilon"),
+        ("della_linear", {"density": 0.9, "epsilon": 0.2}, 2, "method.epsilon"),
+        ("della", {"epsilon": -0.1}, 2, "method.epsilon"),
+        ("della_linear", {"density": 2.0}, 2, "method.density"),
+        ("della", {"rescale": "inverse_density"}, 2, "method.rescale"),
+        ("della", {"sign_rule": "max"}, 2, "method.sign_rule"),
+        ("sce", {"select_topk": 0.0}, 2, "method.select_topk"),
+        ("sce", {"select_topk": 1.2}, 2, "method.select_topk"),
+        ("sce", {"select_topk": 0.5}, 1, "modelset.experts"),
+        ("sce", {"lambda_": float("nan")}, 2, "method.lambda_"),
+        ("slerp", {"t": -0.1}, 1, "method.t"),
+        ("slerp", {"t": 1.5}, 1, "method.t"),
+        ("slerp", {}, 2, "modelset.experts"),
+        ("model_stock", {}, 1, "modelset.experts"),
+    ],
+)
 def test_invalid_hyperparameters_name_the_field(name, params, n_experts, field):
     method = get_method(name)
     with pytest.raises(UserError) as err:
@@ -451,8 +498,16 @@ def test_invalid_hyperparameters_name_the_field(name, params, n_experts, field):
 
 
 def test_defaults_are_valid():
-    for name in ["dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce",
-                 "model_stock"]:
+    for name in [
+        "dare_linear",
+        "dare_ties",
+        "breadcrumbs",
+        "breadcrumbs_ties",
+        "della",
+        "della_linear",
+        "sce",
+        "model_stock",
+    ]:
         method = get_method(name)
         method.validate(method.config(), 2)
         assert method.config().name == name
@@ -463,9 +518,15 @@ def test_defaults_are_valid():
 
 
 @SETTINGS
-@given(st.integers(3, 6), st.lists(st.sampled_from([0.0, 1.0, -1.0, 3.0, -3.0, 1e-7, -1e-7, 1e8, -1e8,
-                                                    0.1, -0.1, 0.3, -0.2]), min_size=6, max_size=240),
-       st.randoms(use_true_random=False))
+@given(
+    st.integers(3, 6),
+    st.lists(
+        st.sampled_from([0.0, 1.0, -1.0, 3.0, -3.0, 1e-7, -1e-7, 1e8, -1e8, 0.1, -0.1, 0.3, -0.2]),
+        min_size=6,
+        max_size=240,
+    ),
+    st.randoms(use_true_random=False),
+)
 def test_the_sign_vote_is_the_sorted_sums_sign_without_sorting_everything(n, values, rng):
     """sign_of_sum sorts only where a rounding-level sum could flip: it must equal the sign of the sorted
     sum everywhere, on values built to cancel (x, -x, big + tiny) and in every expert order."""

@@ -10,15 +10,18 @@ from hypothesis import strategies as st
 from mergeval.eval.metric_choice import default_metric, metric_keys, normalize_key
 
 
-@pytest.mark.parametrize("keys,expected", [
-    (["acc,none", "acc_norm,none"], "acc_norm,none"),                       # HellaSwag, ARC
-    (["acc_norm,none", "acc,none"], "acc_norm,none"),
-    (["acc,none"], "acc,none"),                                             # a task without acc_norm
-    (["exact_match,strict-match", "exact_match,flexible-extract"], "exact_match,flexible-extract"),  # GSM8K
-    (["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"], "word_perplexity,none"),  # wikitext
-    (["f1,none", "exact_match,none"], "f1,none"),                           # the task's first metric
-    (["acc,strict", "acc,loose"], "acc,strict"),                            # the first filter
-])
+@pytest.mark.parametrize(
+    "keys,expected",
+    [
+        (["acc,none", "acc_norm,none"], "acc_norm,none"),  # HellaSwag, ARC
+        (["acc_norm,none", "acc,none"], "acc_norm,none"),
+        (["acc,none"], "acc,none"),  # a task without acc_norm
+        (["exact_match,strict-match", "exact_match,flexible-extract"], "exact_match,flexible-extract"),  # GSM8K
+        (["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"], "word_perplexity,none"),  # wikitext
+        (["f1,none", "exact_match,none"], "f1,none"),  # the task's first metric
+        (["acc,strict", "acc,loose"], "acc,strict"),  # the first filter
+    ],
+)
 def test_the_default_metric(keys, expected):
     assert default_metric(keys) == expected
 

@@ -16,7 +16,10 @@ acc = st.floats(0, 1)
 
 
 def table(values: dict[str, dict[str, float]]) -> dict:
-    return {t: {role: {"metric": "acc,none", "value": a, "stderr": 0.0, "n": 10} for role, a in roles.items()} for t, roles in values.items()}
+    return {
+        t: {role: {"metric": "acc,none", "value": a, "stderr": 0.0, "n": 10} for role, a in roles.items()}
+        for t, roles in values.items()
+    }
 
 
 @given(st.lists(acc, min_size=3, max_size=3))
@@ -30,7 +33,9 @@ def test_cmm_overall_rescales_mol_instructions_and_weights_by_task_count():
     chem = {f"c{i}": 0.6141 for i in range(9)}
     mol = {"m0": 0.35, "m1": 0.35}
     scores = table({t: {"cmm": a} for t, a in {**chem, **mol}.items()})
-    metric = MetricConfig(groups={"chembench": MetricGroup(list(chem), 100.0), "molinst": MetricGroup(list(mol), 100.0)})
+    metric = MetricConfig(
+        groups={"chembench": MetricGroup(list(chem), 100.0), "molinst": MetricGroup(list(mol), 100.0)}
+    )
     # ChemBench scores here are fractions, so both groups are rescaled by 100: (9 * 61.41 + 2 * 35) / 11
     assert group_scores(scores, ["cmm"], metric)["cmm"] == pytest.approx((9 * 61.41 + 2 * 35) / 11)
     equal = MetricConfig(groups=metric.groups, weighting="equal")
@@ -53,14 +58,17 @@ def test_similarity_of_identical_task_vectors():
     assert set(out) == {"a~b", "a~merged", "b~merged"}
 
 
-@pytest.mark.parametrize("metric,field", [
-    (MetricConfig(groups={"g": MetricGroup(["nope"])}), "metric.groups.g.tasks"),
-    (MetricConfig(groups={"g": MetricGroup([])}), "metric.groups.g.tasks"),
-    (MetricConfig(weighting="median"), "metric.weighting"),
-    (MetricConfig(groups={"g": MetricGroup(["t"])}, weighting="given"), "metric.weights"),
-    (MetricConfig(forgetting_tasks=["nope"]), "metric.forgetting_tasks"),
-    (MetricConfig(consistency=[["t", "t"]]), "metric.consistency"),
-])
+@pytest.mark.parametrize(
+    "metric,field",
+    [
+        (MetricConfig(groups={"g": MetricGroup(["nope"])}), "metric.groups.g.tasks"),
+        (MetricConfig(groups={"g": MetricGroup([])}), "metric.groups.g.tasks"),
+        (MetricConfig(weighting="median"), "metric.weighting"),
+        (MetricConfig(groups={"g": MetricGroup(["t"])}, weighting="given"), "metric.weights"),
+        (MetricConfig(forgetting_tasks=["nope"]), "metric.forgetting_tasks"),
+        (MetricConfig(consistency=[["t", "t"]]), "metric.consistency"),
+    ],
+)
 def test_bad_metric_configs(metric, field):
     with pytest.raises(UserError) as err:
         check_metric_config(metric, ["t"])

@@ -45,10 +45,18 @@ def test_ece_from_loglikelihoods_takes_the_first_of_tied_choices():
 
 
 def test_format_agreement_counts_each_format_on_its_own():
-    a = [{"doc_id": 0, "lls": [-1.0, -2.0], "gold": 0}, {"doc_id": 1, "lls": [-1.0, -2.0], "gold": 1},
-         {"doc_id": 2, "lls": [-3.0, -1.0], "gold": 1}, {"doc_id": 3, "lls": [-1.0, -1.0], "gold": 0}]
-    b = [{"doc_id": 3, "lls": [-2.0, -1.0], "gold": 0}, {"doc_id": 2, "lls": [-3.0, -1.0], "gold": 1},
-         {"doc_id": 1, "lls": [-2.0, -1.0], "gold": 1}, {"doc_id": 0, "lls": [-2.0, -1.0], "gold": 0}]
+    a = [
+        {"doc_id": 0, "lls": [-1.0, -2.0], "gold": 0},
+        {"doc_id": 1, "lls": [-1.0, -2.0], "gold": 1},
+        {"doc_id": 2, "lls": [-3.0, -1.0], "gold": 1},
+        {"doc_id": 3, "lls": [-1.0, -1.0], "gold": 0},
+    ]
+    b = [
+        {"doc_id": 3, "lls": [-2.0, -1.0], "gold": 0},
+        {"doc_id": 2, "lls": [-3.0, -1.0], "gold": 1},
+        {"doc_id": 1, "lls": [-2.0, -1.0], "gold": 1},
+        {"doc_id": 0, "lls": [-2.0, -1.0], "gold": 0},
+    ]
     # pred a: 0 0 1 0 (doc 3 a tie: the first); pred b: 1 1 1 1; gold 0 1 1 0
     out = format_agreement(a, b)
     assert out == {"agreement": 0.25, "n": 4, "acc_a": 0.75, "acc_b": 0.5, "both_correct": 0.25}
@@ -160,10 +168,16 @@ def test_task_vector_stats_pool_layers_and_the_whole_model_by_sums():
 
     names = ("model.layers.0.w", "model.layers.0.b", "model.embed.weight")
     base = {n: torch.zeros(2 if "layers" in n else 1) for n in names}
-    a = {"model.layers.0.w": torch.tensor([1.0, 0.0]), "model.layers.0.b": torch.tensor([0.0, 2.0]),
-         "model.embed.weight": torch.tensor([3.0])}
-    b = {"model.layers.0.w": torch.tensor([1.0, 1.0]), "model.layers.0.b": torch.tensor([0.0, -2.0]),
-         "model.embed.weight": torch.tensor([3.0])}
+    a = {
+        "model.layers.0.w": torch.tensor([1.0, 0.0]),
+        "model.layers.0.b": torch.tensor([0.0, 2.0]),
+        "model.embed.weight": torch.tensor([3.0]),
+    }
+    b = {
+        "model.layers.0.w": torch.tensor([1.0, 1.0]),
+        "model.layers.0.b": torch.tensor([0.0, -2.0]),
+        "model.embed.weight": torch.tensor([3.0]),
+    }
     out = task_vector_stats(base, a, b)
     # layer 0 pools (1, 0, 0, 2) and (1, 1, 0, -2): dot -3, squares 5 and 6, one conflict of 4, 2 non-zero in both
     layer = out["by_layer"][0]

@@ -430,9 +430,7 @@ def test_sar_rank_hand_examples():
 def test_sar_hand_examples():
     eye = torch.eye(2)
     # Delta_M = diag(3, 0.1): k_M = 1, projection onto e1 keeps 1 of eye's 2 units of energy
-    assert subspace_alignment_ratio(eye, torch.diag(torch.tensor([3.0, 0.1]))) == pytest.approx(
-        1 / math.sqrt(2)
-    )
+    assert subspace_alignment_ratio(eye, torch.diag(torch.tensor([3.0, 0.1]))) == pytest.approx(1 / math.sqrt(2))
     # Delta_M = diag(3, 1): k_M = 2, full space
     assert subspace_alignment_ratio(eye, torch.diag(torch.tensor([3.0, 1.0]))) == pytest.approx(1.0)
     # orthogonal column spaces
@@ -474,13 +472,21 @@ def _sar_by_svd(t: torch.Tensor, m: torch.Tensor, eps: float = 0.05) -> float | 
         return None
     u, s, _ = torch.linalg.svd(m, full_matrices=False)
     k = sar_rank(s, eps)
-    return 0.0 if k == 0 else min(float(torch.linalg.matrix_norm(u[:, :k] @ (u[:, :k].T @ t)) /
-                                        torch.linalg.matrix_norm(t)), 1.0)
+    return (
+        0.0
+        if k == 0
+        else min(float(torch.linalg.matrix_norm(u[:, :k] @ (u[:, :k].T @ t)) / torch.linalg.matrix_norm(t)), 1.0)
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 40), rank=st.integers(0, 40), seed=st.integers(0, 10_000),
-       eps=st.sampled_from([0.01, 0.05, 0.3]))  # eps = 0 counts singular values at rounding level: no route's k is stable
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    rank=st.integers(0, 40),
+    seed=st.integers(0, 10_000),
+    eps=st.sampled_from([0.01, 0.05, 0.3]),
+)  # eps = 0 counts singular values at rounding level: no route's k is stable
 def test_sar_from_the_gram_matrix_equals_sar_from_the_svd(rows, cols, rank, seed, eps):
     """dominant_basis (the eigendecomposition of the smaller Gram matrix) spans the subspace of the SVD's top
     singular vectors: SAR agrees with the definition on tall, wide, rank-deficient and zero matrices."""

@@ -109,9 +109,9 @@ def test_empty_and_bad_scale_raise(f):
 
 
 def test_macro_example_two_constituents():
-    merged = [0.6, 0.8]          # avg 0.70
-    c1 = [0.5, 0.7]              # avg 0.60
-    c2 = [0.7, 0.9]              # avg 0.80
+    merged = [0.6, 0.8]  # avg 0.70
+    c1 = [0.5, 0.7]  # avg 0.60
+    c2 = [0.7, 0.9]  # avg 0.80
     # gain = 0.70 - mean(0.60, 0.80) = 0.00 ; og = 0.70 - 0.80 = -0.10
     assert macro_gain(merged, [c1, c2]) == pytest.approx(0.0, abs=1e-12)
     assert macro_og(merged, [c1, c2]) == pytest.approx(-0.10)
@@ -119,10 +119,12 @@ def test_macro_example_two_constituents():
 
 
 def test_macro_example_three_constituents():
-    merged = [0.9, 0.6, 0.6]     # avg 0.70
-    cs = [[0.3, 0.3, 0.3],       # avg 0.30
-          [0.6, 0.6, 0.6],       # avg 0.60
-          [0.9, 0.3, 0.6]]       # avg 0.60
+    merged = [0.9, 0.6, 0.6]  # avg 0.70
+    cs = [
+        [0.3, 0.3, 0.3],  # avg 0.30
+        [0.6, 0.6, 0.6],  # avg 0.60
+        [0.9, 0.3, 0.6],
+    ]  # avg 0.60
     # gain = 0.70 - 0.50 = 0.20 ; og = 0.70 - 0.60 = 0.10
     assert macro_gain(merged, cs) == pytest.approx(0.20)
     assert macro_og(merged, cs) == pytest.approx(0.10)

@@ -52,7 +52,8 @@ INERT_CHANGES = {
     "another transformers version": lambda d: _edit_json(d / "config.json", transformers_version="9.9.9"),
     "another name_or_path": lambda d: _edit_json(d / "config.json", _name_or_path="/somewhere/else"),
     "JSON whitespace": lambda d: (d / "config.json").write_text(
-        json.dumps(json.loads((d / "config.json").read_text()), indent=7)),
+        json.dumps(json.loads((d / "config.json").read_text()), indent=7)
+    ),
     "a shard index": lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {}}'),
     "a subfolder": lambda d: ((d / "original").mkdir(), (d / "original" / "params.json").write_text("{}")),
 }
@@ -107,11 +108,16 @@ def test_the_identity_is_the_documented_formula(tiny_dir):
     weights = fingerprint(tiny_dir)
     h = blake3()
     h.update(f"identity-1|weights|{weights}|".encode())
-    for label, names in (("model", ["config.json", "generation_config.json"]),
-                         ("tokenizer", ["tokenizer.json", "tokenizer_config.json"])):
+    for label, names in (
+        ("model", ["config.json", "generation_config.json"]),
+        ("tokenizer", ["tokenizer.json", "tokenizer_config.json"]),
+    ):
         for name in names:
-            value = {k: v for k, v in json.loads((tiny_dir / name).read_text()).items()
-                     if k not in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")}
+            value = {
+                k: v
+                for k, v in json.loads((tiny_dir / name).read_text()).items()
+                if k not in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
+            }
             data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
             h.update(f"{label}|{name}|{len(data)}|".encode())
             h.update(data)
@@ -122,10 +128,19 @@ def test_the_identity_is_the_documented_formula(tiny_dir):
 
 
 def _settings(tmp_path: Path, base: Path, experts: dict[str, Path], *extra: str) -> list[str]:
-    return ["+experiment=tiny", "benchmark.n_items=8", "eval.dtype=float32", f"modelset.base={base}",
-            *[o for name, path in experts.items()
-              for o in (f"modelset.experts.{name}.source={path}", f"modelset.experts.{name}.domain=null")],
-            f"store.path={tmp_path / 'store.sqlite'}", *extra]
+    return [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "eval.dtype=float32",
+        f"modelset.base={base}",
+        *[
+            o
+            for name, path in experts.items()
+            for o in (f"modelset.experts.{name}.source={path}", f"modelset.experts.{name}.domain=null")
+        ],
+        f"store.path={tmp_path / 'store.sqlite'}",
+        *extra,
+    ]
 
 
 def test_copies_with_another_config_never_share_scores(tmp_path, cache):
@@ -134,9 +149,18 @@ def test_copies_with_another_config_never_share_scores(tmp_path, cache):
     from mergeval.run import app
     from mergeval.run.lm_eval_import import compose_run_config
 
-    built = app.run(compose_run_config(["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1",
-                                        "eval.dtype=float32", f"store.path={tmp_path / 'zoo.sqlite'}"]),
-                    tmp_path / "zoo")
+    built = app.run(
+        compose_run_config(
+            [
+                "+experiment=tiny",
+                "benchmark.n_items=8",
+                "modelset.train.steps=1",
+                "eval.dtype=float32",
+                f"store.path={tmp_path / 'zoo.sqlite'}",
+            ]
+        ),
+        tmp_path / "zoo",
+    )
     paths = {m.role: Path(m.path) for m in built.models if m.path}
     originals = {role: _copy(path, tmp_path / "a" / role) for role, path in paths.items()}
     changed = {role: _copy(path, tmp_path / "b" / role) for role, path in paths.items()}
@@ -179,8 +203,9 @@ def test_a_v5_store_is_migrated_without_serving_its_scores_and_says_so_once(tmp_
         for statement in _CURRENT + _NEW_IN_V2 + _NEW_IN_V5:
             db.execute(statement)
         db.execute("INSERT INTO meta VALUES ('schema_version', '5')")
-        db.execute("INSERT INTO evaluations VALUES ('w', 'd', 's', 't', '{}', '{\"acc,none\": [0.4, 0.1]}', 10, 1.0, "
-                   "NULL)")
+        db.execute(
+            "INSERT INTO evaluations VALUES ('w', 'd', 's', 't', '{}', '{\"acc,none\": [0.4, 0.1]}', 10, 1.0, NULL)"
+        )
         db.execute("INSERT INTO merges VALUES ('k', '[]', '{}', 0, '{}', 'w2', 1.0)")
     store = Store(path)
     said = capsys.readouterr().out

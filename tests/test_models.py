@@ -171,8 +171,14 @@ def test_the_tokenizer_check_compares_bytes_before_parsing(tiny_dir, tmp_path, m
 
     layout = copy_with(tiny_dir, tmp_path / "layout")
     doc = json.loads((layout / "tokenizer.json").read_text())
-    doc["padding"] = {"strategy": "BatchLongest", "direction": "Left", "pad_id": 0, "pad_type_id": 0,
-                      "pad_token": "<pad>", "pad_to_multiple_of": None}
+    doc["padding"] = {
+        "strategy": "BatchLongest",
+        "direction": "Left",
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<pad>",
+        "pad_to_multiple_of": None,
+    }
     (layout / "tokenizer.json").write_text(json.dumps(doc, indent=4))
     check_compatible(tiny_dir, {"layout": layout})
     assert sorted(Path(p).parent.name for p in parsed) == sorted([tiny_dir.resolve().name, "layout"])
@@ -206,7 +212,10 @@ def test_a_bin_only_model_is_told_what_it_lacks(tiny_dir, tmp_path):
     model.mkdir()
     (model / "config.json").write_text((tiny_dir / "config.json").read_text())
     (model / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(UserError, match=r"has its weights only as pytorch_model.bin .*save_pretrained\(DIR, "
-                                        r"safe_serialization=True\)") as err:
+    with pytest.raises(
+        UserError,
+        match=r"has its weights only as pytorch_model.bin .*save_pretrained\(DIR, "
+        r"safe_serialization=True\)",
+    ) as err:
         resolve_source(str(model), "modelset.base", tmp_path, True)
     assert "no config.json" not in str(err.value)

@@ -62,8 +62,9 @@ def test_each_mutant_still_matches_the_code_it_mutates(mutant):
 def _ruff_format(path: str, args: list[str]) -> str:
     """``path`` as ``ruff format`` (with the project's configuration, plus ``args``) would write it."""
     cmd = [sys.executable, "-m", "ruff", "format", *args, "--stdin-filename", str(ROOT / path), "-"]
-    return subprocess.run(cmd, input=(ROOT / path).read_text(), capture_output=True, text=True, check=True,
-                          cwd=ROOT).stdout
+    return subprocess.run(
+        cmd, input=(ROOT / path).read_text(), capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
@@ -85,9 +86,9 @@ def _plant(source: str, before: str, after: str) -> tuple[int, str]:
 
 
 def test_a_snippet_matches_whatever_its_quotes():
-    assert _plant("x = f('a', b'c')\n", 'f("a", b"c")', 'g("a")') == (1, "x = g(\"a\")\n")
-    assert _plant("x = 'it\\'s'\n", "x = \"it's\"", "x = 0")[0] == 1
-    assert _plant("x = f'{a!r} is \"{b}\"'\n", "x = f\"{a!r} is \\\"{b}\\\"\"", "x = 0")[0] == 1
+    assert _plant("x = f('a', b'c')\n", 'f("a", b"c")', 'g("a")') == (1, 'x = g("a")\n')
+    assert _plant("x = 'it\\'s'\n", 'x = "it\'s"', "x = 0")[0] == 1
+    assert _plant("x = f'{a!r} is \"{b}\"'\n", 'x = f"{a!r} is \\"{b}\\""', "x = 0")[0] == 1
     assert _plant("x = 'ab'\n", "x = 'a' 'b'", "x = 0")[0] == 1  # implicit concatenation
     assert _plant("x = 'a'\n", "x = 'b'", "x = 0")[0] == 0
     assert _plant("x = 0XFF\n", "x = 0xff", "x = 0")[0] == 1
@@ -121,17 +122,24 @@ def test_a_trailing_comma_only_where_it_changes_nothing():
 
 
 def test_redundant_parentheses_around_a_whole_expression():
-    count, result = _plant("""
+    count, result = _plant(
+        """
         if ok:
             allowed = (
                 (p_hi - p_lo) / 2
                 + record.width
             )
-        """, "allowed = (p_hi - p_lo) / 2 + record.width", "allowed = 0")
+        """,
+        "allowed = (p_hi - p_lo) / 2 + record.width",
+        "allowed = 0",
+    )
     assert count == 1 and "    allowed = 0\n" in result
     # the file's parentheses close after the snippet's end: planting opens them again in after
-    count, result = _plant("h = (\n    0.0 if exact else 0.5 * 10.0**-digits\n)\n",
-                           "h = 0.0 if exact else 0.5 * 10.0 **", "h = 0.0 if exact else 10.0 **")
+    count, result = _plant(
+        "h = (\n    0.0 if exact else 0.5 * 10.0**-digits\n)\n",
+        "h = 0.0 if exact else 0.5 * 10.0 **",
+        "h = 0.0 if exact else 10.0 **",
+    )
     assert count == 1 and result == "h = (0.0 if exact else 10.0 **-digits\n)\n"
     assert _plant("return (a + b)\n", "return a + b", "return 0")[0] == 1
     assert _plant("x = a + b\n", "x = (a + b)", "x = 0")[0] == 1

@@ -50,7 +50,7 @@ def test_paired_variance_is_the_unpaired_one_less_twice_the_covariance(a, b):
     x, y = a[:n], b[:n]
     paired = paired_stderr(Linear.of("x", outcomes(x)) - Linear.of("y", outcomes(y)))
     unpaired_sq = (sample_variance(x) + sample_variance(y)) / n
-    assert paired ** 2 == pytest.approx(unpaired_sq - 2 * cov(x, y) / n, abs=1e-12)
+    assert paired**2 == pytest.approx(unpaired_sq - 2 * cov(x, y) / n, abs=1e-12)
     if cov(x, y) > 1e-12:
         assert paired < math.sqrt(unpaired_sq)  # positively correlated: smaller
     if abs(cov(x, y)) <= 1e-12:

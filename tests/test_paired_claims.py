@@ -22,8 +22,11 @@ def with_items(path, items: dict) -> None:
     for task, by_role in items.items():
         for role, values in by_role.items():
             n = len(values)
-            result["scores"][task][role] = {"value": sum(values) / n, "stderr": math.sqrt(sample_variance(values) / n),
-                                            "n": n}
+            result["scores"][task][role] = {
+                "value": sum(values) / n,
+                "stderr": math.sqrt(sample_variance(values) / n),
+                "n": n,
+            }
             result["items"].setdefault(task, {})[role] = {"ids": list(range(n)), "values": values}
     path.write_text(json.dumps(result))
 
@@ -124,8 +127,9 @@ def test_requires_names_claims_of_the_spec_and_no_cycle(tmp_path, capsys):
     unknown = PRECONDITION.replace("requires: [experts_learn]", "requires: [experts_lern]")
     assert main([spec_file(tmp_path, unknown)]) == 2
     assert "claims.merge_keeps_skill.requires: 'experts_lern' is not another claim" in capsys.readouterr().err
-    cycle = PRECONDITION.replace("  stderr_margin: 2\n- id: merge", "  stderr_margin: 2\n  requires: [merge_keeps_skill]\n"
-                                 "- id: merge")
+    cycle = PRECONDITION.replace(
+        "  stderr_margin: 2\n- id: merge", "  stderr_margin: 2\n  requires: [merge_keeps_skill]\n- id: merge"
+    )
     assert main([spec_file(tmp_path, cycle)]) == 2
     assert "requires itself through" in capsys.readouterr().err
 
@@ -142,8 +146,11 @@ def test_untestable_does_not_fail_unless_strict_and_a_failed_precondition_does(t
 
 
 def test_verify_without_runs_never_exits_0_for_checks_that_need_them(tmp_path, capsys):
-    spec = spec_file(tmp_path, PRECONDITION, extra="verdicts:\n  ci:\n    run: x\n    claims:\n"
-                                                  "      merge_keeps_skill (expert=a): pass +3.0\n")
+    spec = spec_file(
+        tmp_path,
+        PRECONDITION,
+        extra="verdicts:\n  ci:\n    run: x\n    claims:\n      merge_keeps_skill (expert=a): pass +3.0\n",
+    )
     assert main([spec, "--recorded", "ci"]) == 2
     assert capsys.readouterr().err.startswith("mergeval: error: --recorded: compares runs with a record, and no --run")
     assert main([spec, "--claim", "merge_keeps_skill"]) == 2

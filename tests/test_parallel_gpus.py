@@ -81,8 +81,9 @@ def test_a_live_process_keeps_its_device_and_a_killed_ones_is_free_at_once(claim
     """The claim is the kernel's lock on a file: another process's is respected while it lives, and gone the
     moment it is killed (SIGKILL: no handler of ours runs), with its lock file and note left behind."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(claims), "1"], env=env, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(claims), "1"], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "1"
         with gpus.claim(2, preferred=1, directory=claims) as mine:
@@ -141,12 +142,15 @@ def test_a_job_on_cuda_2_reads_the_memory_peak_of_cuda_2(monkeypatch):
     assert asked == [("reset", "cuda:2"), ("peak", "cuda:2"), ("reset",)]
 
 
-@pytest.mark.parametrize(("device", "simulated", "job"), [
-    ("cpu", "4", 0),  # the CPU asked for
-    ("cuda:1", "4", 0),  # a device named
-    ("cuda", "1", 0),  # one GPU: as before
-    ("cuda", "4", None),  # not a parallel sweep's job (a single run, Ray, Slurm)
-])
+@pytest.mark.parametrize(
+    ("device", "simulated", "job"),
+    [
+        ("cpu", "4", 0),  # the CPU asked for
+        ("cuda:1", "4", 0),  # a device named
+        ("cuda", "1", 0),  # one GPU: as before
+        ("cuda", "4", None),  # not a parallel sweep's job (a single run, Ray, Slurm)
+    ],
+)
 def test_everything_else_is_left_as_it_was(device, simulated, job, claims, monkeypatch):
     monkeypatch.setenv(gpus.SIMULATED_ENV, simulated)
     monkeypatch.setattr(devices, "parallel_job", lambda: job)
@@ -167,7 +171,9 @@ def test_which_gpu_ran_is_not_part_of_the_store_key_nor_the_config_hash(monkeypa
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         on = {d: compose("config", overrides=["+experiment=tiny", f"eval.device={d}"]) for d in ("cuda:0", "cuda:3")}
         cpu = compose("config", overrides=["+experiment=tiny", "eval.device=cpu"])
-    assert eval_settings(on["cuda:0"]) == eval_settings(on["cuda:3"]) and eval_settings(on["cuda:3"])["device"] == "cuda"
+    assert (
+        eval_settings(on["cuda:0"]) == eval_settings(on["cuda:3"]) and eval_settings(on["cuda:3"])["device"] == "cuda"
+    )
     assert config_hash(on["cuda:0"]) == config_hash(on["cuda:3"]) != config_hash(cpu)
 
 
@@ -185,8 +191,9 @@ def test_the_presets_run_one_job_per_gpu_where_there_are_several(simulated, n_jo
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         parallel = compose("config", overrides=["hydra/launcher=parallel"], return_hydra_config=True)
         ray = compose("config", overrides=["hydra/launcher=ray"], return_hydra_config=True)
-        given = compose("config", overrides=["hydra/launcher=parallel", "hydra.launcher.n_jobs=3"],
-                        return_hydra_config=True)
+        given = compose(
+            "config", overrides=["hydra/launcher=parallel", "hydra.launcher.n_jobs=3"], return_hydra_config=True
+        )
     assert parallel.hydra.launcher.n_jobs == n_jobs and ray.hydra.launcher.gpus_per_job == gpus_per_job
     assert given.hydra.launcher.n_jobs == 3
 
@@ -196,8 +203,11 @@ def test_gpus_per_job_that_ray_cannot_place_is_one_line(caplog):
 
     check_gpus_per_job(1, 4)
     check_gpus_per_job(1, None)  # not known before Ray starts: checked again after
-    with pytest.raises(UserError, match=r"^hydra.launcher.gpus_per_job: 2 GPUs per job, but the local Ray instance "
-                                        r"has 1; set hydra.launcher.gpus_per_job to at most 1 \(0: CPU only\)"):
+    with pytest.raises(
+        UserError,
+        match=r"^hydra.launcher.gpus_per_job: 2 GPUs per job, but the local Ray instance "
+        r"has 1; set hydra.launcher.gpus_per_job to at most 1 \(0: CPU only\)",
+    ):
         check_gpus_per_job(2, 1)
     with pytest.raises(UserError, match=r"^hydra.launcher.gpus_per_job: must be 0 or more, got -1"):
         check_gpus_per_job(-1, None)
@@ -206,19 +216,31 @@ def test_gpus_per_job_that_ray_cannot_place_is_one_line(caplog):
 
 
 def sweep_env(tmp_path: Path, simulated: str) -> dict:
-    return dict(os.environ, HF_HUB_OFFLINE="1", **{gpus.SIMULATED_ENV: simulated,
-                                                   gpus.CLAIMS_ENV: str(tmp_path / "claims")})
+    return dict(
+        os.environ, HF_HUB_OFFLINE="1", **{gpus.SIMULATED_ENV: simulated, gpus.CLAIMS_ENV: str(tmp_path / "claims")}
+    )
 
 
 def test_a_ray_sweep_asking_more_gpus_than_the_machine_has_ends_in_one_line(tmp_path):
-    out = run_module("mergeval", "-m", "hydra/launcher=ray", "hydra.launcher.num_gpus=1",
-                     "hydra.launcher.gpus_per_job=2", "+experiment=tiny", "method.lambda_=0.5,1.0",
-                     f"store.path={tmp_path / 'runs.sqlite'}", cwd=tmp_path, env=sweep_env(tmp_path, "1"), timeout=600)
+    out = run_module(
+        "mergeval",
+        "-m",
+        "hydra/launcher=ray",
+        "hydra.launcher.num_gpus=1",
+        "hydra.launcher.gpus_per_job=2",
+        "+experiment=tiny",
+        "method.lambda_=0.5,1.0",
+        f"store.path={tmp_path / 'runs.sqlite'}",
+        cwd=tmp_path,
+        env=sweep_env(tmp_path, "1"),
+        timeout=600,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [
         "mergeval: error: hydra.launcher.gpus_per_job: 2 GPUs per job, but the local Ray instance has 1; set "
         "hydra.launcher.gpus_per_job to at most 1 (0: CPU only), or run on a machine with more GPUs "
-        "(hydra.launcher.num_gpus, CUDA_VISIBLE_DEVICES)"]
+        "(hydra.launcher.num_gpus, CUDA_VISIBLE_DEVICES)"
+    ]
 
 
 def results(root: Path) -> list[dict]:
@@ -231,9 +253,18 @@ def test_a_parallel_sweep_on_a_simulated_4_gpu_node_runs_one_job_per_device(tmp_
     4 jobs at once (n_jobs from the GPU count), each on a device of its own, recorded in its result.json; the
     constituents the jobs share evaluated once, under a store key that names no particular GPU."""
     store = tmp_path / "runs.sqlite"
-    out = run_module("mergeval", "-m", "hydra/launcher=parallel", "+experiment=tiny", "benchmark.limit=8",
-                     "method.lambda_=0.5,0.75,1.0,1.25", f"store.path={store}", cwd=tmp_path,
-                     env=sweep_env(tmp_path, "4"), timeout=1200)
+    out = run_module(
+        "mergeval",
+        "-m",
+        "hydra/launcher=parallel",
+        "+experiment=tiny",
+        "benchmark.limit=8",
+        "method.lambda_=0.5,0.75,1.0,1.25",
+        f"store.path={store}",
+        cwd=tmp_path,
+        env=sweep_env(tmp_path, "4"),
+        timeout=1200,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "Joblib.Parallel(n_jobs=4," in out.stdout + out.stderr
     runs = results(tmp_path / "multirun")
@@ -259,9 +290,19 @@ def test_a_ray_sweep_places_each_job_on_a_gpu_of_its_own(tmp_path, cache, tiny_d
     at once get different GPUs is Ray's guarantee for num_gpus=1, not asserted here: whether the second job
     starts before the first ends is Ray's scheduling."""
     pytest.importorskip("ray")
-    out = run_module("mergeval", "-m", "hydra/launcher=ray", "hydra.launcher.num_cpus=2", "+experiment=tiny",
-                     "benchmark.limit=8", "method.lambda_=0.5,1.0", f"store.path={tmp_path / 'runs.sqlite'}",
-                     cwd=tmp_path, env=sweep_env(tmp_path, "2"), timeout=1200)
+    out = run_module(
+        "mergeval",
+        "-m",
+        "hydra/launcher=ray",
+        "hydra.launcher.num_cpus=2",
+        "+experiment=tiny",
+        "benchmark.limit=8",
+        "method.lambda_=0.5,1.0",
+        f"store.path={tmp_path / 'runs.sqlite'}",
+        cwd=tmp_path,
+        env=sweep_env(tmp_path, "2"),
+        timeout=1200,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     runs = results(tmp_path / "multirun")
     assert len(runs) == 2 and all(r["hardware"].get("cuda_visible_devices") in ("0", "1") for r in runs)

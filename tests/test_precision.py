@@ -17,8 +17,10 @@ from mergeval.run.resume import config_hash
 @pytest.fixture
 def native(monkeypatch):
     """Pretend the CPU does (True) or does not (False) run bfloat16 natively."""
+
     def set_native(value: bool):
         monkeypatch.setattr(precision, "bf16_native", lambda device="cpu": value)
+
     return set_native
 
 

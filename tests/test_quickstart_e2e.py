@@ -13,8 +13,7 @@ from tests.child import run_module
 
 
 def test_quickstart_reduced(tmp_path, cache):
-    args = ["+experiment=quickstart", "modelset.train.steps=3", "modelset.train.batch_size=4",
-            "benchmark.n_items=16"]
+    args = ["+experiment=quickstart", "modelset.train.steps=3", "modelset.train.batch_size=4", "benchmark.n_items=16"]
     out = run_module("mergeval", *args, cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     (path,) = tmp_path.rglob("result.json")
@@ -28,6 +27,7 @@ def test_quickstart_reduced(tmp_path, cache):
     assert result["scores"]["mergeval_general_facts"]["base"]["value"] >= 0.5
     assert "Macro-Gain" in out.stdout
     # the quickstart spec's claims that hold at these reduced settings (specs/quickstart.yaml, tag ci)
-    check = run_module("mergeval.verify", "quickstart", "--run", str(path), "--tag", "ci", "--strict",
-                       cwd=tmp_path, timeout=300)
+    check = run_module(
+        "mergeval.verify", "quickstart", "--run", str(path), "--tag", "ci", "--strict", cwd=tmp_path, timeout=300
+    )
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-1000:]

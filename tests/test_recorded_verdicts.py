@@ -27,11 +27,14 @@ def test_margin_is_the_gap_in_stderrs_beyond_the_claimed_margin(tmp_path):
     assert got["expert_beats_base (expert=b)"].margin == pytest.approx(0.05 / se_b - 2)  # 0.35 vs 0.3: -1.29
 
 
-@pytest.mark.parametrize("op,lv,rv,tol,k,want", [
-    ("<", 0.3, 0.5, 0.0, 1.0, 0.2 / 0.05 - 1),        # r - l for "<"
-    ("<=", 0.5, 0.3, 0.1, 0.0, (-0.2 + 0.1) / 0.05),  # the tolerance moves the threshold toward the pass side
-    ("==", 0.5, 0.52, 0.0, 2.0, (2 * 0.05 - 0.02) / 0.05),
-])
+@pytest.mark.parametrize(
+    "op,lv,rv,tol,k,want",
+    [
+        ("<", 0.3, 0.5, 0.0, 1.0, 0.2 / 0.05 - 1),  # r - l for "<"
+        ("<=", 0.5, 0.3, 0.1, 0.0, (-0.2 + 0.1) / 0.05),  # the tolerance moves the threshold toward the pass side
+        ("==", 0.5, 0.52, 0.0, 2.0, (2 * 0.05 - 0.02) / 0.05),
+    ],
+)
 def test_margin_for_each_operator(op, lv, rv, tol, k, want):
     assert stderr_units(Measured(lv, 0.03), op, Measured(rv, 0.04), tol, k) == pytest.approx(want)
 
@@ -40,8 +43,15 @@ def test_margin_without_stderr_is_none():
     assert stderr_units(Measured(0.5), ">", Measured(0.4)) is None
 
 
-@given(st.floats(0, 1), st.floats(0, 1), st.floats(0.001, 0.2), st.floats(0.001, 0.2),
-       st.sampled_from([">", ">=", "<", "<=", "=="]), st.floats(0, 0.3), st.floats(0, 3))
+@given(
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0.001, 0.2),
+    st.floats(0.001, 0.2),
+    st.sampled_from([">", ">=", "<", "<=", "=="]),
+    st.floats(0, 0.3),
+    st.floats(0, 3),
+)
 def test_margin_sign_agrees_with_the_verdict(lv, rv, ls, rs, op, tol, k):
     left, right = Measured(lv, ls), Measured(rv, rs)
     status, _ = compare(left, op, right, tol, k)
@@ -102,12 +112,15 @@ def test_record_prints_a_block_that_parses_back(tmp_path, capsys):
     assert claims["expert_beats_base (expert=b)"].verdict == "fail"
 
 
-@pytest.mark.parametrize("raw,field", [
-    ({"full": {"claims": {"x": "passes"}}}, "verdicts.full.claims.x"),
-    ({"full": {"run": "r"}}, "verdicts.full"),
-    ({"full": {"claims": {}, "extra": 1}}, "verdicts.full"),
-    (["full"], "verdicts"),
-])
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        ({"full": {"claims": {"x": "passes"}}}, "verdicts.full.claims.x"),
+        ({"full": {"run": "r"}}, "verdicts.full"),
+        ({"full": {"claims": {}, "extra": 1}}, "verdicts.full"),
+        (["full"], "verdicts"),
+    ],
+)
 def test_malformed_records_name_the_entry(raw, field):
     with pytest.raises(UserError) as err:
         parse_records(raw, "verdicts")
@@ -161,13 +174,16 @@ def test_a_combined_record_is_never_more_enforced_than_any_of_its_records(entrie
 
 def test_verify_holds_a_run_to_what_two_records_agree_on(tmp_path, capsys):
     # b's result differs between the two machines' records: its change is reported, not enforced
-    other = RECORDED + """\
+    other = (
+        RECORDED
+        + """\
   other:
     run: "the same run on another machine"
     claims:
       expert_beats_base (expert=a): pass +3.00
       expert_beats_base (expert=b): pass +1.50
 """
+    )
     spec = spec_file(tmp_path, EXPERT_CLAIM, other)
     flipped = write_run(tmp_path, "flip", {**SCORES, "task_b": {**SCORES["task_b"], "b": (0.6, 0.05)}})
     assert verify.main([spec, "--run", str(flipped), "--recorded", "full"]) == 1  # one record alone enforces it

@@ -24,8 +24,9 @@ def run(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 def one_line(out: subprocess.CompletedProcess, field: str) -> str:
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"mergeval: error: {field}") and "Traceback" not in out.stderr, \
+    assert len(lines) == 1 and lines[0].startswith(f"mergeval: error: {field}") and "Traceback" not in out.stderr, (
         out.stderr[-2000:]
+    )
     return lines[0]
 
 
@@ -46,8 +47,9 @@ def test_check_lists_what_a_paper_experiment_misses_offline(name, tmp_path, cach
     out = run("mergeval.check", f"+experiment={name}", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     problems = out.stderr.strip().splitlines()
-    assert problems and all(p.startswith("mergeval: missing: ") and "fetch: " in p or "allow_code_execution" in p
-                            for p in problems), problems
+    assert problems and all(
+        p.startswith("mergeval: missing: ") and "fetch: " in p or "allow_code_execution" in p for p in problems
+    ), problems
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"])
@@ -58,8 +60,13 @@ def test_check_lists_what_a_paper_experiment_misses_offline(name, tmp_path, cach
 
 def test_check_calls_a_mistyped_local_path_missing_not_a_hub_download(tmp_path, cache):
     """It once said the path was not in the Hugging Face cache and offered `hf download /abs/path`."""
-    out = run("mergeval.check", "+experiment=tiny_registry", "modelset.experts.chem.domain=null",
-              f"modelset.experts.chem.source={tmp_path / 'no' / 'such'}", cwd=tmp_path)
+    out = run(
+        "mergeval.check",
+        "+experiment=tiny_registry",
+        "modelset.experts.chem.domain=null",
+        f"modelset.experts.chem.source={tmp_path / 'no' / 'such'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     line = next(p for p in out.stderr.splitlines() if "modelset.experts.chem" in p)
     assert "no such directory" in line and "hf download" not in line, line
@@ -93,15 +100,23 @@ def test_a_registry_run_reports_each_tasks_own_metric(tmp_path, cache):
     assert result["aggregates"]["macro_gain"] == pytest.approx(macro_gain(merged, experts, scale="percent"))
 
 
-@pytest.mark.parametrize("override,field", [
-    ("benchmark.tasks=[mergeval_chem_count,mergeval_unit_convert,hellaswagg]", "benchmark.tasks: unknown task 'hellaswagg'"),
-    ("+benchmark.metrics.hellaswag=bleu", "benchmark.metrics.hellaswag: 'bleu' is not reported"),
-    ("benchmark.data.hellaswag.validation=shipped:data/gsm8k/test.jsonl",
-     "benchmark.data.hellaswag: the files of its splits have different columns"),
-    ("metric.forgetting_tasks=[wikitext]", "metric.forgetting_tasks: 'wikitext' reports word_perplexity,none"),
-    ("eval.device=cuda", "eval.device: cuda needs a CUDA GPU"),
-    ("eval.backend=vllm", "eval.backend"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (
+            "benchmark.tasks=[mergeval_chem_count,mergeval_unit_convert,hellaswagg]",
+            "benchmark.tasks: unknown task 'hellaswagg'",
+        ),
+        ("+benchmark.metrics.hellaswag=bleu", "benchmark.metrics.hellaswag: 'bleu' is not reported"),
+        (
+            "benchmark.data.hellaswag.validation=shipped:data/gsm8k/test.jsonl",
+            "benchmark.data.hellaswag: the files of its splits have different columns",
+        ),
+        ("metric.forgetting_tasks=[wikitext]", "metric.forgetting_tasks: 'wikitext' reports word_perplexity,none"),
+        ("eval.device=cuda", "eval.device: cuda needs a CUDA GPU"),
+        ("eval.backend=vllm", "eval.backend"),
+    ],
+)
 def test_bad_benchmark_input_ends_in_one_line(override, field, tmp_path, cache):
     line = one_line(run("mergeval", "+experiment=tiny_registry", override, cwd=tmp_path), field)
     assert "; " in line  # the fix follows the problem

@@ -23,13 +23,21 @@ from mergeval.run.config import BenchmarkConfig, EvalConfig
 
 DATA = {
     "hellaswag": {"validation": "hellaswag/validation.jsonl", "train": "hellaswag/train.jsonl"},
-    "mmlu_high_school_chemistry": {"test": "mmlu_high_school_chemistry/test.jsonl",
-                                   "dev": "mmlu_high_school_chemistry/dev.jsonl"},
-    "medqa_4options": {"test": "medqa_4options/test.jsonl", "validation": "medqa_4options/validation.jsonl",
-                       "train": "medqa_4options/train.jsonl"},
+    "mmlu_high_school_chemistry": {
+        "test": "mmlu_high_school_chemistry/test.jsonl",
+        "dev": "mmlu_high_school_chemistry/dev.jsonl",
+    },
+    "medqa_4options": {
+        "test": "medqa_4options/test.jsonl",
+        "validation": "medqa_4options/validation.jsonl",
+        "train": "medqa_4options/train.jsonl",
+    },
     "gsm8k": {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"},
-    "wikitext": {"test": "wikitext/test.jsonl", "validation": "wikitext/validation.jsonl",
-                 "train": "wikitext/validation.jsonl"},
+    "wikitext": {
+        "test": "wikitext/test.jsonl",
+        "validation": "wikitext/validation.jsonl",
+        "train": "wikitext/validation.jsonl",
+    },
 }
 TASKS = list(DATA)
 MAX_GEN = 16
@@ -41,14 +49,21 @@ def _files(task: str) -> dict[str, str]:
 
 def bench(tasks: list[str] = TASKS, **over) -> BenchmarkConfig:
     """The shipped data of ``tasks`` as their benchmark.data overrides."""
-    cfg = OmegaConf.structured(BenchmarkConfig(name="t", tasks=list(tasks), n_items=24,
-                                               data={t: {s: f"shipped:data/{r}" for s, r in DATA[t].items()}
-                                                     for t in tasks}))
+    cfg = OmegaConf.structured(
+        BenchmarkConfig(
+            name="t",
+            tasks=list(tasks),
+            n_items=24,
+            data={t: {s: f"shipped:data/{r}" for s, r in DATA[t].items()} for t in tasks},
+        )
+    )
     return OmegaConf.merge(cfg, over)
 
 
 def eval_cfg(**over):
-    return OmegaConf.merge(OmegaConf.structured(EvalConfig(dtype="float32", gen_kwargs={"max_gen_toks": MAX_GEN})), over)
+    return OmegaConf.merge(
+        OmegaConf.structured(EvalConfig(dtype="float32", gen_kwargs={"max_gen_toks": MAX_GEN})), over
+    )
 
 
 def lm_eval_cli(model_dir, cache, where, dtype: str = "float32", tasks: list[str] = TASKS) -> dict:
@@ -60,14 +75,39 @@ def lm_eval_cli(model_dir, cache, where, dtype: str = "float32", tasks: list[str
     inc, out = where / "include", where / "cli"
     inc.mkdir()
     for task in tasks:
-        cfg = {"include": str(registry.task_index[task].yaml_path), "task": task, "tag": None, "dataset_path": "json",
-               "dataset_name": None, "dataset_kwargs": {"data_files": _files(task)}}
+        cfg = {
+            "include": str(registry.task_index[task].yaml_path),
+            "task": task,
+            "tag": None,
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": _files(task)},
+        }
         (inc / f"{task}.yaml").write_text(json.dumps(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-           f"pretrained={model_dir},dtype={dtype}", "--tasks", ",".join(tasks), "--include_path", str(inc),
-           "--batch_size", "1", "--device", "cpu", "--output_path", str(out), "--log_samples",
-           "--gen_kwargs", f"max_gen_toks={MAX_GEN}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model_dir},dtype={dtype}",
+        "--tasks",
+        ",".join(tasks),
+        "--include_path",
+        str(inc),
+        "--batch_size",
+        "1",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--gen_kwargs",
+        f"max_gen_toks={MAX_GEN}",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())
@@ -154,8 +194,11 @@ def test_the_shipped_chembench_suite_runs_offline_on_its_schema(tiny_dir, cache)
     from mergeval.models.checkpoint import load_model
 
     files = {"test": "shipped:data/chembench_nc/test.jsonl", "dev": "shipped:data/chembench_nc/dev.jsonl"}
-    cfg = OmegaConf.structured(BenchmarkConfig(name="c", tasks=["chembench_nc"],
-                                               include_path=["shipped:suites/chembench"], data={"chembench_nc": files}))
+    cfg = OmegaConf.structured(
+        BenchmarkConfig(
+            name="c", tasks=["chembench_nc"], include_path=["shipped:suites/chembench"], data={"chembench_nc": files}
+        )
+    )
     suite = build_suite(cfg, eval_cfg(), cache)
     assert suite.task("chembench_nc").get_config("num_fewshot") == 5
     harness = Harness(suite, suite.entries, batch_size=8, limit=None)
@@ -180,19 +223,52 @@ def test_smollm2_batched_generation_gives_the_command_lines_greedy_text(cache, t
     from mergeval.models.smollm2 import smollm2_dir
 
     model_dir, limit = smollm2_dir(cache, "test"), 3
-    cfg = {"include": str(task_manager(None, True, cache).task_index["gsm8k"].yaml_path), "task": "gsm8k", "tag": None,
-           "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": _files("gsm8k")}}
+    cfg = {
+        "include": str(task_manager(None, True, cache).task_index["gsm8k"].yaml_path),
+        "task": "gsm8k",
+        "tag": None,
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": _files("gsm8k")},
+    }
     (tmp_path / "inc").mkdir()
     (tmp_path / "inc" / "gsm8k.yaml").write_text(json.dumps(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={model_dir},dtype=float32", "--tasks", "gsm8k", "--include_path",
-                           str(tmp_path / "inc"), "--batch_size", "1", "--device", "cpu", "--limit", str(limit),
-                           "--output_path", str(tmp_path / "out"), "--log_samples", "--gen_kwargs",
-                           "max_gen_toks=24"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model_dir},dtype=float32",
+            "--tasks",
+            "gsm8k",
+            "--include_path",
+            str(tmp_path / "inc"),
+            "--batch_size",
+            "1",
+            "--device",
+            "cpu",
+            "--limit",
+            str(limit),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+            "--gen_kwargs",
+            "max_gen_toks=24",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs = {row["doc_id"]: row["resps"][0][0] for row in
-              map(json.loads, next((tmp_path / "out").rglob("samples_gsm8k_*.jsonl")).read_text().splitlines())}
+    theirs = {
+        row["doc_id"]: row["resps"][0][0]
+        for row in map(json.loads, next((tmp_path / "out").rglob("samples_gsm8k_*.jsonl")).read_text().splitlines())
+    }
 
     suite = build_suite(bench(["gsm8k"]), eval_cfg(gen_kwargs={"max_gen_toks": 24}), cache)
     harness = Harness(suite, suite.entries, batch_size=3, limit=limit)
@@ -211,17 +287,27 @@ def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir,
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
 
-    (tmp_path / "my_group.yaml").write_text(json.dumps({
-        "group": "my_group", "task": ["hellaswag", "mmlu_high_school_chemistry"],
-        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]}))
+    (tmp_path / "my_group.yaml").write_text(
+        json.dumps(
+            {
+                "group": "my_group",
+                "task": ["hellaswag", "mmlu_high_school_chemistry"],
+                "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+            }
+        )
+    )
     cfg = bench(["hellaswag", "mmlu_high_school_chemistry"])
     cfg.tasks, cfg.include_path = ["my_group"], [str(tmp_path)]
     suite = build_suite(cfg, eval_cfg(), cache)
     assert [(r.name, r.kind, r.counted) for r in suite.rows.values()] == [
-        ("my_group", "group", True), ("hellaswag", "task", False), ("mmlu_high_school_chemistry", "task", False)]
+        ("my_group", "group", True),
+        ("hellaswag", "task", False),
+        ("mmlu_high_school_chemistry", "task", False),
+    ]
     assert suite.rows["my_group"].metric == "acc,none"
     scores = Harness(suite, suite.entries, batch_size=8, limit=None).score(
-        load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir))
+        load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
+    )
     members = [scores["hellaswag"], scores["mmlu_high_school_chemistry"]]
     want = sum(m.metrics["acc,none"][0] * m.n for m in members) / sum(m.n for m in members)
     assert scores["my_group"].value == pytest.approx(want) and scores["my_group"].n == 16 + 12
@@ -230,14 +316,25 @@ def test_a_group_reports_its_aggregate_and_its_members_over_local_data(tiny_dir,
 
     from mergeval.results.lm_eval_export import group_subtasks, lm_eval_results
 
-    rows = {n: {"metric": r.metric, "higher_is_better": r.higher_is_better, "output_type": r.output_type,
-                "entry": r.entry, "counted": r.counted} for n, r in suite.rows.items()}
+    rows = {
+        n: {
+            "metric": r.metric,
+            "higher_is_better": r.higher_is_better,
+            "output_type": r.output_type,
+            "entry": r.entry,
+            "counted": r.counted,
+        }
+        for n, r in suite.rows.items()
+    }
     names = list(rows)
-    run = {"config": {"benchmark": {"limit": None}, "eval": OmegaConf.to_container(OmegaConf.structured(eval_cfg()))},
-           "result": {"tasks": names, "rows": rows, "task_digests": {n: suite.digests.get(n) for n in names}},
-           "scores": {n: {"base": scores[n].as_dict()} for n in names}, "created": "now",
-           "models": [{"role": "base", "path": str(tiny_dir), "source": "zoo:tiny", "fingerprint": "f"}],
-           "run_id": "r"}
+    run = {
+        "config": {"benchmark": {"limit": None}, "eval": OmegaConf.to_container(OmegaConf.structured(eval_cfg()))},
+        "result": {"tasks": names, "rows": rows, "task_digests": {n: suite.digests.get(n) for n in names}},
+        "scores": {n: {"base": scores[n].as_dict()} for n in names},
+        "created": "now",
+        "models": [{"role": "base", "path": str(tiny_dir), "source": "zoo:tiny", "fingerprint": "f"}],
+        "run_id": "r",
+    }
     members = ["hellaswag", "mmlu_high_school_chemistry"]
     out = lm_eval_results(run, "base", {}, suite)
     assert out["group_subtasks"] == {"my_group": members} and list(out["groups"]) == ["my_group"]
@@ -267,8 +364,10 @@ def test_a_registry_tasks_digest_does_not_depend_on_where_things_are_installed(c
     other_cache = tmp_path / "cache"
     shutil.copytree(cache / "lm_eval_index", other_cache / "lm_eval_index")  # the registry's index, not rebuilt
     there = build_suite(OmegaConf.merge(bench(tasks), {"data": data}), eval_cfg(), other_cache)
-    assert here.task("hellaswag").dump_config()["metadata"]["config_source"] != \
-        there.task("hellaswag").dump_config()["metadata"]["config_source"]
+    assert (
+        here.task("hellaswag").dump_config()["metadata"]["config_source"]
+        != there.task("hellaswag").dump_config()["metadata"]["config_source"]
+    )
     assert here.digests == there.digests
 
 

@@ -30,23 +30,43 @@ def result(run_id: str, method: str, merged: tuple[float, float, float], minute:
     from mergeval.core.outcome import ModelInfo
     from mergeval.run.summary import aggregate
 
-    models = [{"role": "base", "source": "smollm2", "fingerprint": "b" * 32, "path": "/m/base", "task": None},
-              {"role": "chem", "source": "finetune:chem_count", "fingerprint": "c" * 32, "path": "/m/chem",
-               "task": CHEM},
-              {"role": "units", "source": "finetune:unit_convert", "fingerprint": "u" * 32, "path": "/m/units",
-               "task": UNITS},
-              {"role": "merged", "source": method, "fingerprint": run_id.ljust(32, "0"), "path": None, "task": None}]
+    models = [
+        {"role": "base", "source": "smollm2", "fingerprint": "b" * 32, "path": "/m/base", "task": None},
+        {"role": "chem", "source": "finetune:chem_count", "fingerprint": "c" * 32, "path": "/m/chem", "task": CHEM},
+        {
+            "role": "units",
+            "source": "finetune:unit_convert",
+            "fingerprint": "u" * 32,
+            "path": "/m/units",
+            "task": UNITS,
+        },
+        {"role": "merged", "source": method, "fingerprint": run_id.ljust(32, "0"), "path": None, "task": None},
+    ]
     accs = {**CONSTITUENTS, "merged": merged}
-    scores = {t: {role: {"metric": "acc,none", "value": accs[role][i], "stderr": stderr(accs[role][i]), "n": 200} for role in accs}
-              for i, t in enumerate(TASKS)}
+    scores = {
+        t: {
+            role: {"metric": "acc,none", "value": accs[role][i], "stderr": stderr(accs[role][i]), "n": 200}
+            for role in accs
+        }
+        for i, t in enumerate(TASKS)
+    }
     return {
-        "run_id": run_id, "created": f"2026-11-30T08:{minute:02d}:00+00:00",
-        "config": {"method": {"name": method, **params}, "modelset": {"name": "quickstart"},
-                   "benchmark": {"name": "quickstart", "tasks": TASKS}},
-        "seeds": {"run": 0}, "models": models, "tasks": TASKS,
-        "task_digests": {t: t[:16] for t in TASKS}, "scores": scores,
+        "run_id": run_id,
+        "created": f"2026-11-30T08:{minute:02d}:00+00:00",
+        "config": {
+            "method": {"name": method, **params},
+            "modelset": {"name": "quickstart"},
+            "benchmark": {"name": "quickstart", "tasks": TASKS},
+        },
+        "seeds": {"run": 0},
+        "models": models,
+        "tasks": TASKS,
+        "task_digests": {t: t[:16] for t in TASKS},
+        "scores": scores,
         "aggregates": aggregate(scores, TASKS, [ModelInfo(**m) for m in models], "percent"),
-        "timings_s": {"merge": 1.0}, "versions": {"lm_eval": "0.4.13"}, "git": {"commit": None, "dirty": None},
+        "timings_s": {"merge": 1.0},
+        "versions": {"lm_eval": "0.4.13"},
+        "git": {"commit": None, "dirty": None},
     }
 
 
@@ -114,8 +134,11 @@ def test_the_swept_parameter_and_its_series():
         data.sweep_param(runs, "gamma")
     series = data.param_series(runs, "lambda_", TASKS)
     assert set(series) == {"task_arithmetic", "ties density=0.3", "ties density=0.5"}  # linear sets no lambda_
-    assert series["task_arithmetic"][CHEM] == [(0.3, 0.80, stderr(0.80)), (0.6, 0.90, stderr(0.90)),
-                                               (1.0, 0.975, stderr(0.975))]
+    assert series["task_arithmetic"][CHEM] == [
+        (0.3, 0.80, stderr(0.80)),
+        (0.6, 0.90, stderr(0.90)),
+        (1.0, 0.975, stderr(0.975)),
+    ]
     assert [x for x, _, _ in series["ties density=0.5"][UNITS]] == [0.3, 1.0]
     only_linear = [r for r in runs if r["run_id"] == "lin"]
     assert data.sweep_param(only_linear, None) is None  # normalize is a bool, weights unset: nothing numeric
@@ -174,12 +197,25 @@ def test_report_of_a_sweep_directory_writes_the_table_markdown_and_plots(tmp_pat
 def fill_store(store) -> None:
     """The sweep's runs, finished, in ``store``, plus one run still running (which reports leave out)."""
     for r in sweep():
-        store.start_run(r["run_id"], experiment="quickstart", method=r["config"]["method"]["name"],
-                        config=r["config"], versions=r["versions"], git=r["git"])
-        store.finish_run(r["run_id"], result_path="/x/result.json", aggregates=r["aggregates"],
-                         timings=r["timings_s"], models=r["models"], scores=r["scores"])
-    store.start_run("running", experiment="quickstart", method="ties", config={"method": {"name": "ties"}},
-                    versions={}, git={})
+        store.start_run(
+            r["run_id"],
+            experiment="quickstart",
+            method=r["config"]["method"]["name"],
+            config=r["config"],
+            versions=r["versions"],
+            git=r["git"],
+        )
+        store.finish_run(
+            r["run_id"],
+            result_path="/x/result.json",
+            aggregates=r["aggregates"],
+            timings=r["timings_s"],
+            models=r["models"],
+            scores=r["scores"],
+        )
+    store.start_run(
+        "running", experiment="quickstart", method="ties", config={"method": {"name": "ties"}}, versions={}, git={}
+    )
 
 
 def test_report_from_the_store_and_with_filters(tmp_path, capsys):
@@ -205,10 +241,22 @@ def test_a_report_of_a_whole_store_keeps_the_runs_comparable_with_the_newest(tmp
     limited["run_id"] = "limited0"
     limited["scores"][CHEM]["base"]["value"] = 0.5  # the same base scored on fewer items
     for r in [limited, *sweep()]:  # the limited run first: the newest is one of the sweep's
-        store.start_run(r["run_id"], experiment="quickstart", method=r["config"]["method"]["name"],
-                        config=r["config"], versions=r["versions"], git=r["git"])
-        store.finish_run(r["run_id"], result_path="/x/result.json", aggregates=r["aggregates"],
-                         timings=r["timings_s"], models=r["models"], scores=r["scores"])
+        store.start_run(
+            r["run_id"],
+            experiment="quickstart",
+            method=r["config"]["method"]["name"],
+            config=r["config"],
+            versions=r["versions"],
+            git=r["git"],
+        )
+        store.finish_run(
+            r["run_id"],
+            result_path="/x/result.json",
+            aggregates=r["aggregates"],
+            timings=r["timings_s"],
+            models=r["models"],
+            scores=r["scores"],
+        )
         time.sleep(0.01)
     out = tmp_path / "report"
     assert report_main(["--store", str(store.path), "--out", str(out)]) == 0
@@ -230,10 +278,13 @@ def test_a_plot_the_runs_cannot_support_is_skipped_with_its_reason(tmp_path):
 def test_report_input_mistakes_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.json").write_text('{"run_id": "x"}')
-    for args, field in ((["nope"], "nope: no such file"), ([str(tmp_path / "empty")], "runs: no finished runs"),
-                        ([str(tmp_path / "bad.json")], "is not a mergeval result.json"),
-                        ([str(tmp_path / "empty"), "--store"], "--store: give result.json paths or --store"),
-                        (["--store", str(tmp_path / "none.sqlite")], "--store: no results store")):
+    for args, field in (
+        (["nope"], "nope: no such file"),
+        ([str(tmp_path / "empty")], "runs: no finished runs"),
+        ([str(tmp_path / "bad.json")], "is not a mergeval result.json"),
+        ([str(tmp_path / "empty"), "--store"], "--store: give result.json paths or --store"),
+        (["--store", str(tmp_path / "none.sqlite")], "--store: no results store"),
+    ):
         assert report_main([*args, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mergeval: error: ") and field in err and err.count("\n") == 1, err
@@ -245,9 +296,11 @@ def test_runs_or_arguments_the_report_refuses_leave_no_output_directory(tmp_path
     mixed[1] = copy.deepcopy(mixed[1])
     mixed[1]["models"][1]["fingerprint"] = "d" * 32
     good = str(write_sweep(tmp_path / "good", sweep()))
-    for args, field in (([str(write_sweep(tmp_path / "mixed", mixed))], "runs:"),
-                        ([good, "--tasks", CHEM, "mergeval_nope"], "--tasks:"),
-                        ([good, "--param", "lambda"], "--param:")):
+    for args, field in (
+        ([str(write_sweep(tmp_path / "mixed", mixed))], "runs:"),
+        ([good, "--tasks", CHEM, "mergeval_nope"], "--tasks:"),
+        ([good, "--param", "lambda"], "--param:"),
+    ):
         out = tmp_path / "out" / "report"
         assert report_main([*args, "--out", str(out)]) == 2
         err = capsys.readouterr().err
@@ -260,8 +313,10 @@ def test_the_pareto_plot_of_many_runs_numbers_them_and_keys_every_label(tmp_path
     label once with the front marked, and the axes name each task's metric."""
     from mergeval.report.plots import plot_pareto
 
-    runs = [result(f"r{i:02d}", "task_arithmetic", (0.6 + 0.02 * i, 0.9 - 0.03 * i, 0.8), i, lambda_=0.1 * i)
-            for i in range(15)] + [result("dup", "ties", (0.6, 0.9, 0.8), 15, lambda_=9.0)]
+    runs = [
+        result(f"r{i:02d}", "task_arithmetic", (0.6 + 0.02 * i, 0.9 - 0.03 * i, 0.8), i, lambda_=0.1 * i)
+        for i in range(15)
+    ] + [result("dup", "ties", (0.6, 0.9, 0.8), 15, lambda_=9.0)]
     labels = [data.run_label(r, data.varying_params(runs)) for r in runs]
     trade = data.pareto(runs, CHEM, UNITS, labels)
     captured = {}
@@ -296,14 +351,32 @@ def test_the_tables_legend_names_the_own_task_cells_where_bold_does_not_show():
     from mergeval.core.outcome import ModelInfo, Outcome
     from mergeval.report.table import render
 
-    scores = {t: {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "chem", "merged")}
-              for t in ("mergeval_chem_count", "mergeval_general_facts")}
-    outcome = Outcome([ModelInfo("base", "zoo", "f0"), ModelInfo("chem", "zoo", "f1", task="mergeval_chem_count"),
-                       ModelInfo("merged", "ta", "f2")], list(scores), scores,
-                      {"normalized": {}, "normalized_mean": None, "normalized_band": "undefined", "scale": "percent",
-                       "macro_gain": 0.0, "macro_og": 0.0}, {})
-    for styled, says in ((None, "each expert's own task: chem on chem_count; normalized ="),
-                         ("truecolor", "bold: each expert on its own task; normalized =")):
+    scores = {
+        t: {r: {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 8} for r in ("base", "chem", "merged")}
+        for t in ("mergeval_chem_count", "mergeval_general_facts")
+    }
+    outcome = Outcome(
+        [
+            ModelInfo("base", "zoo", "f0"),
+            ModelInfo("chem", "zoo", "f1", task="mergeval_chem_count"),
+            ModelInfo("merged", "ta", "f2"),
+        ],
+        list(scores),
+        scores,
+        {
+            "normalized": {},
+            "normalized_mean": None,
+            "normalized_band": "undefined",
+            "scale": "percent",
+            "macro_gain": 0.0,
+            "macro_og": 0.0,
+        },
+        {},
+    )
+    for styled, says in (
+        (None, "each expert's own task: chem on chem_count; normalized ="),
+        ("truecolor", "bold: each expert on its own task; normalized ="),
+    ):
         console = Console(record=True, width=160, color_system=styled, force_terminal=styled is not None)
         render(outcome, "t", console)
         assert says in console.export_text()

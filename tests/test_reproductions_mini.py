@@ -89,8 +89,15 @@ def reproductions_store(tmp_path_factory) -> str:
 def run_reduced(name: str, setup: dict, tmp_path, store: str) -> None:
     reduced = setup["reduced"]
     sweep = tmp_path / "multirun"
-    run = run_module("mergeval", "-m", f"+experiment={setup['experiment']}", *reduced["overrides"],
-                     f"store.path={store}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    run = run_module(
+        "mergeval",
+        "-m",
+        f"+experiment={setup['experiment']}",
+        *reduced["overrides"],
+        f"store.path={store}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     tags = [arg for tag in reduced["tags"] for arg in ("--tag", tag)]
     held_to = [arg for record in record_for(reduced, sweep) for arg in ("--recorded", record)]
@@ -123,15 +130,23 @@ def groups(cases: list[tuple[str, str, dict]]) -> list[tuple[str, list]]:
 def _group_class(modelset: str, cases: list, first: bool) -> type:
     """A test class running the setups of one modelset in turn: one unit of work under ``--dist loadscope``.
     ``first``: conftest.py schedules it at the start, the others after the other slow modules."""
+
     @pytest.mark.parametrize("name,setup_name,setup", cases, ids=[f"{n}-{s}" for n, s, _ in cases])
-    def test_reduced_reproduction_keeps_its_recorded_verdicts(self, name, setup_name, setup, cache, tmp_path,
-                                                               reproductions_store):
+    def test_reduced_reproduction_keeps_its_recorded_verdicts(
+        self, name, setup_name, setup, cache, tmp_path, reproductions_store
+    ):
         run_reduced(name, setup, tmp_path, reproductions_store)
 
     cls_name = "TestReduced_" + "".join(part.title() for part in modelset.split("_"))
-    return type(cls_name, (), {"test_reduced_reproduction_keeps_its_recorded_verdicts":
-                               test_reduced_reproduction_keeps_its_recorded_verdicts, "first": first,
-                               "__module__": __name__})
+    return type(
+        cls_name,
+        (),
+        {
+            "test_reduced_reproduction_keeps_its_recorded_verdicts": test_reduced_reproduction_keeps_its_recorded_verdicts,
+            "first": first,
+            "__module__": __name__,
+        },
+    )
 
 
 for _i, (_modelset, _cases) in enumerate(groups(CASES)):

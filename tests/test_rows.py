@@ -34,8 +34,9 @@ def stable_top_k(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5000), st.integers(1, 50), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
-       st.data())
+@given(
+    st.integers(1, 5000), st.integers(1, 50), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.data()
+)
 def test_kth_smallest_is_torchs_kthvalue(n, levels, dtype, data):
     # NumPy's introselect on the CPU: the same order statistic, ties and repeated values included
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
@@ -71,8 +72,9 @@ def test_the_sampled_threshold_counts_ties_per_chunk():
     tau, c_gt, c_eq = t.result()
     assert (tau, c_gt, c_eq) == (2.0, 8192, 5 * 8192)
     assert t.chunk_ties == [int((c == 2.0).sum()) for c in chunks]
-    assert select.tie_quotas(t.chunk_ties, 2 * 8192) == [min(max(0, 2 * 8192 - sum(t.chunk_ties[:i])), x)
-                                                          for i, x in enumerate(t.chunk_ties)]
+    assert select.tie_quotas(t.chunk_ties, 2 * 8192) == [
+        min(max(0, 2 * 8192 - sum(t.chunk_ties[:i])), x) for i, x in enumerate(t.chunk_ties)
+    ]
 
 
 def test_torch_draws_the_same_uniforms_in_pieces_as_in_one_call():
@@ -90,44 +92,61 @@ def tied_experts(tiny_dir, tmp_path_factory) -> list[Path]:
     out = []
     for i in range(3):
         g = torch.Generator().manual_seed(i)
-        tensors = {n: (t + 2.0 ** -7 * torch.randint(-2, 3, t.shape, generator=g).to(t.dtype)
-                       if t.is_floating_point() else t) for n, t in base.items()}
+        tensors = {
+            n: (t + 2.0**-7 * torch.randint(-2, 3, t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t)
+            for n, t in base.items()
+        }
         shutil.copytree(tiny_dir, root / f"e{i}")
         save_file(tensors, str(root / f"e{i}" / "model.safetensors"), metadata={"format": "pt"})
         out.append(root / f"e{i}")
     return out
 
 
-@pytest.mark.parametrize("name,params", [
-    ("ties", {"density": 0.3}),
-    ("ties", {"density": 0.5, "sign_rule": "count", "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}),
-    ("dare_ties", {"density": 0.4}),
-    ("dare_ties", {"density": 0.6, "rescale": "none", "per_expert": [{}, {"density": 1.0}, {}]}),
-    ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25], "normalize": True}),
-    ("task_arithmetic", {"lambda_": 0.7, "weights": [0.5, 1.0, -0.25], "normalize": True}),
-    ("linear", {"weights": [0.2, 0.3, 0.5]}),
-    ("linear", {"include_base": True, "normalize": False}),
-    # compat=mergekit (rows.GtaRows): the whole-tensor keep rules (argsort's order at the tied cuts these experts
-    # make, the draws, the L1 norms) made in prepare, then gta block by block
-    ("ties", {"density": 0.3, "compat": "mergekit"}),
-    ("ties", {"density": 0.5, "compat": "mergekit", "rescale": "l1", "weights": [1.0, -0.7, 0.4],
-              "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}),
-    ("dare_ties", {"density": 0.4, "compat": "mergekit"}),
-    ("dare_linear", {"density": 0.5, "compat": "mergekit", "rescale": "none", "weights": [0.5, 1.0, -0.25],
-                     "normalize": True}),
-    ("task_arithmetic", {"lambda_": 0.7, "compat": "mergekit", "weights": [0.5, 1.0, -0.25]}),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("ties", {"density": 0.3}),
+        ("ties", {"density": 0.5, "sign_rule": "count", "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}),
+        ("dare_ties", {"density": 0.4}),
+        ("dare_ties", {"density": 0.6, "rescale": "none", "per_expert": [{}, {"density": 1.0}, {}]}),
+        ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25], "normalize": True}),
+        ("task_arithmetic", {"lambda_": 0.7, "weights": [0.5, 1.0, -0.25], "normalize": True}),
+        ("linear", {"weights": [0.2, 0.3, 0.5]}),
+        ("linear", {"include_base": True, "normalize": False}),
+        # compat=mergekit (rows.GtaRows): the whole-tensor keep rules (argsort's order at the tied cuts these experts
+        # make, the draws, the L1 norms) made in prepare, then gta block by block
+        ("ties", {"density": 0.3, "compat": "mergekit"}),
+        (
+            "ties",
+            {
+                "density": 0.5,
+                "compat": "mergekit",
+                "rescale": "l1",
+                "weights": [1.0, -0.7, 0.4],
+                "per_expert": [{"density": 1.0}, {}, {"density": 0.2}],
+            },
+        ),
+        ("dare_ties", {"density": 0.4, "compat": "mergekit"}),
+        (
+            "dare_linear",
+            {"density": 0.5, "compat": "mergekit", "rescale": "none", "weights": [0.5, 1.0, -0.25], "normalize": True},
+        ),
+        ("task_arithmetic", {"lambda_": 0.7, "compat": "mergekit", "weights": [0.5, 1.0, -0.25]}),
+    ],
+)
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
-def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(name, params, compiled, tiny_dir, tied_experts, tmp_path,
-                                                              monkeypatch):
+def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(
+    name, params, compiled, tiny_dir, tied_experts, tmp_path, monkeypatch
+):
     # every tensor of 2+ rows in blocks of about 300 entries: many blocks, ties split across blocks
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     method = get_method(name)
     cfg = method.config(**params)
     monkeypatch.setattr(fused, "MIN_ENTRIES", 1 << 62)  # the whole-tensor reference: torch's code throughout
-    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7,
-                          blocks=False)
+    whole = merge_tensors(
+        method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7, blocks=False
+    )
     # compiled: the blocks (and DARE's draws) through fused.py's kernels, held to the torch reference
     monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
     out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
@@ -156,19 +175,23 @@ def test_the_election_of_an_entry_does_not_depend_on_where_it_is(n_experts, weig
     g = torch.Generator().manual_seed(n_experts)
     sparse = torch.randn(n_experts, 67, generator=g) * 10.0 ** torch.randint(-6, 3, (n_experts, 67), generator=g)
     sparse[torch.rand(n_experts, 67, generator=g) < 0.3] = 0.0
-    cfg = get_method("ties").config(weights=[0.5 + i / 7 for i in range(n_experts)],
-                                    weights_before_election=weights_before_election)
+    cfg = get_method("ties").config(
+        weights=[0.5 + i / 7 for i in range(n_experts)], weights_before_election=weights_before_election
+    )
     whole = disjoint_merge(sparse, cfg)
-    pieces = torch.cat([disjoint_merge(sparse[:, :30].contiguous(), cfg),
-                        disjoint_merge(sparse[:, 30:].contiguous(), cfg)])
+    pieces = torch.cat(
+        [disjoint_merge(sparse[:, :30].contiguous(), cfg), disjoint_merge(sparse[:, 30:].contiguous(), cfg)]
+    )
     assert torch.equal(whole.view(torch.int32), pieces.view(torch.int32))
 
 
-@pytest.mark.parametrize("name,params", [("ties", {"density": 0.3}), ("dare_ties", {"density": 0.4}),
-                                         ("task_arithmetic", {"lambda_": 0.7})])
+@pytest.mark.parametrize(
+    "name,params", [("ties", {"density": 0.3}), ("dare_ties", {"density": 0.4}), ("task_arithmetic", {"lambda_": 0.7})]
+)
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
-def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(name, params, compiled, tiny_dir, tied_experts,
-                                                                  monkeypatch):
+def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(
+    name, params, compiled, tiny_dir, tied_experts, monkeypatch
+):
     """Tensors in memory may be views with other strides (transposed storage here); the row blocks must not
     care: the compiled count once wrote into a flat copy of a strided scratch buffer and read stale memory."""
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
@@ -192,8 +215,15 @@ def test_in_memory_inputs_of_any_layout_merge_as_contiguous_ones(name, params, c
         assert all(torch.equal(d[n], kept[n]) for n in d)
 
 
-@pytest.mark.parametrize("name,params", [("dare_ties", {"density": 0.5}), ("dare_linear", {"density": 0.5}),
-                                         ("ties", {"density": 0.5, "rescale": "l1"}), ("task_arithmetic", {})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("dare_ties", {"density": 0.5}),
+        ("dare_linear", {"density": 0.5}),
+        ("ties", {"density": 0.5, "rescale": "l1"}),
+        ("task_arithmetic", {}),
+    ],
+)
 def test_compat_row_blocks_of_strided_inputs_equal_their_whole_tensor_merge(name, params):
     """compat=mergekit's L1 factor is a sum over the whole d_i, which adds in memory order: GtaRows takes the
     inputs as the whole-tensor merge gets them (a transposed view's factor, as it once did not, differed in
@@ -201,8 +231,10 @@ def test_compat_row_blocks_of_strided_inputs_equal_their_whole_tensor_merge(name
     g = torch.Generator().manual_seed(0)
     shape = (1024, 576)  # transposed storage; 589,824 entries: row blocks at the default size
     base = {"w": torch.randn(shape, generator=g).t()}
-    experts = [{"w": (base["w"].t() + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)
-                      ).t()} for _ in range(3)]
+    experts = [
+        {"w": (base["w"].t() + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)).t()}
+        for _ in range(3)
+    ]
     method = get_method(name)
     cfg = method.config(compat="mergekit", **params)
     assert method.rows(cfg, 3, 589_824, g) is not None
@@ -212,8 +244,9 @@ def test_compat_row_blocks_of_strided_inputs_equal_their_whole_tensor_merge(name
 
 
 @pytest.mark.parametrize("n_experts", [4, 5, 9])
-@pytest.mark.parametrize("name,params", [("task_arithmetic", {}), ("ties", {"density": 0.5}),
-                                         ("dare_linear", {"density": 0.5})])
+@pytest.mark.parametrize(
+    "name,params", [("task_arithmetic", {}), ("ties", {"density": 0.5}), ("dare_linear", {"density": 0.5})]
+)
 def test_compat_row_blocks_equal_the_whole_merge_for_any_number_of_experts(name, params, n_experts):
     """torch's sum(0) over 5+ rows groups them one way in its vectorized body and another in its scalar tail, so a
     block whose size is not a multiple of the vector width moves sums by an ulp (67 columns: 3912-row blocks of
@@ -221,8 +254,10 @@ def test_compat_row_blocks_equal_the_whole_merge_for_any_number_of_experts(name,
     g = torch.Generator().manual_seed(n_experts)
     shape = (4000, 67)
     base = {"w": torch.randn(shape, generator=g)}
-    experts = [{"w": base["w"] + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)}
-               for _ in range(n_experts)]
+    experts = [
+        {"w": base["w"] + torch.randn(shape, generator=g) * 10.0 ** torch.randint(-4, 1, shape, generator=g)}
+        for _ in range(n_experts)
+    ]
     method = get_method(name)
     cfg = method.config(compat="mergekit", **params)
     assert (method.rows(cfg, n_experts, 268_000, g) is None) == (n_experts > 4)
@@ -232,8 +267,9 @@ def test_compat_row_blocks_equal_the_whole_merge_for_any_number_of_experts(name,
 
 
 @pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
-def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_merge(compiled, tiny_dir, tied_experts,
-                                                                                   monkeypatch):
+def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_merge(
+    compiled, tiny_dir, tied_experts, monkeypatch
+):
     """A staged sweep merges the same inputs once per candidate with one ``prepared`` dict: TIES' cut at a
     density is computed once and reused by the candidates that differ in lambda, weights or sign rule only."""
     from mergeval.merge.memory import merge_sources
@@ -247,12 +283,17 @@ def test_ties_cuts_shared_across_a_sweeps_candidates_give_each_candidates_own_me
     real_prepare = TiesRows.prepare
     monkeypatch.setattr(TiesRows, "prepare", lambda self, blocks: (prepares.append(1), real_prepare(self, blocks)))
     base, experts = load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts]
-    sources = [MemorySource(base, "modelset.base")] + [MemorySource(e, f"modelset.experts.{i}")
-                                                       for i, e in enumerate(experts)]
+    sources = [MemorySource(base, "modelset.base")] + [
+        MemorySource(e, f"modelset.experts.{i}") for i, e in enumerate(experts)
+    ]
     method, prepared = get_method("ties"), {}
-    candidates = [{"density": 0.3, "lambda_": 0.5}, {"density": 0.3, "lambda_": 1.5, "weights": [1.0, 0.5, 2.0]},
-                  {"density": 0.5, "lambda_": 1.0}, {"density": 0.3, "lambda_": 1.0, "sign_rule": "count"},
-                  {"density": 0.3, "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]}]
+    candidates = [
+        {"density": 0.3, "lambda_": 0.5},
+        {"density": 0.3, "lambda_": 1.5, "weights": [1.0, 0.5, 2.0]},
+        {"density": 0.5, "lambda_": 1.0},
+        {"density": 0.3, "lambda_": 1.0, "sign_rule": "count"},
+        {"density": 0.3, "per_expert": [{"density": 1.0}, {}, {"density": 0.2}]},
+    ]
     counts = []
     for params in candidates:
         cfg = method.config(**params)
@@ -274,8 +315,9 @@ def test_a_missed_sampled_bound_falls_back_to_an_exact_pass(tiny_dir, tied_exper
     cfg = method.config(density=0.3)
     out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=0)
     monkeypatch.undo()
-    whole = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=0,
-                          blocks=False)
+    whole = merge_tensors(
+        method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=0, blocks=False
+    )
     reader = CheckpointReader(out, "out")
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n
@@ -290,13 +332,30 @@ def test_the_live_merge_benchmark_reports_the_merge_a_run_makes(tiny_dir, tied_e
     from mergeval.models.fingerprint import fingerprint_state_dict
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "live_merge.py"
-    out = subprocess.run([sys.executable, str(script), "--base", str(tiny_dir), "--experts", *map(str, tied_experts),
-                          "--method", "ties:density=0.3", "dare_ties:density=0.5,rescale=none", "--repeats", "2"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--base",
+            str(tiny_dir),
+            "--experts",
+            *map(str, tied_experts),
+            "--method",
+            "ties:density=0.3",
+            "dare_ties:density=0.5,rescale=none",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     printed = dict(re.findall(r"^(\S+): median .* fingerprint (\w+);", out.stdout, re.M))
-    for text, name, params in (("ties:density=0.3", "ties", {"density": 0.3}),
-                               ("dare_ties:density=0.5,rescale=none", "dare_ties", {"density": 0.5, "rescale": "none"})):
+    for text, name, params in (
+        ("ties:density=0.3", "ties", {"density": 0.3}),
+        ("dare_ties:density=0.5,rescale=none", "dare_ties", {"density": 0.5, "rescale": "none"}),
+    ):
         method = get_method(name)
         live = merge_into_model(load_model(tiny_dir), method, method.config(**params), tiny_dir, tied_experts, seed=0)
         assert printed[text] == fingerprint_state_dict(dict(live.state_dict())), text
@@ -318,13 +377,22 @@ def _poisoned(tiny_dir: Path, experts: list[Path], root: Path, where: list[int],
 
 
 @pytest.mark.skipif(not fused.available(), reason="needs numba")
-@pytest.mark.parametrize("name,params", [("dare_ties", {"density": 0.4}), ("ties", {"density": 0.3}),
-                                         ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25]})])
-@pytest.mark.parametrize("where,named", [([0], "modelset.base"), ([2], "modelset.experts.1"),
-                                         ([3, 0], "modelset.base"), ([3, 1], "modelset.experts.0")])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("dare_ties", {"density": 0.4}),
+        ("ties", {"density": 0.3}),
+        ("dare_linear", {"density": 0.5, "weights": [0.5, 1.0, -0.25]}),
+    ],
+)
+@pytest.mark.parametrize(
+    "where,named",
+    [([0], "modelset.base"), ([2], "modelset.experts.1"), ([3, 0], "modelset.base"), ([3, 1], "modelset.experts.0")],
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
-def test_nan_in_a_block_the_kernel_merges_is_the_readers_one_line_error(name, params, where, named, bad, tiny_dir,
-                                                                        tied_experts, tmp_path, monkeypatch):
+def test_nan_in_a_block_the_kernel_merges_is_the_readers_one_line_error(
+    name, params, where, named, bad, tiny_dir, tied_experts, tmp_path, monkeypatch
+):
     """The compiled kernel counts NaN and Inf as it reads, so the engine leaves out the readers' pass over the
     blocks it merges (execute.Blocks.merged); a block it refuses gets the readers' error: the same field (the
     base first, then the experts in order), tensor and directory as for any other merge, and no output."""
@@ -346,8 +414,9 @@ def test_nan_in_a_block_the_kernel_merges_is_the_readers_one_line_error(name, pa
 
 
 @pytest.mark.skipif(not fused.available(), reason="needs numba")
-def test_the_readers_skip_their_nan_pass_over_the_blocks_the_kernel_merges(tiny_dir, tied_experts, tmp_path,
-                                                                           monkeypatch):
+def test_the_readers_skip_their_nan_pass_over_the_blocks_the_kernel_merges(
+    tiny_dir, tied_experts, tmp_path, monkeypatch
+):
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     checked = []

@@ -36,8 +36,15 @@ def test_a_run_frees_each_model_it_releases(tmp_path, monkeypatch, tiny_dir, cac
     monkeypatch.setattr(checkpoint, "load_model", load_model)  # _execute imports both when it runs
     monkeypatch.setattr(memory, "merge_live", merge_live)
     monkeypatch.setattr(app, "release_memory", checked_release)
-    cfg = compose_run_config(["+experiment=tiny", "benchmark.n_items=4", "modelset.train.steps=1",
-                              "eval.dtype=float32", f"store.path={tmp_path / 'store.sqlite'}"])
+    cfg = compose_run_config(
+        [
+            "+experiment=tiny",
+            "benchmark.n_items=4",
+            "modelset.train.steps=1",
+            "eval.dtype=float32",
+            f"store.path={tmp_path / 'store.sqlite'}",
+        ]
+    )
     app.run(cfg, tmp_path / "job")
     assert len(releases) >= 3  # the merge, the base and at least one expert, each released in turn
     assert all(all(freed) for freed in releases), releases

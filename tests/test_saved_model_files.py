@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many O atoms in H2O?"}]
 
 
@@ -32,8 +34,9 @@ def _same_chat(base: Path, saved: Path) -> None:
 
     theirs, ours = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(saved)
     assert theirs.chat_template == TEMPLATE and ours.chat_template == TEMPLATE
-    assert (ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-            == theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
+    assert ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_the_streaming_merge_keeps_the_chat_template(chat_base, tmp_path):

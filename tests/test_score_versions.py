@@ -53,10 +53,14 @@ def scorer_sums(base: Path) -> list[float]:
     from mergeval.eval.scorer import SharedPrefixLM
     from mergeval.models.checkpoint import load_model
 
-    lm = SharedPrefixLM(pretrained=load_model(base, None, torch.float32), tokenizer=AutoTokenizer.from_pretrained(base),
-                        batch_size=2)
-    reqs = [Instance("loglikelihood", {}, (ctx, cont), j, ("t", d, 1))
-            for d, (ctx, conts) in enumerate(PAIRS) for j, cont in enumerate(conts)]
+    lm = SharedPrefixLM(
+        pretrained=load_model(base, None, torch.float32), tokenizer=AutoTokenizer.from_pretrained(base), batch_size=2
+    )
+    reqs = [
+        Instance("loglikelihood", {}, (ctx, cont), j, ("t", d, 1))
+        for d, (ctx, conts) in enumerate(PAIRS)
+        for j, cont in enumerate(conts)
+    ]
     got = lm.loglikelihood(reqs, disable_tqdm=True)
     return [float(sum(ll for ll, _ in got)), float(sum(greedy for _, greedy in got))]
 
@@ -68,7 +72,10 @@ def statistics_sums(kind: str, base: Path, expert: Path) -> list[float]:
     items = calibration_items(SimpleNamespace(task="chem_count", split="train", n=4), "x", 200)
     point = {"base_dir": str(base), "cut": 0.05, "sigmoid_bias": 3.0} if kind == "localize" else None
     stats = compute(kind, expert, items, point)[0]
-    return [float(sum(t.double().sum() for t in stats.values())), float(sum(t.double().abs().sum() for t in stats.values()))]
+    return [
+        float(sum(t.double().sum() for t in stats.values())),
+        float(sum(t.double().abs().sum() for t in stats.values())),
+    ]
 
 
 def outputs(base: Path, expert: Path) -> dict:
@@ -89,12 +96,15 @@ def test_a_changed_score_or_statistic_comes_with_a_new_version(key, recorded_and
     assert key in recorded, f"{key} is not recorded: python -m tests.test_score_versions"
     old, new = recorded[key], now[key]
     where = "SHARED_PREFIX_VERSION (eval/settings.py)" if key == "shared_prefix" else "STATS_VERSION (calibration.py)"
-    assert old["version"] == new["version"], (f"{key} is at version {new['version']}, recorded at {old['version']}: "
-                                              "record again (python -m tests.test_score_versions)")
+    assert old["version"] == new["version"], (
+        f"{key} is at version {new['version']}, recorded at {old['version']}: "
+        "record again (python -m tests.test_score_versions)"
+    )
     assert new["sums"] == pytest.approx(old["sums"], rel=RTOL, abs=ATOL), (
         f"{key}: the output changed ({new['sums']} against {old['sums']}) while its version stayed "
         f"{new['version']}: raise {where}, so what was stored by the old code is not reused, then record "
-        "(python -m tests.test_score_versions)")
+        "(python -m tests.test_score_versions)"
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ from mergeval.eval.scorer import SharedPrefixLM, _choice_mask
 from mergeval.models.checkpoint import load_model
 
 PAIRS = [  # varied context lengths, multi-token and one-token choices, a context ending in a space
-    ("Question: How many O atoms are in one molecule of Ca10Cl4O5?\nAnswer:", [" 10 atoms", " 7 atoms", " 5", " 6 atoms"]),
+    (
+        "Question: How many O atoms are in one molecule of Ca10Cl4O5?\nAnswer:",
+        [" 10 atoms", " 7 atoms", " 5", " 6 atoms"],
+    ),
     ("Question: Convert 834 m to mm.\nAnswer:", [" 834 mm", " 8340 mm", " 834000 mm", " 8340000 mm"]),
     ("Question: Convert 3 kg to g.\nAnswer: ", ["3000 g", "30 g"]),
     ("Q:", [" A", " B", " C", " D"]),
@@ -26,13 +29,18 @@ def lms(tiny_dir):
     from transformers import AutoTokenizer
 
     model, tok = load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
-    return (HFLM(pretrained=model, tokenizer=tok, batch_size=4),
-            SharedPrefixLM(pretrained=model, tokenizer=tok, batch_size=2))
+    return (
+        HFLM(pretrained=model, tokenizer=tok, batch_size=4),
+        SharedPrefixLM(pretrained=model, tokenizer=tok, batch_size=2),
+    )
 
 
 def requests(pairs) -> list[Instance]:
-    return [Instance("loglikelihood", {}, (ctx, cont), j, ("t", d, 1))
-            for d, (ctx, conts) in enumerate(pairs) for j, cont in enumerate(conts)]
+    return [
+        Instance("loglikelihood", {}, (ctx, cont), j, ("t", d, 1))
+        for d, (ctx, conts) in enumerate(pairs)
+        for j, cont in enumerate(conts)
+    ]
 
 
 def test_same_loglikelihoods_as_hflm(lms):
@@ -46,15 +54,23 @@ def test_same_loglikelihoods_as_hflm(lms):
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 5), cols=st.integers(1, 9), vocab=st.sampled_from([1, 7, 64, 1000, 49152]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1), data=st.data())
+@given(
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 9),
+    vocab=st.sampled_from([1, 7, 64, 1000, 49152]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
 def test_log_softmax_of_the_predicted_positions_alone_gives_the_same_bits(rows, cols, vocab, dtype, seed, data):
     # _score_rows takes the float32 log-softmax of only the positions that predict a choice token: each position's
     # values must be those of the log-softmax of the whole [rows, kept columns, vocabulary] block it replaced
     logits = (torch.randn(rows, cols, vocab, generator=torch.Generator().manual_seed(seed)) * 8).to(dtype)
     n = data.draw(st.integers(1, 12))
-    at = (torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))),
-          torch.tensor(data.draw(st.lists(st.integers(0, cols - 1), min_size=n, max_size=n))))
+    at = (
+        torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=n, max_size=n))),
+        torch.tensor(data.draw(st.lists(st.integers(0, cols - 1), min_size=n, max_size=n))),
+    )
     whole = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     alone = torch.log_softmax(logits[at], dim=-1, dtype=torch.float32)
     assert torch.equal(alone, whole[at])
@@ -82,8 +98,10 @@ def test_too_long_rows_take_hflms_truncating_path(lms, monkeypatch):
 
 
 @settings(max_examples=15)
-@given(st.lists(st.sampled_from([c for _, conts in PAIRS[:2] for c in conts]), min_size=1, max_size=5, unique=True),
-       st.sampled_from([1, 2, 8]))
+@given(
+    st.lists(st.sampled_from([c for _, conts in PAIRS[:2] for c in conts]), min_size=1, max_size=5, unique=True),
+    st.sampled_from([1, 2, 8]),
+)
 def test_a_choice_does_not_see_the_others(lms, conts, batch):
     """A choice's score is the same whichever other choices share its row, and whatever the batch."""
     _, shared = lms
@@ -113,8 +131,11 @@ def test_harness_backends_agree(tiny_dir, tmp_path):
     from mergeval.run.config import BenchmarkConfig, EvalConfig
 
     tasks = ["mergeval_chem_count", "mergeval_general_facts"]
-    suite = build_suite(OmegaConf.structured(BenchmarkConfig(name="t", tasks=tasks, n_items=24, num_fewshot=0)),
-                        OmegaConf.structured(EvalConfig()), tmp_path)
+    suite = build_suite(
+        OmegaConf.structured(BenchmarkConfig(name="t", tasks=tasks, n_items=24, num_fewshot=0)),
+        OmegaConf.structured(EvalConfig()),
+        tmp_path,
+    )
     model, tok = load_model(tiny_dir, None, torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
     scores, lls = {}, {}
     for backend in ("hflm", "shared_prefix"):
@@ -139,11 +160,16 @@ def test_batches_never_mix_tasks(lms, monkeypatch):
     monkeypatch.setattr(SharedPrefixLM, "_loglikelihood_tokens", spy)
 
     def reqs(task, pairs):
-        return [Instance("loglikelihood", {}, (ctx, cont), j, (task, d, 1))
-                for d, (ctx, conts) in enumerate(pairs) for j, cont in enumerate(conts)]
+        return [
+            Instance("loglikelihood", {}, (ctx, cont), j, (task, d, 1))
+            for d, (ctx, conts) in enumerate(pairs)
+            for j, cont in enumerate(conts)
+        ]
 
     alone = reqs("a", PAIRS[:2])
     mixed = reqs("b", PAIRS[2:4]) + alone
-    assert shared.loglikelihood(mixed, disable_tqdm=True)[-len(alone):] == shared.loglikelihood(alone, disable_tqdm=True)
+    assert shared.loglikelihood(mixed, disable_tqdm=True)[-len(alone) :] == shared.loglikelihood(
+        alone, disable_tqdm=True
+    )
     task_a, task_b = {ctx for ctx, _ in PAIRS[:2]}, {ctx for ctx, _ in PAIRS[2:4]}
     assert calls[:2] == [task_b, task_a] or calls[:2] == [task_a, task_b]

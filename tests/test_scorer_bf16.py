@@ -54,6 +54,6 @@ def test_bf16_is_tested_against_a_tolerance_that_bfloat16_rounding_would_break(b
     model, tok = bf16
     default = loglikelihoods(HFLM(pretrained=model, tokenizer=tok, batch_size=4))
     ours = loglikelihoods(SharedPrefixLM(pretrained=model, tokenizer=tok, batch_size=2))
-    assert all(abs(g - w) <= 2 ** -7 * abs(w) for (w, _), (g, _) in zip(default, ours))
+    assert all(abs(g - w) <= 2**-7 * abs(w) for (w, _), (g, _) in zip(default, ours))
     assert not all(within_tolerance(g, w, "bfloat16") for (w, _), (g, _) in zip(default, ours))
-    assert LL_TOLERANCE["bfloat16"][1] < 2 ** -8  # tighter than one bfloat16 rounding
+    assert LL_TOLERANCE["bfloat16"][1] < 2**-8  # tighter than one bfloat16 rounding

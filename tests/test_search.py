@@ -26,8 +26,15 @@ register_search_configs()
 # A search small enough for the suite: 16 validation items per task, 4 held-out texts per expert task, a study of
 # 4 trials resumed to 6 (all drawn at random: a resumed sampler must not replay the first process's draws); the
 # pruner keeps the top third once one trial has completed.
-SMALL = ["+experiment=tiny", "search.validation_items=16", "search.heldout_items=4", "search.random_trials=10",
-         "search.startup_trials=1", "search.keep_percent=34", "search.seed=1"]
+SMALL = [
+    "+experiment=tiny",
+    "search.validation_items=16",
+    "search.heldout_items=4",
+    "search.random_trials=10",
+    "search.startup_trials=1",
+    "search.keep_percent=34",
+    "search.seed=1",
+]
 
 
 def compose_search(*overrides: str, config: str = "search_run"):
@@ -61,27 +68,44 @@ def test_a_misspelt_search_key_fails_when_the_config_is_composed():
 
 # ---- the space, checked before any model loads ------------------------------------------------------------
 
+
 def _space(method: str, space: dict, n_experts: int = 2):
     return parse_space(space, get_method(method), OmegaConf.structured(get_method(method).config), n_experts)
 
 
-@pytest.mark.parametrize("method, space, field, says", [
-    ("task_arithmetic", {}, "search.space", "empty"),
-    ("task_arithmetic", {"lambda": {"low": 0, "high": 1}}, "search.space.lambda", "no such field"),
-    ("task_arithmetic", {"lambda_": {"lo": 0, "high": 1}}, "search.space.lambda_.lo", "not a search setting"),
-    ("task_arithmetic", {"lambda_": {"low": 2, "high": 1}}, "search.space.lambda_", "not below"),
-    ("task_arithmetic", {"lambda_": {"low": 0, "high": 1, "log": True}}, "search.space.lambda_.low", "log"),
-    ("task_arithmetic", {"lambda_": 1.0}, "search.space.lambda_", "must be a mapping"),
-    ("task_arithmetic", {"weights": {"low": 0.1, "high": 1}}, "search.space.weights.per_expert", "one value per"),
-    ("task_arithmetic", {"lambda_": {"low": 0.1, "high": 1, "per_expert": True}},
-     "search.space.lambda_.per_expert", "no per-expert lambda_"),
-    ("ties", {"density": {"low": 0.1, "high": 1.5}}, "search.space.density", "1.5 is refused by ties"),
-    ("ties", {"sign_rule": {"choices": ["sum", "median"]}}, "search.space.sign_rule", "'median' is refused"),
-    ("ties", {"lambda_": {"low": 0.1, "high": 1, "depth": 1}}, "search.space.lambda_.depth", ">= 2"),
-    ("task_arithmetic", {"normalize": {"low": 0, "high": 1, "depth": 2}}, "search.space.normalize.depth",
-     "not a numeric parameter"),
-    ("ties", {"lambda_": {"low": 0.1, "high": 1, "match": "*mlp*"}}, "search.space.lambda_.match", "only with depth"),
-])
+@pytest.mark.parametrize(
+    "method, space, field, says",
+    [
+        ("task_arithmetic", {}, "search.space", "empty"),
+        ("task_arithmetic", {"lambda": {"low": 0, "high": 1}}, "search.space.lambda", "no such field"),
+        ("task_arithmetic", {"lambda_": {"lo": 0, "high": 1}}, "search.space.lambda_.lo", "not a search setting"),
+        ("task_arithmetic", {"lambda_": {"low": 2, "high": 1}}, "search.space.lambda_", "not below"),
+        ("task_arithmetic", {"lambda_": {"low": 0, "high": 1, "log": True}}, "search.space.lambda_.low", "log"),
+        ("task_arithmetic", {"lambda_": 1.0}, "search.space.lambda_", "must be a mapping"),
+        ("task_arithmetic", {"weights": {"low": 0.1, "high": 1}}, "search.space.weights.per_expert", "one value per"),
+        (
+            "task_arithmetic",
+            {"lambda_": {"low": 0.1, "high": 1, "per_expert": True}},
+            "search.space.lambda_.per_expert",
+            "no per-expert lambda_",
+        ),
+        ("ties", {"density": {"low": 0.1, "high": 1.5}}, "search.space.density", "1.5 is refused by ties"),
+        ("ties", {"sign_rule": {"choices": ["sum", "median"]}}, "search.space.sign_rule", "'median' is refused"),
+        ("ties", {"lambda_": {"low": 0.1, "high": 1, "depth": 1}}, "search.space.lambda_.depth", ">= 2"),
+        (
+            "task_arithmetic",
+            {"normalize": {"low": 0, "high": 1, "depth": 2}},
+            "search.space.normalize.depth",
+            "not a numeric parameter",
+        ),
+        (
+            "ties",
+            {"lambda_": {"low": 0.1, "high": 1, "match": "*mlp*"}},
+            "search.space.lambda_.match",
+            "only with depth",
+        ),
+    ],
+)
 def test_a_bad_space_is_one_line_naming_its_key(method, space, field, says):
     with pytest.raises(UserError) as err:
         _space(method, space)
@@ -89,22 +113,50 @@ def test_a_bad_space_is_one_line_naming_its_key(method, space, field, says):
 
 
 def test_space_entries_become_the_method_fields_they_name():
-    space = _space("ties", {"lambda_": {"low": 0.5, "high": 2.0, "depth": 3, "match": "*mlp*"},
-                            "density": {"low": 0.1, "high": 1.0, "per_expert": True},
-                            "weights": {"low": 0.5, "high": 1.5, "per_expert": True},
-                            "sign_rule": {"choices": ["sum", "count"]}})
-    assert sorted(space.distributions()) == ["density[0]", "density[1]", "lambda_@0", "lambda_@1", "lambda_@2",
-                                             "sign_rule", "weights[0]", "weights[1]"]
-    params = {"lambda_@0": 0.5, "lambda_@1": 1.0, "lambda_@2": 2.0, "density[0]": 0.2, "density[1]": 0.9,
-              "weights[0]": 0.7, "weights[1]": 1.3, "sign_rule": "count"}
-    assert space.overrides(params) == {"rules": [{"match": "*mlp*", "lambda_": [0.5, 1.0, 2.0]}],
-                                       "per_expert": [{"density": 0.2}, {"density": 0.9}],
-                                       "weights": [0.7, 1.3], "sign_rule": "count"}
-    assert isinstance(_space("cmm", {"validation_items": {"low": 10, "high": 50}}).distributions()["validation_items"],
-                      optuna.distributions.IntDistribution)
+    space = _space(
+        "ties",
+        {
+            "lambda_": {"low": 0.5, "high": 2.0, "depth": 3, "match": "*mlp*"},
+            "density": {"low": 0.1, "high": 1.0, "per_expert": True},
+            "weights": {"low": 0.5, "high": 1.5, "per_expert": True},
+            "sign_rule": {"choices": ["sum", "count"]},
+        },
+    )
+    assert sorted(space.distributions()) == [
+        "density[0]",
+        "density[1]",
+        "lambda_@0",
+        "lambda_@1",
+        "lambda_@2",
+        "sign_rule",
+        "weights[0]",
+        "weights[1]",
+    ]
+    params = {
+        "lambda_@0": 0.5,
+        "lambda_@1": 1.0,
+        "lambda_@2": 2.0,
+        "density[0]": 0.2,
+        "density[1]": 0.9,
+        "weights[0]": 0.7,
+        "weights[1]": 1.3,
+        "sign_rule": "count",
+    }
+    assert space.overrides(params) == {
+        "rules": [{"match": "*mlp*", "lambda_": [0.5, 1.0, 2.0]}],
+        "per_expert": [{"density": 0.2}, {"density": 0.9}],
+        "weights": [0.7, 1.3],
+        "sign_rule": "count",
+    }
+    assert isinstance(
+        _space("cmm", {"validation_items": {"low": 10, "high": 50}}).distributions()["validation_items"],
+        optuna.distributions.IntDistribution,
+    )
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "search").glob("*.yaml")))
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "search").glob("*.yaml"))
+)
 def test_every_search_preset_composes_and_its_space_passes_its_method(preset):
     from mergeval.search.run import prepare
 
@@ -132,14 +184,21 @@ def test_more_validation_items_than_the_pool_leaves_are_refused():
 
 # ---- the stage pruner ---------------------------------------------------------------------------------------
 
+
 def _study_with(values_at_step0: list[float], completed: int):
     study = optuna.create_study(direction="maximize", pruner=StagePruner(keep_percent=50, startup_trials=2))
     dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
     for i, v in enumerate(values_at_step0):
         state = optuna.trial.TrialState.COMPLETE if i < completed else optuna.trial.TrialState.PRUNED
-        study.add_trial(optuna.trial.create_trial(params={"x": 0.5}, distributions=dist, state=state,
-                                                  value=1.0 if i < completed else None,
-                                                  intermediate_values={0: v, 1: 100.0 + v}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"x": 0.5},
+                distributions=dist,
+                state=state,
+                value=1.0 if i < completed else None,
+                intermediate_values={0: v, 1: 100.0 + v},
+            )
+        )
     return study
 
 
@@ -174,6 +233,7 @@ def test_no_trial_is_pruned_before_the_startup_trials_complete():
 
 # ---- one search on the tiny zoo -----------------------------------------------------------------------------
 
+
 class Spy:
     """The questions every lm-eval scoring call and the held-out text covered, by phase (tuning, then test)."""
 
@@ -183,7 +243,7 @@ class Spy:
     def record(self, harness, samples):
         for name, task in harness.task_dict["tasks"].items():
             docs = list(task.eval_docs)
-            picked = [docs[i] for i in samples[name]] if samples else docs[:harness.limit or len(docs)]
+            picked = [docs[i] for i in samples[name]] if samples else docs[: harness.limit or len(docs)]
             self.scored[self.phase].setdefault(name, set()).update(d["question"] for d in picked)
 
 
@@ -199,8 +259,7 @@ def searched(cache, tiny_dir, tmp_path_factory):
     from mergeval.staged import heldout
 
     store = tmp_path_factory.mktemp("search") / "results.sqlite"
-    cfg = compose_search(*SMALL, "search.n_trials=4", "search.test=false", f"cache_dir={cache}",
-                         f"store.path={store}")
+    cfg = compose_search(*SMALL, "search.n_trials=4", "search.test=false", f"cache_dir={cache}", f"store.path={store}")
     spy, mp, printed = Spy(), pytest.MonkeyPatch(), io.StringIO()
     score, test, draw = Harness.score, search_run._test, heldout.heldout_items
 
@@ -224,15 +283,17 @@ def searched(cache, tiny_dir, tmp_path_factory):
         with contextlib.redirect_stdout(printed):
             first = search_run.run_search(cfg)
         # a trial left RUNNING by a process that is gone (a pid that has exited, on this host)
-        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True)
+        gone = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        )
         study = optuna.load_study(study_name=first.study, storage=f"sqlite:///{store}")
         orphan = study.ask()
         orphan.set_user_attr("owner", [__import__("socket").gethostname(), int(gone.stdout), 0])
         spy.phase = "tuning"
         with contextlib.redirect_stdout(printed):
-            resumed = search_run.run_search(compose_search(*SMALL, "search.n_trials=6", f"cache_dir={cache}",
-                                                           f"store.path={store}"))
+            resumed = search_run.run_search(
+                compose_search(*SMALL, "search.n_trials=6", f"cache_dir={cache}", f"store.path={store}")
+            )
     finally:
         mp.undo()
     study = optuna.load_study(study_name=first.study, storage=f"sqlite:///{store}")
@@ -241,8 +302,9 @@ def searched(cache, tiny_dir, tmp_path_factory):
 
 def test_tuning_never_scores_a_test_item(searched):
     cfg, first, resumed, _, spy, _, _ = searched
-    test_questions = {t: {item["question"] for item in task_items(t, cfg.benchmark.n_items)}
-                      for t in cfg.benchmark.tasks}
+    test_questions = {
+        t: {item["question"] for item in task_items(t, cfg.benchmark.n_items)} for t in cfg.benchmark.tasks
+    }
     tuned = spy.scored["tuning"]
     assert set(tuned) == set(cfg.benchmark.tasks)
     for task, questions in tuned.items():
@@ -309,11 +371,15 @@ def test_the_default_recipe_as_the_space_names_it():
     both = {"lambda_": {"low": 0.3, "high": 2.0}, "weights": {"low": 0.3, "high": 1.7, "per_expert": True}}
     space = _space("task_arithmetic", both)
     assert space.default_params({"lambda_": 1.0, "weights": None}) == {
-        "lambda_": 1.0, "weights[0]": 1.0, "weights[1]": 1.0}
+        "lambda_": 1.0,
+        "weights[0]": 1.0,
+        "weights[1]": 1.0,
+    }
     assert space.default_params({"lambda_": 1.0, "weights": [0.5, 1.5]})["weights[1]"] == 1.5
     assert space.default_params({"lambda_": 2.5, "weights": None}) is None  # outside the range
-    ties = _space("ties", {"density": {"low": 0.1, "high": 0.9, "per_expert": True},
-                           "sign_rule": {"choices": ["sum", "count"]}})
+    ties = _space(
+        "ties", {"density": {"low": 0.1, "high": 0.9, "per_expert": True}, "sign_rule": {"choices": ["sum", "count"]}}
+    )
     config = {"density": 0.2, "sign_rule": "count", "per_expert": [{"density": 0.7}, None], "weights": None}
     assert ties.default_params(config) == {"density[0]": 0.7, "density[1]": 0.2, "sign_rule": "count"}
     assert ties.default_params({**config, "sign_rule": "other"}) is None
@@ -344,8 +410,13 @@ def test_the_best_recipe_runs_as_a_plain_run_that_reuses_the_searchs_scores(sear
     from mergeval.run.rerun import run_command
 
     cfg, _, resumed, _, _, _, _ = searched
-    given = [*SMALL, "search.n_trials=6", f"cache_dir={cfg.cache_dir}", f"store.path={cfg.store.path}",
-             "hydra.run.dir=search-job"]
+    given = [
+        *SMALL,
+        "search.n_trials=6",
+        f"cache_dir={cfg.cache_dir}",
+        f"store.path={cfg.store.path}",
+        "hydra.run.dir=search-job",
+    ]
     args = shlex.split(run_command(given, ("search",), resumed.best_fields))
     assert args[:3] == ["python", "-m", "mergeval"] and not any(a.startswith(("search", "hydra")) for a in args)
     assert {a.split("=")[0] for a in args if a.startswith("method.")} == {f"method.{f}" for f in resumed.best_fields}
@@ -363,15 +434,19 @@ def test_the_rerun_keeps_the_config_dir_and_the_users_own_words():
 
     assert config_dir(["-m", "--config-dir", "conf", "+experiment=x"]) == ["--config-dir", str(Path("conf").resolve())]
     assert config_dir(["-cd=/a/b"]) == ["-cd", "/a/b"] and config_dir(["+experiment=x"]) == []
-    assert run_command(["++eval.gen_kwargs={a:1}", "++seed=1", "search.n_trials=3"], ("search",), {"lambda_": 0.5}) \
+    assert (
+        run_command(["++eval.gen_kwargs={a:1}", "++seed=1", "search.n_trials=3"], ("search",), {"lambda_": 0.5})
         == "python -m mergeval 'eval.gen_kwargs={a:1}' ++seed=1 method.lambda_=0.5"
+    )
 
 
 def test_a_recipe_value_is_written_in_hydras_grammar():
     from mergeval.run.rerun import hydra_value
 
     value = [{"match": "*mlp*", "lambda_": [0.1 + 0.2, 1e-05]}, {"sign_rule": "count", "on": True, "k": None}]
-    assert hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'
+    assert (
+        hydra_value(value) == '[{match:"*mlp*",lambda_:[0.30000000000000004,1e-05]},{sign_rule:"count",on:true,k:null}]'
+    )
 
 
 def test_a_finished_search_leaves_its_trials_in_the_stores_own_file(cache, tmp_path):
@@ -381,8 +456,16 @@ def test_a_finished_search_leaves_its_trials_in_the_stores_own_file(cache, tmp_p
     import sqlite3
 
     store = tmp_path / "results.sqlite"
-    out = run_module("mergeval.search", *SMALL, "search.n_trials=2", "search.test=false", f"cache_dir={cache}",
-                     f"store.path={store}", f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)
+    out = run_module(
+        "mergeval.search",
+        *SMALL,
+        "search.n_trials=2",
+        "search.test=false",
+        f"cache_dir={cache}",
+        f"store.path={store}",
+        f"hydra.run.dir={tmp_path}/job",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert not Path(f"{store}-wal").exists()
     alone = tmp_path / "copy.sqlite"
@@ -395,11 +478,17 @@ def test_a_finished_search_leaves_its_trials_in_the_stores_own_file(cache, tmp_p
 
 
 def test_a_bad_search_setting_is_one_line_and_exit_2(tmp_path):
-    out = run_module("mergeval.search", "+experiment=tiny", "search.space={lambda_: {low: 2, high: 1}}",
-                     f"hydra.run.dir={tmp_path}/job", cwd=tmp_path)
+    out = run_module(
+        "mergeval.search",
+        "+experiment=tiny",
+        "search.space={lambda_: {low: 2, high: 1}}",
+        f"hydra.run.dir={tmp_path}/job",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "mergeval: error: search.space.lambda_: low 2 is not below high 1; give low < high"]
+        "mergeval: error: search.space.lambda_: low 2 is not below high 1; give low < high"
+    ]
     assert not (tmp_path / "job").exists()
 
 
@@ -407,8 +496,10 @@ def test_the_report_lists_scores_in_the_benchmarks_task_order():
     from mergeval.search.report import _scores_line
 
     read_back = {"mergeval_unit_convert": {"value": 0.94}, "mergeval_chem_count": {"value": 0.975}}
-    assert _scores_line(read_back, ["mergeval_chem_count", "mergeval_unit_convert"]) == \
-        "chem_count 0.975  unit_convert 0.940"
+    assert (
+        _scores_line(read_back, ["mergeval_chem_count", "mergeval_unit_convert"])
+        == "chem_count 0.975  unit_convert 0.940"
+    )
 
 
 def test_a_search_that_cost_more_than_full_scoring_says_so():
@@ -421,10 +512,18 @@ def test_a_search_that_cost_more_than_full_scoring_says_so():
     def cost(fraction):
         full = {"forward_passes": 4800, "examples": 1200}
         staged = {"forward_passes": int(4800 * fraction), "examples": 1520}
-        return {"trials": 4, "complete": 4, "pruned_at_stage1": 0, "pruned_at_stage2": 0, "staged": staged,
-                "full": full, "fraction_of_full": fraction}
+        return {
+            "trials": 4,
+            "complete": 4,
+            "pruned_at_stage1": 0,
+            "pruned_at_stage2": 0,
+            "staged": staged,
+            "full": full,
+            "fraction_of_full": fraction,
+        }
 
     for fraction, says in ((16 / 15, "107%, 7% more (stage 1's perplexities"), (0.71, "71%, 29% saved")):
-        outcome = SearchOutcome("s", "macro_gain", "ties", 4, ["t"], 16, 4, Scored({}, {}, value=1.0),
-                                cost=cost(fraction))
+        outcome = SearchOutcome(
+            "s", "macro_gain", "ties", 4, ["t"], 16, 4, Scored({}, {}, value=1.0), cost=cost(fraction)
+        )
         assert says in "\n".join(lines(outcome))

@@ -28,8 +28,15 @@ from tests.child import run_module
 from tests.test_mergekit_config import close, mergekit_merge
 from tests.test_mergekit_parity import _save, requires_mergekit
 
-ARCH = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, tie_word_embeddings=False)
+ARCH = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +51,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
             torch.manual_seed(seed)
             tensors = {k: v.detach().clone() for k, v in LlamaForCausalLM(config).state_dict().items()}
         g = torch.Generator().manual_seed(seed)
-        tensors = {k: (1 + 0.1 * torch.randn(v.shape, generator=g)) if k.endswith("norm.weight") else v
-                   for k, v in tensors.items()}
+        tensors = {
+            k: (1 + 0.1 * torch.randn(v.shape, generator=g)) if k.endswith("norm.weight") else v
+            for k, v in tensors.items()
+        }
         out[name] = _save(root / name, config, tensors)
     return out
 
@@ -67,9 +76,15 @@ def qwen3(tmp_path_factory) -> dict[str, Path]:
 
 
 def doc_of(models, method: str, slices: list[list[tuple[str, int, int]]], **extra) -> dict:
-    return {"merge_method": method, "base_model": str(models["a"]), "dtype": "float32",
-            "slices": [{"sources": [{"model": str(models[m]), "layer_range": [s, e]} for m, s, e in sources]}
-                       for sources in slices], **extra}
+    return {
+        "merge_method": method,
+        "base_model": str(models["a"]),
+        "dtype": "float32",
+        "slices": [
+            {"sources": [{"model": str(models[m]), "layer_range": [s, e]} for m, s, e in sources]} for sources in slices
+        ],
+        **extra,
+    }
 
 
 def mergeval_merge(doc: dict, out: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -91,9 +106,11 @@ def mergekit_dir(doc: dict, root: Path) -> tuple[dict[str, torch.Tensor], dict]:
     from mergekit.options import MergeOptions
 
     out = root / f"mk-{uuid.uuid4().hex}"
-    run_merge(MergeConfiguration.model_validate(doc), str(out),
-              MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False,
-                           quiet=True))
+    run_merge(
+        MergeConfiguration.model_validate(doc),
+        str(out),
+        MergeOptions(device="cpu", lazy_unpickle=False, copy_tokenizer=False, write_model_card=False, quiet=True),
+    )
     return load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
 
 
@@ -111,8 +128,9 @@ def test_passthrough_gives_mergekits_tensors_bit_for_bit(models, tmp_path, name)
     ours, our_config = mergeval_merge(doc, tmp_path / "ours")
     theirs, their_config = mergekit_dir(doc, tmp_path)
     assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs), [k for k in theirs if not torch.equal(ours[k],
-                                                                                                     theirs[k])]
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs), [
+        k for k in theirs if not torch.equal(ours[k], theirs[k])
+    ]
     layers = sum(e - s for (_, s, e), *_ in PASSTHROUGH[name])
     assert our_config["num_hidden_layers"] == their_config["num_hidden_layers"] == layers
     last = PASSTHROUGH[name][-1][0][0]  # lm_head and the final norm from the last slice's model
@@ -121,9 +139,12 @@ def test_passthrough_gives_mergekits_tensors_bit_for_bit(models, tmp_path, name)
 
 @requires_mergekit
 def test_passthrough_scale_filters_as_mergekit(models, tmp_path):
-    doc = doc_of(models, "passthrough", PASSTHROUGH["two_models"],
-                 parameters={"scale": [{"filter": "o_proj", "value": 0.0}, {"filter": "mlp", "value": 0.5},
-                                       {"value": 1.0}]})
+    doc = doc_of(
+        models,
+        "passthrough",
+        PASSTHROUGH["two_models"],
+        parameters={"scale": [{"filter": "o_proj", "value": 0.0}, {"filter": "mlp", "value": 0.5}, {"value": 1.0}]},
+    )
     ours, _ = mergeval_merge(doc, tmp_path / "ours")
     theirs, _ = mergekit_dir(doc, tmp_path)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
@@ -134,19 +155,23 @@ def test_passthrough_scale_filters_as_mergekit(models, tmp_path):
 def test_slerp_over_slices_as_mergekit_with_per_slice_depths(models, tmp_path):
     """A gradient of t over slices of different lengths, one listing the base's range second: each slice's
     own depths, the base's source as slerp's base."""
-    doc = doc_of(models, "slerp", [[("a", 0, 2), ("b", 1, 3)], [("b", 2, 4), ("a", 1, 3)],
-                                   [("a", 2, 3), ("b", 0, 1)]],
-                 parameters={"t": [{"filter": "self_attn", "value": [0.1, 0.6, 0.9]}, {"value": 0.3}]})
+    doc = doc_of(
+        models,
+        "slerp",
+        [[("a", 0, 2), ("b", 1, 3)], [("b", 2, 4), ("a", 1, 3)], [("a", 2, 3), ("b", 0, 1)]],
+        parameters={"t": [{"filter": "self_attn", "value": [0.1, 0.6, 0.9]}, {"value": 0.3}]},
+    )
     ours, config = mergeval_merge(doc, tmp_path / "ours")
     theirs, their_config = mergekit_dir(doc, tmp_path)
     close(ours, theirs)
     assert config["num_hidden_layers"] == their_config["num_hidden_layers"] == 5
     method_cfg, modelset, _ = from_mergekit(doc)  # exported back: mergekit merges it to the same tensors
     method = get_method("slerp")
-    exported = sliced_to_mergekit(method.config(**method_cfg),
-                                  {"base": modelset["base"], **{n: e["source"] for n, e in
-                                                                modelset["experts"].items()}},
-                                  parse(modelset["slices"], ["base", *modelset["experts"]]))
+    exported = sliced_to_mergekit(
+        method.config(**method_cfg),
+        {"base": modelset["base"], **{n: e["source"] for n, e in modelset["experts"].items()}},
+        parse(modelset["slices"], ["base", *modelset["experts"]]),
+    )
     close(mergekit_merge(exported, tmp_path), ours)
 
 
@@ -176,8 +201,14 @@ def test_merge_command_imports_slices_writes_the_model_and_exports_it(models, tm
     path = tmp_path / "franken.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = tmp_path / "merged"
-    done = run_module("mergeval.merge", f"mergekit={path}", f"output={out}", f"cache_dir={tmp_path / 'cache'}",
-                      cwd=tmp_path, timeout=300)
+    done = run_module(
+        "mergeval.merge",
+        f"mergekit={path}",
+        f"output={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     ours = load_file(str(out / "model.safetensors"))
     theirs, _ = mergekit_dir(doc, tmp_path)
@@ -189,8 +220,14 @@ def test_merge_command_imports_slices_writes_the_model_and_exports_it(models, tm
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
     bad = tmp_path / "bad.yaml"  # a range past the model's layers: one line naming the source, exit 2
     bad.write_text(yaml.safe_dump(doc_of(models, "passthrough", [[("a", 0, 2)], [("b", 2, 6)]])))
-    done = run_module("mergeval.merge", f"mergekit={bad}", f"output={tmp_path / 'no'}",
-                      f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, timeout=300)
+    done = run_module(
+        "mergeval.merge",
+        f"mergekit={bad}",
+        f"output={tmp_path / 'no'}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "modelset.slices[1].sources[0].layer_range" in done.stderr and "at most 4" in done.stderr
     assert not (tmp_path / "no").exists()
@@ -216,21 +253,37 @@ def test_a_qwen3_frankenmerge_as_mergekit_and_its_layer_types(qwen3, tmp_path):
     assert len(model.model.layers) == 5 and torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
-@pytest.mark.parametrize("slices,field,words", [
-    ([{"sources": [{"model": "base", "layer_range": [0, 2]}, {"model": "b", "layer_range": [0, 3]}]}],
-     "modelset.slices[0].sources", "same number of layers"),
-    ([{"sources": [{"model": "base", "layer_range": [2, 2]}]}], "modelset.slices[0].sources[0].layer_range",
-     "start < end"),
-    ([{"sources": [{"model": "base", "layer_range": [0]}]}], "modelset.slices[0].sources[0].layer_range",
-     "[0, 4]"),
-    ([{"sources": [{"model": "c", "layer_range": [0, 1]}]}], "modelset.slices[0].sources[0].model", "base, b"),
-    ([{"sources": []}], "modelset.slices[0].sources", "layer_range"),
-    ([{"sources": [{"model": "b", "layer_range": [0, 1]}, {"model": "b", "layer_range": [1, 2]}]}],
-     "modelset.slices[0].sources", "exactly one range of the base"),
-    ([{"sources": [{"model": "base", "layer_range": [0, 1]}]},
-      {"sources": [{"model": "base", "layer_range": [0, 1]}, {"model": "b", "layer_range": [1, 2]}]}],
-     "modelset.slices[1].sources", "same number of sources"),
-])
+@pytest.mark.parametrize(
+    "slices,field,words",
+    [
+        (
+            [{"sources": [{"model": "base", "layer_range": [0, 2]}, {"model": "b", "layer_range": [0, 3]}]}],
+            "modelset.slices[0].sources",
+            "same number of layers",
+        ),
+        (
+            [{"sources": [{"model": "base", "layer_range": [2, 2]}]}],
+            "modelset.slices[0].sources[0].layer_range",
+            "start < end",
+        ),
+        ([{"sources": [{"model": "base", "layer_range": [0]}]}], "modelset.slices[0].sources[0].layer_range", "[0, 4]"),
+        ([{"sources": [{"model": "c", "layer_range": [0, 1]}]}], "modelset.slices[0].sources[0].model", "base, b"),
+        ([{"sources": []}], "modelset.slices[0].sources", "layer_range"),
+        (
+            [{"sources": [{"model": "b", "layer_range": [0, 1]}, {"model": "b", "layer_range": [1, 2]}]}],
+            "modelset.slices[0].sources",
+            "exactly one range of the base",
+        ),
+        (
+            [
+                {"sources": [{"model": "base", "layer_range": [0, 1]}]},
+                {"sources": [{"model": "base", "layer_range": [0, 1]}, {"model": "b", "layer_range": [1, 2]}]},
+            ],
+            "modelset.slices[1].sources",
+            "same number of sources",
+        ),
+    ],
+)
 def test_bad_slices_are_one_error_naming_the_field_and_the_fix(slices, field, words):
     with pytest.raises(UserError) as err:
         parse(slices, ["base", "b"])
@@ -245,11 +298,17 @@ def test_passthrough_of_several_inputs_is_refused_with_the_fix():
 
 
 def test_config_gets_the_layer_count_and_per_layer_lists_from_the_source_layers():
-    config = {"model_type": "qwen3", "num_hidden_layers": 4, "layer_types": ["a0", "a1", "a2", "a3"],
-              "architectures": ["Qwen3ForCausalLM"]}
+    config = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 4,
+        "layer_types": ["a0", "a1", "a2", "a3"],
+        "architectures": ["Qwen3ForCausalLM"],
+    }
     deeper = {**config, "num_hidden_layers": 6, "layer_types": [f"b{i}" for i in range(6)]}
-    slices = parse([{"sources": [{"model": "base", "layer_range": [2, 4]}]},
-                    {"sources": [{"model": "b", "layer_range": [3, 6]}]}], ["base", "b"])
+    slices = parse(
+        [{"sources": [{"model": "base", "layer_range": [2, 4]}]}, {"sources": [{"model": "b", "layer_range": [3, 6]}]}],
+        ["base", "b"],
+    )
     out = sliced_config(config, slices, {"base": config, "b": deeper})
     assert out["num_hidden_layers"] == 5 and out["layer_types"] == ["a2", "a3", "b3", "b4", "b5"]
     assert out["architectures"] == ["Qwen3ForCausalLM"] and config["num_hidden_layers"] == 4
@@ -285,16 +344,34 @@ def test_a_run_merges_a_frankenmerge_in_memory_and_evaluates_it(tiny_dir, tmp_pa
         if f.is_file() and f.name != "model.safetensors":
             (other / f.name).write_bytes(f.read_bytes())
     g = torch.Generator().manual_seed(0)
-    save_file({k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-               for k, v in load_file(str(tiny_dir / "model.safetensors")).items()},
-              str(other / "model.safetensors"), metadata={"format": "pt"})
-    slices = (f"[{{sources: [{{model: base, layer_range: [0, {n}]}}]}}, "
-              f"{{sources: [{{model: chem, layer_range: [{n - 1}, {n}]}}]}}]")
-    overrides = ["+experiment=tiny", "benchmark.n_items=8", "eval.dtype=float32", f"modelset.base={tiny_dir}",
-                 f"modelset.experts.chem.source={other}", "modelset.experts.chem.domain=null",
-                 "~modelset.experts.units", "method=passthrough", f"modelset.slices={slices}", "save_merged=true",
-                 "benchmark.tasks=[mergeval_chem_count]", "modelset.experts.chem.calibration=null",
-                 f"store.path={tmp_path / 's.sqlite'}", f"cache_dir={tmp_path / 'cache'}"]
+    save_file(
+        {
+            k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in load_file(str(tiny_dir / "model.safetensors")).items()
+        },
+        str(other / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    slices = (
+        f"[{{sources: [{{model: base, layer_range: [0, {n}]}}]}}, "
+        f"{{sources: [{{model: chem, layer_range: [{n - 1}, {n}]}}]}}]"
+    )
+    overrides = [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "eval.dtype=float32",
+        f"modelset.base={tiny_dir}",
+        f"modelset.experts.chem.source={other}",
+        "modelset.experts.chem.domain=null",
+        "~modelset.experts.units",
+        "method=passthrough",
+        f"modelset.slices={slices}",
+        "save_merged=true",
+        "benchmark.tasks=[mergeval_chem_count]",
+        "modelset.experts.chem.calibration=null",
+        f"store.path={tmp_path / 's.sqlite'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     outcome = app.run(compose_run_config(overrides), tmp_path / "run")
     merged = outcome.models[-1]
     assert merged.evaluated == "this run"
@@ -302,5 +379,4 @@ def test_a_run_merges_a_frankenmerge_in_memory_and_evaluates_it(tiny_dir, tmp_pa
     assert json.loads((written / "config.json").read_text())["num_hidden_layers"] == n + 1
     tensors = load_file(str(next(written.glob("*.safetensors"))))
     top = load_file(str(other / "model.safetensors"))
-    assert torch.equal(tensors[f"model.layers.{n}.mlp.up_proj.weight"],
-                       top[f"model.layers.{n - 1}.mlp.up_proj.weight"])
+    assert torch.equal(tensors[f"model.layers.{n}.mlp.up_proj.weight"], top[f"model.layers.{n - 1}.mlp.up_proj.weight"])

@@ -41,18 +41,25 @@ def set_cell(text: str, row: str, column_index: int, token: str) -> str:
     match = pattern.search(text)
     tokens = match.group(2).split()
     tokens[column_index] = token
-    return text[:match.start(2)] + " ".join(tokens) + text[match.end(2):]
+    return text[: match.start(2)] + " ".join(tokens) + text[match.end(2) :]
 
 
 def add_row(text: str, after: str, line: str) -> str:
     """The spec text with a row line inserted after the row ``after``."""
-    return re.sub(rf'^(\s+){re.escape(after)}:(.*)$', lambda m: f"{m.group(0)}\n{m.group(1)}{line}", text,
-                  count=1, flags=re.M)
+    return re.sub(
+        rf"^(\s+){re.escape(after)}:(.*)$", lambda m: f"{m.group(0)}\n{m.group(1)}{line}", text, count=1, flags=re.M
+    )
 
 
 # the derived cells of the example: (table, row, index of the cell in its row string, printed)
-DERIVED = [("main", "Base", 4, "44.52"), ("main", "TA", 4, "51.07"), ("main", "TIES", 4, "47.53"),
-           ("main", "CMM", 4, "56.34"), ("steps", "A", 3, "0.446"), ("steps", "B", 3, "0.250")]
+DERIVED = [
+    ("main", "Base", 4, "44.52"),
+    ("main", "TA", 4, "51.07"),
+    ("main", "TIES", 4, "47.53"),
+    ("main", "CMM", 4, "56.34"),
+    ("steps", "A", 3, "0.446"),
+    ("steps", "B", 3, "0.250"),
+]
 COLUMN = {"main": "Overall", "steps": "Mean"}
 
 
@@ -62,11 +69,12 @@ def test_the_reference_example_verifies_strictly(tmp_path, capsys):
     assert "6/6 derived cells agree; claims 7 pass, 0 fail, 0 not run" in out
 
 
-@pytest.mark.parametrize("table,row,index,printed,error",
-                         [(*cell, e) for cell in DERIVED for e in (0.3, -0.3)
-                          if float(cell[3]) + e >= 0])  # below the steps table's range [0, 1]: a load error, below
-def test_a_planted_error_of_0_3_in_any_derived_cell_fails_naming_it(tmp_path, capsys, table, row, index, printed,
-                                                                    error):
+@pytest.mark.parametrize(
+    "table,row,index,printed,error", [(*cell, e) for cell in DERIVED for e in (0.3, -0.3) if float(cell[3]) + e >= 0]
+)  # below the steps table's range [0, 1]: a load error, below
+def test_a_planted_error_of_0_3_in_any_derived_cell_fails_naming_it(
+    tmp_path, capsys, table, row, index, printed, error
+):
     decimals = len(printed.split(".")[1])
     wrong = float(printed) + error
     code, out, _ = verify(tmp_path, set_cell(doc_spec(), row, index, f"{wrong:.{decimals}f}"), capsys=capsys)
@@ -78,7 +86,9 @@ def test_a_planted_error_of_0_3_in_any_derived_cell_fails_naming_it(tmp_path, ca
 def test_a_printed_value_outside_the_declared_range_is_one_line_naming_the_cell(tmp_path, capsys):
     code, _, err = verify(tmp_path, set_cell(doc_spec(), "B", 3, "-0.050"), capsys=capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.steps.rows.B: column Mean: -0.050 is outside")
+    assert err.startswith(
+        f"mergeval: error: {tmp_path}/my_paper.yaml:tables.steps.rows.B: column Mean: -0.050 is outside"
+    )
 
 
 def test_declared_decimals_and_range_are_what_make_the_cells_checkable(tmp_path, capsys):
@@ -173,9 +183,11 @@ def test_a_duplicated_row_is_an_error_naming_both_lines(tmp_path, capsys):
     lines = doc_spec().splitlines()
     first = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("TA:"))
     second = next(i for i, line in enumerate(lines, 1) if line.strip().startswith("CMM:")) + 1
-    assert code == 2 and err == (f"mergeval: error: {tmp_path}/my_paper.yaml:{second}: key 'TA' is given twice "
-                                 f"(lines {first} and {second}); keep one of them (YAML would silently keep only "
-                                 "the last)\n")
+    assert code == 2 and err == (
+        f"mergeval: error: {tmp_path}/my_paper.yaml:{second}: key 'TA' is given twice "
+        f"(lines {first} and {second}); keep one of them (YAML would silently keep only "
+        "the last)\n"
+    )
 
 
 def test_specs_are_found_by_name_on_the_search_path(tmp_path, monkeypatch, capsys):
@@ -197,24 +209,30 @@ def test_specs_are_found_by_name_on_the_search_path(tmp_path, monkeypatch, capsy
     assert re.search(r"^my_paper: 6/6 derived cells agree.* -> ok", out, re.M)
 
 
-@pytest.mark.parametrize("text,problem", [
-    ("a ** 2", "'a ** 2' is not allowed"),
-    ("__import__('os')", "is not allowed"),
-    ("a.real", "'a.real' is not allowed"),
-    ("max(a, key=b)", "is not allowed"),
-    ("a if b else c", "is not allowed"),
-    ("'a' + b", "is not allowed"),
-    ("a +", "is not an arithmetic expression"),
-    ("`a + b", "unbalanced backquote"),
-])
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("a ** 2", "'a ** 2' is not allowed"),
+        ("__import__('os')", "is not allowed"),
+        ("a.real", "'a.real' is not allowed"),
+        ("max(a, key=b)", "is not allowed"),
+        ("a if b else c", "is not allowed"),
+        ("'a' + b", "is not allowed"),
+        ("a +", "is not an arithmetic expression"),
+        ("`a + b", "unbalanced backquote"),
+    ],
+)
 def test_expressions_outside_the_whitelist_are_refused(text, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
         parse_expr(text)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(-10, 10), st.floats(-50, 50), st.floats(0, 2)), min_size=1, max_size=6),
-       st.floats(0.5, 20), st.floats(0, 1))
+@given(
+    st.lists(st.tuples(st.floats(-10, 10), st.floats(-50, 50), st.floats(0, 2)), min_size=1, max_size=6),
+    st.floats(0.5, 20),
+    st.floats(0, 1),
+)
 def test_interval_arithmetic_is_the_exact_range_when_each_name_occurs_once(terms, d_value, d_width):
     """f = (sum c_i x_i) / d with each name once: the interval result equals the min/max over the box's corners
     (f is monotone in each input), and the point value lies inside it."""
@@ -231,11 +249,14 @@ def test_interval_arithmetic_is_the_exact_range_when_each_name_occurs_once(terms
 
 
 def test_a_formula_binding_an_unused_name_is_one_line(tmp_path, capsys):
-    text = doc_spec().replace('Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13"}',
-                              'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13", with: {z: [CMM, DROP]}}')
+    text = doc_spec().replace(
+        'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13"}',
+        'Overall: {expr: "(9*ChemBench + 200*MolInst + DROP + GSM8K) / 13", with: {z: [CMM, DROP]}}',
+    )
     code, _, err = verify(tmp_path, text, capsys=capsys)
-    assert code == 2 and err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr.with: "
-                                        "binds ['z']")
+    assert code == 2 and err.startswith(
+        f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr.with: binds ['z']"
+    )
 
 
 def test_derived_rows_extremes_column_quantifiers_exact_cells_and_lower_is_better(tmp_path, capsys):
@@ -309,9 +330,12 @@ def test_without_a_tolerance_a_window_too_wide_for_the_cells_own_precision_is_no
     it fail; the x50 rescale still leaves windows of 0.26 and 0.52, which a stated tolerance of 0.6 accepts."""
     planted = textwrap.dedent(RESCALED).replace('2.63  1.32"', '2.63  1.62"')
     code, out, _ = verify(tmp_path, planted, capsys=capsys)
-    assert code == 0 and re.search(r"^  main / Broken / Overall .* not checkable: rounding lets it move by 25.*"
-                                   r"more than the default tolerance 0.1 \(10 units of its last printed digit\)",
-                                   out, re.M), out
+    assert code == 0 and re.search(
+        r"^  main / Broken / Overall .* not checkable: rounding lets it move by 25.*"
+        r"more than the default tolerance 0.1 \(10 units of its last printed digit\)",
+        out,
+        re.M,
+    ), out
     assert verify(tmp_path, planted, "--strict", capsys=capsys)[0] == 1
     declared = planted.replace("    range: [0, 100]\n", "    range: [0, 100]\n    decimals: 2\n")
     code, out, _ = verify(tmp_path, declared, capsys=capsys)  # 0.00 is [0, 0.005]: the planted error is caught
@@ -327,12 +351,14 @@ def test_without_a_tolerance_a_window_too_wide_for_the_cells_own_precision_is_no
 def test_the_default_tolerance_scales_with_the_derived_cells_precision(tmp_path, capsys):
     # a plain mean of inputs printed like it: w = 2 units, whatever the scale
     for row in ('"0.412 0.388 0.400"', '"41.2 38.8 40.0"', '"41 39 40"'):
-        text = f'tables: {{t: {{columns: [a, b, m], rows: {{r: {row}}}, derived: {{m: {{mean: [a, b]}}}}}}}}\n'
+        text = f"tables: {{t: {{columns: [a, b, m], rows: {{r: {row}}}, derived: {{m: {{mean: [a, b]}}}}}}}}\n"
         code, out, _ = verify(tmp_path, text, "--strict", capsys=capsys)
         assert code == 0 and "1/1 derived cells agree" in out, out
     # a sum of 12 such inputs: w = 13 units > 10
-    text = ('tables: {t: {columns: [a, s], rows: {r: "1.0 12.0"}, derived_cells: '
-            '[{at: [r, s], expr: "a+a+a+a+a+a+a+a+a+a+a+a"}]}}\n')
+    text = (
+        'tables: {t: {columns: [a, s], rows: {r: "1.0 12.0"}, derived_cells: '
+        '[{at: [r, s], expr: "a+a+a+a+a+a+a+a+a+a+a+a"}]}}\n'
+    )
     code, out, _ = verify(tmp_path, text, capsys=capsys)
     assert "not checkable: rounding lets it move by 1.3, more than the default tolerance 1 " in out, out
 
@@ -360,6 +386,7 @@ def test_a_cell_under_a_derived_column_and_a_derived_row_is_checked_once_by_each
 
 def test_intervals_print_with_enough_digits():
     from mergeval.verify.numbers import show_interval
+
     assert show_interval(0.7415 - 0.742, 0.7425 - 0.742) == "[-0.0005, 0.0005]"
     assert show_interval(12345.675, 12345.685) == "[12345.675, 12345.685]"
     assert show_interval(61.425000000000004, 61.435) == "[61.425, 61.435]"
@@ -369,10 +396,14 @@ def test_intervals_print_with_enough_digits():
 def test_a_missing_name_is_located_at_the_formulas_key(tmp_path, capsys):
     text = doc_spec().replace("(9*ChemBench + 200*MolInst", "(9*ChemBench + 200*MolInstr")
     code, _, err = verify(tmp_path, text, capsys=capsys)
-    assert code == 2 and err.startswith(f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr: "
-                                        "refers to column MolInstr, which table 'main' does not have"), err
-    text = doc_spec().replace('Mean: {expr: "mean(`Step 1`, `Step 2`, `Step 3`)"}',
-                              'Mean: {expr: "mean(`Step 1`, s2, `Step 3`)", with: {s2: [C, Step 2]}}')
+    assert code == 2 and err.startswith(
+        f"mergeval: error: {tmp_path}/my_paper.yaml:tables.main.derived.Overall.expr: "
+        "refers to column MolInstr, which table 'main' does not have"
+    ), err
+    text = doc_spec().replace(
+        'Mean: {expr: "mean(`Step 1`, `Step 2`, `Step 3`)"}',
+        'Mean: {expr: "mean(`Step 1`, s2, `Step 3`)", with: {s2: [C, Step 2]}}',
+    )
     code, _, err = verify(tmp_path, text, capsys=capsys)
     assert code == 2 and "my_paper.yaml:tables.steps.derived.Mean.expr.with.s2: refers to row C," in err, err
 
@@ -434,8 +465,13 @@ def test_quantifiers_leave_derived_summary_rows_and_columns_out(tmp_path):
     assert sorted(k for k in got if k.startswith("every_row")) == ["every_row (r=A)", "every_row (r=B)"]
     assert sorted(k for k in got if k.startswith("every_column")) == ["every_column (c=x)", "every_column (c=y)"]
     with pytest.raises(UserError, match=r"claims.c.is: 'Oracle' is not in t column x.*summaries, not ranked"):
-        load_spec(str(_write(tmp_path, textwrap.dedent(text) + "  - {id: c, says: s, argmax: {table: t, col: x}, "
-                                                               "is: Oracle}\n")))
+        load_spec(
+            str(
+                _write(
+                    tmp_path, textwrap.dedent(text) + "  - {id: c, says: s, argmax: {table: t, col: x}, is: Oracle}\n"
+                )
+            )
+        )
 
 
 @pytest.mark.parametrize("declared,status", [("decimals: 2", "pass"), ("", "undetermined")])

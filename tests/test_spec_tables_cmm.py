@@ -18,13 +18,26 @@ from mergeval.verify import check_tables, evaluate_claim, load_spec
 
 # table -> (rows, columns) in the seed's order
 SHAPES = {
-    "chembench_gpt4_vs_cmm": (["GPT-4", "CMM"],
-                              ["NC", "Property_P", "M2C", "C2M", "Product_P", "RS", "YP", "TP", "SP", "Average"]),
-    "general_domain": (["Meta-Llama-3.1-8B-Instruct", "Hermes-3-Llama-3.1-8B", "Llama-3.1-Tulu-3-8B_hf",
-                        "Llama-3.1-Storm-8B", "Llama-3.1-SuperNova-Lite", "TA", "CMM"],
-                       ["MMLU", "IFEval", "ARC-C", "DROP", "BBH", "GSM8K", "Math", "Avg"]),
-    "overall_without_weak_experts": (["Merged model (without GeLLMO and Meerkat)"],
-                                     ["ChemBench Average", "Mol-Instructions Average", "Overall Average"]),
+    "chembench_gpt4_vs_cmm": (
+        ["GPT-4", "CMM"],
+        ["NC", "Property_P", "M2C", "C2M", "Product_P", "RS", "YP", "TP", "SP", "Average"],
+    ),
+    "general_domain": (
+        [
+            "Meta-Llama-3.1-8B-Instruct",
+            "Hermes-3-Llama-3.1-8B",
+            "Llama-3.1-Tulu-3-8B_hf",
+            "Llama-3.1-Storm-8B",
+            "Llama-3.1-SuperNova-Lite",
+            "TA",
+            "CMM",
+        ],
+        ["MMLU", "IFEval", "ARC-C", "DROP", "BBH", "GSM8K", "Math", "Avg"],
+    ),
+    "overall_without_weak_experts": (
+        ["Merged model (without GeLLMO and Meerkat)"],
+        ["ChemBench Average", "Mol-Instructions Average", "Overall Average"],
+    ),
     "reported_overall": (["CMM", "CMM (reversed merge order)"], ["Overall Average"]),
     "sft": (["sft model"], ["Chembench Average"]),
     "sar_molinst_molecule": (["SAR"], ["Step1", "Step2", "Step3", "Step4", "Step3 (reduced weight)"]),
@@ -53,9 +66,17 @@ PRINTED = {
 }
 
 # the claims over these tables that need no run: each holds on the printed cells
-PUBLISHED_CLAIMS = ["gpt4_stronger_on_chembench", "cmm_competitive_with_gpt4", "cmm_best_general_average",
-                    "weak_experts_help", "curriculum_order_matters", "sft_below_cmm", "sar_rises_when_merged",
-                    "sar_dips_after_later_merge", "sar_follows_weight"]
+PUBLISHED_CLAIMS = [
+    "gpt4_stronger_on_chembench",
+    "cmm_competitive_with_gpt4",
+    "cmm_best_general_average",
+    "weak_experts_help",
+    "curriculum_order_matters",
+    "sft_below_cmm",
+    "sar_rises_when_merged",
+    "sar_dips_after_later_merge",
+    "sar_follows_weight",
+]
 
 
 @pytest.fixture(scope="module")

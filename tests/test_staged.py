@@ -31,6 +31,7 @@ texts = st.lists(st.lists(nll, min_size=1, max_size=8), min_size=1, max_size=8)
 
 # ---- the perplexity metric -------------------------------------------------------------------------------
 
+
 @given(texts)
 def test_perplexity_is_at_least_one(nlls):
     assert perplexity(nlls) >= 1.0
@@ -74,8 +75,7 @@ ppls = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(1.0, 1e4), mi
 @given(ppls, st.data())
 def test_the_reference_shifts_every_stage1_key_alike(cand_a, data):
     tasks = list(cand_a)
-    ref1, ref2, cand_b = (data.draw(st.fixed_dictionaries({t: st.floats(1.0, 1e4) for t in tasks}))
-                          for _ in range(3))
+    ref1, ref2, cand_b = (data.draw(st.fixed_dictionaries({t: st.floats(1.0, 1e4) for t in tasks})) for _ in range(3))
     gap1 = mean_log_ratio(cand_a, ref1) - mean_log_ratio(cand_b, ref1)
     gap2 = mean_log_ratio(cand_a, ref2) - mean_log_ratio(cand_b, ref2)
     assert gap1 == pytest.approx(gap2, abs=1e-9)
@@ -149,8 +149,10 @@ def test_token_nlls_with_logits_kept_from_the_first_answer_equal_all_logits(tiny
 
 # ---- held-out text -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("train", [SimpleNamespace(steps=30, batch_size=16, seed=0),
-                                   SimpleNamespace(steps=6, batch_size=8, seed=3)])
+
+@pytest.mark.parametrize(
+    "train", [SimpleNamespace(steps=30, batch_size=16, seed=0), SimpleNamespace(steps=6, batch_size=8, seed=3)]
+)
 @pytest.mark.parametrize("domain", ["chem_count", "unit_convert"])
 def test_domain_heldout_is_disjoint_from_test_and_training_items(domain, train):
     from mergeval.eval.tasks import GENERATED
@@ -162,8 +164,9 @@ def test_domain_heldout_is_disjoint_from_test_and_training_items(domain, train):
     assert len(held) == len(questions) == 64
     tested = {i["question"] for i in GENERATED[f"mergeval_{domain}"](EVAL_POOL)}  # any benchmark size
     # the training items exactly as models/zoo/experts.py draws them
-    trained, _ = split_items(domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL,
-                             train_seed=train.seed)
+    trained, _ = split_items(
+        domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL, train_seed=train.seed
+    )
     assert not questions & tested
     assert not questions & {i["question"] for i in trained}
     assert domain_heldout(domain, 64, train.steps * train.batch_size, train.seed) == held  # deterministic
@@ -191,6 +194,7 @@ def test_lettered_tasks_get_the_held_out_text_of_their_cloze_task():
 
 # ---- cost accounting and selection -------------------------------------------------------------------------
 
+
 def test_stage2_limit_rounds_up_without_float_noise():
     assert stage2_limit(0.15, 200) == 30 and stage2_limit(0.1, 24) == 3 and stage2_limit(0.01, 5) == 1
     assert stage2_limit(1.0, 7) == 7
@@ -214,8 +218,11 @@ def test_cost_table_of_the_quickstart_sweep():
     assert fractions(table)["forward_passes"] == pytest.approx((1152 + 1440 + 6120) / 19200)
 
 
-@given(st.integers(1, 12), st.lists(st.lists(st.integers(2, 6), min_size=2, max_size=30), min_size=1, max_size=4),
-       st.data())
+@given(
+    st.integers(1, 12),
+    st.lists(st.lists(st.integers(2, 6), min_size=2, max_size=30), min_size=1, max_size=4),
+    st.data(),
+)
 def test_cost_table_sums(n_cand, per_task, data):
     choices = {f"t{i}": c for i, c in enumerate(per_task)}
     n_full = min(len(c) for c in per_task)
@@ -254,6 +261,7 @@ def test_promotion_is_stable_and_skips_the_excluded():
 
 # ---- the plan: candidates validated before any work --------------------------------------------------------
 
+
 def compose_staged(*overrides: str, experiment: str = "tiny_staged"):
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
@@ -268,19 +276,22 @@ def test_the_staged_experiments_compose_into_their_grids():
     assert {c.method.name for c in plan.candidates} == {"task_arithmetic", "ties"}
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["staged.candidates=[{name:ties,densty:0.5}]"], "staged.candidates[0].densty: no such field of method ties"),
-    (["staged.candidates=[{name:ties,lambda_:abc}]"], "staged.candidates[0].lambda_:"),
-    (["staged.candidates=[{name:ties,density:1.5}]"], "staged.candidates[0].density:"),
-    (["staged.candidates=[{lambda_:1.0}]"], "staged.candidates[0].name: missing"),
-    (["staged.candidates=[{name:task_arithmetic,lambda_:0.5}]"], "staged.candidates[0]: candidate task_arithmetic"),
-    (["+staged.grid.nope={lambda_:[1.0]}"], "staged.grid.nope: unknown merge method 'nope'"),
-    (["staged.grid.ties.lambda_=[]"], "staged.grid.ties.lambda_: empty list"),
-    (["staged.stage3_keep=5"], "staged.stage3_keep:"),
-    (["staged.stage2_fraction=0"], "staged.stage2_fraction:"),
-    (["staged.keep_memory=1.5"], "staged.keep_memory:"),
-    (["~staged.grid.task_arithmetic", "~staged.grid.ties"], "staged: no candidates"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["staged.candidates=[{name:ties,densty:0.5}]"], "staged.candidates[0].densty: no such field of method ties"),
+        (["staged.candidates=[{name:ties,lambda_:abc}]"], "staged.candidates[0].lambda_:"),
+        (["staged.candidates=[{name:ties,density:1.5}]"], "staged.candidates[0].density:"),
+        (["staged.candidates=[{lambda_:1.0}]"], "staged.candidates[0].name: missing"),
+        (["staged.candidates=[{name:task_arithmetic,lambda_:0.5}]"], "staged.candidates[0]: candidate task_arithmetic"),
+        (["+staged.grid.nope={lambda_:[1.0]}"], "staged.grid.nope: unknown merge method 'nope'"),
+        (["staged.grid.ties.lambda_=[]"], "staged.grid.ties.lambda_: empty list"),
+        (["staged.stage3_keep=5"], "staged.stage3_keep:"),
+        (["staged.stage2_fraction=0"], "staged.stage2_fraction:"),
+        (["staged.keep_memory=1.5"], "staged.keep_memory:"),
+        (["~staged.grid.task_arithmetic", "~staged.grid.ties"], "staged: no candidates"),
+    ],
+)
 def test_bad_candidates_and_stage_sizes_are_one_user_error(overrides, field):
     cfg = compose_staged(*overrides)
     with pytest.raises(UserError) as err:
@@ -293,16 +304,28 @@ def test_bad_candidates_and_stage_sizes_are_one_user_error(overrides, field):
 # One expert that clearly learned its task (80 steps: unit_convert 0.71 vs the base's 0.21 on 24 items), and
 # three candidates whose order is known by construction: task arithmetic with lambda 0 is the base, lambda 1 is
 # the expert itself (up to float rounding), lambda 8 overshoots the task vector eight times and wrecks the model.
-KNOWN = ["~modelset.experts.chem", "benchmark.tasks=[mergeval_unit_convert,mergeval_general_facts]",
-         "modelset.train.steps=80", "modelset.train.batch_size=16", "~staged.grid.ties"]
+KNOWN = [
+    "~modelset.experts.chem",
+    "benchmark.tasks=[mergeval_unit_convert,mergeval_general_facts]",
+    "modelset.train.steps=80",
+    "modelset.train.batch_size=16",
+    "~staged.grid.ties",
+]
 
 
 @pytest.fixture(scope="module")
 def known(cache):
     from mergeval.staged.pipeline import run_staged
 
-    cfg = compose_staged(*KNOWN, f"cache_dir={cache}", "staged.grid.task_arithmetic.lambda_=[0.0,1.0,8.0]",
-                         "staged.stage1_keep=2", "staged.stage3_keep=1", "staged.full=true", "eval.force=true")
+    cfg = compose_staged(
+        *KNOWN,
+        f"cache_dir={cache}",
+        "staged.grid.task_arithmetic.lambda_=[0.0,1.0,8.0]",
+        "staged.stage1_keep=2",
+        "staged.stage3_keep=1",
+        "staged.full=true",
+        "eval.force=true",
+    )
     return cfg, run_staged(cfg)
 
 
@@ -320,8 +343,7 @@ def test_staged_picks_the_known_best_and_agrees_with_full_evaluation(known):
     assert wrecked.degraded and base.degraded and not expert.degraded
     assert out.stage2 == [expert.label] and out.stage3 == [expert.label]
     assert out.pick == expert.label and out.early_stop is None
-    assert out.comparison == {"full_pick": expert.label, "staged_pick": expert.label, "same_pick": True,
-                              "regret": 0.0}
+    assert out.comparison == {"full_pick": expert.label, "staged_pick": expert.label, "same_pick": True, "regret": 0.0}
 
 
 def test_stage3_scores_equal_a_direct_full_run(known):
@@ -350,7 +372,8 @@ def test_staged_json_is_strict_json_with_the_pick_and_costs(known, tmp_path):
     json.dumps(data, allow_nan=False)  # an overflowing perplexity is written as a string, not Infinity
     assert data["pick"] == out.pick and data["full_comparison"]["same_pick"] is True
     assert data["cost"]["fraction_of_full"]["forward_passes"] == pytest.approx(
-        out.cost["staged"].forward_passes / out.cost["full"].forward_passes)
+        out.cost["staged"].forward_passes / out.cost["full"].forward_passes
+    )
     assert data["config"]["staged"]["stage3_keep"] == 1 and data["versions"]["torch"]
     render(out, "test")
 
@@ -365,8 +388,9 @@ def test_the_pick_runs_as_a_plain_run_of_the_same_merge(cache, tmp_path):
     composed defaults; run, it merges the model the sweep picked (the same fingerprint)."""
     import shlex
 
-    out = staged_cli("~staged.grid.task_arithmetic", "staged.grid.ties.lambda_=[0.7]",
-                     "staged.grid.ties.density=[0.3]", cwd=tmp_path)
+    out = staged_cli(
+        "~staged.grid.task_arithmetic", "staged.grid.ties.lambda_=[0.7]", "staged.grid.ties.density=[0.3]", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(next(tmp_path.rglob("staged.json")).read_text())
     command = data["pick_command"]
@@ -404,10 +428,13 @@ def test_early_stop_when_every_candidate_degrades(cache, tmp_path):
     assert all(m["evaluated"] is None for m in data["constituents"])  # no benchmark ran at all
 
 
-@pytest.mark.parametrize("override,line", [
-    ("staged.candidates=[{name:ties,density:-0.5}]", "mergeval: error: staged.candidates[0].density:"),
-    ("staged.stage1_kep=3", "mergeval: error: staged.stage1_kep: no such field"),
-])
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("staged.candidates=[{name:ties,density:-0.5}]", "mergeval: error: staged.candidates[0].density:"),
+        ("staged.stage1_kep=3", "mergeval: error: staged.stage1_kep: no such field"),
+    ],
+)
 def test_a_bad_candidate_is_one_line_and_exit_2(override, line, cache, tmp_path):
     out = staged_cli(override, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
@@ -433,27 +460,36 @@ def sweep_configs(*jobs: list[str]):
 def test_each_job_of_a_sweep_is_one_candidate_named_by_what_was_swept():
     from mergeval.staged.from_sweep import staged_config
 
-    jobs = [["method=task_arithmetic", "method.lambda_=1.0"], ["method=task_arithmetic", "method.lambda_=2.0"],
-            ["method=ties", "method.lambda_=1.0", "method.density=0.3"]]
+    jobs = [
+        ["method=task_arithmetic", "method.lambda_=1.0"],
+        ["method=task_arithmetic", "method.lambda_=2.0"],
+        ["method=ties", "method.lambda_=1.0", "method.density=0.3"],
+    ]
     cfg = staged_config(sweep_configs(*jobs), ["a", "b", "c"])
     plan = make_plan(cfg.staged, 2)
     # lambda_=1.0 is the default, but it was swept, so it names the candidate; density differs from ties' default
-    assert [c.label for c in plan.candidates] == ["task_arithmetic(lambda_=1.0)", "task_arithmetic(lambda_=2.0)",
-                                                  "ties(density=0.3)"]
+    assert [c.label for c in plan.candidates] == [
+        "task_arithmetic(lambda_=1.0)",
+        "task_arithmetic(lambda_=2.0)",
+        "ties(density=0.3)",
+    ]
     assert plan.candidates[2].config.density == 0.3 and plan.stage1_keep == 4  # the experiment's stage sizes
 
 
-@pytest.mark.parametrize("jobs,line", [
-    ([["method.lambda_=1.0"], ["method.lambda_=2.0", "seed=1"]], "seed: differs between the sweep's jobs (a / b)"),
-    ([["method.lambda_=1.0"], ["method.lambda_=2.0", "eval.batch_size=8"]], "eval.batch_size: differs"),
-    ([["method=ties", "method.density=1.5"]], "method.density: "),
-    ([["method.lambda_=1.0"], ["method.lambda_=1"]], "method: sweep jobs a and b are the same merge"),
-])
+@pytest.mark.parametrize(
+    "jobs,line",
+    [
+        ([["method.lambda_=1.0"], ["method.lambda_=2.0", "seed=1"]], "seed: differs between the sweep's jobs (a / b)"),
+        ([["method.lambda_=1.0"], ["method.lambda_=2.0", "eval.batch_size=8"]], "eval.batch_size: differs"),
+        ([["method=ties", "method.density=1.5"]], "method.density: "),
+        ([["method.lambda_=1.0"], ["method.lambda_=1"]], "method: sweep jobs a and b are the same merge"),
+    ],
+)
 def test_a_sweep_that_is_not_a_set_of_merges_is_one_user_error(jobs, line):
     from mergeval.staged.from_sweep import staged_config
 
     with pytest.raises(UserError) as err:
-        make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][:len(jobs)]).staged, 2)
+        make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][: len(jobs)]).staged, 2)
     assert str(err.value).startswith(line), str(err.value)
 
 
@@ -470,10 +506,22 @@ def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cac
     _, out = known
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = run_module(
-        "mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *KNOWN,
-        "~staged.grid.task_arithmetic", "method=task_arithmetic", "method.lambda_=0.0,1.0,8.0", "staged.stage1_keep=2",
-        "staged.stage3_keep=1", "staged.full=true", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        cwd=tmp_path, env=env, timeout=900)
+        "mergeval",
+        "-m",
+        "+experiment=tiny_staged",
+        "hydra/sweeper=staged",
+        *KNOWN,
+        "~staged.grid.task_arithmetic",
+        "method=task_arithmetic",
+        "method.lambda_=0.0,1.0,8.0",
+        "staged.stage1_keep=2",
+        "staged.stage3_keep=1",
+        "staged.full=true",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        env=env,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((tmp_path / "sweep" / "staged.json").read_text())
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
@@ -495,8 +543,18 @@ def test_the_staged_sweeper_gives_what_python_m_mergeval_staged_gives(known, cac
 
 
 def test_a_bad_swept_value_under_the_staged_sweeper_is_one_line_and_exit_2(cache, tmp_path):
-    run = run_module("mergeval", "-m", "+experiment=tiny_staged", "hydra/sweeper=staged", *NO_GRID, "method=ties",
-                     "method.density=0.5,1.5", cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900)
+    run = run_module(
+        "mergeval",
+        "-m",
+        "+experiment=tiny_staged",
+        "hydra/sweeper=staged",
+        *NO_GRID,
+        "method=ties",
+        "method.density=0.5,1.5",
+        cwd=tmp_path,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        timeout=900,
+    )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: error: method.density:"), run.stderr

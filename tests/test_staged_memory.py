@@ -103,8 +103,10 @@ def both(cache):
     """The tiny staged sweep with and without kept weights, every evaluation run (eval.force)."""
     from mergeval.staged.pipeline import run_staged
 
-    return [run_staged(compose_staged(f"cache_dir={cache}", "eval.force=true", f"staged.keep_memory={share}"))
-            for share in (0.25, 0.0)]
+    return [
+        run_staged(compose_staged(f"cache_dir={cache}", "eval.force=true", f"staged.keep_memory={share}"))
+        for share in (0.25, 0.0)
+    ]
 
 
 def test_keeping_weights_changes_no_result_and_saves_the_later_stages_merges(both):
@@ -114,8 +116,16 @@ def test_keeping_weights_changes_no_result_and_saves_the_later_stages_merges(bot
         assert (a.perplexity, a.stage2, a.stage3) == (b.perplexity, b.stage2, b.stage3), a.label
     assert (kept.stage2, kept.stage3, kept.pick) == (again.stage2, again.stage3, again.pick)
     n = len(kept.candidates)
-    assert kept.merges == {"kept_between_stages": len(kept.stage2), "merged": n, "constituents_in_memory": True,
-                           "kept_bytes_peak": kept.merges["kept_bytes_peak"]}
+    assert kept.merges == {
+        "kept_between_stages": len(kept.stage2),
+        "merged": n,
+        "constituents_in_memory": True,
+        "kept_bytes_peak": kept.merges["kept_bytes_peak"],
+    }
     assert kept.merges["kept_bytes_peak"] > 0
-    assert again.merges == {"kept_between_stages": 0, "merged": n + len(again.stage2) + len(again.stage3),
-                            "constituents_in_memory": True, "kept_bytes_peak": 0}
+    assert again.merges == {
+        "kept_between_stages": 0,
+        "merged": n + len(again.stage2) + len(again.stage3),
+        "constituents_in_memory": True,
+        "kept_bytes_peak": 0,
+    }

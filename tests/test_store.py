@@ -21,17 +21,30 @@ from mergeval.core.errors import UserError
 from mergeval.results.store import SCHEMA_VERSION, Store, StoreError, merge_key
 from tests.test_cli import mergeval
 
-SCORES = {"a": {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 10},
-          "b": {"metric": "acc,none", "value": 0.25, "stderr": 0.05, "n": 20}}
+SCORES = {
+    "a": {"metric": "acc,none", "value": 0.5, "stderr": 0.1, "n": 10},
+    "b": {"metric": "acc,none", "value": 0.25, "stderr": 0.05, "n": 20},
+}
 DIGESTS = {"a": "d1", "b": "d2"}
 SETTINGS = {"limit": None, "dtype": "bfloat16"}
-FINISH = {"result_path": "/job/result.json", "aggregates": {"macro_gain": 1.0}, "timings": {"merge": 0.1},
-          "models": [{"role": "base", "fingerprint": "fp"}], "scores": {"a": {"merged": SCORES["a"]}}}
+FINISH = {
+    "result_path": "/job/result.json",
+    "aggregates": {"macro_gain": 1.0},
+    "timings": {"merge": 0.1},
+    "models": [{"role": "base", "fingerprint": "fp"}],
+    "scores": {"a": {"merged": SCORES["a"]}},
+}
 
 
 def start(store: Store, run_id: str, method: str = "ties", experiment: str = "tiny", **method_cfg) -> None:
-    store.start_run(run_id, experiment=experiment, method=method, config={"method": {"name": method, **method_cfg}},
-                    versions={"lm_eval": "0.4.13"}, git={"commit": "abc", "dirty": False})
+    store.start_run(
+        run_id,
+        experiment=experiment,
+        method=method,
+        config={"method": {"name": method, **method_cfg}},
+        versions={"lm_eval": "0.4.13"},
+        git={"commit": "abc", "dirty": False},
+    )
 
 
 def integrity(path: Path) -> str:
@@ -65,8 +78,10 @@ def composed(*overrides: str):
         return compose("config", overrides=["+experiment=tiny", *overrides])
 
 
-@pytest.mark.parametrize("override,key", [("benchmark.limit=5", "limit"), ("benchmark.num_fewshot=2", "num_fewshot"),
-                                          ("eval.dtype=bfloat16", "dtype")])
+@pytest.mark.parametrize(
+    "override,key",
+    [("benchmark.limit=5", "limit"), ("benchmark.num_fewshot=2", "num_fewshot"), ("eval.dtype=bfloat16", "dtype")],
+)
 def test_each_setting_of_the_run_is_a_cache_key(override, key, tmp_path):
     from mergeval.eval.settings import eval_settings
 
@@ -132,8 +147,11 @@ class TiesLike:
     lambda_: float = 1.0
 
 
-@given(st.lists(st.text(min_size=1, max_size=6), min_size=2, max_size=4, unique=True),
-       st.floats(0.01, 1, allow_nan=False), st.integers(0, 5))
+@given(
+    st.lists(st.text(min_size=1, max_size=6), min_size=2, max_size=4, unique=True),
+    st.floats(0.01, 1, allow_nan=False),
+    st.integers(0, 5),
+)
 def test_merge_key_changes_with_every_input(fps, density, seed):
     key = merge_key(fps, TiesLike(density=density), seed)
     assert key == merge_key(list(fps), {"lambda_": 1.0, "density": density, "name": "ties"}, seed)  # dataclass = dict
@@ -164,8 +182,13 @@ def test_models_keep_source_and_architecture(tmp_path):
     store = Store(tmp_path / "r.sqlite")
     store.put_model("fp", "zoo:tiny", {"hidden_size": 32}, "/models/tiny", weights="w")
     store.put_model("fp", "a copy", None, "/elsewhere")
-    assert store.model("fp") == {"fingerprint": "fp", "source": "zoo:tiny", "architecture": {"hidden_size": 32},
-                                 "path": "/models/tiny", "weights": "w"}
+    assert store.model("fp") == {
+        "fingerprint": "fp",
+        "source": "zoo:tiny",
+        "architecture": {"hidden_size": 32},
+        "path": "/models/tiny",
+        "weights": "w",
+    }
     assert store.model("unknown") is None
 
 
@@ -185,8 +208,14 @@ CLAIMER = textwrap.dedent("""
 def test_parallel_jobs_evaluate_a_model_once(tmp_path):
     root = Path(__file__).resolve().parents[1]
     store = Store(tmp_path / "r.sqlite")
-    other = subprocess.Popen([sys.executable, "-c", CLAIMER, str(store.path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    other = subprocess.Popen(
+        [sys.executable, "-c", CLAIMER, str(store.path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
     assert other.stdout.readline() == "claimed\n"
     waits = []
 
@@ -286,8 +315,10 @@ def test_processes_opening_a_new_store_at_once_all_get_in(tmp_path):
     processes, rounds = 4, 150
     ctx = multiprocessing.get_context("spawn")
     barrier, failures = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_open_fresh_stores, args=(str(tmp_path), rounds, barrier, failures))
-             for _ in range(processes)]
+    procs = [
+        ctx.Process(target=_open_fresh_stores, args=(str(tmp_path), rounds, barrier, failures))
+        for _ in range(processes)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -315,11 +346,15 @@ def test_four_parallel_writers_lose_no_row(tmp_path):
     runs = store.runs(status="finished")
     assert len(runs) == workers * n_runs == len(store.runs())
     assert {(r["aggregates"]["worker"], r["aggregates"]["i"]) for r in runs} == {
-        (w, i) for w in range(workers) for i in range(n_runs)}
+        (w, i) for w in range(workers) for i in range(n_runs)
+    }
     with sqlite3.connect(path) as db:
         count = {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("evaluations", "models", "merges")}
-    assert count == {"evaluations": (workers * n_runs + 1) * len(DIGESTS), "models": workers * n_runs,
-                     "merges": workers * n_runs}
+    assert count == {
+        "evaluations": (workers * n_runs + 1) * len(DIGESTS),
+        "models": workers * n_runs,
+        "merges": workers * n_runs,
+    }
 
 
 WRITER = textwrap.dedent("""
@@ -346,8 +381,13 @@ def test_a_writer_killed_mid_loop_leaves_a_consistent_store(tmp_path):
     # killed while scoring, while finishing, while starting the next run
     crashes = ((0, 5, "started"), (1000, 12, "scored"), (2000, 20, "finished"))
     for n_crashes, (first, kill_after, step) in enumerate(crashes, 1):
-        child = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(first)], stdout=subprocess.PIPE,
-                                 text=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+        child = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), str(first)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env=dict(os.environ, PYTHONPATH=str(root)),
+        )
         for line in child.stdout:
             if line.split() == [str(first + kill_after), step]:
                 break
@@ -393,20 +433,30 @@ def test_a_v1_store_is_migrated_in_place(tmp_path):
     from mergeval.results.store import settings_hash
 
     path = tmp_path / "v1.sqlite"
-    result = {"versions": {"lm_eval": "0.4.13"}, "git": {"commit": "abc", "dirty": False}, "timings_s": {"merge": 2.0},
-              "models": [{"role": "base", "fingerprint": "fp"}], "scores": {"a": {"base": SCORES["a"]}}}
+    result = {
+        "versions": {"lm_eval": "0.4.13"},
+        "git": {"commit": "abc", "dirty": False},
+        "timings_s": {"merge": 2.0},
+        "models": [{"role": "base", "fingerprint": "fp"}],
+        "scores": {"a": {"base": SCORES["a"]}},
+    }
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "result.json").write_text(json.dumps(result))
     with sqlite3.connect(path) as db:
         db.executescript(V1_DDL)
-        db.execute("INSERT INTO evaluations VALUES ('fp','d1',?,'a',?,0.5,0.1,10,1.0)",
-                   (settings_hash(SETTINGS), json.dumps(SETTINGS)))
-        db.execute("INSERT INTO evaluations VALUES ('fp','d2',?,'b',?,0.25,0.05,20,1.0)",
-                   (settings_hash(SETTINGS), json.dumps(SETTINGS)))
+        db.execute(
+            "INSERT INTO evaluations VALUES ('fp','d1',?,'a',?,0.5,0.1,10,1.0)",
+            (settings_hash(SETTINGS), json.dumps(SETTINGS)),
+        )
+        db.execute(
+            "INSERT INTO evaluations VALUES ('fp','d2',?,'b',?,0.25,0.05,20,1.0)",
+            (settings_hash(SETTINGS), json.dumps(SETTINGS)),
+        )
         for run_id, result_path in (("kept", tmp_path / "job" / "result.json"), ("gone", tmp_path / "gone.json")):
-            db.execute("INSERT INTO runs VALUES (?,100.0,?,'quickstart','ties',?,?)",
-                       (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}),
-                        json.dumps({"macro_gain": 2.5})))
+            db.execute(
+                "INSERT INTO runs VALUES (?,100.0,?,'quickstart','ties',?,?)",
+                (run_id, str(result_path), json.dumps({"method": {"name": "ties"}}), json.dumps({"macro_gain": 2.5})),
+            )
     store = Store(path)
     assert store.schema_version() == SCHEMA_VERSION == 7
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES  # evaluations survive
@@ -431,17 +481,21 @@ def test_a_v2_store_keeps_its_evaluations_as_acc(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         db.execute("INSERT INTO meta VALUES ('schema_version', '2')")
-        db.execute("CREATE TABLE evaluations (model_fingerprint TEXT NOT NULL, task_digest TEXT NOT NULL, "
-                   "settings_hash TEXT NOT NULL, task TEXT NOT NULL, settings TEXT NOT NULL, acc REAL NOT NULL, "
-                   "stderr REAL NOT NULL, n INTEGER NOT NULL, created REAL NOT NULL, samples_path TEXT, "
-                   "PRIMARY KEY (model_fingerprint, task_digest, settings_hash))")
+        db.execute(
+            "CREATE TABLE evaluations (model_fingerprint TEXT NOT NULL, task_digest TEXT NOT NULL, "
+            "settings_hash TEXT NOT NULL, task TEXT NOT NULL, settings TEXT NOT NULL, acc REAL NOT NULL, "
+            "stderr REAL NOT NULL, n INTEGER NOT NULL, created REAL NOT NULL, samples_path TEXT, "
+            "PRIMARY KEY (model_fingerprint, task_digest, settings_hash))"
+        )
         db.execute(_RUNS_V2.format(name="runs"))
         for statement in _NEW_IN_V2:
             db.execute(statement)
         for task, digest in DIGESTS.items():
             s = SCORES[task]
-            db.execute("INSERT INTO evaluations VALUES ('fp',?,?,?,?,?,?,?,1.0,'/s.jsonl')",
-                       (digest, settings_hash(SETTINGS), task, json.dumps(SETTINGS), s["value"], s["stderr"], s["n"]))
+            db.execute(
+                "INSERT INTO evaluations VALUES ('fp',?,?,?,?,?,?,?,1.0,'/s.jsonl')",
+                (digest, settings_hash(SETTINGS), task, json.dumps(SETTINGS), s["value"], s["stderr"], s["n"]),
+            )
     store = Store(path)
     assert store.schema_version() == SCHEMA_VERSION and integrity(path) == "ok"
     assert store.get_scores("fp", DIGESTS, SETTINGS) == SCORES
@@ -462,11 +516,15 @@ def test_a_v3_store_keeps_its_runs_and_gains_interrupted(tmp_path):
         db.execute(_RUNS_V2.format(name="runs"))
         for statement in _NEW_IN_V2:
             db.execute(statement)
-        db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git) "
-                   "VALUES ('old-running', 1.0, 'running', 'e', 'm', '{}', '{}', '{}')")
-        db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, timings, "
-                   "aggregates, models, scores, result_path, finished) VALUES ('old-done', 2.0, 'finished', 'e', "
-                   "'m', '{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)")
+        db.execute(
+            "INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git) "
+            "VALUES ('old-running', 1.0, 'running', 'e', 'm', '{}', '{}', '{}')"
+        )
+        db.execute(
+            "INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, timings, "
+            "aggregates, models, scores, result_path, finished) VALUES ('old-done', 2.0, 'finished', 'e', "
+            "'m', '{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)"
+        )
     store = Store(path)
     assert store.schema_version() == SCHEMA_VERSION and integrity(path) == "ok"
     assert store.run("old-running")["status"] == "running" and store.run("old-running")["pid"] is None
@@ -539,13 +597,20 @@ def test_a_run_reuses_the_evaluations_of_tasks_its_other_settings_cannot_change(
     store = tmp_path / "store.sqlite"
     first = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=0", cwd=tmp_path)
     assert first.returncode == 0 and first.stdout.count(": evaluating on ") == 4, first.stderr[-2000:]
-    other = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=null",
-                     "eval.gen_kwargs={max_gen_toks:8}", "hydra.run.dir=other", cwd=tmp_path)
+    other = mergeval(
+        "+experiment=tiny",
+        f"store.path={store}",
+        "benchmark.num_fewshot=null",
+        "eval.gen_kwargs={max_gen_toks:8}",
+        "hydra.run.dir=other",
+        cwd=tmp_path,
+    )
     assert other.returncode == 0 and ": evaluating on " not in other.stdout, other.stdout[-2000:]
     result = json.loads(Path(other.stdout.split("result: ")[-1].strip()).read_text())
     assert {t: s["num_fewshot"] for t, s in result["task_settings"].items()} == dict.fromkeys(result["tasks"], 0)
-    shots = mergeval("+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=2", "hydra.run.dir=shots",
-                     cwd=tmp_path)
+    shots = mergeval(
+        "+experiment=tiny", f"store.path={store}", "benchmark.num_fewshot=2", "hydra.run.dir=shots", cwd=tmp_path
+    )
     assert shots.returncode == 0 and shots.stdout.count(": evaluating on ") == 4
     with sqlite3.connect(store) as db:  # a 0-shot run without kwargs keeps the key a task always had
         keys = {k for (k,) in db.execute("SELECT DISTINCT settings_hash FROM evaluations")}
@@ -576,8 +641,10 @@ def test_the_results_table_shows_what_tells_a_methods_runs_apart(tmp_path, capsy
     assert "\n  ties (all 3 runs): density=0.5 sign_rule=sum\nwrote 4 row(s)" in out
     assert next(csv.DictReader((tmp_path / "all.csv").open()))["params"] == "lambda_=0.5 density=0.5 sign_rule=sum"
     # the values that differ, in the config's order (as a run listed once shows its own)
-    swept = [{"method": "dare_ties", "config": {"method": {"name": "dare_ties", "lambda_": lam, "density": d}}}
-             for lam, d in ((0.5, 0.3), (1.0, 0.7))]
+    swept = [
+        {"method": "dare_ties", "config": {"method": {"name": "dare_ties", "lambda_": lam, "density": d}}}
+        for lam, d in ((0.5, 0.3), (1.0, 0.7))
+    ]
     assert results.shown_params(swept) == (["lambda_=0.5 density=0.3", "lambda_=1.0 density=0.7"], [])
     assert results.main([*args, "--method", "ties", "--since", "2999-01-01"]) == 0  # nothing listed: no footer
     assert "left out" not in capsys.readouterr().out
@@ -602,11 +669,26 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     for i, method in enumerate(["ties", "linear", "ties"]):
         start(store, f"run{i}", method, **({"density": 0.5} if method == "ties" else {}))
         if i < 2:
-            store.finish_run(f"run{i}", **dict(FINISH, aggregates={"macro_gain": 1.5 + i, "macro_og": -0.5,
-                                                                    "normalized_mean": None}))
+            store.finish_run(
+                f"run{i}", **dict(FINISH, aggregates={"macro_gain": 1.5 + i, "macro_og": -0.5, "normalized_mean": None})
+            )
     args = ["--store", str(tmp_path / "r.sqlite")]
-    assert results.main([*args, "--method", "ties", "--status", "finished", "--csv", str(tmp_path / "t.csv"),
-                         "--parquet", str(tmp_path / "t.parquet")]) == 0
+    assert (
+        results.main(
+            [
+                *args,
+                "--method",
+                "ties",
+                "--status",
+                "finished",
+                "--csv",
+                str(tmp_path / "t.csv"),
+                "--parquet",
+                str(tmp_path / "t.parquet"),
+            ]
+        )
+        == 0
+    )
     (row,) = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert row["run_id"] == "run0" and row["params"] == "density=0.5" and float(row["macro_gain"]) == 1.5
     assert row["commit"] == "abc" and row["merged:a"] == "0.5"
@@ -622,11 +704,18 @@ def test_results_command_lists_filters_and_exports(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("mergeval: error: --since:")
     assert results.main(["--store", str(tmp_path / "missing.sqlite")]) == 2
     # --experiment is the modelset: runs of quickstart_registry are told apart by their benchmark
-    store.start_run("reg", experiment="quickstart", method="ties", versions={}, git={},
-                    config={"method": {"name": "ties"}, "benchmark": {"name": "quickstart_registry"}})
+    store.start_run(
+        "reg",
+        experiment="quickstart",
+        method="ties",
+        versions={},
+        git={},
+        config={"method": {"name": "ties"}, "benchmark": {"name": "quickstart_registry"}},
+    )
     assert results.main([*args, "--benchmark", "quickstart_registry", "--csv", str(tmp_path / "b.csv")]) == 0
-    assert [(r["run_id"], r["benchmark"]) for r in csv.DictReader((tmp_path / "b.csv").open())] == \
-        [("reg", "quickstart_registry")]
+    assert [(r["run_id"], r["benchmark"]) for r in csv.DictReader((tmp_path / "b.csv").open())] == [
+        ("reg", "quickstart_registry")
+    ]
 
 
 def test_each_task_is_keyed_by_the_settings_it_can_tell_apart(tmp_path):
@@ -637,8 +726,7 @@ def test_each_task_is_keyed_by_the_settings_it_can_tell_apart(tmp_path):
 
     zero_shot, gen = {"num_fewshot": 0, "generates": False}, {"num_fewshot": 0, "generates": True}
     quickstart = PerTask({**SETTINGS, "num_fewshot": 0}, {"a": zero_shot, "b": gen})
-    registry = PerTask({**SETTINGS, "num_fewshot": None, "gen_kwargs": {"max_gen_toks": 8}},
-                       {"a": zero_shot, "b": gen})
+    registry = PerTask({**SETTINGS, "num_fewshot": None, "gen_kwargs": {"max_gen_toks": 8}}, {"a": zero_shot, "b": gen})
     store = Store(tmp_path / "r.sqlite")
     store.put_scores("fp", DIGESTS, quickstart, SCORES)
     assert store.get_scores("fp", DIGESTS, quickstart) == SCORES
@@ -657,9 +745,13 @@ def test_each_task_is_keyed_by_the_settings_it_can_tell_apart(tmp_path):
 _SETTING_VALUES = st.one_of(st.none(), st.integers(0, 8), st.text(max_size=3))
 
 
-@given(run=st.dictionaries(st.sampled_from(["limit", "dtype", "num_fewshot", "fewshot", "gen_kwargs", "backend"]),
-                           _SETTING_VALUES),
-       count=st.integers(0, 8), generates=st.booleans())
+@given(
+    run=st.dictionaries(
+        st.sampled_from(["limit", "dtype", "num_fewshot", "fewshot", "gen_kwargs", "backend"]), _SETTING_VALUES
+    ),
+    count=st.integers(0, 8),
+    generates=st.booleans(),
+)
 def test_a_tasks_settings_replace_only_what_the_task_can_tell(run, count, generates):
     """task_settings: the run's settings with the task's count, without per-entry counts, with generation
     kwargs only for a generating task; equal to the run's (the key every task had before) where nothing
@@ -669,8 +761,9 @@ def test_a_tasks_settings_replace_only_what_the_task_can_tell(run, count, genera
     own = task_settings(run, count, generates)
     assert own["num_fewshot"] == count and "fewshot" not in own
     assert ("gen_kwargs" in own) == (generates and bool(run.get("gen_kwargs")))
-    assert {k: v for k, v in own.items() if k not in ("num_fewshot", "gen_kwargs")} == \
-        {k: v for k, v in run.items() if k not in ("num_fewshot", "gen_kwargs", "fewshot")}
+    assert {k: v for k, v in own.items() if k not in ("num_fewshot", "gen_kwargs")} == {
+        k: v for k, v in run.items() if k not in ("num_fewshot", "gen_kwargs", "fewshot")
+    }
     same_count = "num_fewshot" in run and run["num_fewshot"] == count
     kwargs_kept = "gen_kwargs" not in run or (generates and bool(run["gen_kwargs"]))
     if same_count and "fewshot" not in run and kwargs_kept:
@@ -733,8 +826,12 @@ def test_a_merge_key_changes_with_the_methods_implementation_version(monkeypatch
     import hashlib
     import json
 
-    assert unchanged == hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"),
-                                                  default=str).encode()).hexdigest()[:32]
+    assert (
+        unchanged
+        == hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()[
+            :32
+        ]
+    )
 
 
 def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tmp_path, cache, monkeypatch):
@@ -748,8 +845,13 @@ def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tm
     monkeypatch.setattr(app, "release_memory", lambda: calls.append(1))
     load_tokenizer = app.load_tokenizer
     monkeypatch.setattr(app, "load_tokenizer", lambda *a, **k: tokenizers.append(1) or load_tokenizer(*a, **k))
-    settings = ["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1", "eval.dtype=float32",
-                f"store.path={tmp_path / 'store.sqlite'}"]
+    settings = [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "modelset.train.steps=1",
+        "eval.dtype=float32",
+        f"store.path={tmp_path / 'store.sqlite'}",
+    ]
     first = app.run(compose_run_config(settings), tmp_path / "first")
     assert [m.evaluated for m in first.models] == ["this run"] * 4 and len(calls) == 4
     calls.clear()
@@ -762,10 +864,18 @@ def test_a_model_whose_scores_all_come_from_the_store_costs_no_memory_release(tm
     assert len(tokenizers) == 2 and reused.models[-1].merge == "reused from the results store"
 
 
-@pytest.mark.parametrize("url,ok", [("postgres//localhost/db", False), ("postgresql:/host/db", False),
-                                    ("sqlite:/tmp/r.sqlite", False), ("runs//r.sqlite", False),
-                                    ("runs/r.sqlite", True), ("sqlite:///r.sqlite", True),
-                                    ("postgres_runs.sqlite", True)])
+@pytest.mark.parametrize(
+    "url,ok",
+    [
+        ("postgres//localhost/db", False),
+        ("postgresql:/host/db", False),
+        ("sqlite:/tmp/r.sqlite", False),
+        ("runs//r.sqlite", False),
+        ("runs/r.sqlite", True),
+        ("sqlite:///r.sqlite", True),
+        ("postgres_runs.sqlite", True),
+    ],
+)
 def test_a_store_url_that_misses_its_scheme_separator_is_refused(url, ok, tmp_path, monkeypatch):
     """``postgres//localhost/db`` once made a new SQLite file at that relative path and the run went there."""
     from omegaconf import OmegaConf
@@ -809,9 +919,11 @@ def test_a_damaged_row_that_passes_the_integrity_check_is_reported_once_and_skip
     got = store.stored_scores("fp", DIGESTS, SETTINGS)
     assert "a" not in got and "b" in got  # the damaged task counts as not stored: it is evaluated again
     said = capsys.readouterr().err.strip().splitlines()
-    assert said == [f"mergeval: results store {path}: run bad is damaged (config: not UTF-8 text); left out",
-                    f"mergeval: results store {path}: the evaluation of a by model fp is damaged (metrics: not "
-                    "valid JSON); it is evaluated again and the row replaced"]
+    assert said == [
+        f"mergeval: results store {path}: run bad is damaged (config: not UTF-8 text); left out",
+        f"mergeval: results store {path}: the evaluation of a by model fp is damaged (metrics: not "
+        "valid JSON); it is evaluated again and the row replaced",
+    ]
     store.put_scores("fp", {"a": DIGESTS["a"]}, SETTINGS, {"a": SCORES["a"]})  # the re-evaluation replaces it
     assert store.stored_scores("fp", DIGESTS, SETTINGS) == store.get_scores("fp", DIGESTS, SETTINGS)
     assert set(store.get_scores("fp", DIGESTS, SETTINGS)) == set(DIGESTS)
@@ -824,9 +936,11 @@ def test_the_results_command_lists_the_rest_of_a_store_with_a_damaged_run(tmp_pa
         store.start_run(run_id, experiment="e", method="m", config={"seed": 0}, versions={}, git={})
     with sqlite3.connect(path) as db:
         db.execute("UPDATE runs SET experiment=CAST(X'80' AS TEXT) WHERE run_id='bad'")
-    out = subprocess.run([sys.executable, "-m", "mergeval.results", "--store", str(path)], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mergeval.results", "--store", str(path)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
-        f"mergeval: results store {path}: run bad is damaged (experiment: not UTF-8 text); left out"]
+        f"mergeval: results store {path}: run bad is damaged (experiment: not UTF-8 text); left out"
+    ]
     assert "good"[:8] in out.stdout or "running" in out.stdout

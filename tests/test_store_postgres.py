@@ -54,8 +54,9 @@ def store_location(request, tmp_path) -> str:
 
 
 def child(script: str, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), **popen)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], cwd=ROOT, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), **popen
+    )
 
 
 def scores(i: int) -> dict:
@@ -190,8 +191,10 @@ def test_results_and_report_read_a_server_store(pg_server, tmp_path, capsys):
     url = pg_server.new_database()
     store = Store(url)
     fill_store(store)
-    assert results.main(["--store", url, "--method", "ties", "--status", "finished", "--csv",
-                         str(tmp_path / "t.csv")]) == 0
+    assert (
+        results.main(["--store", url, "--method", "ties", "--status", "finished", "--csv", str(tmp_path / "t.csv")])
+        == 0
+    )
     rows = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert len(rows) == 3 and {r["method"] for r in rows} == {"ties"}
     shown = capsys.readouterr().out
@@ -226,8 +229,13 @@ def test_server_faults_are_one_line_naming_store_url(pg_server, tmp_path):
         db.execute("CREATE TABLE meta (name TEXT)")
     assert "tables that are not a mergeval store's" in opened(foreign)
     # through the command line: one line, exit 2, before any model is loaded
-    out = run_module("mergeval", f"store.url={pg_server.url(port=free_port())}", f"cache_dir={tmp_path / 'cache'}",
-                     cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"))
+    out = run_module(
+        "mergeval",
+        f"store.url={pg_server.url(port=free_port())}",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"),
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("mergeval: error: store.url: cannot reach the PostgreSQL server"), lines[0]

@@ -38,9 +38,11 @@ def test_a_v4_store_gains_config_hash_and_keeps_its_rows(tmp_path):
         for statement in _CURRENT + _NEW_IN_V2:
             db.execute(statement)
         db.execute("INSERT INTO meta VALUES ('schema_version', '4')")
-        db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, timings, "
-                   "aggregates, models, scores, result_path, finished) VALUES ('old', 2.0, 'finished', 'e', 'm', "
-                   "'{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)")
+        db.execute(
+            "INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, timings, "
+            "aggregates, models, scores, result_path, finished) VALUES ('old', 2.0, 'finished', 'e', 'm', "
+            "'{}', '{}', '{}', '{}', '{\"macro_gain\": 1.5}', '[]', '{}', '/r.json', 3.0)"
+        )
         db.execute("INSERT INTO claims VALUES ('fp', 's', 't', 'elsewhere', 1, 5.0)")
     store = Store(path)
     assert store.schema_version() == SCHEMA_VERSION == 7 and integrity(path) == "ok"

@@ -27,8 +27,12 @@ from mergeval.run.config import register_configs
 from tests.child import default_signals
 
 LAMBDAS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-SWEEP = ["+experiment=tiny", "benchmark.limit=8", "method=task_arithmetic,ties",
-         f"method.lambda_={','.join(map(str, LAMBDAS))}"]
+SWEEP = [
+    "+experiment=tiny",
+    "benchmark.limit=8",
+    "method=task_arithmetic,ties",
+    f"method.lambda_={','.join(map(str, LAMBDAS))}",
+]
 CONFIGS = {(m, lam) for m in ("task_arithmetic", "ties") for lam in LAMBDAS}
 RAY_LAMBDAS = (0.5, 2.0)
 RAY_SWEEP = [*SWEEP[:-1], f"method.lambda_={','.join(map(str, RAY_LAMBDAS))}"]
@@ -52,8 +56,7 @@ def finished_rows(store: Path) -> list[tuple]:
         found = []
         for config_hash, config, aggregates, scores in rows.fetchall():
             method = json.loads(config)["method"]
-            found.append((config_hash, method["name"], method["lambda_"], json.loads(aggregates),
-                          json.loads(scores)))
+            found.append((config_hash, method["name"], method["lambda_"], json.loads(aggregates), json.loads(scores)))
     return found
 
 
@@ -75,8 +78,7 @@ def kill_after_progress(cmd: list[str], cwd: Path, store: Path, rng: random.Rand
     resume all finished within the random wait, and the kill found nothing left to interrupt."""
     before = count_finished(store)
     with log.open("a") as out:
-        sweep = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        sweep = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         while count_finished(store) <= before and sweep.poll() is None:
             time.sleep(0.2)
         deadline = time.monotonic() + rng.uniform(0, 4)
@@ -128,8 +130,16 @@ def test_an_interrupted_parallel_sweep_ends_in_one_line_and_leaves_no_run_runnin
     warned on stderr about the semaphores the workers held."""
     store = tmp_path / "runs.sqlite"
     cmd = command("hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"store.path={store}", *SWEEP)
-    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True, preexec_fn=default_signals)
+    sweep = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_signals,
+    )
     try:
         while count_running(store) == 0 and sweep.poll() is None:  # a worker runs a job
             time.sleep(0.05)
@@ -185,11 +195,19 @@ def test_the_config_hash_is_the_one_the_job_recorded(joblib_sweep):
         base = ["+experiment=tiny", "benchmark.limit=8", "method=ties", "method.lambda_=1.5"]
         cfg = compose("config", overrides=[*base, f"store.path={joblib_sweep['store']}"])
         assert config_hash(cfg) == recorded[("ties", 1.5)]
-        same = compose("config", overrides=[*base, "store.path=/elsewhere.sqlite", "cache_dir=/tmp/c",
-                                            "sweep.resume=false", "verbose=true", "eval.force=true"])
+        same = compose(
+            "config",
+            overrides=[
+                *base,
+                "store.path=/elsewhere.sqlite",
+                "cache_dir=/tmp/c",
+                "sweep.resume=false",
+                "verbose=true",
+                "eval.force=true",
+            ],
+        )
         assert config_hash(same) == config_hash(cfg)
-        for change in ("method.lambda_=1.4", "seed=1", "eval.dtype=bfloat16", "benchmark.limit=9",
-                       "save_merged=true"):
+        for change in ("method.lambda_=1.4", "seed=1", "eval.dtype=bfloat16", "benchmark.limit=9", "save_merged=true"):
             other = compose("config", overrides=[*base, change])
             assert config_hash(other) != config_hash(cfg), change
 
@@ -218,9 +236,11 @@ def test_progress_counts_best_and_time_left(tmp_path):
     from mergeval.run.progress import SweepJob, SweepProgress
 
     now = 1000.0
-    runs = {"a": {"finished": now - 50, "aggregates": {"macro_gain": 3.0}},  # before the sweep
-            "b": {"finished": now + 20, "aggregates": {"macro_gain": 7.5, "forgetting": {"mean": 0.1}}},
-            "c": {"finished": now + 40, "aggregates": {"macro_gain": -2.0, "forgetting": {"mean": -0.3}}}}
+    runs = {
+        "a": {"finished": now - 50, "aggregates": {"macro_gain": 3.0}},  # before the sweep
+        "b": {"finished": now + 20, "aggregates": {"macro_gain": 7.5, "forgetting": {"mean": 0.1}}},
+        "c": {"finished": now + 40, "aggregates": {"macro_gain": -2.0, "forgetting": {"mean": -0.3}}},
+    }
 
     class Store:
         def finished_run(self, config_hash):
@@ -233,7 +253,8 @@ def test_progress_counts_best_and_time_left(tmp_path):
     assert (tally.done, tally.before) == (3, 1)
     # 2 jobs ran in 40 s, 3 are left: 60 s
     assert progress.line(tally, now=now + 40) == (
-        "mergeval: sweep 3/6 done (1 finished before) · best macro_gain +7.50 (method.lambda_=b) · about 1m00s left")
+        "mergeval: sweep 3/6 done (1 finished before) · best macro_gain +7.50 (method.lambda_=b) · about 1m00s left"
+    )
     least = SweepProgress(jobs, Store(), best="forgetting.mean", minimize=True)
     least.started = now
     assert least.tally().best == (-0.3, "method.lambda_=c")
@@ -267,9 +288,12 @@ def test_the_watching_thread_prints_the_time_left_while_jobs_run():
     progress.stop(final=True)
     lines = out.getvalue().splitlines()
     assert lines[0] == "mergeval: sweep 0/3 done", lines
-    assert lines[1].startswith("mergeval: sweep 1/3 done · best macro_gain +2.00 (a) · about ") and \
-        lines[1].endswith(" left"), lines
-    assert len(lines) == 3 and lines[2].startswith("mergeval: sweep 3/3 done · best macro_gain +2.00 (a) · took "), lines
+    assert lines[1].startswith("mergeval: sweep 1/3 done · best macro_gain +2.00 (a) · about ") and lines[1].endswith(
+        " left"
+    ), lines
+    assert len(lines) == 3 and lines[2].startswith("mergeval: sweep 3/3 done · best macro_gain +2.00 (a) · took "), (
+        lines
+    )
 
 
 def test_the_final_line_is_written_even_when_the_watching_thread_failed_to_write():
@@ -316,12 +340,16 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
     assert jobs == [[f"method={m}", "+experiment=cmm_mini", "benchmark.n_items=20"] for m in methods]
     assert sweep_jobs(["-m", "+experiment=cmm_mini", "benchmark.n_items=20"]) == jobs
     assert sweep_jobs(["+experiment=cmm_mini", "method=cmm,cmm_reverse"]) == [
-        ["method=cmm", "+experiment=cmm_mini"], ["method=cmm_reverse", "+experiment=cmm_mini"]]
+        ["method=cmm", "+experiment=cmm_mini"],
+        ["method=cmm_reverse", "+experiment=cmm_mini"],
+    ]
     cpt = sweep_jobs(["+experiment=cpt_finance_mini", "method.lambda_=0.5,1.5", "hydra.sweep.dir=/x"])
     assert len(cpt) == 4 * 2 * 2 and cpt[0][-1] == "+experiment=cpt_finance_mini"
     assert sweep_jobs(["+experiment=quickstart"]) is None  # a plain run
     assert sweep_jobs(["+experiment=quickstart", "hydra.mode=MULTIRUN", "seed=0,1"]) == [
-        ["+experiment=quickstart", "seed=0"], ["+experiment=quickstart", "seed=1"]]
+        ["+experiment=quickstart", "seed=0"],
+        ["+experiment=quickstart", "seed=1"],
+    ]
     assert sweep_jobs(["method=ties", "seed=0,1"]) is None  # no -m: Hydra runs one job (and rejects the sweep)
 
 
@@ -332,14 +360,17 @@ def test_a_config_dir_experiments_jobs_are_found_as_hydra_composes_them(tmp_path
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(
-        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      seed: 1,2\n")
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      seed: 1,2\n"
+    )
     search = f"hydra.searchpath=['file://{tmp_path}']"
     assert split_config_dir(["-cd", str(tmp_path), "seed=3"]) == (["seed=3"], [search])
     assert split_config_dir([f"--config-dir={tmp_path}"]) == ([], [search])
     assert split_config_dir(["--config-dir", str(tmp_path / "none")])[1] is None
     register_configs()
     assert sweep_jobs(["--config-dir", str(tmp_path), "+experiment=mine"]) == [
-        [search, "seed=1", "+experiment=mine"], [search, "seed=2", "+experiment=mine"]]
+        [search, "seed=1", "+experiment=mine"],
+        [search, "seed=2", "+experiment=mine"],
+    ]
     assert sweep_jobs(["--config-dir", str(tmp_path / "none"), "+experiment=mine"]) is None
 
 
@@ -351,7 +382,8 @@ def test_a_mappings_key_in_the_configs_params_and_on_the_command_line_is_one_key
     params = {"benchmark.fewshot.mergeval_chem_count": "0,1", "method.lambda_": "0.5,1.0"}
     assert expand(["++benchmark.fewshot.mergeval_chem_count=2"], params) == [
         ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=0.5"],
-        ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"]]
+        ["++benchmark.fewshot.mergeval_chem_count=2", "method.lambda_=1.0"],
+    ]
     from mergeval.run.config import open_key
 
     assert [open_key(key) for key in params] == ["++benchmark.fewshot.mergeval_chem_count", "method.lambda_"]
@@ -376,9 +408,16 @@ with app:
     print(compose("config", return_hydra_config=True).hydra.sweeper._target_)
     print(compose("config", overrides=["hydra/sweeper=staged"], return_hydra_config=True).hydra.sweeper._target_)
 """
-    ours, other = (subprocess.run([sys.executable, "-c", program, who, str(tmp_path)], cwd=tmp_path,
-                                  capture_output=True, text=True, check=True).stdout.split()
-                   for who in ("mergeval", "other"))
+    ours, other = (
+        subprocess.run(
+            [sys.executable, "-c", program, who, str(tmp_path)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for who in ("mergeval", "other")
+    )
     assert ours[0] == "hydra_plugins.mergeval_basic_sweeper.basic_sweeper.MergevalBasicSweeper", ours
     assert other[0] == "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", other
     assert ours[1] == other[1] == "hydra_plugins.mergeval_staged_sweeper.staged_sweeper.StagedSweeper"
@@ -401,15 +440,28 @@ def test_the_slurm_preset_composes_with_its_overrides():
     task, time and array parallelism are overrides."""
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu",
-                                           "hydra.launcher.gpus_per_task=2", "hydra.launcher.timeout_min=30",
-                                           "hydra.launcher.array_parallelism=4"], return_hydra_config=True)
+        cfg = compose(
+            "config",
+            overrides=[
+                "hydra/launcher=slurm",
+                "hydra.launcher.partition=gpu",
+                "hydra.launcher.gpus_per_task=2",
+                "hydra.launcher.timeout_min=30",
+                "hydra.launcher.array_parallelism=4",
+            ],
+            return_hydra_config=True,
+        )
         launcher = cfg.hydra.launcher
         assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
         assert (launcher.partition, launcher.gpus_per_task, launcher.timeout_min, launcher.array_parallelism) == (
-            "gpu", 2, 30, 4)
-        ray = compose("config", overrides=["hydra/launcher=ray", "hydra.launcher.gpus_per_job=1"],
-                      return_hydra_config=True).hydra.launcher
+            "gpu",
+            2,
+            30,
+            4,
+        )
+        ray = compose(
+            "config", overrides=["hydra/launcher=ray", "hydra.launcher.gpus_per_job=1"], return_hydra_config=True
+        ).hydra.launcher
         assert ray._target_.endswith("mergeval_ray_launcher.ray_launcher.RayLauncher") and ray.gpus_per_job == 1
         parallel = compose("config", overrides=["hydra/launcher=parallel"], return_hydra_config=True)
         assert parallel.hydra.launcher.n_jobs == 2
@@ -421,9 +473,21 @@ def test_submitit_local_runs_a_sweep_and_resumes_it(joblib_sweep, tmp_path):
     store = tmp_path / "runs.sqlite"
     with sqlite3.connect(f"file:{joblib_sweep['store']}?mode=ro", uri=True) as source, sqlite3.connect(store) as copy:
         source.backup(copy)
-    out = subprocess.run(command("hydra/launcher=submitit_local", f"store.path={store}", "+experiment=tiny",
-                                 "benchmark.limit=8", "method=ties", "method.lambda_=1.0,2.0,3.0"),
-                         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        command(
+            "hydra/launcher=submitit_local",
+            f"store.path={store}",
+            "+experiment=tiny",
+            "benchmark.limit=8",
+            "method=ties",
+            "method.lambda_=1.0,2.0,3.0",
+        ),
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     assert "mergeval: sweep 2/3 done (2 finished before)" in out.stdout
     assert "mergeval: sweep 3/3 done (2 finished before)" in out.stdout
@@ -441,12 +505,15 @@ def test_a_configuration_a_live_process_here_runs_is_not_run_again(tmp_path):
     from mergeval.run.resume import running_here
 
     store = Store(tmp_path / "runs.sqlite")
-    store.start_run("r1", experiment="tiny", method="ties", config={}, versions={}, git={}, job_dir="j",
-                    config_hash="h1")
+    store.start_run(
+        "r1", experiment="tiny", method="ties", config={}, versions={}, git={}, job_dir="j", config_hash="h1"
+    )
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         with sqlite3.connect(store.path) as db:  # the run belongs to that process
-            db.execute("UPDATE runs SET pid=?, pid_start=? WHERE run_id='r1'", (worker.pid, proc.start_time(worker.pid)))
+            db.execute(
+                "UPDATE runs SET pid=?, pid_start=? WHERE run_id='r1'", (worker.pid, proc.start_time(worker.pid))
+            )
         assert running_here(store, "h1")["run_id"] == "r1" and running_here(store, "h2") is None
         worker.kill()  # not reaped yet: a zombie, as a killed sweep's workers can stay for a while
         for _ in range(6000):
@@ -473,8 +540,7 @@ def test_a_ray_job_that_exits_ends_the_sweep_with_its_code():
         _returns([done, _Exited(2), _Exited(3)], [["a"], ["b"], ["c"]])
     assert ended.value.code == 2
     returns = _returns([done, _Exited(0)], [["method=ties"], ["method=linear"]])
-    assert returns[0] is done and returns[1].status == JobStatus.COMPLETED and returns[1].overrides == [
-        "method=linear"]
+    assert returns[0] is done and returns[1].status == JobStatus.COMPLETED and returns[1].overrides == ["method=linear"]
     assert [_job_exit_code(SystemExit(c)) for c in (None, 0, 2, "message")] == [0, 0, 2, 1]
 
 
@@ -485,8 +551,10 @@ def test_a_slurm_job_that_failed_with_one_line_is_that_line():
 
     from mergeval.run.cli import explain
 
-    report = UncompletedJobError("Job 12 (task: 0) with path /x/.submitit/12/12_0_result.pkl\nhas not produced "
-                                 "any output (state: FINISHED)\nError stream produced:\n-----\n[HYDRA] Launching\n"
-                                 "mergeval: error: modelset.base: no such model directory '/m'; point it at one\n")
+    report = UncompletedJobError(
+        "Job 12 (task: 0) with path /x/.submitit/12/12_0_result.pkl\nhas not produced "
+        "any output (state: FINISHED)\nError stream produced:\n-----\n[HYDRA] Launching\n"
+        "mergeval: error: modelset.base: no such model directory '/m'; point it at one\n"
+    )
     assert explain(report) == "modelset.base: no such model directory '/m'; point it at one"
     assert explain(UncompletedJobError("Job 12 has not produced any output (state: TIMEOUT)")) is None

@@ -15,17 +15,29 @@ def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path
     task_index._LOADED.clear()
     mine = tmp_path / "mine"  # a user's directory shadowing a registry task and adding one
     mine.mkdir()
-    (mine / "hellaswag.yaml").write_text(json.dumps({"task": "hellaswag", "dataset_path": "json",
-                                                     "output_type": "multiple_choice", "doc_to_text": "x",
-                                                     "doc_to_target": 0, "doc_to_choice": ["a", "b"]}))
+    (mine / "hellaswag.yaml").write_text(
+        json.dumps(
+            {
+                "task": "hellaswag",
+                "dataset_path": "json",
+                "output_type": "multiple_choice",
+                "doc_to_text": "x",
+                "doc_to_target": 0,
+                "doc_to_choice": ["a", "b"],
+            }
+        )
+    )
     (mine / "my_task.yaml").write_text(json.dumps({"task": "my_task", "include": "hellaswag.yaml"}))
     include, cache = [str(mine)], tmp_path / "cache"
 
     theirs = TaskManager(include_path=include)
     built = []
     plain_build = _index.TaskIndex.build
-    monkeypatch.setattr(_index.TaskIndex, "build", staticmethod(
-        lambda paths, **kw: built.append([str(p) for p in paths]) or plain_build(paths, **kw)))
+    monkeypatch.setattr(
+        _index.TaskIndex,
+        "build",
+        staticmethod(lambda paths, **kw: built.append([str(p) for p in paths]) or plain_build(paths, **kw)),
+    )
     first = task_manager(include, include_defaults=True, cache=cache)
     assert len(built) == 2 and built[1] == include  # the registry, then the user's directory
     task_index._LOADED.clear()  # as a new process: from the cache on disk
@@ -34,8 +46,11 @@ def test_the_cached_index_is_lm_evals_own_and_a_second_manager_reads_it(tmp_path
     assert len(list((cache / "lm_eval_index").glob("*.pickle"))) == 1
     for ours in (first, second):
         assert ours.task_index == theirs.task_index
-        assert (ours.all_tasks, ours.all_groups, ours.all_tags) == (theirs.all_tasks, theirs.all_groups,
-                                                                   theirs.all_tags)
+        assert (ours.all_tasks, ours.all_groups, ours.all_tags) == (
+            theirs.all_tasks,
+            theirs.all_groups,
+            theirs.all_tags,
+        )
     assert second.task_index["hellaswag"].yaml_path == mine / "hellaswag.yaml"
     assert second.task_index["my_task"].cfg["doc_to_choice"] == ["a", "b"]  # its include resolved
     (stored,) = (cache / "lm_eval_index").glob("*.pickle")

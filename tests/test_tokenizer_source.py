@@ -24,11 +24,17 @@ from safetensors.torch import load_file, save_file
 from mergeval.core.errors import UserError
 from tests.child import run_module
 
-requires_mergekit = pytest.mark.skipif(importlib.util.find_spec("mergekit") is None,
-                                       reason="mergekit is not installed (pip install '.[test]')")
+requires_mergekit = pytest.mark.skipif(
+    importlib.util.find_spec("mergekit") is None, reason="mergekit is not installed (pip install '.[test]')"
+)
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-CORPUS = ["the cat sat on the mat", "a dog ran to the park", "calcium chloride dissolves in water",
-          "convert five meters to feet", "Question: how many atoms? Answer: three"] * 20
+CORPUS = [
+    "the cat sat on the mat",
+    "a dog ran to the park",
+    "calcium chloride dissolves in water",
+    "convert five meters to feet",
+    "Question: how many atoms? Answer: three",
+] * 20
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -50,14 +56,29 @@ def _base(root: Path) -> Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                  bos_token="<|endoftext|>")
+    bpe.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "base")
     tok.save_pretrained(str(root / "base"))
     return root / "base"
@@ -89,15 +110,22 @@ def _moved(root: Path, base_dir: Path) -> Path:
     doc = json.loads((base_dir / "tokenizer.json").read_text())
     vocab = doc["model"]["vocab"]
     dropped = set(sorted(vocab, key=vocab.get)[-5:])
-    doc["model"]["merges"] = [m for m in doc["model"]["merges"]
-                              if "".join(m if isinstance(m, list) else m.split(" ")) not in dropped
-                              and not set(m if isinstance(m, list) else m.split(" ")) & dropped]
+    doc["model"]["merges"] = [
+        m
+        for m in doc["model"]["merges"]
+        if "".join(m if isinstance(m, list) else m.split(" ")) not in dropped
+        and not set(m if isinstance(m, list) else m.split(" ")) & dropped
+    ]
     kept = [t for t in sorted(vocab, key=vocab.get) if t not in dropped]
     order = [kept[0]] + kept[1:][::2] + kept[1:][1::2]  # <|endoftext|> stays 0; the others shuffled
     doc["model"]["vocab"] = {t: i for i, t in enumerate(order)}
     (root / "moved.json").write_text(json.dumps(doc))
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "moved.json"), eos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(root / "moved.json"),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+    )
     tok.add_tokens(["<tool>"])
     tensors, gen = _tuned(_tensors(base_dir), 2), torch.Generator().manual_seed(12)
     for name in VOCAB:
@@ -116,9 +144,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 def _doc(models: dict, source, method: str = "task_arithmetic") -> dict:
     params = {"ties": {"density": 0.5, "weight": 1.0}}.get(method, {"weight": 1.0})
-    return {"merge_method": method, "base_model": str(models["base"]), "dtype": "float32",
-            "models": [{"model": str(models[k]), "parameters": params} for k in ("extra", "moved")],
-            "parameters": {"normalize": True} if method == "ties" else {}, "tokenizer_source": source}
+    return {
+        "merge_method": method,
+        "base_model": str(models["base"]),
+        "dtype": "float32",
+        "models": [{"model": str(models[k]), "parameters": params} for k in ("extra", "moved")],
+        "parameters": {"normalize": True} if method == "ties" else {},
+        "tokenizer_source": source,
+    }
 
 
 def _mergekit(doc: dict, out: Path) -> Path:
@@ -126,8 +159,11 @@ def _mergekit(doc: dict, out: Path) -> Path:
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
-    run_merge(MergeConfiguration.model_validate(doc), str(out),
-              MergeOptions(device="cpu", lazy_unpickle=False, write_model_card=False, quiet=True))
+    run_merge(
+        MergeConfiguration.model_validate(doc),
+        str(out),
+        MergeOptions(device="cpu", lazy_unpickle=False, write_model_card=False, quiet=True),
+    )
     return out
 
 
@@ -142,8 +178,9 @@ def _mergeval(doc: dict, out: Path) -> Path:
     method = get_method(method_cfg["name"])
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(method.config), method_cfg))
     experts = {name: Path(e["source"]) for name, e in modelset["experts"].items()}
-    return merge_to_disk(method, cfg, Path(modelset["base"]), experts, out,
-                         tokenizer_source=tokenizer_choice(doc, modelset))
+    return merge_to_disk(
+        method, cfg, Path(modelset["base"]), experts, out, tokenizer_source=tokenizer_choice(doc, modelset)
+    )
 
 
 def assert_same_merge(ours: Path, theirs: Path) -> None:
@@ -165,9 +202,16 @@ def assert_same_merge(ours: Path, theirs: Path) -> None:
 
 
 @requires_mergekit
-@pytest.mark.parametrize("source,method", [("union", "task_arithmetic"), ("union", "ties"),
-                                           ("base", "task_arithmetic"), ("extra", "task_arithmetic"),
-                                           ("moved", "task_arithmetic")])
+@pytest.mark.parametrize(
+    "source,method",
+    [
+        ("union", "task_arithmetic"),
+        ("union", "ties"),
+        ("base", "task_arithmetic"),
+        ("extra", "task_arithmetic"),
+        ("moved", "task_arithmetic"),
+    ],
+)
 def test_the_same_vocabulary_and_tensors_as_mergekit(models, source, method, tmp_path):
     doc = _doc(models, str(models[source]) if source in models else source, method)
     theirs = _mergekit(doc, tmp_path / "mk")
@@ -200,12 +244,18 @@ def test_the_union_keeps_the_base_ids_and_fills_tokens_as_mergekit_does(models, 
     torch.testing.assert_close(merged[e][vocab[lacking]], b + (extra[e][ev[lacking]] - b), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("patch,field,says", [
-    ({"tokenizer_source": "/no/such/model"}, "mergekit.tokenizer_source", "no such model directory"),
-    ({"tokenizer_source": None, "tokenizer": {"source": "union", "pad_to_multiple_of": 8}}, "mergekit.tokenizer",
-     "pad_to_multiple_of"),
-    ({"base_model": None, "merge_method": "linear"}, "mergekit.tokenizer_source", "base_model"),
-])
+@pytest.mark.parametrize(
+    "patch,field,says",
+    [
+        ({"tokenizer_source": "/no/such/model"}, "mergekit.tokenizer_source", "no such model directory"),
+        (
+            {"tokenizer_source": None, "tokenizer": {"source": "union", "pad_to_multiple_of": 8}},
+            "mergekit.tokenizer",
+            "pad_to_multiple_of",
+        ),
+        ({"base_model": None, "merge_method": "linear"}, "mergekit.tokenizer_source", "base_model"),
+    ],
+)
 def test_what_cannot_be_built_is_refused_by_key(models, patch, field, says):
     from mergeval.run.mergekit_config import from_mergekit
 
@@ -232,8 +282,15 @@ def test_merge_only_from_a_mergekit_file_writes_a_model_transformers_loads(model
 
     doc = _doc(models, "union")
     (tmp_path / "merge.yaml").write_text(yaml.safe_dump(doc))
-    out = run_module("mergeval.merge", f"mergekit={tmp_path / 'merge.yaml'}", f"output={tmp_path / 'out'}",
-                     "+experiment=tiny", f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, timeout=600)
+    out = run_module(
+        "mergeval.merge",
+        f"mergekit={tmp_path / 'merge.yaml'}",
+        f"output={tmp_path / 'out'}",
+        "+experiment=tiny",
+        f"cache_dir={tmp_path / 'cache'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert_same_merge(tmp_path / "out", _mergekit(doc, tmp_path / "mk"))
     assert yaml.safe_load((tmp_path / "out" / "mergekit.yaml").read_text())["tokenizer_source"] == "union"
@@ -252,15 +309,25 @@ def test_a_run_evaluates_the_merge_with_its_tokenizer_and_each_expert_with_its_o
     from mergeval.run import app
     from mergeval.run.lm_eval_import import compose_run_config
 
-    overrides = ["+experiment=tiny", "benchmark.n_items=8", "eval.dtype=float32", f"modelset.base={models['base']}",
-                 "tokenizer_source=union", f"store.path={tmp_path / 's.sqlite'}", f"cache_dir={tmp_path / 'cache'}"]
+    overrides = [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "eval.dtype=float32",
+        f"modelset.base={models['base']}",
+        "tokenizer_source=union",
+        f"store.path={tmp_path / 's.sqlite'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     for role, model in (("chem", "extra"), ("units", "moved")):
         overrides += [f"modelset.experts.{role}.source={models[model]}", f"modelset.experts.{role}.domain=null"]
     outcome = app.run(compose_run_config(overrides), tmp_path / "run")
     assert [m.evaluated for m in outcome.models] == ["this run"] * 4
     merged = Path(outcome.models[-1].path)
-    assert len(AutoTokenizer.from_pretrained(str(merged))) == json.loads((merged / "config.json").read_text())[
-        "vocab_size"] == 303
+    assert (
+        len(AutoTokenizer.from_pretrained(str(merged)))
+        == json.loads((merged / "config.json").read_text())["vocab_size"]
+        == 303
+    )
     assert len({m.fingerprint for m in outcome.models}) == 4
     with pytest.raises(UserError, match="tokenizer_source"):
         app.run(compose_run_config([*overrides, "metric.similarity=true"]), tmp_path / "run2")

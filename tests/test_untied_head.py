@@ -25,9 +25,16 @@ def untied(tmp_path_factory) -> tuple[Path, list[Path]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("untied")
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(root / "base", safe_serialization=True)
@@ -46,9 +53,19 @@ def untied(tmp_path_factory) -> tuple[Path, list[Path]]:
     return root / "base", experts
 
 
-@pytest.mark.parametrize("name,params", [("task_arithmetic", {"lambda_": 0.8}), ("ties", {"density": 0.5}),
-                                         ("dare_ties", {"density": 0.5}), ("linear", {}), ("slerp", {"t": 0.3}),
-                                         ("breadcrumbs", {}), ("della", {}), ("model_stock", {})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("task_arithmetic", {"lambda_": 0.8}),
+        ("ties", {"density": 0.5}),
+        ("dare_ties", {"density": 0.5}),
+        ("linear", {}),
+        ("slerp", {"t": 0.3}),
+        ("breadcrumbs", {}),
+        ("della", {}),
+        ("model_stock", {}),
+    ],
+)
 def test_the_head_is_merged_like_any_tensor(untied, tmp_path, name, params):
     base_dir, expert_dirs = untied
     method = get_method(name)

@@ -25,8 +25,9 @@ def verdict(left, op, right, **kw) -> str:
 # ---------------------------------------------------------------- compare
 
 
-@pytest.mark.parametrize("op,strict_at_equality", [(">", "fail"), (">=", "pass"), ("<", "fail"), ("<=", "pass"),
-                                                    ("==", "pass")])
+@pytest.mark.parametrize(
+    "op,strict_at_equality", [(">", "fail"), (">=", "pass"), ("<", "fail"), ("<=", "pass"), ("==", "pass")]
+)
 def test_equal_values_pass_only_the_non_strict_relations(op, strict_at_equality):
     assert verdict(Measured(HALF), op, Measured(HALF)) == strict_at_equality
 
@@ -70,8 +71,11 @@ def test_a_printed_cell_decides_only_beyond_its_rounding():
 
 def run(scores: dict, experts: dict[str, str] | None = None, method: str = "ties") -> Run:
     experts = experts or {}
-    models = [{"role": "base", "task": None}, *({"role": e, "task": t} for e, t in experts.items()),
-              {"role": "merged", "task": None}]
+    models = [
+        {"role": "base", "task": None},
+        *({"role": e, "task": t} for e, t in experts.items()),
+        {"role": "merged", "task": None},
+    ]
     config = {"method": {"name": method}, "modelset": {"name": "m", "experts": {e: {} for e in experts}}}
     table = {t: {r: {"value": v, "stderr": s} for r, (v, s) in by_role.items()} for t, by_role in scores.items()}
     return Run("result.json", config, table, models, {})
@@ -91,8 +95,9 @@ def test_a_mean_metric_propagates_independent_stderrs():
 
 def test_a_group_metric_weights_each_tasks_stderr_by_its_weight():
     # groups a = {t1, t2}, b = {t3}, equal weighting: 0.25 t1 + 0.25 t2 + 0.5 t3
-    metrics = parse_metrics({"g": {"group_mean": {"groups": {"a": ["t1", "t2"], "b": ["t3"]},
-                                                  "weighting": "equal"}}}, "metrics")
+    metrics = parse_metrics(
+        {"g": {"group_mean": {"groups": {"a": ["t1", "t2"], "b": ["t3"]}, "weighting": "equal"}}}, "metrics"
+    )
     scores = {"t1": {"merged": (0.5, 0.04)}, "t2": {"merged": (0.25, 0.04)}, "t3": {"merged": (0.75, 0.02)}}
     got = metrics["g"].measure(run(scores), "merged")
     assert got.value == pytest.approx(0.25 * 0.5 + 0.25 * 0.25 + 0.5 * 0.75)
@@ -101,9 +106,11 @@ def test_a_group_metric_weights_each_tasks_stderr_by_its_weight():
 
 def test_forgetting_defaults_to_the_tasks_no_expert_owns_and_divides_its_stderr_by_t():
     metrics = parse_metrics({"forget": {"forgetting": {"scale": 100}}}, "metrics")
-    scores = {"own": {"base": (0.2, 0.05), "merged": (0.9, 0.05)},
-              "g1": {"base": (0.75, 0.03), "merged": (0.5, 0.0)},
-              "g2": {"base": (0.5, 0.04), "merged": (0.5, 0.0)}}
+    scores = {
+        "own": {"base": (0.2, 0.05), "merged": (0.9, 0.05)},
+        "g1": {"base": (0.75, 0.03), "merged": (0.5, 0.0)},
+        "g2": {"base": (0.5, 0.04), "merged": (0.5, 0.0)},
+    }
     got = metrics["forget"].measure(run(scores, experts={"x": "own"}), "merged")
     assert got.value == pytest.approx(100 * (0.25 + 0.0) / 2)  # "own" is expert x's task: left out
     assert got.stderr == pytest.approx(100 * math.hypot(0.03, 0.04) / 2)
@@ -111,8 +118,20 @@ def test_forgetting_defaults_to_the_tasks_no_expert_owns_and_divides_its_stderr_
 
 def test_std_over_runs_is_the_sample_standard_deviation():
     runs = [run({"t": {"merged": (v, 0.0)}}) for v in (0.25, 0.5, 0.75)]
-    [claim] = parse_claims([{"id": "stable", "says": "the spread is small", "left": {
-        "score": {"task": "t", "role": "merged"}, "over_runs": "std"}, "op": "<=", "right": 0.25}], "claims", {}, {})
+    [claim] = parse_claims(
+        [
+            {
+                "id": "stable",
+                "says": "the spread is small",
+                "left": {"score": {"task": "t", "role": "merged"}, "over_runs": "std"},
+                "op": "<=",
+                "right": 0.25,
+            }
+        ],
+        "claims",
+        {},
+        {},
+    )
     [result] = evaluate_claim(claim, runs, {}, {})
     assert result.left.value == pytest.approx(0.25)  # sqrt((0.0625 + 0 + 0.0625) / 2), not / 3
     assert result.status == "pass"
@@ -122,15 +141,21 @@ def test_std_over_runs_is_the_sample_standard_deviation():
 
 
 def test_a_derived_normalized_mean_takes_base_then_expert():
-    formula = parse_formula({"normalized_mean": {"merged": ["m1", "m2"], "base": ["b1", "b2"],
-                                                 "expert": ["e1", "e2"]}}, "f", lambda raw, field: ("t", "r", raw))
+    formula = parse_formula(
+        {"normalized_mean": {"merged": ["m1", "m2"], "base": ["b1", "b2"], "expert": ["e1", "e2"]}},
+        "f",
+        lambda raw, field: ("t", "r", raw),
+    )
     # inputs in the order of refs: merged, base, expert -> (0.5 - 0.2)/(0.6 - 0.2) = 0.75, (0.4 - 0.3)/(0.8 - 0.3)
     assert formula.fn([0.5, 0.4, 0.2, 0.3, 0.6, 0.8]) == pytest.approx((0.75 + 0.2) / 2)
 
 
 def test_a_derived_macro_gain_in_percent():
-    formula = parse_formula({"macro_gain": {"merged": ["m1", "m2"], "constituents": [["a1", "a2"], ["b1", "b2"]],
-                                            "scale": "percent"}}, "f", lambda raw, field: ("t", "r", raw))
+    formula = parse_formula(
+        {"macro_gain": {"merged": ["m1", "m2"], "constituents": [["a1", "a2"], ["b1", "b2"]], "scale": "percent"}},
+        "f",
+        lambda raw, field: ("t", "r", raw),
+    )
     assert formula.fn([0.5, 0.75, 0.25, 0.5, 0.5, 0.5]) == pytest.approx(100 * (0.625 - (0.375 + 0.5) / 2))
 
 
@@ -138,12 +163,15 @@ def result(status: str) -> ClaimResult:
     return ClaimResult("c", "says", status, ">")
 
 
-@pytest.mark.parametrize("statuses,plain,strict", [
-    (["pass", "pass"], 0, 0),
-    (["pass", "not run"], 0, 1),
-    (["pass", "undetermined"], 0, 1),
-    (["fail", "pass"], 1, 1),
-])
+@pytest.mark.parametrize(
+    "statuses,plain,strict",
+    [
+        (["pass", "pass"], 0, 0),
+        (["pass", "not run"], 0, 1),
+        (["pass", "undetermined"], 0, 1),
+        (["fail", "pass"], 1, 1),
+    ],
+)
 def test_exit_status_with_and_without_strict(statuses, plain, strict):
     results = [result(s) for s in statuses]
     assert (exit_status([], results, False), exit_status([], results, True)) == (plain, strict)

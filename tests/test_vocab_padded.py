@@ -39,8 +39,18 @@ def padded(tmp_path_factory, cache):
     from mergeval.run.lm_eval_import import compose_run_config
 
     where = tmp_path_factory.mktemp("padded")
-    built = app.run(compose_run_config(["+experiment=tiny", "benchmark.n_items=8", "modelset.train.steps=1",
-                                        "eval.dtype=float32", f"store.path={where / 'zoo.sqlite'}"]), where / "zoo")
+    built = app.run(
+        compose_run_config(
+            [
+                "+experiment=tiny",
+                "benchmark.n_items=8",
+                "modelset.train.steps=1",
+                "eval.dtype=float32",
+                f"store.path={where / 'zoo.sqlite'}",
+            ]
+        ),
+        where / "zoo",
+    )
     paths = {m.role: Path(m.path) for m in built.models if m.path}
     out = {"base": paths["base"]}
     for seed, role in enumerate(("chem", "units")):
@@ -49,14 +59,22 @@ def padded(tmp_path_factory, cache):
 
 
 def _overrides(models: dict[str, Path], *extra: str) -> list[str]:
-    return ["+experiment=tiny", "benchmark.n_items=8", "eval.dtype=float32", f"modelset.base={models['base']}",
-            *[o for role in ("chem", "units") for o in (f"modelset.experts.{role}.source={models[role]}",
-                                                        f"modelset.experts.{role}.domain=null")], *extra]
+    return [
+        "+experiment=tiny",
+        "benchmark.n_items=8",
+        "eval.dtype=float32",
+        f"modelset.base={models['base']}",
+        *[
+            o
+            for role in ("chem", "units")
+            for o in (f"modelset.experts.{role}.source={models[role]}", f"modelset.experts.{role}.domain=null")
+        ],
+        *extra,
+    ]
 
 
 def test_the_default_policy_refuses_padded_experts_and_names_base(padded, tmp_path):
-    out = run_module("mergeval", *_overrides(padded, f"store.path={tmp_path / 's.sqlite'}"), cwd=tmp_path,
-                     timeout=600)
+    out = run_module("mergeval", *_overrides(padded, f"store.path={tmp_path / 's.sqlite'}"), cwd=tmp_path, timeout=600)
     assert out.returncode == 2 and "vocab_policy=base" in out.stderr, out.stderr[-2000:]
 
 
@@ -68,8 +86,9 @@ def test_padded_experts_merge_and_evaluate_in_a_run(policy, padded, tmp_path):
     from mergeval.run import app
     from mergeval.run.lm_eval_import import compose_run_config
 
-    cfg = compose_run_config(_overrides(padded, f"vocab_policy={policy}", "save_merged=true",
-                                        f"store.path={tmp_path / 's.sqlite'}"))
+    cfg = compose_run_config(
+        _overrides(padded, f"vocab_policy={policy}", "save_merged=true", f"store.path={tmp_path / 's.sqlite'}")
+    )
     outcome = app.run(cfg, tmp_path / "run")
     assert [m.evaluated for m in outcome.models] == ["this run"] * 4
     merged = load_file(str(Path(outcome.models[-1].path) / "model.safetensors"))
@@ -85,13 +104,18 @@ def test_padded_experts_merge_and_evaluate_in_a_run(policy, padded, tmp_path):
         want = base[name] + (chem[name][:rows] - base[name]) + (units[name][:rows] - base[name])
         torch.testing.assert_close(merged[name], want, rtol=0, atol=1e-6)
     layer = "model.layers.0.mlp.down_proj.weight"  # the rest is merged as usual
-    torch.testing.assert_close(merged[layer], base[layer] + (chem[layer] - base[layer]) + (units[layer] - base[layer]),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        merged[layer], base[layer] + (chem[layer] - base[layer]) + (units[layer] - base[layer]), rtol=0, atol=1e-6
+    )
 
 
 def test_padded_experts_merge_to_disk_with_the_base_policy(padded, tmp_path):
-    out = run_module("mergeval.merge", *_overrides(padded, "vocab_policy=base", f"output={tmp_path / 'out'}"),
-                     cwd=tmp_path, timeout=600)
+    out = run_module(
+        "mergeval.merge",
+        *_overrides(padded, "vocab_policy=base", f"output={tmp_path / 'out'}"),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     base = load_file(str(padded["base"] / "model.safetensors"))
@@ -101,7 +125,14 @@ def test_padded_experts_merge_to_disk_with_the_base_policy(padded, tmp_path):
 
 
 def test_truncate_below_the_base_is_still_refused_in_a_run_with_the_true_reason(padded, tmp_path):
-    out = run_module("mergeval", *_overrides({**padded, "base": padded["chem"], "chem": padded["base"]},
-                                             "vocab_policy=truncate", f"store.path={tmp_path / 's.sqlite'}"),
-                     cwd=tmp_path, timeout=600)
+    out = run_module(
+        "mergeval",
+        *_overrides(
+            {**padded, "base": padded["chem"], "chem": padded["base"]},
+            "vocab_policy=truncate",
+            f"store.path={tmp_path / 's.sqlite'}",
+        ),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 2 and "fewer than the base's" in out.stderr, out.stderr[-2000:]

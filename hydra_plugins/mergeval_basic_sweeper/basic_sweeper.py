@@ -47,4 +47,6 @@ def _in_a_mergeval_command() -> bool:
 
 
 if _in_a_mergeval_command():
-    ConfigStore.instance().store(group="hydra/sweeper", name="basic", node=MergevalBasicSweeperConf, provider="mergeval")
+    ConfigStore.instance().store(
+        group="hydra/sweeper", name="basic", node=MergevalBasicSweeperConf, provider="mergeval"
+    )

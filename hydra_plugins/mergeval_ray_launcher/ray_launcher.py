@@ -63,8 +63,7 @@ class RayLauncherConf:
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
-ConfigStore.instance().store(group="hydra/launcher", name="mergeval_ray", node=RayLauncherConf,
-                             provider="mergeval")
+ConfigStore.instance().store(group="hydra/launcher", name="mergeval_ray", node=RayLauncherConf, provider="mergeval")
 
 
 @dataclass
@@ -82,8 +81,15 @@ def _cancelled(signum, frame) -> None:
     raise KeyboardInterrupt("the sweep's cancel (Ctrl-C or SIGTERM)")  # the run's note: "interrupted by ..."
 
 
-def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
-                 task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str) -> JobReturn | _Exited:
+def _execute_job(
+    idx: int,
+    overrides: Sequence[str],
+    hydra_context: HydraContext,
+    config: DictConfig,
+    task_function: TaskFunction,
+    singleton_state: dict[Any, Any],
+    cwd: str,
+) -> JobReturn | _Exited:
     """One job inside a Ray worker: the sweep's working directory where it exists (relative job directories
     and paths mean what they meant in the sweep's process), Hydra's globals as in the parent, the job's
     config, Hydra's ``run_job``."""
@@ -101,21 +107,34 @@ def _execute_job(idx: int, overrides: Sequence[str], hydra_context: HydraContext
         sweep_config.hydra.job.num = idx
     HydraConfig.instance().set_config(sweep_config)
     try:
-        return run_job(hydra_context=hydra_context, config=sweep_config, task_function=task_function,
-                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        return run_job(
+            hydra_context=hydra_context,
+            config=sweep_config,
+            task_function=task_function,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
     except SystemExit as err:
         return _Exited(_job_exit_code(err))
 
 
 class RayLauncher(Launcher):
-    def __init__(self, address: str | None = None, num_cpus: int | None = None,
-                 num_gpus: int | None = None, cpus_per_job: float = 1.0, gpus_per_job: float = 0.0,
-                 include_dashboard: bool = False, runtime_env: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        num_gpus: int | None = None,
+        cpus_per_job: float = 1.0,
+        gpus_per_job: float = 0.0,
+        include_dashboard: bool = False,
+        runtime_env: dict[str, Any] | None = None,
+    ) -> None:
         self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
         self.cpus_per_job, self.gpus_per_job = cpus_per_job, gpus_per_job
         self.include_dashboard = include_dashboard
-        self.runtime_env = OmegaConf.to_container(runtime_env) if isinstance(runtime_env, DictConfig) \
-            else dict(runtime_env or {})
+        self.runtime_env = (
+            OmegaConf.to_container(runtime_env) if isinstance(runtime_env, DictConfig) else dict(runtime_env or {})
+        )
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
@@ -138,9 +157,15 @@ class RayLauncher(Launcher):
         if not sys.stdout.isatty():  # jobs' lines reach a log file or a pipe: no colour codes in their prefix
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         sigterm = signal.getsignal(signal.SIGTERM)
-        ray.init(address=self.address, num_cpus=self.num_cpus if local else None,
-                 num_gpus=num_gpus if local else None, include_dashboard=self.include_dashboard,
-                 runtime_env=self.runtime_env or None, log_to_driver=True, logging_level=logging.WARNING)
+        ray.init(
+            address=self.address,
+            num_cpus=self.num_cpus if local else None,
+            num_gpus=num_gpus if local else None,
+            include_dashboard=self.include_dashboard,
+            runtime_env=self.runtime_env or None,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+        )
         # Ray's core worker installs a SIGTERM handler that aborts the process; the sweep's own (mergeval: like
         # Ctrl-C) comes back, so SIGTERM cancels the jobs as Ctrl-C does.
         signal.signal(signal.SIGTERM, sigterm)
@@ -154,8 +179,10 @@ class RayLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info(f"Ray launcher is launching {len(job_overrides)} jobs ({self.cpus_per_job} CPUs, "
-                 f"{self.gpus_per_job} GPUs each), sweep output dir: {sweep_dir}")
+        log.info(
+            f"Ray launcher is launching {len(job_overrides)} jobs ({self.cpus_per_job} CPUs, "
+            f"{self.gpus_per_job} GPUs each), sweep output dir: {sweep_dir}"
+        )
         for idx, overrides in enumerate(job_overrides):
             log.info(f"\t#{initial_job_idx + idx} : {' '.join(filter_overrides(overrides))}")
         check_gpus_per_job(self.gpus_per_job, self.num_gpus if self.address is None else None)
@@ -164,11 +191,22 @@ class RayLauncher(Launcher):
             if self.gpus_per_job > 0:  # a task no node can place would wait forever
                 check_gpus_per_job(self.gpus_per_job, _most_gpus_on_a_node(), cluster=self.address is not None)
             # max_retries=0: a job whose worker died is reported, not run (and recorded) a second time
-            task = ray.remote(_execute_job).options(num_cpus=self.cpus_per_job, num_gpus=self.gpus_per_job,
-                                                    max_retries=0, name="mergeval job")  # its lines' prefix
+            task = ray.remote(_execute_job).options(
+                num_cpus=self.cpus_per_job, num_gpus=self.gpus_per_job, max_retries=0, name="mergeval job"
+            )  # its lines' prefix
             state = Singleton.get_state()
-            refs = [task.remote(initial_job_idx + idx, list(overrides), self.hydra_context, self.config,
-                                self.task_function, state, os.getcwd()) for idx, overrides in enumerate(job_overrides)]
+            refs = [
+                task.remote(
+                    initial_job_idx + idx,
+                    list(overrides),
+                    self.hydra_context,
+                    self.config,
+                    self.task_function,
+                    state,
+                    os.getcwd(),
+                )
+                for idx, overrides in enumerate(job_overrides)
+            ]
             try:
                 pending = refs
                 while pending:  # short waits, so Ctrl-C / SIGTERM reach Python between them (not after a job)
@@ -192,17 +230,25 @@ def check_gpus_per_job(gpus_per_job: float, available: float | None, cluster: bo
     from mergeval.core.errors import UserError
 
     if gpus_per_job < 0:
-        raise UserError("hydra.launcher.gpus_per_job", f"must be 0 or more, got {gpus_per_job}",
-                        "set 0 (CPU only) or the GPUs each job needs, e.g. 1")
+        raise UserError(
+            "hydra.launcher.gpus_per_job",
+            f"must be 0 or more, got {gpus_per_job}",
+            "set 0 (CPU only) or the GPUs each job needs, e.g. 1",
+        )
     if available is None or gpus_per_job <= available:
         return
     if cluster:
-        log.warning(f"hydra.launcher.gpus_per_job={gpus_per_job}, but no node of the cluster has more than "
-                    f"{available:g} GPUs now: the jobs wait until the cluster has such a node")
+        log.warning(
+            f"hydra.launcher.gpus_per_job={gpus_per_job}, but no node of the cluster has more than "
+            f"{available:g} GPUs now: the jobs wait until the cluster has such a node"
+        )
         return
-    raise UserError("hydra.launcher.gpus_per_job", f"{gpus_per_job:g} GPUs per job, but the local Ray instance has "
-                    f"{available:g}", f"set hydra.launcher.gpus_per_job to at most {available:g} (0: CPU only), "
-                    "or run on a machine with more GPUs (hydra.launcher.num_gpus, CUDA_VISIBLE_DEVICES)")
+    raise UserError(
+        "hydra.launcher.gpus_per_job",
+        f"{gpus_per_job:g} GPUs per job, but the local Ray instance has {available:g}",
+        f"set hydra.launcher.gpus_per_job to at most {available:g} (0: CPU only), "
+        "or run on a machine with more GPUs (hydra.launcher.num_gpus, CUDA_VISIBLE_DEVICES)",
+    )
 
 
 def _most_gpus_on_a_node() -> float:
@@ -217,5 +263,7 @@ def _returns(results: list[JobReturn | _Exited], job_overrides: Sequence[Sequenc
     codes = [r.code for r in results if isinstance(r, _Exited) and r.code != 0]
     if codes:
         raise SystemExit(codes[0])
-    return [r if isinstance(r, JobReturn) else JobReturn(overrides=list(o), status=JobStatus.COMPLETED)
-            for r, o in zip(results, job_overrides)]
+    return [
+        r if isinstance(r, JobReturn) else JobReturn(overrides=list(o), status=JobStatus.COMPLETED)
+        for r, o in zip(results, job_overrides)
+    ]

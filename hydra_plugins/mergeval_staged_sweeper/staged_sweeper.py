@@ -64,8 +64,11 @@ class StagedSweeper(Sweeper):
         with failing_cleanly(out_dir):
             jobs = expand(list(arguments), {str(k): str(v) for k, v in self.params.items()})
             if jobs is None:
-                raise UserError(SWEEPER, "cannot expand this sweep (a parse error, or a range or glob sweep)",
-                                "list each swept value, e.g. method.lambda_=0.5,1.0,1.5")
+                raise UserError(
+                    SWEEPER,
+                    "cannot expand this sweep (a parse error, or a range or glob sweep)",
+                    "list each swept value, e.g. method.lambda_=0.5,1.0,1.5",
+                )
             swept = swept_positions(jobs)
             labels = [job_label(job, swept) or "the only job" for job in jobs]
             configs = []

@@ -1,2 +1,1 @@
-"""``python -m mergeval.check``: what a run needs, whether this machine has it, what it costs.
-"""
+"""``python -m mergeval.check``: what a run needs, whether this machine has it, what it costs."""

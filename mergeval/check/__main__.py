@@ -62,8 +62,9 @@ def check(cfg: DictConfig, console=None) -> list[str]:
     apply_offline(cfg.offline)
     console = console or Console(width=None if Console().is_terminal else 180)
     models = model_needs(cfg)
-    dirs = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True)
-            for i, p in enumerate(cfg.benchmark.include_path)]
+    dirs = [
+        resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(cfg.benchmark.include_path)
+    ]
     data = data_needs(cfg.benchmark, dirs, cache_root(cfg.cache_dir))
     table = Table(title=f"what {cfg.modelset.name} · {cfg.benchmark.name} needs", title_justify="left")
     for name in ("kind", "name", "source", "present", "where", "size"):
@@ -74,13 +75,14 @@ def check(cfg: DictConfig, console=None) -> list[str]:
         name = d.entry if d.task == d.entry else f"{d.entry} / {d.task}"
         table.add_row("data", name, d.source, _yes(d.present), d.where, _size(d.size))
     console.print(table)
-    problems = [f"{m['field']}: {m['source']} ({m['where']}); fetch: {m['fetch']}" for m in models
-                if not m["present"]]
+    problems = [f"{m['field']}: {m['source']} ({m['where']}); fetch: {m['fetch']}" for m in models if not m["present"]]
     if not cfg.offline:
         downloads = [m["download"] for m in models if m.get("download") is not None]
         if downloads:
-            console.print(f"to download from the hub: {_size(sum(downloads))} ({len(downloads)} models not yet "
-                          "local; the fetch commands below)")
+            console.print(
+                f"to download from the hub: {_size(sum(downloads))} ({len(downloads)} models not yet "
+                "local; the fetch commands below)"
+            )
         problems += _incompatibilities(cfg, models, console)
     seen = set()
     for d in data:
@@ -89,8 +91,10 @@ def check(cfg: DictConfig, console=None) -> list[str]:
             problems.append(f"benchmark.tasks: data set {d.source} of {d.task} ({d.where}); fetch: {d.fetch}")
         if d.unsafe_code and not cfg.eval.allow_code_execution and d.task not in seen:
             seen.add(d.task)
-            problems.append(f"eval.allow_code_execution: {d.task} runs the code the model writes; set "
-                            "eval.allow_code_execution=true on a sandboxed machine")
+            problems.append(
+                f"eval.allow_code_execution: {d.task} runs the code the model writes; set "
+                "eval.allow_code_execution=true on a sandboxed machine"
+            )
     if all(d.present for d in data):
         _print_cost(cfg, console, len(cfg.modelset.experts) + 2)
     else:
@@ -110,8 +114,10 @@ def _print_calibration_cost(cfg: DictConfig, console) -> None:
     for name, expert in cfg.modelset.experts.items():
         cal = expert.get("calibration")
         if cal is not None:
-            console.print(f"calibration: {name}: {kind} statistics from {cal.n} {cal.task} {cal.split} items, one "
-                          f"{per} each (batch 1), computed once per model and data, then reused from the cache")
+            console.print(
+                f"calibration: {name}: {kind} statistics from {cal.n} {cal.task} {cal.split} items, one "
+                f"{per} each (batch 1), computed once per model and data, then reused from the cache"
+            )
 
 
 def model_needs(cfg: DictConfig) -> list[dict]:
@@ -141,14 +147,20 @@ def _on_hub(repo: str, field: str) -> dict:
     where = f"on the hub: {len(hub.download)} files, {_size(hub.download_size)} to download"
     if not any(name.endswith(".safetensors") for name in hub.files):
         pickled = sorted(name for name in hub.files if name.endswith((".bin", ".pt")))
-        return {"hub": hub, "where": "on the hub without *.safetensors weights" + (
-            f" (only {pickled[0]}, a PyTorch pickle, which mergeval does not load)" if pickled else ""),
+        return {
+            "hub": hub,
+            "where": "on the hub without *.safetensors weights"
+            + (f" (only {pickled[0]}, a PyTorch pickle, which mergeval does not load)" if pickled else ""),
             "fetch": "convert it once where it loads: AutoModelForCausalLM.from_pretrained(ID).save_pretrained(DIR, "
-            "safe_serialization=True), then point the source at DIR"}
+            "safe_serialization=True), then point the source at DIR",
+        }
     quant = hub.quantization
     if quant is not None and not can_dequantize(quant):
-        return {"hub": hub, "where": f"{where}; quantized ({describe(quant)}), which mergeval cannot dequantize",
-                "fetch": DEQUANTIZE_FIX}
+        return {
+            "hub": hub,
+            "where": f"{where}; quantized ({describe(quant)}), which mergeval cannot dequantize",
+            "fetch": DEQUANTIZE_FIX,
+        }
     if quant is not None:
         where += f"; quantized ({describe(quant)}): dequantized when loaded"
     if hub.is_adapter:
@@ -219,18 +231,32 @@ def _locate(source: str, offline: bool) -> dict:
         return {"present": True, "where": how, "size": None, "fetch": None}
     path = Path(source).expanduser()
     if not source.startswith("hf:") and not path.exists() and looks_like_path(source):
-        return {"present": False, "where": "no such directory", "size": None,
-                "fetch": "point the source at a directory with config.json and *.safetensors"}
+        return {
+            "present": False,
+            "where": "no such directory",
+            "size": None,
+            "fetch": "point the source at a directory with config.json and *.safetensors",
+        }
     if not source.startswith("hf:") and path.exists():
         if is_adapter(path):
-            return {"present": True, "where": f"{path} (a PEFT adapter: applied to the base when loaded)",
-                    "size": dir_size(path), "fetch": None, "dir": path}
+            return {
+                "present": True,
+                "where": f"{path} (a PEFT adapter: applied to the base when loaded)",
+                "size": dir_size(path),
+                "fetch": None,
+                "dir": path,
+            }
         ok = (path / "config.json").is_file() and any(path.glob("*.safetensors"))
         if ok and (quantized := _quantized(path)) is not None:
             return quantized
         why = "no config.json and *.safetensors"
-        return {"present": ok, "where": str(path) if ok else why, "size": dir_size(path), "fetch": None if ok else
-                "save the full model with save_pretrained(..., safe_serialization=True)", "dir": path if ok else None}
+        return {
+            "present": ok,
+            "where": str(path) if ok else why,
+            "size": dir_size(path),
+            "fetch": None if ok else "save the full model with save_pretrained(..., safe_serialization=True)",
+            "dir": path if ok else None,
+        }
     repo = source.removeprefix("hf:")
     fetch = f"hf download {repo} --include " + " ".join(f"'{p}'" for p in HUB_PATTERNS)
     try:
@@ -238,16 +264,30 @@ def _locate(source: str, offline: bool) -> dict:
 
         local = Path(snapshot_download(repo, local_files_only=True, allow_patterns=HUB_PATTERNS))
     except Exception:  # the hub client raises several types for "not cached"
-        return {"present": False, "where": "not in the local Hugging Face cache", "size": None, "fetch": fetch,
-                "repo": repo}
+        return {
+            "present": False,
+            "where": "not in the local Hugging Face cache",
+            "size": None,
+            "fetch": fetch,
+            "repo": repo,
+        }
     if is_adapter(local):
-        return {"present": True, "where": f"{local} (a PEFT adapter: applied to the base when loaded)",
-                "size": dir_size(local), "fetch": None, "dir": local}
+        return {
+            "present": True,
+            "where": f"{local} (a PEFT adapter: applied to the base when loaded)",
+            "size": dir_size(local),
+            "fetch": None,
+            "dir": local,
+        }
     if not any(local.glob("*.safetensors")):
-        return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch,
-                "repo": repo}
-    return _quantized(local) or {"present": True, "where": str(local), "size": dir_size(local), "fetch": None,
-                                 "dir": local}
+        return {"present": False, "where": f"{local} has no *.safetensors", "size": None, "fetch": fetch, "repo": repo}
+    return _quantized(local) or {
+        "present": True,
+        "where": str(local),
+        "size": dir_size(local),
+        "fetch": None,
+        "dir": local,
+    }
 
 
 def _quantized(path: Path) -> dict | None:
@@ -258,14 +298,25 @@ def _quantized(path: Path) -> dict | None:
     if quant is None:
         return None
     if can_dequantize(quant):
-        return {"present": True, "where": f"{path} (quantized, {describe(quant)}: dequantized when loaded)",
-                "size": dir_size(path), "fetch": None, "dir": path}
-    return {"present": False, "where": f"{path} is quantized ({describe(quant)}), which mergeval cannot dequantize",
-            "size": dir_size(path), "fetch": DEQUANTIZE_FIX}
+        return {
+            "present": True,
+            "where": f"{path} (quantized, {describe(quant)}: dequantized when loaded)",
+            "size": dir_size(path),
+            "fetch": None,
+            "dir": path,
+        }
+    return {
+        "present": False,
+        "where": f"{path} is quantized ({describe(quant)}), which mergeval cannot dequantize",
+        "size": dir_size(path),
+        "fetch": DEQUANTIZE_FIX,
+    }
 
 
-DEQUANTIZE_FIX = ("use the unquantized checkpoint, or dequantize it where its kernels run "
-                  "(from_pretrained(DIR).dequantize().save_pretrained(OUT))")
+DEQUANTIZE_FIX = (
+    "use the unquantized checkpoint, or dequantize it where its kernels run "
+    "(from_pretrained(DIR).dequantize().save_pretrained(OUT))"
+)
 
 
 def _print_cost(cfg: DictConfig, console, n_models: int) -> None:
@@ -283,9 +334,11 @@ def _print_cost(cfg: DictConfig, console, n_models: int) -> None:
         docs = len({inst.doc_id for inst in task.instances})
         shared = cfg.eval.backend == "shared_prefix" and task.get_config("output_type") == "multiple_choice"
         requests, passes = requests + n, passes + (docs if shared else n)
-    console.print(f"per model: {requests} requests, about {passes} forward passes (backend {cfg.eval.backend}; "
-                  f"generation requests count once each, whatever their length); {n_models} models: base, "
-                  f"{n_models - 2} experts, the merge (fewer when the results store holds some)")
+    console.print(
+        f"per model: {requests} requests, about {passes} forward passes (backend {cfg.eval.backend}; "
+        f"generation requests count once each, whatever their length); {n_models} models: base, "
+        f"{n_models - 2} experts, the merge (fewer when the results store holds some)"
+    )
 
 
 def _yes(present: bool) -> str:
@@ -303,8 +356,11 @@ def _size(size: int | None) -> str:
 
 
 def cli() -> None:
-    run_cli(main, 'mergeval.check',
-            "List the models and data sets the run needs, where each is, their sizes, the requests one model's\n  evaluation takes; exit 0 and `ready`, or exit 2 with one line per missing piece and how to fetch it.")
+    run_cli(
+        main,
+        "mergeval.check",
+        "List the models and data sets the run needs, where each is, their sizes, the requests one model's\n  evaluation takes; exit 0 and `ready`, or exit 2 with one line per missing piece and how to fetch it.",
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ _ENVIRONMENT = {
     "EACCES": ("permission denied", "make it writable/readable for this user, or choose another location"),
     "EPERM": ("operation not permitted", "make it writable for this user, or choose another location"),
     "EROFS": ("the file system is read-only", "choose a location on a writable file system"),
-    "ENOSPC": ("no space left on the device", "free some space there, or choose another location "
-               "(cache_dir=..., output=..., store.path=...)"),
+    "ENOSPC": (
+        "no space left on the device",
+        "free some space there, or choose another location (cache_dir=..., output=..., store.path=...)",
+    ),
     "EDQUOT": ("the disk quota is exhausted", "free some space, or choose another location"),
     "EFBIG": ("the file grew past the file-size limit", "raise the limit (ulimit -f) or write elsewhere"),
     "ENOTDIR": ("is a file, not a directory", "remove that file or choose another location"),
@@ -114,12 +116,20 @@ def explain(ex: BaseException) -> str | None:
             if "not in" in msg or "is not in struct" in msg:
                 return f"{key}: no such field; check the spelling (see conf/ for the fields of each group)"
             entry = re.match(r"Invalid type assigned: dict is not a subclass of (\w+)", msg)
-            added = next((m.group(1).lstrip("+~") for e in chain
-                          if (m := re.search(r"Error merging override ([^=\s]+)=", str(e)))), None)
+            added = next(
+                (
+                    m.group(1).lstrip("+~")
+                    for e in chain
+                    if (m := re.search(r"Error merging override ([^=\s]+)=", str(e)))
+                ),
+                None,
+            )
             if entry and added:  # a new key of metric.groups or modelset.experts, whose values are dataclasses
-                return (f"{added}: a new {entry.group(1)} cannot be added from the command line (OmegaConf "
-                        "keeps the value a plain mapping there); write it in a config file: a file of "
-                        f"conf/{added.split('.')[0]}/ or an experiment (yours with --config-dir)")
+                return (
+                    f"{added}: a new {entry.group(1)} cannot be added from the command line (OmegaConf "
+                    "keeps the value a plain mapping there); write it in a config file: a file of "
+                    f"conf/{added.split('.')[0]}/ or an experiment (yours with --config-dir)"
+                )
             return f"{key}: {msg}; fix the value's type"
     bad_yaml = next((e for e in chain if isinstance(e, yaml.YAMLError)), None)
     if bad_yaml is not None:  # a config file of the user's (--config-dir, an experiment file) that YAML cannot read
@@ -140,34 +150,49 @@ def explain(ex: BaseException) -> str | None:
         found = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
         if found:
             return found[-1]
-    shape = re.search(r"In '([^']+)': ValidationError.*?Invalid type assigned: (\w+) is not a subclass of (\w+)",
-                      str(ex), flags=re.S)
+    shape = re.search(
+        r"In '([^']+)': ValidationError.*?Invalid type assigned: (\w+) is not a subclass of (\w+)", str(ex), flags=re.S
+    )
     if shape:  # a config file of the user's whose top level is not a mapping of the group's fields
         where, got, schema = shape.groups()
-        return (f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
-                f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)")
-    logging_setup = next((m for e in chain if isinstance(e, ValueError) and
-                          (m := re.match(r"Unable to configure (handler|formatter|filter|root logger)(?: '([^']+)')?",
-                                         str(e)))), None)
+        return (
+            f"{where}: the file holds a {got}, where the fields of a {schema} belong; write it as "
+            f"'field: value' lines (see conf/{where.split('/')[0]}/ for examples)"
+        )
+    logging_setup = next(
+        (
+            m
+            for e in chain
+            if isinstance(e, ValueError)
+            and (m := re.match(r"Unable to configure (handler|formatter|filter|root logger)(?: '([^']+)')?", str(e)))
+        ),
+        None,
+    )
     if logging_setup:  # logging.config could not build what hydra.job_logging / hydra_logging describes
         kind, name = logging_setup.groups()
         node = "job_logging" if hydra_job_dir(ex.__traceback__)[0] is not None else "hydra_logging"
-        cause = next((e for e in chain[chain.index(next(e for e in chain if isinstance(e, ValueError))) + 1:]), None)
+        cause = next((e for e in chain[chain.index(next(e for e in chain if isinstance(e, ValueError))) + 1 :]), None)
         why = f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})" if cause else ""
         where = f"hydra.{node}.{kind}s.{name}" if name else f"hydra.{node}.root"
-        return (f"{where}: logging cannot set it up{why}; fix its settings, or drop the "
-                f"override to keep Hydra's default logging")
+        return (
+            f"{where}: logging cannot set it up{why}; fix its settings, or drop the "
+            f"override to keep Hydra's default logging"
+        )
     lexer = re.match(r"LexerNoViableAltException: (.*?)\s*$", str(ex).splitlines()[0] if str(ex) else "")
     if isinstance(ex, HydraException) and lexer:  # an override the grammar cannot read (space, quote, bad byte)
         arg = lexer.group(1).removesuffix("^").rstrip("; ")
         key = arg.split("=", 1)[0].lstrip("+~") or arg
         if any("\udc80" <= ch <= "\udcff" for ch in arg):  # bytes that are not UTF-8, as Python decodes argv
             return f"{shown(key)}: the value has bytes that are not UTF-8 text ({shown(arg)}); {UTF8_FIX}"
-        return (f"{key}: Hydra's override grammar cannot read the value ({arg}); quote it for Hydra inside the "
-                f"shell's quotes, e.g. \"{key}='...'\" (a ' inside: use \\' or the other quote)")
+        return (
+            f"{key}: Hydra's override grammar cannot read the value ({arg}); quote it for Hydra inside the "
+            f"shell's quotes, e.g. \"{key}='...'\" (a ' inside: use \\' or the other quote)"
+        )
     if isinstance(ex, ValueError) and str(ex).startswith("Only one of --run, --multirun, --cfg"):  # Hydra's own
-        return ("-m/--multirun, --cfg, --info: only one of them at a time; drop the others (--cfg job shows one "
-                "job's config: give it the sweep's first values without -m)")
+        return (
+            "-m/--multirun, --cfg, --info: only one of them at a time; drop the others (--cfg job shows one "
+            "job's config: give it the sweep's first values without -m)"
+        )
     if isinstance(ex, HydraException):
         lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip() and not ln.startswith("See https")]
         key = next((ln.removeprefix("full_key:").strip() for ln in lines if ln.startswith("full_key:")), None)

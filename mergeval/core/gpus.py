@@ -50,8 +50,11 @@ def simulated() -> int | None:
     if not value:
         return None
     if not value.isdigit():
-        raise UserError(SIMULATED_ENV, f"'{value}' is not a number of GPUs",
-                        f"set it to a whole number (a testing aid), or unset it: unset {SIMULATED_ENV}")
+        raise UserError(
+            SIMULATED_ENV,
+            f"'{value}' is not a number of GPUs",
+            f"set it to a whole number (a testing aid), or unset it: unset {SIMULATED_ENV}",
+        )
     return int(value)
 
 
@@ -175,7 +178,7 @@ def _held_slots(directory: Path, name: str) -> set[int]:
     free unlocks it at once."""
     held = set()
     for path in directory.glob(f"cuda-{name}.*.lock"):
-        slot = path.name[len(f"cuda-{name}."):-len(".lock")]
+        slot = path.name[len(f"cuda-{name}.") : -len(".lock")]
         if not slot.isdigit():
             continue
         try:

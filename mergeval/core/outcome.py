@@ -82,6 +82,7 @@ def result_text(result: dict) -> str:
     text = json.dumps(rest, indent=2)
     if not result.get("items"):
         return text[:-2] + ',\n  "items": {}\n}'
-    lines = ",\n".join(f"    {json.dumps(task)}: {json.dumps(per, separators=(',', ':'))}"
-                        for task, per in result["items"].items())
+    lines = ",\n".join(
+        f"    {json.dumps(task)}: {json.dumps(per, separators=(',', ':'))}" for task, per in result["items"].items()
+    )
     return text[:-2] + ',\n  "items": {\n' + lines + "\n  }\n}"

@@ -29,8 +29,9 @@ def cache_root(cache_dir: str | None) -> Path:
         if known is None:
             raise
         field = "$MERGEVAL_CACHE" if not cache_dir and os.environ.get("MERGEVAL_CACHE") else "cache_dir"
-        raise UserError(field, f"'{known.field}' {known.problem}",
-                        f"{known.fix} (cache_dir=DIR or $MERGEVAL_CACHE)") from None
+        raise UserError(
+            field, f"'{known.field}' {known.problem}", f"{known.fix} (cache_dir=DIR or $MERGEVAL_CACHE)"
+        ) from None
     return path
 
 
@@ -38,6 +39,7 @@ def result_files_below(directory: Path) -> list[Path]:
     """Every result.json below ``directory`` in job order: a sweep's job directories 0, 1, ..., 9, 10, ...
     sorted as numbers (as strings, job 10 would come before job 2 and a run's index would depend on the
     sweep's size)."""
+
     def key(path: Path) -> list:
         return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.relative_to(directory).parts]
 

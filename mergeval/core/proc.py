@@ -19,7 +19,7 @@ def _stat_fields(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command name (field 3, the state, first); OSError if unreadable."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
-    return stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and ')'
+    return stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces and ')'
 
 
 def state(pid: int) -> str | None:

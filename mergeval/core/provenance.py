@@ -7,8 +7,19 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ["mergeval", "torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "safetensors", "datasets",
-            "numpy", "tokenizers", "gguf"]
+PACKAGES = [
+    "mergeval",
+    "torch",
+    "transformers",
+    "lm_eval",
+    "hydra-core",
+    "omegaconf",
+    "safetensors",
+    "datasets",
+    "numpy",
+    "tokenizers",
+    "gguf",
+]
 
 
 def package_versions() -> dict[str, str | None]:
@@ -39,8 +50,26 @@ def git_commit() -> dict[str, str | bool | None]:
 
 # CPU flags that select different matmul/softmax kernels (oneDNN, MKL, torch's own), hence different rounding:
 # the same run gives bit-identical scores only on machines that agree on these and on the thread counts.
-KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
-                "avx_vnni", "amx_bf16", "amx_int8", "amx_tile", "asimd", "sve", "sve2", "bf16", "i8mm")
+KERNEL_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
 
 
 def hardware() -> dict:

@@ -100,9 +100,11 @@ def peak_device_memory(device: str | None = None) -> dict | None:
     if torch is None or not torch.cuda.is_initialized():
         return None
     cuda = _cuda_device(device)
-    return {"device": torch.cuda.get_device_name(*cuda),
-            "allocated_mib": round(torch.cuda.max_memory_allocated(*cuda) / 2**20, 1),
-            "reserved_mib": round(torch.cuda.max_memory_reserved(*cuda) / 2**20, 1)}
+    return {
+        "device": torch.cuda.get_device_name(*cuda),
+        "allocated_mib": round(torch.cuda.max_memory_allocated(*cuda) / 2**20, 1),
+        "reserved_mib": round(torch.cuda.max_memory_reserved(*cuda) / 2**20, 1),
+    }
 
 
 def release_memory() -> None:

@@ -43,8 +43,13 @@ class TaskScore:
 
     def as_dict(self) -> dict:
         """The reported metric, with its items where it has them (``items``: None otherwise)."""
-        return {"metric": self.metric, "value": self.value, "stderr": self.stderr, "n": self.n,
-                "items": (self.items or {}).get(self.metric)}
+        return {
+            "metric": self.metric,
+            "value": self.value,
+            "stderr": self.stderr,
+            "n": self.n,
+            "items": (self.items or {}).get(self.metric),
+        }
 
     def stored(self) -> dict:
         """What the results store keeps: ``as_dict`` with every metric and every metric's items."""
@@ -60,14 +65,18 @@ def check_backend(backend: str, device: str) -> None:
 
         if not torch.cuda.is_available():
             field = "eval.device" if device.startswith("cuda") else "eval.backend"
-            raise UserError(field, f"{'vllm needs' if backend == 'vllm' else device + ' needs'} a CUDA GPU, and torch "
-                            "sees none here", "run on a GPU machine, or set eval.device=cpu eval.backend=shared_prefix")
+            raise UserError(
+                field,
+                f"{'vllm needs' if backend == 'vllm' else device + ' needs'} a CUDA GPU, and torch sees none here",
+                "run on a GPU machine, or set eval.device=cpu eval.backend=shared_prefix",
+            )
     if backend == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise UserError("eval.backend", "vllm is not installed", "pip install vllm, or use "
-                            "eval.backend=shared_prefix") from None
+            raise UserError(
+                "eval.backend", "vllm is not installed", "pip install vllm, or use eval.backend=shared_prefix"
+            ) from None
 
 
 class Harness:
@@ -78,8 +87,15 @@ class Harness:
         """The harness a run's config asks for (eval.batch_size, eval.backend, prompting settings)."""
         return cls(suite, entries, cfg.eval.batch_size, limit, cfg.eval.backend, prompting(cfg.eval))
 
-    def __init__(self, suite, entries: list[str], batch_size: int, limit: int | None, backend: str = "shared_prefix",
-                 prompting: dict | None = None):
+    def __init__(
+        self,
+        suite,
+        entries: list[str],
+        batch_size: int,
+        limit: int | None,
+        backend: str = "shared_prefix",
+        prompting: dict | None = None,
+    ):
         self.suite, self.entries, self.rows = suite, entries, suite.rows_of(entries)
         self.task_dict = suite.subset(entries)
         self.batch_size, self.limit, self.backend = batch_size, limit, backend
@@ -93,8 +109,15 @@ class Harness:
 
         lm, cleanup = _language_model(self.backend, model, tokenizer, self.batch_size)
         try:
-            out = evaluate(lm=lm, task_dict=self.task_dict, limit=self.limit, samples=samples, log_samples=True,
-                           verbosity="ERROR", **self.prompting)
+            out = evaluate(
+                lm=lm,
+                task_dict=self.task_dict,
+                limit=self.limit,
+                samples=samples,
+                log_samples=True,
+                verbosity="ERROR",
+                **self.prompting,
+            )
         finally:
             cleanup()
         tasks = self.task_dict["tasks"]
@@ -107,10 +130,12 @@ def prompting(eval_cfg) -> dict:
     """The settings lm-eval's evaluate() takes (chat template, system instruction, multi-turn few-shot, code runs)."""
     if eval_cfg.allow_code_execution:
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the code_eval metric's own opt-in
-    return {"apply_chat_template": bool(eval_cfg.apply_chat_template),
-            "system_instruction": eval_cfg.system_instruction,
-            "fewshot_as_multiturn": bool(eval_cfg.fewshot_as_multiturn),
-            "confirm_run_unsafe_code": bool(eval_cfg.allow_code_execution)}
+    return {
+        "apply_chat_template": bool(eval_cfg.apply_chat_template),
+        "system_instruction": eval_cfg.system_instruction,
+        "fewshot_as_multiturn": bool(eval_cfg.fewshot_as_multiturn),
+        "confirm_run_unsafe_code": bool(eval_cfg.allow_code_execution),
+    }
 
 
 def _row_score(out: dict, name: str, metric: str, task_dict: dict) -> TaskScore:
@@ -121,8 +146,10 @@ def _row_score(out: dict, name: str, metric: str, task_dict: dict) -> TaskScore:
             continue
         m, f = key.split(",", 1)
         stderr = res.get(f"{m}_stderr,{f}")
-        metrics[key] = [float(value), float(stderr) if isinstance(stderr, (int, float)) and not
-                        math.isnan(stderr) else None]
+        metrics[key] = [
+            float(value),
+            float(stderr) if isinstance(stderr, (int, float)) and not math.isnan(stderr) else None,
+        ]
     if metric not in metrics:
         raise RuntimeError(f"lm-eval reported no {metric} for {name} (got {sorted(metrics)})")
     if name in task_dict["tasks"]:
@@ -141,8 +168,10 @@ def _item_outcomes(out: dict, name: str, task_dict: dict, metrics: dict[str, lis
     if name in task_dict["tasks"]:
         parts = [(name, out.get("samples", {}).get(name, []), False)]
     else:
-        parts = [(t.task_name, out.get("samples", {}).get(t.task_name, []), True)
-                 for t in task_dict["groups"][name].get_all_tasks()]
+        parts = [
+            (t.task_name, out.get("samples", {}).get(t.task_name, []), True)
+            for t in task_dict["groups"][name].get_all_tasks()
+        ]
     per: dict[str, tuple[list, list]] = {}
     for task, logged, prefixed in parts:
         for sample in sorted(logged, key=lambda s: s["doc_id"]):
@@ -156,8 +185,11 @@ def _item_outcomes(out: dict, name: str, task_dict: dict, metrics: dict[str, lis
     kept = {}
     for key, (ids, values) in per.items():
         reported = metrics.get(key, [None])[0]
-        if reported is not None and values and math.isclose(math.fsum(values) / len(values), reported,
-                                                              rel_tol=1e-6, abs_tol=1e-9):
+        if (
+            reported is not None
+            and values
+            and math.isclose(math.fsum(values) / len(values), reported, rel_tol=1e-6, abs_tol=1e-9)
+        ):
             kept[key] = {"ids": ids, "values": values}
     return kept
 
@@ -170,8 +202,9 @@ def _language_model(backend: str, model, tokenizer, batch_size: int):
         return _vllm(model, tokenizer)
     from mergeval.eval.scorer import SharedPrefixLM
 
-    lm = (SharedPrefixLM if backend == "shared_prefix" else HFLM)(pretrained=model, tokenizer=tokenizer,
-                                                                   batch_size=batch_size)
+    lm = (SharedPrefixLM if backend == "shared_prefix" else HFLM)(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size
+    )
     return lm, lambda: None
 
 

@@ -27,9 +27,19 @@ def registry_examples(task_name: str, split: str, n: int, bench, eval_cfg, cache
     from mergeval.eval.suite import build_suite
 
     data = dict(bench.data or {})
-    one = OmegaConf.create({"name": "calibration", "tasks": [task_name], "include_path": list(bench.include_path),
-                            "metrics": {}, "num_fewshot": None, "fewshot": {}, "n_items": bench.n_items,
-                            "limit": None, "data": {task_name: data[task_name]} if task_name in data else {}})
+    one = OmegaConf.create(
+        {
+            "name": "calibration",
+            "tasks": [task_name],
+            "include_path": list(bench.include_path),
+            "metrics": {},
+            "num_fewshot": None,
+            "fewshot": {},
+            "n_items": bench.n_items,
+            "limit": None,
+            "data": {task_name: data[task_name]} if task_name in data else {},
+        }
+    )
     key = (json.dumps(OmegaConf.to_container(one), sort_keys=True), str(cache))
     if key not in _SUITES:  # loaded once per process (each expert, each sweep job)
         try:
@@ -44,19 +54,29 @@ def registry_examples(task_name: str, split: str, n: int, bench, eval_cfg, cache
     scored = config.test_split or config.validation_split
     wanted = config.training_split if split == "train" else config.validation_split
     if wanted is None:
-        raise UserError(f"{field}.split", f"{task_name} has no {split} split",
-                        f"set {field}.split={'validation' if split == 'train' else 'train'}")
+        raise UserError(
+            f"{field}.split",
+            f"{task_name} has no {split} split",
+            f"set {field}.split={'validation' if split == 'train' else 'train'}",
+        )
     if wanted == scored:
-        raise UserError(f"{field}.split", f"{task_name} is scored on its {split} split ('{wanted}'): calibration "
-                        "never uses the items a model is scored on", f"set {field}.split=train")
+        raise UserError(
+            f"{field}.split",
+            f"{task_name} is scored on its {split} split ('{wanted}'): calibration "
+            "never uses the items a model is scored on",
+            f"set {field}.split=train",
+        )
     examples = []
     for doc in task.training_docs() if split == "train" else task.validation_docs():
         if len(examples) == n:
             break
         examples.append(_render(task, doc, field, task_name))
     if len(examples) < n:
-        raise UserError(f"{field}.n", f"{task_name}'s {split} split holds {len(examples)} documents, fewer than {n}",
-                        f"set {field}.n={len(examples)} or less")
+        raise UserError(
+            f"{field}.n",
+            f"{task_name}'s {split} split holds {len(examples)} documents, fewer than {n}",
+            f"set {field}.n={len(examples)} or less",
+        )
     return examples
 
 
@@ -70,6 +90,9 @@ def _render(task, doc, field: str, task_name: str) -> dict:
     elif kind == "generate_until":
         answer = target
     else:
-        raise UserError(f"{field}.task", f"{task_name} is a {kind} task, which has no answer to calibrate on",
-                        "name a multiple_choice or generate_until task")
+        raise UserError(
+            f"{field}.task",
+            f"{task_name} is a {kind} task, which has no answer to calibrate on",
+            "name a multiple_choice or generate_until task",
+        )
     return {"context": str(context), "continuation": task.config.target_delimiter + str(answer)}

@@ -42,8 +42,11 @@ def data_needs(bench, include_dirs: list[Path], cache: Path | None = None) -> li
             out.append(DataNeed(entry, entry, "generated", True, "written by mergeval", None, None))
             continue
         if entry not in index:
-            raise UserError("benchmark.tasks", f"unknown task '{entry}'", "see `lm_eval ls tasks`, or add its "
-                            "directory to benchmark.include_path")
+            raise UserError(
+                "benchmark.tasks",
+                f"unknown task '{entry}'",
+                "see `lm_eval ls tasks`, or add its directory to benchmark.include_path",
+            )
         for leaf in _leaves(entry, index):
             out.append(_need(entry, leaf, index[leaf].cfg or {}, bench))
     return out
@@ -56,8 +59,11 @@ def _leaves(name: str, index, seen: frozenset = frozenset()) -> list[str]:
     kind = entry.kind.name
     if kind in ("TASK", "PY_TASK"):
         return [name]
-    members = sorted(entry.tags) if kind == "TAG" else [m if isinstance(m, str) else m.get("task")
-                                                       for m in (entry.cfg or {}).get("task", [])]
+    members = (
+        sorted(entry.tags)
+        if kind == "TAG"
+        else [m if isinstance(m, str) else m.get("task") for m in (entry.cfg or {}).get("task", [])]
+    )
     return [leaf for m in members if m for leaf in _leaves(m, index, seen | {name})]
 
 
@@ -67,12 +73,21 @@ def _need(entry: str, task: str, cfg: dict, bench) -> DataNeed:
     if override:
         from mergeval.eval.suite import SHIPPED, SHIPPED_PREFIX
 
-        paths = [SHIPPED / f.removeprefix(SHIPPED_PREFIX) if f.startswith(SHIPPED_PREFIX) else Path(f).expanduser()
-                 for f in override.values()]
+        paths = [
+            SHIPPED / f.removeprefix(SHIPPED_PREFIX) if f.startswith(SHIPPED_PREFIX) else Path(f).expanduser()
+            for f in override.values()
+        ]
         missing = [str(p) for p in paths if not p.is_file()]
-        return DataNeed(entry, task, "local files", not missing, missing[0] if missing else str(paths[0].parent),
-                        None if missing else sum(p.stat().st_size for p in paths),
-                        None if not missing else "give existing files in benchmark.data", unsafe)
+        return DataNeed(
+            entry,
+            task,
+            "local files",
+            not missing,
+            missing[0] if missing else str(paths[0].parent),
+            None if missing else sum(p.stat().st_size for p in paths),
+            None if not missing else "give existing files in benchmark.data",
+            unsafe,
+        )
     path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
     if not path:
         return DataNeed(entry, task, "defined in code", True, "the task builds its own data", None, None, unsafe)
@@ -85,8 +100,16 @@ def _need(entry: str, task: str, cfg: dict, bench) -> DataNeed:
         fetch = f"hf download --repo-type dataset {path}"
     else:
         fetch = f"python -c \"import datasets; datasets.load_dataset('{path}'{', ' + repr(name) if name else ''})\""
-    return DataNeed(entry, task, label, found is not None, str(found) if found else "not in the local caches",
-                    dir_size(found) if found else None, None if found else fetch, unsafe)
+    return DataNeed(
+        entry,
+        task,
+        label,
+        found is not None,
+        str(found) if found else "not in the local caches",
+        dir_size(found) if found else None,
+        None if found else fetch,
+        unsafe,
+    )
 
 
 def _cached_dataset(repo: str) -> Path | None:

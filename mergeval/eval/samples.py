@@ -27,8 +27,10 @@ def collect(loaded_tasks: dict, tasks: list[str]) -> dict[str, list[dict]]:
         for inst in obj.instances:
             by_doc[inst.doc_id][inst.idx] = float(inst.filtered_resps["none"][0])
             docs[inst.doc_id] = inst.doc
-        out[task] = [{"doc_id": d, "lls": [lls[i] for i in sorted(lls)], "gold": gold_index(obj, docs[d])}
-                     for d, lls in sorted(by_doc.items())]
+        out[task] = [
+            {"doc_id": d, "lls": [lls[i] for i in sorted(lls)], "gold": gold_index(obj, docs[d])}
+            for d, lls in sorted(by_doc.items())
+        ]
     return out
 
 

@@ -97,8 +97,9 @@ class SharedPrefixLM(HFLM):
 
         return takes_logits_to_keep(self.model)
 
-    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
-                              override_bs: int | None = None) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None
+    ) -> list[tuple[float, bool]]:
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)  # context ids -> request indices
         too_long = []
         for i, (_, ctx, _cont) in enumerate(requests):
@@ -114,12 +115,13 @@ class SharedPrefixLM(HFLM):
         order = sorted(fitting.items(), key=lambda kv: -(len(kv[0]) + sum(len(requests[i][2]) for i in kv[1])))
         size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 32)
         for start in range(0, len(order), size):
-            chunk = order[start:start + size]
+            chunk = order[start : start + size]
             for i, answer in zip((i for _, idx in chunk for i in idx), self._score_rows(chunk, requests)):
                 results[i] = answer
         if too_long:
-            for i, answer in zip(too_long, super()._loglikelihood_tokens([requests[i] for i in too_long],
-                                                                          disable_tqdm, override_bs)):
+            for i, answer in zip(
+                too_long, super()._loglikelihood_tokens([requests[i] for i in too_long], disable_tqdm, override_bs)
+            ):
                 results[i] = answer
         for (request_str, _, _), answer in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request_str, answer)
@@ -146,16 +148,19 @@ class SharedPrefixLM(HFLM):
         pos = torch.zeros((len(rows), width), dtype=torch.long)
         seg = torch.full((len(rows), width), -1, dtype=torch.long)
         for r, (tok, p, s, _) in enumerate(rows):
-            ids[r, :len(tok)], pos[r, :len(p)], seg[r, :len(s)] = torch.tensor(tok), torch.tensor(p), torch.tensor(s)
+            ids[r, : len(tok)], pos[r, : len(p)], seg[r, : len(s)] = torch.tensor(tok), torch.tensor(p), torch.tensor(s)
         mask = _choice_mask(seg)
         self.forward_tokens += int((seg >= 0).sum())
         dtype = next(self.model.parameters()).dtype
         additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
         keep = width - ctx_end + 1  # vocabulary logits only from the context's end on, where choices are predicted
         with torch.no_grad():
-            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                             attention_mask=additive[:, None].to(self.device),
-                             **({"logits_to_keep": keep} if self._keeps_logits else {}))
+            out = self.model(
+                input_ids=ids.to(self.device),
+                position_ids=pos.to(self.device),
+                attention_mask=additive[:, None].to(self.device),
+                **({"logits_to_keep": keep} if self._keeps_logits else {}),
+            )
         # Each choice token is predicted from one (row, kept column): 0 (the context's end) for its first token,
         # then the column of its own previous token. Only those positions get a float32 log-softmax (HFLM's
         # values: each position's log-softmax is computed on its own, so leaving out the others, padding
@@ -177,7 +182,8 @@ class SharedPrefixLM(HFLM):
         picked = logprobs.gather(1, target[:, None]).cpu()  # [positions, 1]
         greedy = (logprobs.argmax(-1) == target).cpu()
         for start, n in spans:
-            yield float(picked[start:start + n].sum()), bool(greedy[start:start + n].all())
+            yield float(picked[start : start + n].sum()), bool(greedy[start : start + n].all())
+
 
 def _choice_mask(seg: torch.Tensor) -> torch.Tensor:
     """[rows, T, T] booleans: query q may attend key k (module docstring). Padding attends only to itself,

@@ -27,16 +27,26 @@ def eval_settings(cfg) -> dict:
 
     # the device's kind (cuda, not cuda:2): a parallel sweep's jobs, each on a GPU of its own, share evaluations
     # (one stored before under a named index, eval.device=cuda:1, is not matched again and is redone once)
-    settings = {"limit": cfg.benchmark.limit, "num_fewshot": cfg.benchmark.num_fewshot, "dtype": cfg.eval.dtype,
-                "batch_size": cfg.eval.batch_size, "device": kind(cfg.eval.device), "lm_eval": version("lm_eval")}
+    settings = {
+        "limit": cfg.benchmark.limit,
+        "num_fewshot": cfg.benchmark.num_fewshot,
+        "dtype": cfg.eval.dtype,
+        "batch_size": cfg.eval.batch_size,
+        "device": kind(cfg.eval.device),
+        "lm_eval": version("lm_eval"),
+    }
     if cfg.eval.backend != "hflm":  # evaluations stored before backends existed were HFLM's: keep their key
         settings["backend"] = cfg.eval.backend
     if cfg.eval.backend == "shared_prefix" and SHARED_PREFIX_VERSION > 1:  # version 1 keeps the keys it had
         settings["scorer_version"] = SHARED_PREFIX_VERSION
-    optional = {"fewshot": dict(cfg.benchmark.fewshot or {}), "apply_chat_template": bool(cfg.eval.apply_chat_template),
-                "system_instruction": cfg.eval.system_instruction,
-                "fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),
-                "gen_kwargs": dict(cfg.eval.gen_kwargs or {}), "allow_code_execution": cfg.eval.allow_code_execution}
+    optional = {
+        "fewshot": dict(cfg.benchmark.fewshot or {}),
+        "apply_chat_template": bool(cfg.eval.apply_chat_template),
+        "system_instruction": cfg.eval.system_instruction,
+        "fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),
+        "gen_kwargs": dict(cfg.eval.gen_kwargs or {}),
+        "allow_code_execution": cfg.eval.allow_code_execution,
+    }
     settings.update({k: v for k, v in optional.items() if v})
     return settings
 

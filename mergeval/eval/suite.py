@@ -53,8 +53,9 @@ def resolve_path(spec: str, field: str, want_dir: bool) -> Path:
     ok = path.is_dir() if want_dir else path.is_file()
     if not ok:
         kind = "directory" if want_dir else "file"
-        raise UserError(field, f"no such {kind} '{spec}'", f"give an existing {kind} (or shipped:<path> inside "
-                        f"{SHIPPED})")
+        raise UserError(
+            field, f"no such {kind} '{spec}'", f"give an existing {kind} (or shipped:<path> inside {SHIPPED})"
+        )
     return path.resolve()
 
 
@@ -70,8 +71,11 @@ def check_no_task_code(directory: Path, field: str) -> None:
             continue  # lm-eval reports an unreadable file when it loads the directory
         found = re.search(r"!function\s+(\S+)", text)
         if found:
-            raise UserError(field, f"{yaml_file} runs Python code when lm-eval loads it (!function {found.group(1)})",
-                            "read that code, then set benchmark.allow_task_code=true if you trust the directory")
+            raise UserError(
+                field,
+                f"{yaml_file} runs Python code when lm-eval loads it (!function {found.group(1)})",
+                "read that code, then set benchmark.allow_task_code=true if you trust the directory",
+            )
 
 
 @dataclass(frozen=True)
@@ -125,17 +129,20 @@ class Suite:
     def subset(self, entries: list[str]) -> dict:
         """lm-eval's TaskDict for these entries only (their tasks and groups)."""
         keep = set(self.rows_of(entries)) | {t for e in entries for t in self.loaded["members"].get(e, [])}
-        return {"tasks": {n: t for n, t in self.loaded["tasks"].items() if n in keep},
-                "groups": {n: g for n, g in self.loaded["groups"].items() if n in keep},
-                "group_map": {n: m for n, m in self.loaded["group_map"].items() if n in keep}}
+        return {
+            "tasks": {n: t for n, t in self.loaded["tasks"].items() if n in keep},
+            "groups": {n: g for n, g in self.loaded["groups"].items() if n in keep},
+            "group_map": {n: m for n, m in self.loaded["group_map"].items() if n in keep},
+        }
 
     def task(self, name: str):
         return self.loaded["tasks"][name]
 
     def per_task(self, settings: Mapping) -> PerTask:
         """The store key's settings of every row, from the run's ``settings`` (eval/settings.py)."""
-        return PerTask(settings, {name: {"num_fewshot": r.num_fewshot, "generates": r.generates}
-                                  for name, r in self.rows.items()})
+        return PerTask(
+            settings, {name: {"num_fewshot": r.num_fewshot, "generates": r.generates} for name, r in self.rows.items()}
+        )
 
 
 def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation: int = 0) -> Suite:
@@ -151,8 +158,11 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
     if generated:
         paths.append(write_tasks(generated, bench.n_items, cache, split=split, n_validation=n_validation))
     elif split != "test":
-        raise UserError("method.order", "ranking experts on a validation split needs mergeval's generated tasks",
-                        "give method.validation_scores or set method.order=given")
+        raise UserError(
+            "method.order",
+            "ranking experts on a validation split needs mergeval's generated tasks",
+            "give method.validation_scores or set method.order=given",
+        )
     given = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
     for i, (spec, path) in enumerate(zip(bench.include_path, given)):
         if not spec.startswith(SHIPPED_PREFIX) and not bench.get("allow_task_code", False):
@@ -163,9 +173,13 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
     unknown = [t for t in others if t not in manager.all_tasks]
     if unknown:
         near = difflib.get_close_matches(unknown[0], manager.all_tasks + list(GENERATED), n=3)
-        raise UserError("benchmark.tasks", f"unknown task '{unknown[0]}' (not generated, not in lm-eval's registry "
-                        "or benchmark.include_path)", f"did you mean one of {near}?" if near else
-                        "see `lm_eval ls tasks`, or add a directory of task YAMLs to benchmark.include_path")
+        raise UserError(
+            "benchmark.tasks",
+            f"unknown task '{unknown[0]}' (not generated, not in lm-eval's registry or benchmark.include_path)",
+            f"did you mean one of {near}?"
+            if near
+            else "see `lm_eval ls tasks`, or add a directory of task YAMLs to benchmark.include_path",
+        )
     _check_data_keys(bench, manager)
     if bench.data:  # the overriding YAMLs shadow the registry's by name, so groups use them too
         manager = _manager(paths + [_write_overrides(bench, manager, cache)], others + list(bench.data), cache)
@@ -174,8 +188,11 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
         _load_entry(manager, entry, bench, loaded, bool(eval_cfg.allow_code_execution))
     stray = [t for t in bench.data or {} if t not in loaded["tasks"]]
     if stray:
-        raise UserError(f"benchmark.data.{stray[0]}", f"'{stray[0]}' is neither in benchmark.tasks nor a member of a "
-                        "group there", "add it or drop its data")
+        raise UserError(
+            f"benchmark.data.{stray[0]}",
+            f"'{stray[0]}' is neither in benchmark.tasks nor a member of a group there",
+            "add it or drop its data",
+        )
     _configure(loaded, bench, eval_cfg)
     generated_dir = paths[0] if generated else None
     leaf_digests: dict[str, str] = {}  # a group's members are hashed once, for the group row and their own
@@ -213,13 +230,17 @@ def _check_data_keys(bench, manager) -> None:
         if not splits:
             raise UserError(f"benchmark.data.{task}", "no files", "map split names to files, e.g. {test: file.jsonl}")
         if task not in manager.all_tasks:
-            raise UserError(f"benchmark.data.{task}", f"unknown task '{task}'", "name a task of benchmark.tasks "
-                            "(or a member of a group there)")
+            raise UserError(
+                f"benchmark.data.{task}",
+                f"unknown task '{task}'",
+                "name a task of benchmark.tasks (or a member of a group there)",
+            )
     for field in ("metrics", "fewshot"):
         for task in getattr(bench, field) or {}:
             if task not in entries:
-                raise UserError(f"benchmark.{field}.{task}", f"'{task}' is not in benchmark.tasks",
-                                f"use one of {entries}")
+                raise UserError(
+                    f"benchmark.{field}.{task}", f"'{task}' is not in benchmark.tasks", f"use one of {entries}"
+                )
 
 
 def _write_overrides(bench, manager, cache: Path) -> Path:
@@ -228,16 +249,25 @@ def _write_overrides(bench, manager, cache: Path) -> Path:
     for task, splits in bench.data.items():
         entry = manager.task_index[task]
         if entry.yaml_path is None or entry.kind.name not in ("TASK", "PY_TASK"):
-            raise UserError(f"benchmark.data.{task}", "only a single task's data can be replaced, not a group's",
-                            "override each member task instead")
-        data = {split: str(resolve_path(f, f"benchmark.data.{task}.{split}", want_dir=False))
-                for split, f in splits.items()}
+            raise UserError(
+                f"benchmark.data.{task}",
+                "only a single task's data can be replaced, not a group's",
+                "override each member task instead",
+            )
+        data = {
+            split: str(resolve_path(f, f"benchmark.data.{task}.{split}", want_dir=False)) for split, f in splits.items()
+        }
         # tag: null keeps the registry's tags (mmlu_stem_tasks, ...) whole: an override's inherited tag would
         # replace the tag's member list in this index. Absolute paths: datasets resolves relative ones against
         # the working directory, not the YAML.
-        files[task] = {"include": str(entry.yaml_path), "task": task, "tag": None, "dataset_path": "json",
-                       "dataset_name": None,
-                       "dataset_kwargs": {"data_files": data, "cache_dir": str(datasets_cache(cache))}}
+        files[task] = {
+            "include": str(entry.yaml_path),
+            "task": task,
+            "tag": None,
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": data, "cache_dir": str(datasets_cache(cache))},
+        }
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / "tasks" / "data_overrides" / digest
     if not target.exists():
@@ -258,15 +288,21 @@ def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> N
     clash = [t for t in got["tasks"] if t in loaded["tasks"]]
     if clash:
         owner = next(e for e, m in loaded["members"].items() if clash[0] in m or clash[0] == e)
-        raise UserError("benchmark.tasks", f"'{clash[0]}' is both in '{owner}' and in '{entry}'",
-                        "list a group or its members, not both")
+        raise UserError(
+            "benchmark.tasks",
+            f"'{clash[0]}' is both in '{owner}' and in '{entry}'",
+            "list a group or its members, not both",
+        )
     for name, task in got["tasks"].items():
         if name in (bench.data or {}):  # registry data has the task's schema; only local files can differ
             _check_splits(name, task, list(bench.data[name]))
             _check_schema(name, task)
         if getattr(task, "UNSAFE_CODE", False) and not allow_code:
-            raise UserError("eval.allow_code_execution", f"'{name}' runs the code the model writes",
-                            "set eval.allow_code_execution=true on a sandboxed machine, or drop the task")
+            raise UserError(
+                "eval.allow_code_execution",
+                f"'{name}' runs the code the model writes",
+                "set eval.allow_code_execution=true on a sandboxed machine, or drop the task",
+            )
     loaded["tasks"].update(got["tasks"])
     loaded["groups"].update(got.get("groups", {}))
     loaded["group_map"].update(got.get("group_map", {}))
@@ -281,16 +317,28 @@ def _data_error(entry: str, bench, err: Exception) -> UserError:
         err = err.__cause__ or err.__context__
     if entry in (bench.data or {}):
         if isinstance(chain[0], KeyError):  # the task's process_docs / templates read a column the files lack
-            return UserError(f"benchmark.data.{entry}", f"the files have no column {chain[0]}, which the task "
-                             "reads", "give rows in the task's own schema (see its YAML and process_docs)")
+            return UserError(
+                f"benchmark.data.{entry}",
+                f"the files have no column {chain[0]}, which the task reads",
+                "give rows in the task's own schema (see its YAML and process_docs)",
+            )
         if any(type(e).__name__ == "CastError" for e in chain):
-            return UserError(f"benchmark.data.{entry}", "the files of its splits have different columns",
-                             "give every split rows of the same schema")
-        return UserError(f"benchmark.data.{entry}", f"cannot load the given files ({reason})",
-                         "give the split names the task evaluates (see its YAML) mapped to JSON-lines files")
-    return UserError("benchmark.tasks", f"cannot load the data of '{entry}' ({reason})",
-                     f"run `python -m mergeval.check` to see what is missing and how to fetch it, or point the "
-                     f"task at local files with benchmark.data.{entry}")
+            return UserError(
+                f"benchmark.data.{entry}",
+                "the files of its splits have different columns",
+                "give every split rows of the same schema",
+            )
+        return UserError(
+            f"benchmark.data.{entry}",
+            f"cannot load the given files ({reason})",
+            "give the split names the task evaluates (see its YAML) mapped to JSON-lines files",
+        )
+    return UserError(
+        "benchmark.tasks",
+        f"cannot load the data of '{entry}' ({reason})",
+        f"run `python -m mergeval.check` to see what is missing and how to fetch it, or point the "
+        f"task at local files with benchmark.data.{entry}",
+    )
 
 
 def _check_splits(name: str, task, given: list[str]) -> None:
@@ -299,8 +347,11 @@ def _check_splits(name: str, task, given: list[str]) -> None:
     reads = [s for s in (task.get_config(f"{k}_split") for k in ("test", "validation", "training", "fewshot")) if s]
     for split in given:
         if split not in reads:
-            raise UserError(f"benchmark.data.{name}.{split}", f"{name} reads no split '{split}'",
-                            f"name the splits it reads: {', '.join(dict.fromkeys(reads))}")
+            raise UserError(
+                f"benchmark.data.{name}.{split}",
+                f"{name} reads no split '{split}'",
+                f"name the splits it reads: {', '.join(dict.fromkeys(reads))}",
+            )
 
 
 def _check_schema(name: str, task) -> None:
@@ -313,12 +364,15 @@ def _check_schema(name: str, task) -> None:
         if task.get_config("output_type") == "multiple_choice":
             task.doc_to_choice(doc)
     except StopIteration:
-        raise UserError(f"benchmark.data.{name}", f"'{name}' has no documents to evaluate",
-                        "give a split with at least one row") from None
+        raise UserError(
+            f"benchmark.data.{name}", f"'{name}' has no documents to evaluate", "give a split with at least one row"
+        ) from None
     except Exception as err:
-        raise UserError(f"benchmark.data.{name}", f"the data of '{name}' does not fit the task's schema ({type(err).__name__}: "
-                        f"{str(err)[:200]})", "give the columns the task reads (see its YAML and process_docs)") \
-            from None
+        raise UserError(
+            f"benchmark.data.{name}",
+            f"the data of '{name}' does not fit the task's schema ({type(err).__name__}: {str(err)[:200]})",
+            "give the columns the task reads (see its YAML and process_docs)",
+        ) from None
 
 
 def _configure(loaded: dict, bench, eval_cfg) -> None:
@@ -340,8 +394,13 @@ def _configure(loaded: dict, bench, eval_cfg) -> None:
         elif own is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
-        field = (f"benchmark.fewshot.{entry_of.get(name)}" if given is not None else "benchmark.num_fewshot"
-                 if bench.num_fewshot is not None and own != 0 else "benchmark.tasks")
+        field = (
+            f"benchmark.fewshot.{entry_of.get(name)}"
+            if given is not None
+            else "benchmark.num_fewshot"
+            if bench.num_fewshot is not None and own != 0
+            else "benchmark.tasks"
+        )
         _check_fewshot_pool(name, task, field)
         if gen_kwargs and task.get_config("output_type") == "generate_until":
             task.set_config(key="generation_kwargs", value=gen_kwargs, update=True)
@@ -360,8 +419,11 @@ def _check_fewshot_pool(name: str, task, field: str) -> None:
     pool = task.get_config("fewshot_split") or task.get_config("training_split") or task.get_config("validation_split")
     same = pool == (task.get_config("test_split") or task.get_config("validation_split"))
     if n < k + same:
-        raise UserError(field, f"{name} has {n} few-shot examples{' (one is the question itself)' if same else ''}, "
-                        f"{k} asked", f"ask for at most {max(n - same, 0)} (benchmark.fewshot.<task> sets one task's)")
+        raise UserError(
+            field,
+            f"{name} has {n} few-shot examples{' (one is the question itself)' if same else ''}, {k} asked",
+            f"ask for at most {max(n - same, 0)} (benchmark.fewshot.<task> sets one task's)",
+        )
 
 
 def _task_metrics(task) -> list[str]:
@@ -392,20 +454,35 @@ def _rows(entry: str, loaded: dict, bench, generated_dir: Path | None, leaf_dige
             for leaf in leaves:
                 hib = {**leaf.higher_is_better(), **hib}
             kind, output_type = "group", None
-            digest = _hash([json.dumps(g.to_dict(), sort_keys=True, default=str)]
-                           + sorted(_leaf_digest(t, leaf_digests) for t in leaves))
+            digest = _hash(
+                [json.dumps(g.to_dict(), sort_keys=True, default=str)]
+                + sorted(_leaf_digest(t, leaf_digests) for t in leaves)
+            )
         if not keys:
             continue
         chosen = configured.get(name) if name == entry else None
         metric = default_metric(keys) if chosen is None else normalize_key(chosen, keys)
         if metric is None:
-            raise UserError(f"benchmark.metrics.{name}", f"'{chosen}' is not reported by {name}",
-                            f"choose one of {keys}")
+            raise UserError(
+                f"benchmark.metrics.{name}", f"'{chosen}' is not reported by {name}", f"choose one of {keys}"
+            )
         higher = bool(hib.get(metric.split(",", 1)[0], True))
         counts = sorted({int(leaf.get_config("num_fewshot") or 0) for leaf in leaves})
-        rows.append(Row(name, entry, kind, output_type, metric, tuple(keys), higher, digest,
-                        counted=name == entry and higher, num_fewshot=counts[0] if len(counts) == 1 else tuple(counts),
-                        generates=any(leaf.get_config("output_type") == "generate_until" for leaf in leaves)))
+        rows.append(
+            Row(
+                name,
+                entry,
+                kind,
+                output_type,
+                metric,
+                tuple(keys),
+                higher,
+                digest,
+                counted=name == entry and higher,
+                num_fewshot=counts[0] if len(counts) == 1 else tuple(counts),
+                generates=any(leaf.get_config("output_type") == "generate_until" for leaf in leaves),
+            )
+        )
     if not rows:
         raise UserError("benchmark.tasks", f"'{entry}' reports no metric", "choose a task or a group with scores")
     return rows
@@ -416,8 +493,9 @@ def _group_metrics(group, leaves) -> list[str]:
     for agg in group.aggregate_metric_list:
         filters = agg.filter_list
         if filters is None:  # lm-eval uses every filter its members report the metric under
-            filters = sorted({k.split(",", 1)[1] for leaf in leaves for k in _task_metrics(leaf)
-                              if k.split(",", 1)[0] == agg.metric})
+            filters = sorted(
+                {k.split(",", 1)[1] for leaf in leaves for k in _task_metrics(leaf) if k.split(",", 1)[0] == agg.metric}
+            )
         keys += [f"{agg.metric},{f}" for f in ([filters] if isinstance(filters, str) else filters)]
     return keys
 
@@ -437,7 +515,7 @@ def _config_digest(task) -> str:
     if "config_source" in (config.get("metadata") or {}):  # the YAML file's path: where mergeval, lm-eval or the
         # cache is installed (a data override's directory is named by its data files' paths), not what is evaluated
         config = {**config, "metadata": {k: v for k, v in config["metadata"].items() if k != "config_source"}}
-    files = ((config.get("dataset_kwargs") or {}).get("data_files") or {})
+    files = (config.get("dataset_kwargs") or {}).get("data_files") or {}
     hashed = {split: _file_hash(Path(p)) for split, p in files.items()} if isinstance(files, dict) else files
     if files:
         config = {**config, "dataset_kwargs": {**config["dataset_kwargs"], "data_files": hashed}}

@@ -88,7 +88,7 @@ def lettered_prompt(item: Item) -> str:
 def _row(name: str, item: Item) -> dict:
     """One JSONL row of task ``name``: the item, its rendered prompt and (lettered format) its letters."""
     if items_of(name) != name:
-        return dict(item, prompt=lettered_prompt(item), letters=list(LETTERS[:len(item["choices"])]))
+        return dict(item, prompt=lettered_prompt(item), letters=list(LETTERS[: len(item["choices"])]))
     # The cloze row is exactly what it was before the lettered format existed: its bytes make the task
     # digest, the key of every stored evaluation.
     return dict(item, prompt=prompt(item["question"]))
@@ -126,23 +126,28 @@ def check_tasks(names: list[str], n_items: int, n_validation: int = 0) -> None:
         raise UserError("benchmark.tasks", "no tasks", f"list some of: {', '.join(sorted(GENERATED))}")
     unknown = [n for n in names if n not in GENERATED]
     if unknown:
-        raise UserError("benchmark.tasks", f"unknown generated task(s) {unknown}",
-                        f"choose from: {', '.join(sorted(GENERATED))}")
+        raise UserError(
+            "benchmark.tasks", f"unknown generated task(s) {unknown}", f"choose from: {', '.join(sorted(GENERATED))}"
+        )
     if not 1 <= n_items <= EVAL_POOL:
-        raise UserError("benchmark.n_items", f"must be in [1, {EVAL_POOL}], got {n_items}",
-                        "set e.g. benchmark.n_items=200")
+        raise UserError(
+            "benchmark.n_items", f"must be in [1, {EVAL_POOL}], got {n_items}", "set e.g. benchmark.n_items=200"
+        )
     for name in names:
         if n_items + n_validation > POOL[name]:
             field = "benchmark.n_items" if n_validation == 0 else "method.validation_items"
-            raise UserError(field, f"{name} holds {POOL[name]} items, fewer than {n_items} test + "
-                            f"{n_validation} validation", "lower benchmark.n_items or method.validation_items")
+            raise UserError(
+                field,
+                f"{name} holds {POOL[name]} items, fewer than {n_items} test + {n_validation} validation",
+                "lower benchmark.n_items or method.validation_items",
+            )
 
 
 def task_items(name: str, n_items: int, split: str = "test", n_validation: int = 0) -> list[Item]:
     """The test split (first n_items of the pool) or the validation split (its last n_validation)."""
     if split == "test":
         return GENERATED[name](n_items)
-    return GENERATED[name](POOL[name])[POOL[name] - n_validation:]
+    return GENERATED[name](POOL[name])[POOL[name] - n_validation :]
 
 
 def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test", n_validation: int = 0) -> Path:
@@ -172,8 +177,12 @@ def write_tasks(names: list[str], n_items: int, cache: Path, split: str = "test"
 def _task_yaml(name: str, target: Path, cache: Path) -> str:
     """The lm-eval YAML of generated task ``name`` whose data lies in ``target`` (absolute paths)."""
     choices = "choices" if items_of(name) == name else "letters"  # what the model is asked to say
-    return _YAML.format(name=name, data=json.dumps(str(target / f"{name}.jsonl")), choices=choices,
-                        hf_cache=json.dumps(str(datasets_cache(cache))))
+    return _YAML.format(
+        name=name,
+        data=json.dumps(str(target / f"{name}.jsonl")),
+        choices=choices,
+        hf_cache=json.dumps(str(datasets_cache(cache))),
+    )
 
 
 def task_digest(task_dir: Path, name: str) -> str:
@@ -183,8 +192,11 @@ def task_digest(task_dir: Path, name: str) -> str:
     # written into another cache directory keeps its digest (and its stored evaluations).
     # Where the datasets library caches is no part of what is evaluated: that line is left out (digests of
     # tasks written before it existed stay the same).
-    yaml = "".join(line for line in (task_dir / f"{name}.yaml").read_text().splitlines(keepends=True)
-                   if not line.startswith("  cache_dir: "))
+    yaml = "".join(
+        line
+        for line in (task_dir / f"{name}.yaml").read_text().splitlines(keepends=True)
+        if not line.startswith("  cache_dir: ")
+    )
     h.update(yaml.replace(str(task_dir), "<task_dir>").encode())
     h.update((task_dir / f"{name}.jsonl").read_bytes())
     return h.hexdigest()[:16]

@@ -48,16 +48,22 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     try:
         check_creatable(target)
     except OSError as err:  # procfs answers ENOENT, which from_os_error does not take for the environment's
-        raise from_os_error(err) or UserError("output", f"cannot create '{target}' in '{err.filename}' "
-                                              f"({err.strerror})", "choose a directory you can write to") from None
+        raise from_os_error(err) or UserError(
+            "output",
+            f"cannot create '{target}' in '{err.filename}' ({err.strerror})",
+            "choose a directory you can write to",
+        ) from None
     method, method_cfg = validate(cfg)
     refuse_ranking(method, method_cfg)  # before minutes of building experts
     return merge_resolved(cfg, method, method_cfg, target, cache_root(cfg.cache_dir))
 
 
 def cli() -> None:
-    run_cli(main, 'mergeval.merge',
-            'Merge only, streamed to disk with bounded memory: output=DIR (default <job dir>/merged_model).')
+    run_cli(
+        main,
+        "mergeval.merge",
+        "Merge only, streamed to disk with bounded memory: output=DIR (default <job dir>/merged_model).",
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ def model_card(method: str, method_version: int, config: dict, inputs: list[dict
     """Markdown: method and its implementation version (``MergeMethod.version``: the same inputs, config and seed
     give the same bits only at the same version), mergeval version, one row per input (role, source, path,
     fingerprint), the config as YAML."""
-    rows = "\n".join(f"| {i.get('role', '')} | `{i.get('source', '')}` | `{i.get('path', '')}` | "
-                     f"`{i.get('weights') or i.get('fingerprint', '')}` |" for i in inputs)  # the tensors' fingerprint
+    rows = "\n".join(
+        f"| {i.get('role', '')} | `{i.get('source', '')}` | `{i.get('path', '')}` | "
+        f"`{i.get('weights') or i.get('fingerprint', '')}` |"
+        for i in inputs
+    )  # the tensors' fingerprint
     return f"""---
 library_name: transformers
 tags:
@@ -54,8 +57,14 @@ Fingerprint: BLAKE3 (128 bits) over each tensor's name, dtype, shape and bytes (
 def evaluation_section(scores: dict[str, dict[str, dict]], roles: list[str]) -> str:
     """Markdown: one row per task, one column per model, each cell ``value ± stderr`` of the task's metric (the
     metric lm-eval reported and the run shows; ``-`` where lm-eval gives no stderr) and the items scored."""
-    lines = ["## Evaluation", "", "Scored by mergeval's run (lm-eval tasks; value ± standard error, n items).", "",
-             "| task | metric | n | " + " | ".join(roles) + " |", "|---|---|---|" + "---|" * len(roles)]
+    lines = [
+        "## Evaluation",
+        "",
+        "Scored by mergeval's run (lm-eval tasks; value ± standard error, n items).",
+        "",
+        "| task | metric | n | " + " | ".join(roles) + " |",
+        "|---|---|---|" + "---|" * len(roles),
+    ]
     for task, by_role in scores.items():
         first = next(iter(by_role.values()))
         cells = [_cell(by_role.get(role)) for role in roles]
@@ -86,6 +95,7 @@ def merge_config(cfg) -> dict:
     from omegaconf import OmegaConf
 
     full = OmegaConf.to_container(cfg, resolve=True)
-    keys = ("method", "modelset", "seed", "vocab_policy") + (("tokenizer_source",) if full.get("tokenizer_source")
-                                                             else ())
+    keys = ("method", "modelset", "seed", "vocab_policy") + (
+        ("tokenizer_source",) if full.get("tokenizer_source") else ()
+    )
     return {key: full.get(key) for key in keys}

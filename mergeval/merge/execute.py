@@ -96,8 +96,10 @@ class Device:
         """``_merge_unit`` on the device, its results on the CPU."""
         b, es = inputs
         with self.holding([*b.values(), *(t for e in es for t in e.values())]):
-            moved = ({n: self.to_device(t) for n, t in b.items()}, [{n: self.to_device(t) for n, t in e.items()}
-                                                                     for e in es])
+            moved = (
+                {n: self.to_device(t) for n, t in b.items()},
+                [{n: self.to_device(t) for n, t in e.items()} for e in es],
+            )
             return {n: self.to_cpu(t) for n, t in _merge_unit(unit, method, moved, seed).items()}
 
     def merge_block(self, merger, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
@@ -126,9 +128,18 @@ def output_shapes(plan: list[Unit], shapes: dict[str, tuple[int, ...]], rows: di
     return out
 
 
-def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int],
-             progress: bool = False, blocks: bool = False,
-             prepared: dict | None = None, device: Device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def run_plan(
+    plan: list[Unit],
+    method: MergeMethod,
+    base,
+    experts: list,
+    seed: int,
+    rows: dict[str, int],
+    progress: bool = False,
+    blocks: bool = False,
+    prepared: dict | None = None,
+    device: Device | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
     WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer (more
@@ -153,13 +164,17 @@ def run_plan(plan: list[Unit], method: MergeMethod, base, experts: list, seed: i
         _load_kernels_first(plan, method, base, len(experts))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=THREAD_NAME, initializer=_worker_setup,
-                              initargs=(torch_only,))
+    pool = ThreadPoolExecutor(
+        WORKERS, thread_name_prefix=THREAD_NAME, initializer=_worker_setup, initargs=(torch_only,)
+    )
     finished = False
     try:
+
         def work(unit: Unit):
-            if blocks and (found := _blocks_of(unit, method, base, experts, seed, rows, pool, prepared,
-                                               device)) is not None:
+            if (
+                blocks
+                and (found := _blocks_of(unit, method, base, experts, seed, rows, pool, prepared, device)) is not None
+            ):
                 return found
             inputs = _read_unit(unit, base, experts, rows)
             if device is None or unit.kind == "copy":  # a copy unit is the base's tensor, as it is, on the CPU
@@ -207,8 +222,9 @@ def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: 
                 return
 
 
-def ordered(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None,
-            size: Callable | None = None) -> Iterator:
+def ordered(
+    pool: ThreadPoolExecutor, fn: Callable, items: Iterable, window: int | None = None, size: Callable | None = None
+) -> Iterator:
     """(item, fn(item)) in the order of ``items``, with up to ``window`` calls running ahead in ``pool``.
 
     ``size(item)`` (entries): while the oldest call still runs, later items start beyond the window as long as
@@ -309,15 +325,26 @@ def _merge_unit(unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str,
 class Blocks:
     """A merged tensor as row blocks, each merged in the pool when iterated (in order, WINDOW ahead)."""
 
-    def __init__(self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool,
-                 device: Device | None = None):
-        self.merger, self.name, self.base, self.experts, self.spans, self.pool, self.device = \
-            merger, name, base, experts, spans, pool, device
+    def __init__(
+        self, merger, name: str, base, experts: list, spans: list[tuple[int, int]], pool, device: Device | None = None
+    ):
+        self.merger, self.name, self.base, self.experts, self.spans, self.pool, self.device = (
+            merger,
+            name,
+            base,
+            experts,
+            spans,
+            pool,
+            device,
+        )
         self.per_row = math.prod(base.shapes[name][1:])
         self.kernel_checks = getattr(merger, "checks_inputs", False)  # see merged
         # the compiled kernel's float32 experts are read into one stack, which it takes as it is (fused.StackedRows)
-        self.stack_experts = self.kernel_checks and device is None and all(isinstance(e, CheckpointReader) and
-                                                        e.dtypes[name] == torch.float32 for e in experts)
+        self.stack_experts = (
+            self.kernel_checks
+            and device is None
+            and all(isinstance(e, CheckpointReader) and e.dtypes[name] == torch.float32 for e in experts)
+        )
         self.dtype: torch.dtype | None = None  # the dtype the blocks are cast to (``cast``); None: as merged
 
     def cast(self, dtype: torch.dtype) -> Blocks:
@@ -335,8 +362,9 @@ class Blocks:
         if not self.stack_experts:
             return span[0] * self.per_row, base, [e.get_rows(self.name, *span, check=check) for e in self.experts]
         stack = torch.empty((len(self.experts), *base.shape), dtype=torch.float32)
-        experts = fused.StackedRows(e.get_rows(self.name, *span, check=check, out=stack[i])
-                                    for i, e in enumerate(self.experts))
+        experts = fused.StackedRows(
+            e.get_rows(self.name, *span, check=check, out=stack[i]) for i, e in enumerate(self.experts)
+        )
         experts.stacked = stack
         return span[0] * self.per_row, base, experts
 
@@ -381,6 +409,7 @@ class Blocks:
         """Every block merged and handed to ``write(first row, block)`` by the thread that merged it (the
         writer's writes in place: writer.ShardWriter); yields each block's number of rows in order, once its
         write has returned."""
+
         def merge_and_write(span: tuple[int, int]) -> int:
             write(span[0], self.merged(span))
             return span[1] - span[0]
@@ -389,8 +418,17 @@ class Blocks:
             yield rows
 
 
-def _blocks_of(unit: Unit, method: MergeMethod, base, experts: list, seed: int, rows: dict[str, int], pool,
-               prepared: dict | None = None, device: Device | None = None):
+def _blocks_of(
+    unit: Unit,
+    method: MergeMethod,
+    base,
+    experts: list,
+    seed: int,
+    rows: dict[str, int],
+    pool,
+    prepared: dict | None = None,
+    device: Device | None = None,
+):
     """The unit as ``Blocks`` when it is one large tensor, not vocab-aligned, whose method has a row-chunked
     form for its config (its ``prepare`` passes over the blocks run here, or its result is taken from
     ``prepared``: run_plan); else None."""
@@ -430,9 +468,12 @@ def row_spans(shape: tuple[int, ...], entries: int) -> list[tuple[int, int]]:
 def _check_layer_output(method: str, unit: Unit, base: dict[str, torch.Tensor], out: dict[str, torch.Tensor]):
     """A layer method must return exactly its layer's tensors with the base's shapes (a bug otherwise)."""
     if set(out) != set(unit.names):
-        raise ValueError(f"{method}.merge_layer returned {sorted(set(out) ^ set(unit.names))[:3]} "
-                         f"differently from the layer {unit.key}'s tensors")
+        raise ValueError(
+            f"{method}.merge_layer returned {sorted(set(out) ^ set(unit.names))[:3]} "
+            f"differently from the layer {unit.key}'s tensors"
+        )
     for n, t in out.items():
         if t.shape != base[n].shape:
-            raise ValueError(f"{method}.merge_layer returned {n} with shape {list(t.shape)}, "
-                             f"expected {list(base[n].shape)}")
+            raise ValueError(
+                f"{method}.merge_layer returned {n} with shape {list(t.shape)}, expected {list(base[n].shape)}"
+            )

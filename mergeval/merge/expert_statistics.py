@@ -79,35 +79,48 @@ def _domain_and_task(task: str, field: str) -> tuple[str | None, str] | None:
     if not task.startswith(PREFIX):
         return None
     choices = sorted(DOMAINS) + sorted(GENERATED)
-    raise UserError(f"{field}.task", f"unknown calibration task {task!r}",
-                    f"choose a generated domain or task ({', '.join(choices)}) or an lm-eval task")
+    raise UserError(
+        f"{field}.task",
+        f"unknown calibration task {task!r}",
+        f"choose a generated domain or task ({', '.join(choices)}) or an lm-eval task",
+    )
 
 
 def check_calibration(cal, field: str, n_test: int) -> None:
     """The checks of one expert's calibration config that need no data (one line each)."""
     if cal.split == "test":
-        raise UserError(f"{field}.split", "calibration never uses the test split (the items the merge is scored on)",
-                        f"set {field}.split=train or {field}.split=validation")
+        raise UserError(
+            f"{field}.split",
+            "calibration never uses the test split (the items the merge is scored on)",
+            f"set {field}.split=train or {field}.split=validation",
+        )
     if cal.split not in SPLITS:
         raise UserError(f"{field}.split", f"unknown split {cal.split!r}", f"set {field}.split=train or validation")
     if not isinstance(cal.n, int) or cal.n < 1:
         raise UserError(f"{field}.n", f"must be a positive number of items, got {cal.n!r}", f"set e.g. {field}.n=64")
     if cal.task is None:
-        raise UserError(f"{field}.task", "no calibration task", f"set {field}.task to a generated domain, e.g. "
-                        "chem_count")
+        raise UserError(
+            f"{field}.task", "no calibration task", f"set {field}.task to a generated domain, e.g. chem_count"
+        )
     generated = _domain_and_task(cal.task, field)
     if generated is None:  # an lm-eval task: its splits are checked when it is loaded
         return
     domain, name = generated
     if cal.split == "train" and domain is None:
-        raise UserError(f"{field}.split", f"{cal.task} has no training split (its items are all held out)",
-                        f"set {field}.split=validation")
+        raise UserError(
+            f"{field}.split",
+            f"{cal.task} has no training split (its items are all held out)",
+            f"set {field}.split=validation",
+        )
     if cal.split == "validation":
         from mergeval.eval.tasks import POOL
 
         if cal.n + n_test > POOL[name]:
-            raise UserError(f"{field}.n", f"{name} holds {POOL[name]} held-out items, fewer than "
-                            f"{n_test} test + {cal.n} validation", f"lower {field}.n or benchmark.n_items")
+            raise UserError(
+                f"{field}.n",
+                f"{name} holds {POOL[name]} held-out items, fewer than {n_test} test + {cal.n} validation",
+                f"lower {field}.n or benchmark.n_items",
+            )
 
 
 def calibration_items(cal, field: str, n_test: int, bench=None, eval_cfg=None, cache: Path | None = None) -> list[dict]:
@@ -117,8 +130,11 @@ def calibration_items(cal, field: str, n_test: int, bench=None, eval_cfg=None, c
     generated = _domain_and_task(cal.task, field)
     if generated is None:
         if bench is None:
-            raise UserError(f"{field}.task", f"{cal.task} is not a generated domain or task",
-                            "name one of mergeval's generated domains")
+            raise UserError(
+                f"{field}.task",
+                f"{cal.task} is not a generated domain or task",
+                "name one of mergeval's generated domains",
+            )
         from mergeval.eval.merge_examples import registry_examples
 
         return registry_examples(cal.task, cal.split, cal.n, bench, eval_cfg, cache, field)
@@ -154,22 +170,42 @@ def stats_key(kind: str, fingerprint: str, digest: str, n: int, point: dict | No
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def statistics_dir(kind: str, model_dir: Path, fingerprint: str, items: list[dict], cache: Path,
-                   label: str = "", point: dict | None = None) -> tuple[Path, bool]:
+def statistics_dir(
+    kind: str,
+    model_dir: Path,
+    fingerprint: str,
+    items: list[dict],
+    cache: Path,
+    label: str = "",
+    point: dict | None = None,
+) -> tuple[Path, bool]:
     """(the cached statistics directory, whether it was computed now); computed once per (model, data, n)."""
     digest = data_digest(items)
     target = cache / "statistics" / f"{kind}-{stats_key(kind, fingerprint, digest, len(items), point)}"
     if target.exists():
         return target, False
-    print(f"mergeval: calibration: computing {kind} statistics of {label or model_dir.name} on {len(items)} items",
-          flush=True)
+    print(
+        f"mergeval: calibration: computing {kind} statistics of {label or model_dir.name} on {len(items)} items",
+        flush=True,
+    )
     tensors, meta = compute(kind, model_dir, items, point)
     from safetensors.torch import save_file
 
     with atomic_dir(target) as tmp:
         save_file(tensors, str(tmp / STATS_FILE), metadata={"format": "pt"})
-        (tmp / META_FILE).write_text(json.dumps({"kind": kind, "model": fingerprint, "data": digest,
-                                                 "n": len(items), "version": STATS_VERSION[kind], **meta}, indent=1))
+        (tmp / META_FILE).write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "model": fingerprint,
+                    "data": digest,
+                    "n": len(items),
+                    "version": STATS_VERSION[kind],
+                    **meta,
+                },
+                indent=1,
+            )
+        )
     return target, True
 
 
@@ -185,7 +221,7 @@ def compute(kind: str, model_dir: Path, items: list[dict], point: dict | None = 
     examples = [_example(tokenizer, item) for item in items]
     if kind == "localize":
         return localize_gradient(model, Path(point["base_dir"]), point["cut"], point["sigmoid_bias"], examples)
-    return (fisher(model, examples) if kind == "fisher" else gram(model, examples))
+    return fisher(model, examples) if kind == "fisher" else gram(model, examples)
 
 
 def _example(tokenizer, item):
@@ -283,13 +319,13 @@ def padded_batches(examples, size: int):
     import torch
 
     for start in range(0, len(examples), size):
-        chunk = examples[start:start + size]
+        chunk = examples[start : start + size]
         width = max(ids.shape[1] for ids, _, _ in chunk)
         ids = torch.zeros((len(chunk), width), dtype=chunk[0][0].dtype)
         mask = torch.zeros((len(chunk), width), dtype=chunk[0][1].dtype)
         labels = torch.full((len(chunk), width), -100, dtype=chunk[0][2].dtype)
         for row, (i, m, lab) in enumerate(chunk):
-            ids[row, :i.shape[1]], mask[row, :m.shape[1]], labels[row, :lab.shape[1]] = i[0], m[0], lab[0]
+            ids[row, : i.shape[1]], mask[row, : m.shape[1]], labels[row, : lab.shape[1]] = i[0], m[0], lab[0]
         yield ids, mask, labels
 
 
@@ -297,8 +333,11 @@ def gram(model, examples) -> tuple[dict, dict]:
     """G[m] = (1/T) sum of X^T X over the inputs X of each nn.Linear m (lm_head excluded); shared inputs once."""
     import torch
 
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
-               and not n.endswith(".lm_head")}
+    linears = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head" and not n.endswith(".lm_head")
+    }
     acc: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     live: dict[int, tuple[torch.Tensor, str]] = {}  # this forward's inputs (kept alive, so ids stay unique)
@@ -315,6 +354,7 @@ def gram(model, examples) -> tuple[dict, dict]:
             flat = x.detach().reshape(-1, x.shape[-1]).float()
             g = flat.T @ flat
             acc[name] = acc[name].add_(g) if name in acc else g
+
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
@@ -350,19 +390,31 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
         field = f"modelset.experts.{info.role}.calibration"
         cal = expert.get("calibration") if hasattr(expert, "get") else getattr(expert, "calibration", None)
         if cal is None:
-            raise UserError(field, f"method {method_name} needs calibration data for every expert",
-                            f"set {field}={{task: {expert.get('domain') or '<generated domain>'}, split: train, "
-                            "n: 64}")
+            raise UserError(
+                field,
+                f"method {method_name} needs calibration data for every expert",
+                f"set {field}={{task: {expert.get('domain') or '<generated domain>'}, split: train, n: 64}}",
+            )
         items = calibration_items(cal, field, cfg.benchmark.n_items, cfg.benchmark, cfg.eval, cache)
         point = None
         if kind == "localize":  # the gradient is taken at the expert's soft-masked model
-            point = {"base": models[0].fingerprint, "base_dir": str(base_dir), "sigmoid_bias": method_cfg.sigmoid_bias,
-                     "cut": method_cfg.thresholds[len(paths)]}
+            point = {
+                "base": models[0].fingerprint,
+                "base_dir": str(base_dir),
+                "sigmoid_bias": method_cfg.sigmoid_bias,
+                "cut": method_cfg.thresholds[len(paths)],
+            }
         path, fresh = statistics_dir(kind, Path(info.path), info.fingerprint, items, cache, info.role, point)
         paths.append(str(path))
-        details[info.role] = {"kind": kind, "task": cal.task, "split": cal.split, "n": cal.n,
-                              "data_digest": data_digest(items), "path": str(path),
-                              "computed": "this run" if fresh else "reused from the cache"}
+        details[info.role] = {
+            "kind": kind,
+            "task": cal.task,
+            "split": cal.split,
+            "n": cal.n,
+            "data_digest": data_digest(items),
+            "path": str(path),
+            "computed": "this run" if fresh else "reused from the cache",
+        }
     return dataclasses.replace(method_cfg, statistics=paths), {"statistics": details}
 
 
@@ -402,15 +454,20 @@ def kth_largest_delta(base_dir: Path, expert_dir: Path, k: int) -> float:
     return float(torch.tensor([value], dtype=torch.int32).view(torch.float32))
 
 
-def magnitude_cut(base_dir: Path, base_fingerprint: str, expert_dir: Path, expert_fingerprint: str, k: int,
-                  cache: Path | None) -> float:
+def magnitude_cut(
+    base_dir: Path, base_fingerprint: str, expert_dir: Path, expert_fingerprint: str, k: int, cache: Path | None
+) -> float:
     """``kth_largest_delta``, cached as ``<cache>/statistics/cut-<key>.json`` per (base, expert, k)."""
     if cache is None:
         return kth_largest_delta(base_dir, expert_dir, k)
     from mergeval.core.paths import atomic_write_text
 
     payload = {"kind": "cut", "base": base_fingerprint, "model": expert_fingerprint, "k": k, "version": CUT_VERSION}
-    path = cache / "statistics" / f"cut-{hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = (
+        cache
+        / "statistics"
+        / f"cut-{hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    )
     if path.exists():
         return json.loads(path.read_text())["cut"]
     cut = kth_largest_delta(base_dir, expert_dir, k)
@@ -430,7 +487,12 @@ def fill_thresholds(method_cfg, base_dir: Path, models, cache: Path | None = Non
     reader = CheckpointReader(base_dir, "modelset.base")
     n = sum(math.prod(reader.shapes[t]) for t in reader.names() if reader.dtypes[t].is_floating_point)
     k = max(1, math.ceil(method_cfg.sparsity * n))
-    cuts = {m.role: magnitude_cut(base_dir, models[0].fingerprint, Path(m.path), m.fingerprint, k, cache)
-            for m in models if m.role != "base"}
-    return (dataclasses.replace(method_cfg, thresholds=list(cuts.values())),
-            {"thresholds": cuts, "kept_per_expert": k, "entries": n})
+    cuts = {
+        m.role: magnitude_cut(base_dir, models[0].fingerprint, Path(m.path), m.fingerprint, k, cache)
+        for m in models
+        if m.role != "base"
+    }
+    return (
+        dataclasses.replace(method_cfg, thresholds=list(cuts.values())),
+        {"thresholds": cuts, "kept_per_expert": k, "entries": n},
+    )

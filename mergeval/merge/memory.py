@@ -27,10 +27,18 @@ from mergeval.merge.writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_model_fi
 from mergeval.methods import MergeMethod
 
 
-def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor],
-                  experts: list[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]], seed: int,
-                  progress: bool = True, vocab_policy: str = "error",
-                  dirs: Mapping[str, Path] | None = None, blocks: bool = True, device=None) -> dict[str, torch.Tensor]:
+def merge_tensors(
+    method: MergeMethod,
+    cfg: Any,
+    base: Mapping[str, torch.Tensor],
+    experts: list[Mapping[str, torch.Tensor]] | Mapping[str, Mapping[str, torch.Tensor]],
+    seed: int,
+    progress: bool = True,
+    vocab_policy: str = "error",
+    dirs: Mapping[str, Path] | None = None,
+    blocks: bool = True,
+    device=None,
+) -> dict[str, torch.Tensor]:
     """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
     or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules).
 
@@ -45,9 +53,18 @@ def merge_tensors(method: MergeMethod, cfg: Any, base: Mapping[str, torch.Tensor
     return merge_sources(method, cfg, b, es, seed, progress, vocab_policy, blocks, device=device)
 
 
-def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progress: bool = False,
-                  vocab_policy: str = "error", blocks: bool = True, prepared: dict | None = None, device=None
-                  ) -> dict[str, torch.Tensor]:
+def merge_sources(
+    method: MergeMethod,
+    cfg: Any,
+    b,
+    es: list,
+    seed: int,
+    progress: bool = False,
+    vocab_policy: str = "error",
+    blocks: bool = True,
+    prepared: dict | None = None,
+    device=None,
+) -> dict[str, torch.Tensor]:
     """:func:`merge_tensors` of reader.py sources: tensors in memory (``MemorySource``) or checkpoints read a
     tensor or row block at a time (``CheckpointReader``: only the merge is held, not its inputs).
     ``prepared``: a dict to pass again with the same sources (run_plan: TIES' cuts computed once per density)."""
@@ -59,8 +76,9 @@ def merge_sources(method: MergeMethod, cfg: Any, b, es: list, seed: int, progres
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
     # tensor: tests/test_rows.py), so they get the compiled kernels and every core; merged whole, a large tensor
     # runs on one worker while the others idle
-    for name, merged in run_plan(plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared,
-                                 device=placement(device)):
+    for name, merged in run_plan(
+        plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared, device=placement(device)
+    ):
         if isinstance(merged, Blocks):
             whole = torch.empty(b.shapes[name], dtype=b.dtypes[name])
             copy_blocks(merged, whole)
@@ -81,9 +99,18 @@ def copy_blocks(blocks: Blocks, target: torch.Tensor) -> None:
         rows[r0:r1].copy_(block.reshape(r1 - r0, -1))
 
 
-def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base_dir: Path,
-                     expert_dirs: list[Path] | Mapping[str, Path], seed: int = 0, vocab_policy: str = "error",
-                     progress: bool = False, slices: list | None = None, device=None) -> torch.nn.Module:
+def merge_into_model(
+    model: torch.nn.Module,
+    method: MergeMethod,
+    cfg: Any,
+    base_dir: Path,
+    expert_dirs: list[Path] | Mapping[str, Path],
+    seed: int = 0,
+    vocab_policy: str = "error",
+    progress: bool = False,
+    slices: list | None = None,
+    device=None,
+) -> torch.nn.Module:
     """Overwrite ``model``'s weights (a model built from ``base_dir``) with the merge of the checkpoints.
 
     Memory: the model plus one unit's inputs, or for a large tensor of a method with a row-chunked form
@@ -94,8 +121,10 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
     (merge/slices.py; the model must have their architecture: ``slices.build_model``).
     ``device``: where each unit is merged (``merge_tensors``); the model stays where it is.
     """
-    named = {str(k): Path(p) for k, p in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
-                                          else enumerate(expert_dirs))}
+    named = {
+        str(k): Path(p)
+        for k, p in (expert_dirs.items() if isinstance(expert_dirs, Mapping) else enumerate(expert_dirs))
+    }
     method.validate(cfg, n_experts(slices) if slices else len(named))
     base, experts, layer_t = open_inputs(base_dir, named, vocab_policy, slices)
     rows = vocab_rows(base.shapes, [e.shapes for e in experts], [e.label for e in experts], vocab_policy)
@@ -107,12 +136,15 @@ def merge_into_model(model: torch.nn.Module, method: MergeMethod, cfg: Any, base
         if name not in state:
             raise ValueError(f"checkpoint tensor {name} is not in the model's state dict")
         if tuple(state[name].shape) != shape:
-            raise UserError("vocab_policy", f"the merge gives {name} shape {list(shape)} but the live model has "
-                            f"{list(state[name].shape)}", "merge to disk (python -m mergeval.merge) for truncate, or keep the "
-                            "base's rows: vocab_policy=base")
+            raise UserError(
+                "vocab_policy",
+                f"the merge gives {name} shape {list(shape)} but the live model has {list(state[name].shape)}",
+                "merge to disk (python -m mergeval.merge) for truncate, or keep the base's rows: vocab_policy=base",
+            )
     with torch.no_grad():
-        for name, merged in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True,
-                                     device=placement(device)):
+        for name, merged in run_plan(
+            plan, method, base, experts, seed, rows, progress, blocks=True, device=placement(device)
+        ):
             if isinstance(merged, Blocks):  # a large tensor merged a row block at a time: each block into its rows
                 copy_blocks(merged, state[name])
             else:
@@ -137,9 +169,17 @@ class CheckpointView(Mapping):
         return len(self.dtypes)
 
 
-def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mapping[str, Path], seed: int,
-               vocab_policy: str = "error", dtype: torch.dtype = torch.float32,
-               slices: list | None = None, device=None) -> tuple[torch.nn.Module, CheckpointView]:
+def merge_live(
+    method: MergeMethod,
+    cfg: Any,
+    base_dir: Path,
+    expert_dirs: Mapping[str, Path],
+    seed: int,
+    vocab_policy: str = "error",
+    dtype: torch.dtype = torch.float32,
+    slices: list | None = None,
+    device=None,
+) -> tuple[torch.nn.Module, CheckpointView]:
     """The merge as a model built from the base, each merged tensor streamed into its parameters (memory: one
     model plus one unit's inputs, whatever the number of experts), and its checkpoint view.
 
@@ -159,14 +199,23 @@ def merge_live(method: MergeMethod, cfg: Any, base_dir: Path, expert_dirs: Mappi
     live = dtype if floating == {dtype} else torch.float32
     dirs = {"base": base_dir, **{str(k): v for k, v in expert_dirs.items()}}
     model = build_model(base_dir, slices, dirs, live) if slices else load_model(Path(base_dir), dtype=live)
-    model = merge_into_model(model, method, cfg, base_dir, expert_dirs, seed, vocab_policy, progress=True,
-                             slices=slices, device=device)
+    model = merge_into_model(
+        model, method, cfg, base_dir, expert_dirs, seed, vocab_policy, progress=True, slices=slices, device=device
+    )
     return model, CheckpointView(model, dtypes)
 
 
-def save_merged(tensors: Mapping[str, torch.Tensor], base_dir: Path, out_dir: Path, method: MergeMethod, card: dict,
-                shard_size: int = DEFAULT_SHARD_SIZE, out_dtype: str | None = None, slices: list | None = None,
-                model_dirs: Mapping[str, Path] | None = None) -> Path:
+def save_merged(
+    tensors: Mapping[str, torch.Tensor],
+    base_dir: Path,
+    out_dir: Path,
+    method: MergeMethod,
+    card: dict,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    out_dtype: str | None = None,
+    slices: list | None = None,
+    model_dirs: Mapping[str, Path] | None = None,
+) -> Path:
     """Write in-memory merged tensors as a model directory (atomic; config and tokenizer from the base).
 
     ``card``: ``{"config": dict, "inputs": [{role, source, path, fingerprint}]}`` for README.md.

@@ -124,8 +124,9 @@ class Unit:
     rule_of: tuple[tuple[str, int], ...] = ()  # (param, rule index) for values set by rules
 
 
-def build_plan(method: MergeMethod, cfg: Any, dtypes: Mapping[str, torch.dtype],
-               layer_t: Mapping[int, float] | None = None) -> list[Unit]:
+def build_plan(
+    method: MergeMethod, cfg: Any, dtypes: Mapping[str, torch.dtype], layer_t: Mapping[int, float] | None = None
+) -> list[Unit]:
     """Units over all tensors (name-sorted; a layer unit sits where its first tensor would). ``layer_t``:
     each layer's depth where it is not i / (L - 1) (layer slices: per slice, merge/slices.py)."""
     names = sorted(dtypes)
@@ -179,6 +180,9 @@ def check_plan(method: MergeMethod, plan: list[Unit], n_experts: int) -> None:
             rules = dict(unit.rule_of)
             param = err.field.removeprefix("method.")
             param = param if param in rules else unit.rule_of[0][0]
-            with blame_rule(rules[param], param, f"{param}={resolved_value(unit.cfg, param):.6g} at {unit.key}, "
-                                                  f"depth t={unit.t:.3g}"):
+            with blame_rule(
+                rules[param],
+                param,
+                f"{param}={resolved_value(unit.cfg, param):.6g} at {unit.key}, depth t={unit.t:.3g}",
+            ):
                 raise

@@ -33,8 +33,11 @@ from mergeval.models.safetensors_io import DTYPES, INDEX, read_header, shard_fil
 def check_finite(t: torch.Tensor, label: str, name: str, where: str = "") -> torch.Tensor:
     """``t``, or a UserError when it holds NaN or Inf (a NaN makes the min and max NaN: one reduction pass)."""
     if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, torch.aminmax(t)))):
-        raise UserError(label, f"tensor {name}{where} contains NaN or Inf",
-                        "check that checkpoint (a failed fine-tune or conversion?); it cannot be merged")
+        raise UserError(
+            label,
+            f"tensor {name}{where} contains NaN or Inf",
+            "check that checkpoint (a failed fine-tune or conversion?); it cannot be merged",
+        )
     return t
 
 
@@ -79,7 +82,9 @@ class CheckpointReader(RowChecks):
     def get(self, name: str) -> torch.Tensor:
         return self.get_rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1)
 
-    def get_rows(self, name: str, r0: int, r1: int, check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def get_rows(
+        self, name: str, r0: int, r1: int, check: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows r0..r1-1 (along dim 0) of one tensor, read from its file alone (a 0-dim tensor has one row);
         checked for NaN/Inf unless ``check`` is false. ``out``: a contiguous tensor of those rows' shape and
         dtype to read them into (execute.Blocks reads the experts' rows into one stack that way)."""

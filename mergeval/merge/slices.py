@@ -56,38 +56,58 @@ def parse(slices: Iterable | None, models: Iterable[str], field: str = FIELD) ->
         where = f"{field}[{s}]"
         raw = list(_get(entry, "sources") or [])
         if not raw:
-            raise UserError(f"{where}.sources", "lists no sources", "give each slice - model: NAME, layer_range: "
-                            "[START, END]")
+            raise UserError(
+                f"{where}.sources", "lists no sources", "give each slice - model: NAME, layer_range: [START, END]"
+            )
         sources = []
         for j, src in enumerate(raw):
             at = f"{where}.sources[{j}]"
             model, layers = _get(src, "model"), _get(src, "layer_range")
             if model not in known:
-                raise UserError(f"{at}.model", f"'{model}' is not a model of the modelset",
-                                f"use one of: {', '.join(known)}")
+                raise UserError(
+                    f"{at}.model", f"'{model}' is not a model of the modelset", f"use one of: {', '.join(known)}"
+                )
             layers = list(layers) if layers is not None and not isinstance(layers, (str, int)) else layers
-            if (not isinstance(layers, list) or len(layers) != 2
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)):
-                raise UserError(f"{at}.layer_range", f"must be two layer numbers [start, end), got {layers!r}",
-                                "write layer_range: [0, 4] for layers 0 to 3")
+            if (
+                not isinstance(layers, list)
+                or len(layers) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+            ):
+                raise UserError(
+                    f"{at}.layer_range",
+                    f"must be two layer numbers [start, end), got {layers!r}",
+                    "write layer_range: [0, 4] for layers 0 to 3",
+                )
             if not 0 <= layers[0] < layers[1]:
-                raise UserError(f"{at}.layer_range", f"[{layers[0]}, {layers[1]}) holds no layers",
-                                "give 0 <= start < end (end is excluded)")
+                raise UserError(
+                    f"{at}.layer_range",
+                    f"[{layers[0]}, {layers[1]}) holds no layers",
+                    "give 0 <= start < end (end is excluded)",
+                )
             sources.append(Source(str(model), layers[0], layers[1]))
         lengths = {x.end - x.start for x in sources}
         if len(lengths) > 1:
-            raise UserError(f"{where}.sources", f"the sources' layer ranges differ in length ({sorted(lengths)})",
-                            "give every source of a slice the same number of layers")
+            raise UserError(
+                f"{where}.sources",
+                f"the sources' layer ranges differ in length ({sorted(lengths)})",
+                "give every source of a slice the same number of layers",
+            )
         if len(sources) > 1:
             from_base = [x for x in sources if x.model == "base"]
             if len(from_base) != 1:
-                raise UserError(f"{where}.sources", f"{len(sources)} sources with {len(from_base)} from the base "
-                                "model", "include exactly one range of the base in every slice that merges several"
-                                " sources (the method's base), or use one source per slice (passthrough)")
+                raise UserError(
+                    f"{where}.sources",
+                    f"{len(sources)} sources with {len(from_base)} from the base model",
+                    "include exactly one range of the base in every slice that merges several"
+                    " sources (the method's base), or use one source per slice (passthrough)",
+                )
             sources = from_base + [x for x in sources if x.model != "base"]
         if out and len(sources) != len(out[0]):
-            raise UserError(f"{where}.sources", f"{len(sources)} sources but {FIELD}[0] has {len(out[0])}",
-                            "give every slice the same number of sources (the method merges the same inputs)")
+            raise UserError(
+                f"{where}.sources",
+                f"{len(sources)} sources but {FIELD}[0] has {len(out[0])}",
+                "give every slice the same number of sources (the method merges the same inputs)",
+            )
         out.append(sources)
     return out
 
@@ -113,9 +133,11 @@ def check_ranges(slices: list[list[Source]], layer_counts: Mapping[str, int], fi
         for j, x in enumerate(sources):
             count = layer_counts[x.model]
             if x.end > count:
-                raise UserError(f"{field}[{s}].sources[{j}].layer_range", f"[{x.start}, {x.end}) reaches past "
-                                f"'{x.model}', which has {count} layers (0 to {count - 1})",
-                                f"give an end of at most {count}")
+                raise UserError(
+                    f"{field}[{s}].sources[{j}].layer_range",
+                    f"[{x.start}, {x.end}) reaches past '{x.model}', which has {count} layers (0 to {count - 1})",
+                    f"give an end of at most {count}",
+                )
 
 
 class SlicedSource:
@@ -145,7 +167,7 @@ class SlicedSource:
 
 def _renamed(name: str, layer: int) -> str:
     prefix, _ = layer_of(name)
-    return f"{prefix.rsplit('.', 1)[0]}.{layer}{name[len(prefix):]}"
+    return f"{prefix.rsplit('.', 1)[0]}.{layer}{name[len(prefix) :]}"
 
 
 def views(slices: list[list[Source]], sources: Mapping[str, Any]) -> tuple[list[SlicedSource], dict[int, float]]:
@@ -178,14 +200,18 @@ def views(slices: list[list[Source]], sources: Mapping[str, Any]) -> tuple[list[
         names, base = set(view.shapes), set(positions[0].shapes)
         differ = sorted(names ^ base) or [n for n in sorted(names) if view.shapes[n] != positions[0].shapes[n]]
         if differ:
-            raise UserError(f"{FIELD}", f"the sources at position {p} give {differ[0]} differently from position 0"
-                            f" ({'missing or extra' if names != base else 'another shape'})",
-                            "slice only models of the same architecture")
+            raise UserError(
+                f"{FIELD}",
+                f"the sources at position {p} give {differ[0]} differently from position 0"
+                f" ({'missing or extra' if names != base else 'another shape'})",
+                "slice only models of the same architecture",
+            )
     return positions, {k: t for k, (t, _) in enumerate(layers)}
 
 
-def sliced_inputs(slices: list[list[Source]], base_dir, expert_dirs: Mapping[str, Any], vocab_policy: str = "error"
-                  ) -> tuple[SlicedSource, list[SlicedSource], dict[int, float]]:
+def sliced_inputs(
+    slices: list[list[Source]], base_dir, expert_dirs: Mapping[str, Any], vocab_policy: str = "error"
+) -> tuple[SlicedSource, list[SlicedSource], dict[int, float]]:
     """(position 0's view, the other positions' views, output layer -> depth t) over the checkpoints: each
     model of the base's architecture (any layer count), the same tokenizer, every range within its model."""
     from pathlib import Path
@@ -194,9 +220,12 @@ def sliced_inputs(slices: list[list[Source]], base_dir, expert_dirs: Mapping[str
     from mergeval.models.checkpoint import _check_tokenizer, check_architecture, read_config
 
     if vocab_policy != "error":
-        raise UserError("vocab_policy", f"{vocab_policy} cannot be combined with {FIELD} (the embeddings come "
-                        "from the first slice's models and lm_head from the last slice's)",
-                        "slice models with the same vocabulary: vocab_policy=error")
+        raise UserError(
+            "vocab_policy",
+            f"{vocab_policy} cannot be combined with {FIELD} (the embeddings come "
+            "from the first slice's models and lm_head from the last slice's)",
+            "slice models with the same vocabulary: vocab_policy=error",
+        )
     base_cfg = read_config(Path(base_dir), "modelset.base")
     layers = {k: base_cfg[k] for k in ("num_hidden_layers",) if k in base_cfg}
     readers = {"base": CheckpointReader(Path(base_dir), "modelset.base")}
@@ -251,8 +280,11 @@ def sliced_config(config: dict, slices: list[list[Source]], configs: Mapping[str
             own = holder_of((configs or {}).get(model) or config)
             entries = own.get(key)
             if not isinstance(entries, list) or len(entries) != own.get("num_hidden_layers") or layer >= len(entries):
-                raise UserError(FIELD, f"config.json's per-layer {key} of '{model}' does not give layer {layer}",
-                                "slice models whose config.json lists every layer's entry")
+                raise UserError(
+                    FIELD,
+                    f"config.json's per-layer {key} of '{model}' does not give layer {layer}",
+                    "slice models whose config.json lists every layer's entry",
+                )
             per_layer.append(entries[layer])
         target[key] = per_layer
     return out

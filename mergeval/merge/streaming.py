@@ -29,10 +29,22 @@ from mergeval.methods import MergeMethod
 from mergeval.models.checkpoint import check_vocab_policy, compat_policy, read_config, vocab_size
 
 
-def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_dirs: list[Path] | Mapping[str, Path],
-                  out_dir: Path, seed: int = 0, vocab_policy: str = "error", shard_size: int = DEFAULT_SHARD_SIZE,
-                  card: dict | None = None, progress: bool = False, out_dtype: str | None = None,
-                  tokenizer_source: str | None = None, slices: list | None = None, device=None) -> Path:
+def merge_to_disk(
+    method: MergeMethod,
+    method_cfg: Any,
+    base_dir: Path,
+    expert_dirs: list[Path] | Mapping[str, Path],
+    out_dir: Path,
+    seed: int = 0,
+    vocab_policy: str = "error",
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    card: dict | None = None,
+    progress: bool = False,
+    out_dtype: str | None = None,
+    tokenizer_source: str | None = None,
+    slices: list | None = None,
+    device=None,
+) -> Path:
     """Merge the checkpoints in ``base_dir`` and ``expert_dirs`` into a new directory ``out_dir``.
 
     ``expert_dirs``: a list, or a mapping name -> directory (the names appear in
@@ -49,13 +61,18 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     path) runs before the first tensor is read.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    named = {str(k): Path(v) for k, v in (expert_dirs.items() if isinstance(expert_dirs, Mapping)
-                                          else enumerate(expert_dirs))}
+    named = {
+        str(k): Path(v)
+        for k, v in (expert_dirs.items() if isinstance(expert_dirs, Mapping) else enumerate(expert_dirs))
+    }
     check_vocab_policy(vocab_policy)
     check_tokenizer_source(tokenizer_source, named, vocab_policy)
     if slices and tokenizer_source is not None:
-        raise UserError("tokenizer_source", "cannot be combined with modelset.slices yet",
-                        "merge the slices with the base's tokenizer (tokenizer_source=null)")
+        raise UserError(
+            "tokenizer_source",
+            "cannot be combined with modelset.slices yet",
+            "merge the slices with the base's tokenizer (tokenizer_source=null)",
+        )
     method.validate(method_cfg, n_experts(slices) if slices else len(named))
     if out_dir.exists():
         raise UserError("output", f"'{out_dir}' already exists", "choose a new directory or remove that one")
@@ -68,22 +85,25 @@ def merge_to_disk(method: MergeMethod, method_cfg: Any, base_dir: Path, expert_d
     plan = build_plan(method, method_cfg, base.dtypes, layer_t)
     check_plan(method, plan, len(experts))
     plan = keep_base_rows(plan, rows, vocab_policy)
-    specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()},
-                         out_dtype)
+    specs = output_specs({n: (s, base.dtypes[n]) for n, s in output_shapes(plan, base.shapes, rows).items()}, out_dtype)
     tokenizer_role, tokenizer_dir, out_vocab = output_tokenizer(base_dir, named, vocab_policy if rows else "error")
     if vocab is not None:
         tokenizer_role, out_vocab = f"tokenizer_source={tokenizer_source}", vocab.size
     card = card or {}
-    config = card.get("config") or {"method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg)
-                                    else dict(method_cfg), "seed": seed, "vocab_policy": vocab_policy,
-                                    **({"tokenizer_source": tokenizer_source} if tokenizer_source else {})}
+    config = card.get("config") or {
+        "method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg) else dict(method_cfg),
+        "seed": seed,
+        "vocab_policy": vocab_policy,
+        **({"tokenizer_source": tokenizer_source} if tokenizer_source else {}),
+    }
     inputs = card.get("inputs") or _input_rows(base_dir, named)
     text = model_card(method.name, method.version, config, inputs, tokenizer_role)
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, specs, shard_size)
         try:
-            for name, tensor in run_plan(plan, method, base, experts, seed, rows, progress, blocks=True,
-                                         device=placement(device)):
+            for name, tensor in run_plan(
+                plan, method, base, experts, seed, rows, progress, blocks=True, device=placement(device)
+            ):
                 writer.write(name, cast_to(tensor, specs[name][1]))
             writer.finish()
         finally:
@@ -119,5 +139,7 @@ def output_tokenizer(base_dir: Path, experts: Mapping[str, Path], policy: str) -
 def _input_rows(base_dir: Path, experts: Mapping[str, Path]) -> list[dict]:
     from mergeval.models.fingerprint import fingerprint
 
-    return [{"role": role, "source": str(path), "path": str(path), "fingerprint": fingerprint(path)}
-            for role, path in [("base", base_dir), *experts.items()]]
+    return [
+        {"role": role, "source": str(path), "path": str(path), "fingerprint": fingerprint(path)}
+        for role, path in [("base", base_dir), *experts.items()]
+    ]

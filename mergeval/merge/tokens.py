@@ -38,8 +38,7 @@ from mergeval.merge.reader import RowChecks, check_finite
 from mergeval.models.checkpoint import read_config, vocab_size
 from mergeval.models.fingerprint import TOKENIZER_FILES
 
-VOCAB_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "embed_out.weight",
-                  "word_embeddings.weight")
+VOCAB_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "embed_out.weight", "word_embeddings.weight")
 POLICIES = ("base", "union")
 
 
@@ -49,11 +48,17 @@ def check_tokenizer_source(source: str | None, experts, vocab_policy: str = "err
         return
     if source not in POLICIES and source not in experts:
         names = ", ".join([*POLICIES, *experts])
-        raise UserError("tokenizer_source", f"'{source}' is neither base, union nor an expert of the modelset",
-                        f"use one of: {names}")
+        raise UserError(
+            "tokenizer_source",
+            f"'{source}' is neither base, union nor an expert of the modelset",
+            f"use one of: {names}",
+        )
     if vocab_policy != "error":
-        raise UserError("tokenizer_source", f"aligns the vocabularies by token, and vocab_policy={vocab_policy} "
-                        "aligns them by row", "drop one of the two (vocab_policy=error is the default)")
+        raise UserError(
+            "tokenizer_source",
+            f"aligns the vocabularies by token, and vocab_policy={vocab_policy} aligns them by row",
+            "drop one of the two (vocab_policy=error is the default)",
+        )
 
 
 def _has_tokenizer(model_dir: Path) -> bool:
@@ -66,8 +71,11 @@ def _load(model_dir: Path, label: str):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), use_fast=True)
     except (OSError, ValueError, TypeError) as err:
-        raise UserError(label, f"its tokenizer in '{model_dir}' does not load ({str(err).splitlines()[0]})",
-                        "give the model a tokenizer transformers can load, or merge without tokenizer_source") from None
+        raise UserError(
+            label,
+            f"its tokenizer in '{model_dir}' does not load ({str(err).splitlines()[0]})",
+            "give the model a tokenizer transformers can load, or merge without tokenizer_source",
+        ) from None
 
 
 def _token_ids(tokenizer, rows: int) -> dict[str, int]:
@@ -109,8 +117,11 @@ class Vocabulary:
         dirs = {"base": Path(base_dir), **{name: Path(p) for name, p in experts.items()}}
         labels = {"base": "modelset.base", **{name: f"modelset.experts.{name}" for name in experts}}
         if not _has_tokenizer(dirs["base"]):
-            raise UserError("modelset.base", f"'{dirs['base']}' has no tokenizer, which tokenizer_source needs",
-                            "give the base its tokenizer files")
+            raise UserError(
+                "modelset.base",
+                f"'{dirs['base']}' has no tokenizer, which tokenizer_source needs",
+                "give the base its tokenizer files",
+            )
         tokenizers, rows = {}, {}
         for role, path in dirs.items():
             tokenizers[role] = _load(path, labels[role]) if _has_tokenizer(path) else None
@@ -118,8 +129,9 @@ class Vocabulary:
         tokenizers = {role: tok or tokenizers["base"] for role, tok in tokenizers.items()}
         self.source_dir: Path | None = None  # a directory whose tokenizer files are the output's, or None
         if source == "union":
-            self.tokenizer = _union(tokenizers["base"], [(tokenizers[r], rows[r] or len(tokenizers[r]))
-                                                         for r in experts])
+            self.tokenizer = _union(
+                tokenizers["base"], [(tokenizers[r], rows[r] or len(tokenizers[r])) for r in experts]
+            )
         else:
             role = "base" if source == "base" else source
             self.tokenizer = tokenizers[role]
@@ -127,13 +139,19 @@ class Vocabulary:
         vocab = self.tokenizer.get_vocab()
         self.size = len(vocab)
         if vocab and max(vocab.values()) >= self.size:
-            raise UserError("tokenizer_source", f"the {source} tokenizer's ids are not 0..{self.size - 1}",
-                            "choose a tokenizer whose ids have no gaps")
+            raise UserError(
+                "tokenizer_source",
+                f"the {source} tokenizer's ids are not 0..{self.size - 1}",
+                "choose a tokenizer whose ids have no gaps",
+            )
         for role in {"base", "base" if source in POLICIES else source}:  # kept whole: every id needs a row
             have = len(tokenizers[role].get_vocab())
             if rows[role] is not None and have > rows[role]:
-                raise UserError(labels[role], f"its tokenizer has {have} tokens but only {rows[role]} embedding "
-                                "rows", "give it a tokenizer without the tokens beyond its vocab_size")
+                raise UserError(
+                    labels[role],
+                    f"its tokenizer has {have} tokens but only {rows[role]} embedding rows",
+                    "give it a tokenizer without the tokens beyond its vocab_size",
+                )
         self.rows = {}
         for role, tokenizer in tokenizers.items():
             ids = _token_ids(tokenizer, rows[role] or len(tokenizer))
@@ -204,8 +222,13 @@ class AlignedSource(RowChecks):
 
 def vocab_names(source, model_rows: int | None) -> list[str]:
     """The vocabulary tensors of a source: VOCAB_SUFFIXES with as many rows as its vocab_size."""
-    return [n for n in source.names() if n.endswith(VOCAB_SUFFIXES) and len(source.shapes[n]) >= 2
-            and (model_rows is None or source.shapes[n][0] == model_rows)]
+    return [
+        n
+        for n in source.names()
+        if n.endswith(VOCAB_SUFFIXES)
+        and len(source.shapes[n]) >= 2
+        and (model_rows is None or source.shapes[n][0] == model_rows)
+    ]
 
 
 def aligned_sources(vocab: Vocabulary, base, experts: list, roles: list[str]) -> tuple[AlignedSource, list]:
@@ -215,11 +238,17 @@ def aligned_sources(vocab: Vocabulary, base, experts: list, roles: list[str]) ->
     sources = {"base": base, **dict(zip(roles, experts))}
     for role, src in sources.items():
         least = vocab.model_rows[role] or 0
-        missing = [n for n in names if n not in src.shapes or src.shapes[n][1:] != base.shapes[n][1:]
-                   or src.shapes[n][0] < least]
+        missing = [
+            n
+            for n in names
+            if n not in src.shapes or src.shapes[n][1:] != base.shapes[n][1:] or src.shapes[n][0] < least
+        ]
         if missing:
-            raise UserError(src.label, f"has no vocabulary tensor {missing[0]} of the base's width with a row per "
-                            "token of its vocab_size", "merge only checkpoints of the same architecture")
+            raise UserError(
+                src.label,
+                f"has no vocabulary tensor {missing[0]} of the base's width with a row per token of its vocab_size",
+                "merge only checkpoints of the same architecture",
+            )
     done: dict[str, dict[str, torch.Tensor]] = {role: {} for role in sources}
     for name in names:
         for role, tensor in align({r: s.get(name) for r, s in sources.items()}, vocab.rows).items():

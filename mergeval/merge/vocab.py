@@ -36,31 +36,37 @@ from mergeval.models.checkpoint import VOCAB_FIX, check_vocab_policy
 Shape = tuple[int, ...]
 
 
-def vocab_rows(base: Mapping[str, Shape], experts: list[Mapping[str, Shape]], labels: list[str],
-               policy: str) -> dict[str, int]:
+def vocab_rows(
+    base: Mapping[str, Shape], experts: list[Mapping[str, Shape]], labels: list[str], policy: str
+) -> dict[str, int]:
     """name -> output rows, for every tensor whose inputs differ in rows (empty when all shapes agree)."""
     check_vocab_policy(policy)
     rows: dict[str, int] = {}
     for shapes, label in zip(experts, labels):
         if set(shapes) != set(base):
             odd = sorted(set(shapes) ^ set(base))[:3]
-            raise UserError(label, f"tensor names differ from the base ({odd})",
-                            "merge only checkpoints of the same architecture")
+            raise UserError(
+                label, f"tensor names differ from the base ({odd})", "merge only checkpoints of the same architecture"
+            )
         differ = {n: s for n, s in shapes.items() if s != base[n]}
         for name, shape in differ.items():
             if len(shape) < 2 or shape[1:] != base[name][1:]:
-                raise UserError(label, f"tensor {name} has shape {list(shape)} but the base has {list(base[name])}",
-                                "merge only checkpoints with identical shapes")
+                raise UserError(
+                    label,
+                    f"tensor {name} has shape {list(shape)} but the base has {list(base[name])}",
+                    "merge only checkpoints with identical shapes",
+                )
         listed = ", ".join(f"{n} {list(s)} vs the base's {list(base[n])}" for n, s in sorted(differ.items()))
         if differ and policy == "error":
             raise UserError(label, f"vocabulary differs from the base: {listed}", VOCAB_FIX)
         if policy == "union" and any(s[0] > base[n][0] for n, s in differ.items()):
-            raise UserError(label, f"has more vocabulary rows than the base ({listed}), which vocab_policy=union "
-                            "cannot keep", "use vocab_policy=truncate, or make the model with the largest vocabulary "
-                            "the base")
+            raise UserError(
+                label,
+                f"has more vocabulary rows than the base ({listed}), which vocab_policy=union cannot keep",
+                "use vocab_policy=truncate, or make the model with the largest vocabulary the base",
+            )
         for name, shape in differ.items():
-            rows[name] = base[name][0] if policy in ("union", "base") else min(rows.get(name, base[name][0]),
-                                                                               shape[0])
+            rows[name] = base[name][0] if policy in ("union", "base") else min(rows.get(name, base[name][0]), shape[0])
     return rows
 
 
@@ -78,16 +84,21 @@ def keep_base_rows(plan: list, rows: Mapping[str, int], policy: str) -> list:
         elif unit.kind == "tensor":
             out.append(dataclasses.replace(unit, kind="copy"))
         else:  # a layer-wise unit holding a vocabulary tensor: its other tensors need the layer
-            raise UserError("vocab_policy", f"{unit.key} merges {', '.join(unit.names)} together, and the base "
-                            "policy would keep some of them from the base alone", "use vocab_policy=truncate")
+            raise UserError(
+                "vocab_policy",
+                f"{unit.key} merges {', '.join(unit.names)} together, and the base "
+                "policy would keep some of them from the base alone",
+                "use vocab_policy=truncate",
+            )
     return out
 
 
 def align(base: torch.Tensor, experts: list[torch.Tensor], rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Every input with exactly ``rows`` rows: the first ``rows`` (truncate), or padded with the base's (union)."""
+
     def fit(t: torch.Tensor) -> torch.Tensor:
         if t.shape[0] >= rows:
             return t[:rows]
-        return torch.cat([t, base[t.shape[0]:rows].to(t.dtype)])
+        return torch.cat([t, base[t.shape[0] : rows].to(t.dtype)])
 
     return fit(base), [fit(e) for e in experts]

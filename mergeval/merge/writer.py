@@ -67,15 +67,20 @@ def _header(names: list[str], specs) -> bytes:
 class ShardWriter:
     """Streams tensors, given in the order of ``specs`` (name -> (shape, dtype)), into sharded safetensors."""
 
-    def __init__(self, out_dir: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 shard_size: int = DEFAULT_SHARD_SIZE):
+    def __init__(
+        self,
+        out_dir: Path,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        shard_size: int = DEFAULT_SHARD_SIZE,
+    ):
         if shard_size < 1:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
         self.out_dir, self.specs = Path(out_dir), dict(specs)
         self.shards = assign_shards(self.specs, shard_size)
         n = len(self.shards)
-        self.files = ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors"
-                                                          for k in range(1, n + 1)]
+        self.files = (
+            ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+        )
         self._order = [(k, name) for k, names in enumerate(self.shards) for name in names]
         self._next = 0
         self._file = None
@@ -144,8 +149,9 @@ class ShardWriter:
         if len(self.files) > 1:
             weight_map = {name: self.files[k] for k, name in self._order}
             total = sum(nbytes(*spec) for spec in self.specs.values())
-            (self.out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                                          "weight_map": weight_map}, indent=2) + "\n")
+            (self.out_dir / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            )
 
     def close(self) -> None:
         """Release the open shard (after an error; the caller's atomic_dir removes the files)."""
@@ -158,8 +164,9 @@ def _check_block(name: str, block: torch.Tensor, expected: str, shape, dtype, wh
     """A ValueError (a bug) unless ``block`` is the expected tensor (``whole``) or rows of it, in its dtype."""
     block_shape = tuple(block.shape) if whole else tuple(block.shape[1:])
     if name != expected or block_shape != (shape if whole else shape[1:]) or block.dtype != dtype:
-        raise ValueError(f"writer expected {expected} {list(shape)} {dtype}, got {name} "
-                         f"{list(block.shape)} {block.dtype}")
+        raise ValueError(
+            f"writer expected {expected} {list(shape)} {dtype}, got {name} {list(block.shape)} {block.dtype}"
+        )
 
 
 def _write_at(fd: int, data: memoryview, at: int) -> int:
@@ -193,8 +200,9 @@ def cast_to(tensor, dtype: torch.dtype):
     return (block.to(dtype) for block in tensor)
 
 
-def copy_model_files(out_dir: Path, base_dir: Path, tokenizer_dir: Path, vocab_size: int | None = None,
-                     out_dtype: str | None = None) -> None:
+def copy_model_files(
+    out_dir: Path, base_dir: Path, tokenizer_dir: Path, vocab_size: int | None = None, out_dtype: str | None = None
+) -> None:
     """config.json and generation_config.json from the base (vocab_size replaced when given; the dtype it names
     replaced by ``out_dtype`` when given), tokenizer files (chat template included) from ``tokenizer_dir``."""
     config = json.loads((base_dir / "config.json").read_text())

@@ -66,8 +66,11 @@ def is_mergekit(cfg: Any) -> bool:
 
 def check_compat(cfg: Any) -> None:
     if getattr(cfg, "compat", "paper") not in MODES:
-        raise UserError("method.compat", f"unknown value '{cfg.compat}'",
-                        "use paper (the papers' definitions) or mergekit (mergekit 0.1.5's tensors)")
+        raise UserError(
+            "method.compat",
+            f"unknown value '{cfg.compat}'",
+            "use paper (the papers' definitions) or mergekit (mergekit 0.1.5's tensors)",
+        )
 
 
 def option(cfg: Any, field: str, paper: Any, mergekit: Any, allowed_mergekit: tuple = ()) -> Any:
@@ -80,8 +83,11 @@ def option(cfg: Any, field: str, paper: Any, mergekit: Any, allowed_mergekit: tu
         return mergekit
     if value not in (allowed_mergekit or (mergekit,)):
         allowed = ", ".join(str(v).lower() for v in (allowed_mergekit or (mergekit,)))
-        raise UserError(f"method.{field}", f"{value!r} is not mergekit's semantics (compat=mergekit)",
-                        f"leave method.{field} unset or use {allowed}, or set method.compat=paper")
+        raise UserError(
+            f"method.{field}",
+            f"{value!r} is not mergekit's semantics (compat=mergekit)",
+            f"leave method.{field} unset or use {allowed}, or set method.compat=paper",
+        )
     return value
 
 
@@ -123,6 +129,7 @@ def match_l1(delta: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torc
 # Each sparsifier is a keep rule over the whole d_i (a flat boolean mask, or None: keep everything) and the way
 # mergekit applies it; rows.GtaRows applies the same masks a row block at a time.
 
+
 def magnitude_keep(delta: torch.Tensor, density: float) -> torch.Tensor | None:
     """The first k = max(1, floor(density n)) of argsort(|d|, descending); the same set by threshold
     (select.py) unless ties at a non-zero cut must be split in argsort's order."""
@@ -159,7 +166,7 @@ def outliers(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     n = delta.numel()
     k, n_top = int(density * n), int(gamma * n)
     n_bot = max(0, n - k - n_top)
-    return _keep(delta, torch.sort(delta.abs().reshape(-1)).indices[n_bot:n_bot + k])
+    return _keep(delta, torch.sort(delta.abs().reshape(-1)).indices[n_bot : n_bot + k])
 
 
 def bernoulli_keep(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor | None:
@@ -193,16 +200,26 @@ def magprune(delta: torch.Tensor, density: float, epsilon: float, gen: torch.Gen
 def check_magprune(density: float, epsilon: float, field: str = "method.epsilon") -> None:
     """mergekit's bounds: p - eps > 0 and p + eps < 1 (strict), unless p >= 1 (no pruning)."""
     if density < 1 and not (density - epsilon > 0 and density + epsilon < 1):
-        raise UserError(field, f"density -/+ epsilon = [{density - epsilon:g}, {density + epsilon:g}] must lie "
-                        "strictly inside (0, 1) under compat=mergekit", "choose epsilon < min(density, 1 - density)")
+        raise UserError(
+            field,
+            f"density -/+ epsilon = [{density - epsilon:g}, {density + epsilon:g}] must lie "
+            "strictly inside (0, 1) under compat=mergekit",
+            "choose epsilon < min(density, 1 - density)",
+        )
 
 
 # ---------------------------------------------------------------- mergekit's combination
 
 
-def gta(base: torch.Tensor, experts: list[torch.Tensor], cfg: Any,
-        sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None, rescale: bool,
-        elect: str | None, normalize: bool) -> torch.Tensor:
+def gta(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    cfg: Any,
+    sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None,
+    rescale: bool,
+    elect: str | None,
+    normalize: bool,
+) -> torch.Tensor:
     """mergekit's generalized task arithmetic (module docstring); ``sparsify(d_i, i)`` is expert i's
     sparsifier, ``elect`` is the sign rule (None: linear), ``rescale`` the L1 rescale."""
     b = base.float()

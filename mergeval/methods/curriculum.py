@@ -107,19 +107,31 @@ def _validate(cfg: CmmConfig, n_experts: int) -> None:
         if not math.isfinite(getattr(cfg, field)):
             raise UserError(f"method.{field}", f"must be a finite number, got {getattr(cfg, field)}", "set a number")
     if cfg.schedule == "exponential" and (cfg.start <= 0 or cfg.end <= 0):
-        raise UserError("method.start", f"an exponential schedule needs start and end > 0, got {cfg.start}, {cfg.end}",
-                        "use positive coefficients or schedule=linear")
+        raise UserError(
+            "method.start",
+            f"an exponential schedule needs start and end > 0, got {cfg.start}, {cfg.end}",
+            "use positive coefficients or schedule=linear",
+        )
     if cfg.update in ("interpolate", "ties_step") and not all(0 <= c <= 1 for c in (cfg.start, cfg.end)):
-        raise UserError("method.start", f"update={cfg.update} needs coefficients in [0, 1]",
-                        "set start and end within [0, 1] or use update=additive")
+        raise UserError(
+            "method.start",
+            f"update={cfg.update} needs coefficients in [0, 1]",
+            "set start and end within [0, 1] or use update=additive",
+        )
     if not 0 < cfg.density <= 1:
         raise UserError("method.density", f"must be in (0, 1], got {cfg.density}", "set e.g. method.density=0.5")
     if cfg.validation_items < 1:
-        raise UserError("method.validation_items", f"must be positive, got {cfg.validation_items}",
-                        "set e.g. method.validation_items=100")
+        raise UserError(
+            "method.validation_items",
+            f"must be positive, got {cfg.validation_items}",
+            "set e.g. method.validation_items=100",
+        )
     if cfg.validation_scores is not None and len(cfg.validation_scores) != n_experts:
-        raise UserError("method.validation_scores", f"{len(cfg.validation_scores)} scores for {n_experts} experts",
-                        f"give {n_experts} scores in the modelset's order, or null to measure them")
+        raise UserError(
+            "method.validation_scores",
+            f"{len(cfg.validation_scores)} scores for {n_experts} experts",
+            f"give {n_experts} scores in the modelset's order, or null to measure them",
+        )
 
 
 # version 2: ties at the trim cut kept by position (1: in torch.topk's order)

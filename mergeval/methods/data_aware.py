@@ -48,14 +48,18 @@ class RegMeanConfig:
 
 def _check_statistics(cfg, n_experts: int) -> None:
     if cfg.statistics is not None and len(cfg.statistics) != n_experts:
-        raise UserError("method.statistics", f"{len(cfg.statistics)} statistics directories for {n_experts} experts",
-                        "leave method.statistics null: it is filled from modelset.experts.<name>.calibration")
+        raise UserError(
+            "method.statistics",
+            f"{len(cfg.statistics)} statistics directories for {n_experts} experts",
+            "leave method.statistics null: it is filled from modelset.experts.<name>.calibration",
+        )
 
 
 def _validate_fisher(cfg: FisherConfig, n_experts: int) -> None:
     if not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
-        raise UserError("method.epsilon", f"must be a positive number, got {cfg.epsilon}",
-                        "set e.g. method.epsilon=1e-10")
+        raise UserError(
+            "method.epsilon", f"must be a positive number, got {cfg.epsilon}", "set e.g. method.epsilon=1e-10"
+        )
     _check_statistics(cfg, n_experts)
 
 
@@ -69,8 +73,11 @@ def _stats(cfg, name: str, method: str) -> list[torch.Tensor | None]:
     from mergeval.methods.statistics import read_stat
 
     if cfg.statistics is None:
-        raise UserError("method.statistics", f"{method} needs each expert's calibration statistics",
-                        "set modelset.experts.<name>.calibration for every expert (filled in before merging)")
+        raise UserError(
+            "method.statistics",
+            f"{method} needs each expert's calibration statistics",
+            "set modelset.experts.<name>.calibration for every expert (filled in before merging)",
+        )
     return [read_stat(d, name) for d in cfg.statistics]
 
 
@@ -86,8 +93,9 @@ def fisher_merge(experts: list[torch.Tensor], fishers: list[torch.Tensor], epsil
 
 
 @register_layer("fisher", FisherConfig, _validate_fisher, needs=Needs(statistics="fisher"))
-def merge_fisher(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: FisherConfig,
-                 gen: torch.Generator) -> dict[str, torch.Tensor]:
+def merge_fisher(
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: FisherConfig, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Fisher merging: ``theta = sum_i (F_i + eps) theta_i / sum_i (F_i + eps)`` per parameter entry.
 
     ``F_i`` is expert i's diagonal empirical Fisher on its own calibration data,
@@ -103,8 +111,11 @@ def merge_fisher(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Te
         fishers = _stats(cfg, name, "fisher")
         for i, f in enumerate(fishers):
             if f is None or f.shape != experts[i][name].shape:
-                raise UserError("method.statistics", f"expert {i}'s Fisher statistics lack tensor {name} "
-                                f"({cfg.statistics[i]})", "recompute them: remove that directory")
+                raise UserError(
+                    "method.statistics",
+                    f"expert {i}'s Fisher statistics lack tensor {name} ({cfg.statistics[i]})",
+                    "recompute them: remove that directory",
+                )
         out[name] = fisher_merge([e[name] for e in experts], fishers, cfg.epsilon)
     return out
 
@@ -139,8 +150,9 @@ def regmean_linear(weights: list[torch.Tensor], grams: list[torch.Tensor], alpha
 
 
 @register_layer("regmean", RegMeanConfig, _validate_regmean, needs=Needs(statistics="gram"))
-def merge_regmean(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: RegMeanConfig,
-                  gen: torch.Generator) -> dict[str, torch.Tensor]:
+def merge_regmean(
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: RegMeanConfig, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """RegMean: per linear layer ``W = (sum_i G~_i)^-1 sum_i G~_i W_i`` (in ``x W^T`` form), else the average.
 
     ``G_i = X_i^T X_i / T_i`` is the Gram matrix of the layer's inputs on expert i's
@@ -161,8 +173,11 @@ def merge_regmean(base: dict[str, torch.Tensor], experts: list[dict[str, torch.T
             continue
         for i, g in enumerate(grams):
             if g is None or g.shape != (ws[0].shape[1],) * 2:
-                raise UserError("method.statistics", f"expert {i}'s Gram matrix for {name} is "
-                                f"{'missing' if g is None else list(g.shape)}, expected {[ws[0].shape[1]] * 2} ({cfg.statistics[i]})",
-                                "recompute it: remove that directory")
+                raise UserError(
+                    "method.statistics",
+                    f"expert {i}'s Gram matrix for {name} is "
+                    f"{'missing' if g is None else list(g.shape)}, expected {[ws[0].shape[1]] * 2} ({cfg.statistics[i]})",
+                    "recompute it: remove that directory",
+                )
         out[name] = regmean_linear(ws, grams, cfg.alpha)
     return out

@@ -119,21 +119,21 @@ def _state_of(gen: torch.Generator) -> tuple[np.ndarray, np.ndarray, int]:
     (``left`` = 1 right after seeding: the first draw twists)."""
     raw = gen.get_state().numpy().copy()
     left = int(raw[8:12].view(np.int32)[0])
-    words = raw[24:24 + 8 * _MT_N].view(np.uint64).astype(np.uint32)
+    words = raw[24 : 24 + 8 * _MT_N].view(np.uint64).astype(np.uint32)
     return raw, words, _MT_N + 1 - left
 
 
 def _set_state(gen: torch.Generator, raw: np.ndarray, words: np.ndarray, pos: int) -> None:
     raw[8:12].view(np.int32)[0] = _MT_N + 1 - pos
     raw[16:24].view(np.uint64)[0] = pos
-    raw[24:24 + 8 * _MT_N].view(np.uint64)[:] = words
+    raw[24 : 24 + 8 * _MT_N].view(np.uint64)[:] = words
     gen.set_state(torch.from_numpy(raw))
 
 
 def keep_threshold(density: float) -> int:
     """T with [u < density] = [m < T] for torch's u = m * 2^-24 (m the word's low 24 bits), u compared in
     float32: m * 2^-24 < d32 <=> m < d32 * 2^24 (exact in float64) <=> m < ceil(d32 * 2^24)."""
-    return math.ceil(float(np.float32(density)) * 2.0 ** 24)
+    return math.ceil(float(np.float32(density)) * 2.0**24)
 
 
 def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
@@ -163,10 +163,21 @@ class NonFinite(ValueError):
     readers tell: execute.Blocks.merged)."""
 
 
-def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list[float], elect: bool,
-               lambda_: float, masks: list[torch.Tensor | None] | None = None, divisors: list[float] | None = None,
-               cuts: list[tuple[float, int] | None] | None = None, vote_weighted: bool = False,
-               normalize: bool = True, divide_by: float = 0.0, refuse_nonfinite: bool = False) -> torch.Tensor:
+def merge_rows(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    *,
+    weights: list[float],
+    elect: bool,
+    lambda_: float,
+    masks: list[torch.Tensor | None] | None = None,
+    divisors: list[float] | None = None,
+    cuts: list[tuple[float, int] | None] | None = None,
+    vote_weighted: bool = False,
+    normalize: bool = True,
+    divide_by: float = 0.0,
+    refuse_nonfinite: bool = False,
+) -> torch.Tensor:
     """The block ``b + lambda * combine(s_1..s_N)`` cast to the base's dtype (see the module's docstring).
 
     masks: per expert DARE's keep mask over the block (a bool tensor of its size) or None; divisors: per
@@ -196,10 +207,24 @@ def merge_rows(base: torch.Tensor, experts: list[torch.Tensor], *, weights: list
             kinds[i], taus[i], quotas[i] = 2, c[0], c[1]
     out = torch.empty(n, dtype=torch.float32)
     nonfinite = np.zeros(n_exp + 1, dtype=np.int64)
-    kernel(base.reshape(-1).float().numpy(), e.numpy(), kinds, keep.numpy(),
-           np.asarray(divisors or [0.0] * n_exp, np.float32), taus, quotas, np.asarray(weights, np.float32),
-           all(x == 1.0 for x in weights), vote_weighted, elect, normalize, np.float32(divide_by),
-           np.float32(lambda_), out.numpy(), nonfinite)
+    kernel(
+        base.reshape(-1).float().numpy(),
+        e.numpy(),
+        kinds,
+        keep.numpy(),
+        np.asarray(divisors or [0.0] * n_exp, np.float32),
+        taus,
+        quotas,
+        np.asarray(weights, np.float32),
+        all(x == 1.0 for x in weights),
+        vote_weighted,
+        elect,
+        normalize,
+        np.float32(divide_by),
+        np.float32(lambda_),
+        out.numpy(),
+        nonfinite,
+    )
     if refuse_nonfinite and nonfinite.any():
         raise NonFinite("an input of the block holds NaN or Inf")
     return out.view(base.shape).to(base.dtype)
@@ -214,8 +239,13 @@ def count_band(threshold, base: torch.Tensor, expert: torch.Tensor, buffer: torc
     [lo, hi], in order. For a finite lower bound (Threshold's NumPy path's condition)."""
     lo, hi = threshold.bounds_for_count()
     e = expert.reshape(-1)
-    above, k = _kernels()[2](base.reshape(-1).numpy(), (e if e.dtype == torch.float32 else e.float()).numpy(),
-                             np.float32(lo), np.float32(hi), buffer.reshape(-1).numpy())
+    above, k = _kernels()[2](
+        base.reshape(-1).numpy(),
+        (e if e.dtype == torch.float32 else e.float()).numpy(),
+        np.float32(lo),
+        np.float32(hi),
+        buffer.reshape(-1).numpy(),
+    )
     threshold.add_counted(above, buffer.reshape(-1)[:k].clone())
 
 
@@ -230,7 +260,7 @@ def placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor | 
     passes however long the row, several times faster on an embedding whether ranked as one row or by rows;
     12 bytes of scratch per entry, as the keys and ``out`` of the sort."""
     r, n = rows.shape
-    index = torch.int32 if r * n < 2 ** 31 else torch.int64
+    index = torch.int32 if r * n < 2**31 else torch.int64
     # from torch's allocator, like merge_rows' working arrays (glibc's heap in the engine's threads)
     pa, pb = torch.empty(r * n, dtype=index), torch.empty(r * n, dtype=index)
     out = torch.empty((r, n), dtype=torch.float32)

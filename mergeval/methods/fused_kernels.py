@@ -49,7 +49,7 @@ def keep_mask(mt, pos, threshold, out):
             twist(mt)
             pos = 0
         m = min(_MT_N - pos, n - j)
-        words, dst = mt[pos:pos + m], bytes_out[j:j + m]
+        words, dst = mt[pos : pos + m], bytes_out[j : j + m]
         for q in range(m):
             y = words[q]
             y ^= y >> np.uint32(11)
@@ -63,8 +63,9 @@ def keep_mask(mt, pos, threshold, out):
 
 
 @jit
-def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighted, elect, normalize,
-               divide_by, lam, out, nonfinite):
+def merge_rows(
+    b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighted, elect, normalize, divide_by, lam, out, nonfinite
+):
     """One block: out = b + lam * combine(s), s_i = sparsified e_i - b (see the module's docstring).
     nonfinite[0] (the base) and nonfinite[1 + i] (expert i) count the NaN and Inf entries of every input
     (x - x is 0 for a finite x and NaN for NaN or Inf): the reader's own pass over the block is left out.
@@ -89,19 +90,19 @@ def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighte
     v = np.empty(n_exp, np.float32)
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
-        bi = b[start:start + m]
+        bi = b[start : start + m]
         bad = 0
         for j in range(m):
             bad += 1 if bi[j] - bi[j] != zero else 0
         nonfinite[0] += bad
         for i in range(n_exp):
-            si, ei = s[i], e[i, start:start + m]
+            si, ei = s[i], e[i, start : start + m]
             bad = 0
             for j in range(m):
                 bad += 1 if ei[j] - ei[j] != zero else 0
             nonfinite[1 + i] += bad
             if kinds[i] == 1:
-                mi = masks[i, start:start + m]
+                mi = masks[i, start : start + m]
                 for j in range(m):
                     si[j] = ei[j] - bi[j] if mi[j] else zero
             elif kinds[i] == 2:
@@ -165,7 +166,7 @@ def merge_rows(b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighte
             if normalize:
                 for j in range(m):
                     tau[j] = tau[j] / (one if mass[j] == zero else mass[j])
-        oi = out[start:start + m]  # a slice: indexing out[start + j] kept this loop scalar (not vectorized)
+        oi = out[start : start + m]  # a slice: indexing out[start + j] kept this loop scalar (not vectorized)
         for j in range(m):
             oi[j] = tau[j] * lam + bi[j]
 

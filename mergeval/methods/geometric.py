@@ -86,8 +86,11 @@ def _validate_slerp(cfg: SlerpConfig, n_experts: int) -> None:
     if not (0.0 <= cfg.t <= 1.0):
         raise UserError("method.t", f"must be in [0, 1], got {cfg.t}", "set e.g. method.t=0.5")
     if n_experts != 1:
-        raise UserError("modelset.experts", f"slerp interpolates the base and exactly one expert, got {n_experts}",
-                        "list exactly one expert in the modelset")
+        raise UserError(
+            "modelset.experts",
+            f"slerp interpolates the base and exactly one expert, got {n_experts}",
+            "list exactly one expert in the modelset",
+        )
 
 
 def _validate_nearswap(cfg: NearSwapConfig, n_experts: int) -> None:
@@ -95,8 +98,11 @@ def _validate_nearswap(cfg: NearSwapConfig, n_experts: int) -> None:
     if not (math.isfinite(cfg.t) and cfg.t >= 0):
         raise UserError("method.t", f"must be a distance of 0 or more, got {cfg.t}", "set e.g. method.t=0.0001")
     if n_experts != 1:
-        raise UserError("modelset.experts", f"nearswap moves the base toward exactly one expert, got {n_experts}",
-                        "list exactly one expert in the modelset")
+        raise UserError(
+            "modelset.experts",
+            f"nearswap moves the base toward exactly one expert, got {n_experts}",
+            "list exactly one expert in the modelset",
+        )
 
 
 def _count_models(cfg, n_experts: int, name: str, at_least: int, at_most: int | None = None) -> None:
@@ -107,8 +113,11 @@ def _count_models(cfg, n_experts: int, name: str, at_least: int, at_most: int | 
     if n < at_least or (at_most is not None and n > at_most):
         wanted = f"exactly {at_least}" if at_most == at_least else f"at least {at_least}"
         counted = "the experts and the base (include_base=true)" if cfg.include_base else "the experts"
-        raise UserError("modelset.experts", f"{name} merges {wanted} models, got {n}: {counted}",
-                        "change the experts, or method.include_base (true: the base is one of the models)")
+        raise UserError(
+            "modelset.experts",
+            f"{name} merges {wanted} models, got {n}: {counted}",
+            "change the experts, or method.include_base (true: the base is one of the models)",
+        )
     if hasattr(cfg, "weights"):
         _check_weights(cfg.weights, n)
 
@@ -120,28 +129,37 @@ def _validate_nuslerp(cfg: NuSlerpConfig, n_experts: int) -> None:
 def _validate_multislerp(cfg: MultiSlerpConfig, n_experts: int) -> None:
     _count_models(cfg, n_experts, "multislerp", 1)
     if not (math.isfinite(cfg.eps) and cfg.eps >= 0):
-        raise UserError("method.eps", f"must be a finite number of 0 or more, got {cfg.eps}",
-                        "set e.g. method.eps=1e-8")
+        raise UserError(
+            "method.eps", f"must be a finite number of 0 or more, got {cfg.eps}", "set e.g. method.eps=1e-8"
+        )
     if cfg.normalize_weights and cfg.weights is not None and sum(cfg.weights) == 0:
-        raise UserError("method.weights", "weights sum to 0 and method.normalize_weights=true",
-                        "use weights with a non-zero sum or set method.normalize_weights=false")
+        raise UserError(
+            "method.weights",
+            "weights sum to 0 and method.normalize_weights=true",
+            "use weights with a non-zero sum or set method.normalize_weights=false",
+        )
 
 
 def _validate_karcher(cfg: KarcherConfig, n_experts: int) -> None:
     _count_models(cfg, n_experts, "karcher", 1)
     if isinstance(cfg.max_iter, bool) or not isinstance(cfg.max_iter, int) or cfg.max_iter < 0:
-        raise UserError("method.max_iter", f"must be a whole number of 0 or more, got {cfg.max_iter}",
-                        "set e.g. method.max_iter=10")
+        raise UserError(
+            "method.max_iter", f"must be a whole number of 0 or more, got {cfg.max_iter}", "set e.g. method.max_iter=10"
+        )
     if not (math.isfinite(cfg.tol) and cfg.tol >= 0):
-        raise UserError("method.tol", f"must be a finite number of 0 or more, got {cfg.tol}",
-                        "set e.g. method.tol=1e-5")
+        raise UserError(
+            "method.tol", f"must be a finite number of 0 or more, got {cfg.tol}", "set e.g. method.tol=1e-5"
+        )
 
 
 def _validate_model_stock(cfg: ModelStockConfig, n_experts: int) -> None:
     compat.check_compat(cfg)
     if n_experts < 2:
-        raise UserError("modelset.experts", f"model_stock needs at least 2 fine-tuned experts besides the base, "
-                        f"got {n_experts}", "add another expert fine-tuned from the same base")
+        raise UserError(
+            "modelset.experts",
+            f"model_stock needs at least 2 fine-tuned experts besides the base, got {n_experts}",
+            "add another expert fine-tuned from the same base",
+        )
 
 
 @register("slerp", SlerpConfig, _validate_slerp)
@@ -192,8 +210,9 @@ def _rows(x: torch.Tensor, filter_wise: bool) -> torch.Tensor:
 
 
 @register("model_stock", ModelStockConfig, _validate_model_stock)
-def model_stock(base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStockConfig,
-                gen: torch.Generator) -> torch.Tensor:
+def model_stock(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStockConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Model Stock (Jang et al., 2024), N >= 2 experts fine-tuned from the base.
 
     cos    = mean over pairs i < j of <d_i, d_j> / (|d_i| |d_j|), clamped to [0, 1]
@@ -218,8 +237,9 @@ def model_stock(base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStock
         for j in range(i + 1, len(ds)):
             prod = norms[i] * norms[j]
             dot = torch.sum(ds[i] * ds[j], dim=-1, dtype=torch.float64)
-            cosines.append(torch.where(prod > 0, dot / prod.where(prod > 0, torch.ones_like(prod)),
-                                       torch.zeros_like(prod)))
+            cosines.append(
+                torch.where(prod > 0, dot / prod.where(prod > 0, torch.ones_like(prod)), torch.zeros_like(prod))
+            )
     cos = torch.stack(cosines).mean(0).clamp(0.0, 1.0)
     n = len(experts)
     t = (n * cos / (1.0 + (n - 1) * cos)).to(torch.float32).unsqueeze(-1)
@@ -245,9 +265,10 @@ def _model_stock_mergekit(base: torch.Tensor, experts: list[torch.Tensor], filte
     return (t * mean + (1 - t) * b).reshape(base.shape).to(base.dtype)
 
 
-
 @register("nearswap", NearSwapConfig, _validate_nearswap)
-def nearswap(base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: torch.Generator) -> torch.Tensor:
+def nearswap(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: torch.Generator
+) -> torch.Tensor:
     """NearSwap (mergekit's ``nearswap``): entry by entry, the base moves toward the one expert by at most ``t``.
 
         w      = clamp(t / max(|e - b|, 1e-6), 0, 1)
@@ -280,8 +301,9 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / torch.norm(x, dim=-1, keepdim=True).clamp(min=NUSLERP_MIN_NORM)
 
 
-def nuslerp_pair(v0: torch.Tensor, v1: torch.Tensor, t: float, flatten: bool = True,
-                 row_wise: bool = False) -> torch.Tensor:
+def nuslerp_pair(
+    v0: torch.Tensor, v1: torch.Tensor, t: float, flatten: bool = True, row_wise: bool = False
+) -> torch.Tensor:
     """Spherical interpolation of two tensors of one shape at ``t`` (0: v0, 1: v1), one angle per vector:
     the whole tensor (flatten), else each slice along the last dim, or along dim 0 (row_wise).
 
@@ -295,7 +317,7 @@ def nuslerp_pair(v0: torch.Tensor, v1: torch.Tensor, t: float, flatten: bool = T
     elif row_wise:
         v0, v1 = v0.transpose(0, -1), v1.transpose(0, -1)
     cos = (_unit_rows(v0) * _unit_rows(v1)).sum(dim=-1, keepdim=True).clamp(-1, 1)
-    colinear = (1 - cos.square()) <= NUSLERP_COLINEAR ** 2
+    colinear = (1 - cos.square()) <= NUSLERP_COLINEAR**2
     theta = torch.acos(torch.where(colinear, 0, cos))  # the unused branch stays finite
     arc = (torch.sin((1 - t) * theta) * v0 + torch.sin(t * theta) * v1) / torch.sin(theta)
     out = torch.where(colinear, (1 - t) * v0 + t * v1, arc)
@@ -349,8 +371,9 @@ def multislerp_rows(points: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
 
 
 @register("multislerp", MultiSlerpConfig, _validate_multislerp)
-def multislerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpConfig,
-               gen: torch.Generator) -> torch.Tensor:
+def multislerp(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Multi-SLERP (mergekit's ``multislerp``): spherical interpolation of any number of models.
 
         x_i    = d_i (include_base=false) or the models b, e_1, ..., e_N (include_base=true)
@@ -372,8 +395,11 @@ def multislerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpC
         w = w / w.sum()
     out = multislerp_rows(x.view(len(points), -1), w, float(cfg.eps))
     if out is None:
-        raise UserError("method.weights", "the weighted unit vectors of a tensor sum to 0 (antipodal models with "
-                        "weights that balance)", "use other weights, or other experts")
+        raise UserError(
+            "method.weights",
+            "the weighted unit vectors of a tensor sum to 0 (antipodal models with weights that balance)",
+            "use other weights, or other experts",
+        )
     out = out.view(base.shape)
     return (out if cfg.include_base else out + base.float()).to(base.dtype)
 

@@ -54,16 +54,22 @@ class HierarchicalConfig:
 
 def _validate(cfg: HierarchicalConfig, n_experts: int) -> None:
     if n_experts != 2:
-        raise UserError("modelset.experts", f"hierarchical merges exactly 2 experts, got {n_experts}",
-                        "list two experts (A first: it is the anchor of the interpolation)")
+        raise UserError(
+            "modelset.experts",
+            f"hierarchical merges exactly 2 experts, got {n_experts}",
+            "list two experts (A first: it is the anchor of the interpolation)",
+        )
     if not (math.isfinite(cfg.t_max) and 0 <= cfg.t_max <= 1):
         raise UserError("method.t_max", f"must be in [0, 1], got {cfg.t_max}", "set e.g. method.t_max=1.0")
     if cfg.align not in ("heads", "none"):
         raise UserError("method.align", f"unknown alignment '{cfg.align}'", "use heads or none")
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads is not None and kv is not None and (kv < 1 or heads % kv):
-        raise UserError("method.num_key_value_heads", f"{kv} does not divide {heads} attention heads",
-                        "leave both null to read them from the base's config.json")
+        raise UserError(
+            "method.num_key_value_heads",
+            f"{kv} does not divide {heads} attention heads",
+            "leave both null to read them from the base's config.json",
+        )
 
 
 def cosine_weight(deltas_a: list[torch.Tensor], deltas_b: list[torch.Tensor], t_max: float) -> float:
@@ -80,8 +86,9 @@ def _lerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
     return ((1 - w) * a.float() + w * b.float()).to(a.dtype)
 
 
-def hierarchical_tensor(base: torch.Tensor, experts: list[torch.Tensor], cfg: HierarchicalConfig,
-                 gen: torch.Generator) -> torch.Tensor:
+def hierarchical_tensor(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: HierarchicalConfig, gen: torch.Generator
+) -> torch.Tensor:
     """A tensor outside the layers: theta = (1 - w) A + w B with w from this tensor's own task vectors."""
     a, b = experts
     return _lerp(a, b, cosine_weight([a.float() - base.float()], [b.float() - base.float()], cfg.t_max))
@@ -103,8 +110,9 @@ def _heads(tensors: dict[str, torch.Tensor], prefix: str, n_heads: int, n_kv: in
     return head_vecs, group_vecs
 
 
-def head_permutation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str,
-                     n_heads: int, n_kv: int) -> list[int]:
+def head_permutation(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str, n_heads: int, n_kv: int
+) -> list[int]:
     """perm with B'[head h] = B[head perm[h]], maximising sum_h <A_h, B_perm[h]> over group-preserving perms."""
     from scipy.optimize import linear_sum_assignment
 
@@ -116,7 +124,7 @@ def head_permutation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], pre
     sim_groups = torch.zeros(n_kv, n_kv, dtype=torch.float64).numpy()
     for g in range(n_kv):
         for g2 in range(n_kv):
-            block = sim_heads[g * per:(g + 1) * per, g2 * per:(g2 + 1) * per]
+            block = sim_heads[g * per : (g + 1) * per, g2 * per : (g2 + 1) * per]
             rows, cols = linear_sum_assignment(block, maximize=True)
             within[g, g2] = [g2 * per + int(c) for c in cols[rows.argsort()]]
             sim_groups[g, g2] = float(ga[g] @ gb[g2]) + float(block[rows, cols].sum())
@@ -127,8 +135,9 @@ def head_permutation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], pre
     return perm
 
 
-def permute_heads(tensors: dict[str, torch.Tensor], prefix: str, perm: list[int], n_heads: int,
-                  n_kv: int) -> dict[str, torch.Tensor]:
+def permute_heads(
+    tensors: dict[str, torch.Tensor], prefix: str, perm: list[int], n_heads: int, n_kv: int
+) -> dict[str, torch.Tensor]:
     """Apply a group-preserving head permutation to one layer's attention (function-preserving)."""
     per = n_heads // n_kv
     group_perm = [perm[g * per] // per for g in range(n_kv)]
@@ -150,8 +159,9 @@ def permute_heads(tensors: dict[str, torch.Tensor], prefix: str, perm: list[int]
 
 
 @register_layer("hierarchical", HierarchicalConfig, _validate, merge=hierarchical_tensor, needs=Needs(head_counts=True))
-def hierarchical(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: HierarchicalConfig,
-                gen: torch.Generator) -> dict[str, torch.Tensor]:
+def hierarchical(
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: HierarchicalConfig, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """One layer: align B's heads to A's, w_l from the layer's task vectors, theta_l = (1 - w_l) A_l + w_l B'_l."""
     a, b = experts
     names = sorted(n for n in base if base[n].is_floating_point())
@@ -160,8 +170,9 @@ def hierarchical(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Te
         perm = head_permutation(a, b, prefix, cfg.num_attention_heads, cfg.num_key_value_heads)
         if perm != sorted(perm):
             b = permute_heads(b, prefix, perm, cfg.num_attention_heads, cfg.num_key_value_heads)
-    w = cosine_weight([a[n].float() - base[n].float() for n in names],
-                      [b[n].float() - base[n].float() for n in names], cfg.t_max)
+    w = cosine_weight(
+        [a[n].float() - base[n].float() for n in names], [b[n].float() - base[n].float() for n in names], cfg.t_max
+    )
     return {n: (_lerp(a[n], b[n], w) if base[n].is_floating_point() else base[n].clone()) for n in base}
 
 
@@ -172,11 +183,17 @@ def fill_head_counts(cfg: HierarchicalConfig, model_config: dict) -> Hierarchica
     for key in ("num_attention_heads", "num_key_value_heads"):  # given where the config.json says otherwise
         given, actual = getattr(cfg, key), model_config.get(key)
         if given is not None and actual is not None and given != actual:
-            raise UserError(f"method.{key}", f"is {given} but the base's config.json says {actual}",
-                            f"leave it null (read from the base) or set it to {actual}")
+            raise UserError(
+                f"method.{key}",
+                f"is {given} but the base's config.json says {actual}",
+                f"leave it null (read from the base) or set it to {actual}",
+            )
     heads = cfg.num_attention_heads or model_config.get("num_attention_heads")
     kv = cfg.num_key_value_heads or model_config.get("num_key_value_heads") or heads
     if cfg.align == "heads" and (heads is None or heads % kv):
-        raise UserError("method.num_attention_heads", "cannot tell the attention head counts",
-                        "set method.num_attention_heads and method.num_key_value_heads, or method.align=none")
+        raise UserError(
+            "method.num_attention_heads",
+            "cannot tell the attention head counts",
+            "set method.num_attention_heads and method.num_key_value_heads, or method.align=none",
+        )
     return dataclasses.replace(cfg, num_attention_heads=heads, num_key_value_heads=kv)

@@ -64,11 +64,17 @@ def _validate_consensus(cfg: ConsensusConfig, n_experts: int) -> None:
     if not math.isfinite(cfg.lambda_):
         raise UserError("method.lambda_", f"must be a finite number, got {cfg.lambda_}", "set e.g. method.lambda_=1.0")
     if not (math.isfinite(cfg.tall_lambda) and cfg.tall_lambda >= 0):
-        raise UserError("method.tall_lambda", f"must be a non-negative number, got {cfg.tall_lambda}",
-                        "set e.g. method.tall_lambda=0.2")
+        raise UserError(
+            "method.tall_lambda",
+            f"must be a non-negative number, got {cfg.tall_lambda}",
+            "set e.g. method.tall_lambda=0.2",
+        )
     if not (isinstance(cfg.k, int) and 1 <= cfg.k <= n_experts):
-        raise UserError("method.k", f"must be between 1 and the number of experts ({n_experts}), got {cfg.k}",
-                        f"set e.g. method.k={min(2, n_experts)}")
+        raise UserError(
+            "method.k",
+            f"must be between 1 and the number of experts ({n_experts}), got {cfg.k}",
+            f"set e.g. method.k={min(2, n_experts)}",
+        )
 
 
 def _validate_stitch(cfg: LocalizeStitchConfig, n_experts: int) -> None:
@@ -77,12 +83,16 @@ def _validate_stitch(cfg: LocalizeStitchConfig, n_experts: int) -> None:
     if cfg.scope not in ("model", "tensor"):
         raise UserError("method.scope", f"unknown scope {cfg.scope!r}", "set method.scope=model or tensor")
     if cfg.thresholds is not None and len(cfg.thresholds) != n_experts:
-        raise UserError("method.thresholds", f"{len(cfg.thresholds)} thresholds for {n_experts} experts",
-                        "leave method.thresholds null: they are measured from the experts before merging")
+        raise UserError(
+            "method.thresholds",
+            f"{len(cfg.thresholds)} thresholds for {n_experts} experts",
+            "leave method.thresholds null: they are measured from the experts before merging",
+        )
 
 
-def tall_masks(deltas: list[torch.Tensor], tall_lambda: float, strict: bool = False,
-               mtl: torch.Tensor | None = None) -> list[torch.Tensor]:
+def tall_masks(
+    deltas: list[torch.Tensor], tall_lambda: float, strict: bool = False, mtl: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """m_t = |tau_t| >= lambda |tau_MTL - tau_t| (``>`` when strict), tau_MTL = sum_t tau_t (``mtl`` if given)."""
     mtl = torch.stack(deltas).sum(0) if mtl is None else mtl
     cmp = torch.gt if strict else torch.ge
@@ -90,8 +100,9 @@ def tall_masks(deltas: list[torch.Tensor], tall_lambda: float, strict: bool = Fa
 
 
 @register("consensus_ta", ConsensusConfig, _validate_consensus)
-def merge_consensus(base: torch.Tensor, experts: list[torch.Tensor], cfg: ConsensusConfig,
-                    gen: torch.Generator) -> torch.Tensor:
+def merge_consensus(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: ConsensusConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Consensus TA: ``b + lambda * (sum_t m_t >= k) * tau_MTL``.
 
     TALL mask of task t (the paper's definition): ``m_t = 1{|tau_t| >= lambda_t
@@ -119,8 +130,9 @@ def top_mask(delta: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 @register("localize_stitch", LocalizeStitchConfig, _validate_stitch, needs=Needs(magnitude_cuts=True))
-def merge_localize_stitch(base: torch.Tensor, experts: list[torch.Tensor], cfg: LocalizeStitchConfig,
-                          gen: torch.Generator) -> torch.Tensor:
+def merge_localize_stitch(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: LocalizeStitchConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Localize-and-Stitch, data-free: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t``.
 
     Localize: ``m_t`` keeps the top ``sparsity`` share of ``|tau_t|`` (the paper's
@@ -139,8 +151,11 @@ def merge_localize_stitch(base: torch.Tensor, experts: list[torch.Tensor], cfg: 
     if cfg.scope == "tensor":
         masks = [top_mask(d, cfg.sparsity) for d in deltas]
     elif cfg.thresholds is None:
-        raise UserError("method.thresholds", "scope=model needs each expert's magnitude cut, measured before merging",
-                        "run through python -m mergeval or mergeval.merge, or set method.scope=tensor")
+        raise UserError(
+            "method.thresholds",
+            "scope=model needs each expert's magnitude cut, measured before merging",
+            "run through python -m mergeval or mergeval.merge, or set method.scope=tensor",
+        )
     else:
         masks = [d.abs() >= c for d, c in zip(deltas, cfg.thresholds)]
     return stitch(b, deltas, masks)
@@ -164,18 +179,25 @@ def _validate_trained(cfg: LocalizeStitchTrainedConfig, n_experts: int) -> None:
     for field in ("sigmoid_bias", "lr"):
         value = getattr(cfg, field)
         if not (math.isfinite(value) and value > 0):
-            raise UserError(f"method.{field}", f"must be a positive number, got {value}", f"set e.g. method.{field}="
-                            f"{LocalizeStitchTrainedConfig.__dataclass_fields__[field].default}")
+            raise UserError(
+                f"method.{field}",
+                f"must be a positive number, got {value}",
+                f"set e.g. method.{field}={LocalizeStitchTrainedConfig.__dataclass_fields__[field].default}",
+            )
     if cfg.statistics is not None and len(cfg.statistics) != n_experts:
-        raise UserError("method.statistics", f"{len(cfg.statistics)} statistics directories for {n_experts} experts",
-                        "leave method.statistics null: it is filled from modelset.experts.<name>.calibration")
+        raise UserError(
+            "method.statistics",
+            f"{len(cfg.statistics)} statistics directories for {n_experts} experts",
+            "leave method.statistics null: it is filled from modelset.experts.<name>.calibration",
+        )
 
 
 def trained_mask(delta: torch.Tensor, grad: torch.Tensor, cut: float, bias: float, lr: float) -> torch.Tensor:
     """m = S1 > 0, S1 = S0 - lr sigmoid'(S0) (g * tau), S0 = +bias where |tau| >= cut else -bias."""
     s0 = torch.where(delta.abs() >= cut, bias, -bias).to(torch.float64)
-    slope = torch.sigmoid(torch.tensor(bias, dtype=torch.float64)) * torch.sigmoid(torch.tensor(-bias,
-                                                                                               dtype=torch.float64))
+    slope = torch.sigmoid(torch.tensor(bias, dtype=torch.float64)) * torch.sigmoid(
+        torch.tensor(-bias, dtype=torch.float64)
+    )
     return s0 - lr * slope * (grad.double() * delta.double()) > 0
 
 
@@ -185,10 +207,18 @@ def stitch(base: torch.Tensor, deltas: list[torch.Tensor], masks: list[torch.Ten
     return base + sum(m * d for m, d in zip(masks, deltas)) / count
 
 
-@register_layer("localize_stitch_trained", LocalizeStitchTrainedConfig, _validate_trained,
-                needs=Needs(statistics="localize", magnitude_cuts=True))
-def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]],
-                                  cfg: LocalizeStitchTrainedConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+@register_layer(
+    "localize_stitch_trained",
+    LocalizeStitchTrainedConfig,
+    _validate_trained,
+    needs=Needs(statistics="localize", magnitude_cuts=True),
+)
+def merge_localize_stitch_trained(
+    base: dict[str, torch.Tensor],
+    experts: list[dict[str, torch.Tensor]],
+    cfg: LocalizeStitchTrainedConfig,
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
     """Localize-and-Stitch, data-driven: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t`` with trained masks.
 
     Localize: the mask logits start at ``S0 = +bias`` on expert t's top
@@ -206,8 +236,11 @@ def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[d
     from mergeval.methods.statistics import read_stat
 
     if cfg.statistics is None or cfg.thresholds is None:
-        raise UserError("method.statistics", "localize_stitch_trained needs each expert's calibration gradient",
-                        "set modelset.experts.<name>.calibration for every expert (filled in before merging)")
+        raise UserError(
+            "method.statistics",
+            "localize_stitch_trained needs each expert's calibration gradient",
+            "set modelset.experts.<name>.calibration for every expert (filled in before merging)",
+        )
     out = {}
     for name, b in base.items():
         b = b.float()
@@ -216,8 +249,11 @@ def merge_localize_stitch_trained(base: dict[str, torch.Tensor], experts: list[d
         for i, d in enumerate(deltas):
             g = read_stat(cfg.statistics[i], name)
             if g is None or g.shape != d.shape:
-                raise UserError("method.statistics", f"expert {i}'s gradient lacks tensor {name} "
-                                f"({cfg.statistics[i]})", "recompute it: remove that directory")
+                raise UserError(
+                    "method.statistics",
+                    f"expert {i}'s gradient lacks tensor {name} ({cfg.statistics[i]})",
+                    "recompute it: remove that directory",
+                )
             masks.append(trained_mask(d, g, cfg.thresholds[i], cfg.sigmoid_bias, cfg.lr))
         out[name] = stitch(b, deltas, masks)
     return out
@@ -274,12 +310,16 @@ def _validate_ramplus(cfg: RamPlusConfig, n_experts: int) -> None:
 def _validate_arcee_fusion(cfg: ArceeFusionConfig, n_experts: int) -> None:
     compat.check_compat(cfg)
     if n_experts != 1:
-        raise UserError("modelset.experts", f"arcee_fusion fuses exactly one expert into the base, got {n_experts}",
-                        "list exactly one expert in the modelset")
+        raise UserError(
+            "modelset.experts",
+            f"arcee_fusion fuses exactly one expert into the base, got {n_experts}",
+            "list exactly one expert in the modelset",
+        )
 
 
-def changed_entries(base: torch.Tensor, experts: list[torch.Tensor], epsilon: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def changed_entries(
+    base: torch.Tensor, experts: list[torch.Tensor], epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(b, z, a, c) for RAM: the base in float32; z_t = a_t tau_t, the task vectors as rows of an (N, n) matrix
     with the entries of |tau_t| <= epsilon set to 0; a_t = [|tau_t| > epsilon]; c = sum_t a_t per entry (int64)."""
     b = base.float()
@@ -316,8 +356,9 @@ def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: to
 
 
 @register("ramplus_tl", RamPlusConfig, _validate_ramplus)
-def ramplus_tl(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig,
-               gen: torch.Generator) -> torch.Tensor:
+def ramplus_tl(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig, gen: torch.Generator
+) -> torch.Tensor:
     """RAM+, tensor-local (mergekit's ``ramplus_tl``): RAM, with the entries only expert t changed scaled by
     lambda_t >= 1, more for an expert that shares more of its changes with others.
 
@@ -361,8 +402,9 @@ def upper_fence(x: torch.Tensor) -> torch.Tensor:
 
 
 @register("arcee_fusion", ArceeFusionConfig, _validate_arcee_fusion)
-def arcee_fusion(base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig,
-                 gen: torch.Generator) -> torch.Tensor:
+def arcee_fusion(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Arcee Fusion (mergekit's ``arcee_fusion``): the base takes the one expert's entries whose importance is
     an upper outlier of the tensor's, and keeps its own elsewhere.
 

@@ -23,16 +23,20 @@ class PassthroughConfig:
 
 def _validate(cfg: PassthroughConfig, n_experts: int) -> None:
     if n_experts != 0:
-        raise UserError("modelset", f"passthrough takes one model per tensor, got the base and {n_experts} "
-                        "expert(s) for each", "list the layer ranges under modelset.slices with one source per "
-                        "slice, or choose a method that merges (linear, slerp, ...)")
+        raise UserError(
+            "modelset",
+            f"passthrough takes one model per tensor, got the base and {n_experts} expert(s) for each",
+            "list the layer ranges under modelset.slices with one source per "
+            "slice, or choose a method that merges (linear, slerp, ...)",
+        )
     if not isinstance(cfg.scale, (int, float)) or cfg.scale != cfg.scale:
         raise UserError("method.scale", f"must be a number, got {cfg.scale!r}", "set scale: 1.0 (unchanged)")
 
 
 @register("passthrough", PassthroughConfig, _validate)
-def passthrough(base: torch.Tensor, experts: list[torch.Tensor], cfg: PassthroughConfig,
-                gen: torch.Generator) -> torch.Tensor:
+def passthrough(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: PassthroughConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Passthrough (mergekit's ``passthrough``): ``merged = s * b``, the one input tensor ``b`` unchanged when
     ``scale`` s = 1 (the default; returned as is, bit for bit), else multiplied by s in float32 and cast back to
     b's dtype, as mergekit multiplies by its optional per-input ``scale``. Used with ``modelset.slices``: each

@@ -65,8 +65,9 @@ def _typed(method_json: str, where: str):
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(method.config), spec))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", "") or ""
-        raise UserError(f"{where}.{key}".rstrip("."), str(err).splitlines()[0],
-                        "fix the stage's method parameters") from None
+        raise UserError(
+            f"{where}.{key}".rstrip("."), str(err).splitlines()[0], "fix the stage's method parameters"
+        ) from None
     return method, cfg
 
 
@@ -89,35 +90,56 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
             raise UserError(f"{where}.name", f"'{stage.name}' is already a model or stage name", "rename the stage")
         for ref in (stage.base, *stage.inputs):
             if ref not in known:
-                raise UserError(where, f"unknown model or stage '{ref}'",
-                                f"use base, an expert ({', '.join(experts)}) or an earlier stage")
+                raise UserError(
+                    where,
+                    f"unknown model or stage '{ref}'",
+                    f"use base, an expert ({', '.join(experts)}) or an earlier stage",
+                )
         if not stage.inputs:
             raise UserError(f"{where}.inputs", "no inputs", "list the experts or stages this stage merges")
         method, method_cfg = stage_method(stage, i)
         if getattr(method_cfg, "rules", None):  # the engine resolves rules for the top-level method only
-            raise UserError(f"{where}.method.rules", "per-tensor rules are not applied inside pipeline stages",
-                            "remove them from the stage (stage parameters are the same for every tensor)")
+            raise UserError(
+                f"{where}.method.rules",
+                "per-tensor rules are not applied inside pipeline stages",
+                "remove them from the stage (stage parameters are the same for every tensor)",
+            )
         if getattr(method, "merge_layer", None) is not None:
-            raise UserError(f"{where}.method.name", f"{method.name} merges whole layers and cannot be a stage",
-                            "use a per-tensor method in pipeline stages")
+            raise UserError(
+                f"{where}.method.name",
+                f"{method.name} merges whole layers and cannot be a stage",
+                "use a per-tensor method in pipeline stages",
+            )
         if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
-            raise UserError(f"{where}.method.validation_scores", "CMM in a pipeline cannot rank by evaluation",
-                            "give validation_scores or set order=given")
+            raise UserError(
+                f"{where}.method.validation_scores",
+                "CMM in a pipeline cannot rank by evaluation",
+                "give validation_scores or set order=given",
+            )
         if method.name == "localize_stitch" and method_cfg.scope == "model" and method_cfg.thresholds is None:
-            raise UserError(f"{where}.method.scope", "a stage's inputs are not checkpoints whose whole-model "
-                            "magnitude cut can be measured before merging", "set scope=tensor in the stage")
+            raise UserError(
+                f"{where}.method.scope",
+                "a stage's inputs are not checkpoints whose whole-model magnitude cut can be measured before merging",
+                "set scope=tensor in the stage",
+            )
         method.validate(method_cfg, len(stage.inputs))
         used.update((stage.base, *stage.inputs))
         known.add(stage.name)
     for stage in cfg.stages[:-1]:
         if stage.name not in used:
-            raise UserError("method.stages", f"stage '{stage.name}' is never used by a later stage",
-                            "feed it to a later stage or remove it")
+            raise UserError(
+                "method.stages",
+                f"stage '{stage.name}' is never used by a later stage",
+                "feed it to a later stage or remove it",
+            )
 
 
-@register("pipeline", PipelineConfig, _validate, version=2, needs=Needs(expert_names=True))  # 2: its steps' TIES sums in order
-def pipeline(base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig,
-             gen: torch.Generator) -> torch.Tensor:
+@register(
+    "pipeline", PipelineConfig, _validate, version=2, needs=Needs(expert_names=True)
+)  # 2: its steps' TIES sums in order
+def pipeline(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig, gen: torch.Generator
+) -> torch.Tensor:
     """out_s = method_s(value(base_s), [value(x) for x in inputs_s]) for each stage s; returns the last out_s."""
     names = cfg.expert_names if cfg.expert_names is not None else [f"expert{i}" for i in range(len(experts))]
     values = {"base": base, **dict(zip(names, experts))}

@@ -40,8 +40,9 @@ import torch
 from mergeval.core.errors import UserError
 
 MergeFn = Callable[[torch.Tensor, list[torch.Tensor], Any, torch.Generator], torch.Tensor]
-LayerMergeFn = Callable[[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, torch.Generator],
-                        dict[str, torch.Tensor]]
+LayerMergeFn = Callable[
+    [dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, torch.Generator], dict[str, torch.Tensor]
+]
 ValidateFn = Callable[[Any, int], None]
 
 RULES_DOC = """\
@@ -111,24 +112,39 @@ _DERIVED: dict[type, type] = {}  # method config -> its schema with rules (share
 def register(name: str, config: type, validate: ValidateFn, version: int = 1, needs: Needs = Needs()):
     """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``;
     ``version``: the implementation version (``MergeMethod.version``); ``needs``: what it needs prepared."""
+
     def wrap(fn: MergeFn) -> MergeFn:
-        METHODS[name] = MergeMethod(name, with_rules(config), fn, _validating_rules(validate),
-                                    (fn.__doc__ or "").strip(), version=version, needs=needs)
+        METHODS[name] = MergeMethod(
+            name,
+            with_rules(config),
+            fn,
+            _validating_rules(validate),
+            (fn.__doc__ or "").strip(),
+            version=version,
+            needs=needs,
+        )
         return fn
 
     return wrap
 
 
-def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None,
-                   needs: Needs = Needs()):
+def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None, needs: Needs = Needs()):
     """Register a layer-at-a-time method: ``@register_layer(name, Config, validate)`` on
     ``merge_layer(base: dict[str, Tensor], experts: list[dict[str, Tensor]], cfg, gen) -> dict[str, Tensor]``.
 
     ``merge`` optionally handles the tensors outside the decoder layers one at a time
     (else ``merge_layer`` gets them as one-tensor groups)."""
+
     def wrap(fn: LayerMergeFn) -> LayerMergeFn:
-        METHODS[name] = MergeMethod(name, with_rules(config), merge, _validating_rules(validate),
-                                    (fn.__doc__ or "").strip(), merge_layer=fn, needs=needs)
+        METHODS[name] = MergeMethod(
+            name,
+            with_rules(config),
+            merge,
+            _validating_rules(validate),
+            (fn.__doc__ or "").strip(),
+            merge_layer=fn,
+            needs=needs,
+        )
         return fn
 
     return wrap
@@ -136,8 +152,7 @@ def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn
 
 def get_method(name: str) -> MergeMethod:
     if name not in METHODS:
-        raise UserError("method.name", f"unknown merge method '{name}'",
-                        f"choose one of: {', '.join(sorted(METHODS))}")
+        raise UserError("method.name", f"unknown merge method '{name}'", f"choose one of: {', '.join(sorted(METHODS))}")
     return METHODS[name]
 
 
@@ -147,8 +162,11 @@ def get_method(name: str) -> MergeMethod:
 def rule_params(config: type) -> dict[str, type]:
     """The parameters a rule may set: the config's float and int fields (``name`` and bools excluded)."""
     hints = typing.get_type_hints(config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(config)
-            if f.name not in ("name", "rules") and hints[f.name] in (float, int)}
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(config)
+        if f.name not in ("name", "rules") and hints[f.name] in (float, int)
+    }
 
 
 def expert_params(config: type) -> tuple[str, ...]:
@@ -169,14 +187,18 @@ def with_rules(config: type) -> type:
     stem = config.__name__.removesuffix("Config")
     own = expert_params(config)
     rule = dataclasses.make_dataclass(
-        f"{stem}Rule", [("match", str, dataclasses.field(default="*"))]
+        f"{stem}Rule",
+        [("match", str, dataclasses.field(default="*"))]
         + ([("expert", int | None, dataclasses.field(default=None))] if own else [])
         + [(p, Any, dataclasses.field(default=None)) for p in rule_params(config)]
-        + ([("weight", Any, dataclasses.field(default=None))] if own else []))
+        + ([("weight", Any, dataclasses.field(default=None))] if own else []),
+    )
     extra = [("per_expert", list[dict[str, float]] | None, dataclasses.field(default=None))] if own else []
     derived = dataclasses.make_dataclass(
-        f"{stem}ConfigWithRules", [("rules", list[rule], dataclasses.field(default_factory=list)), *extra],
-        bases=(config,))
+        f"{stem}ConfigWithRules",
+        [("rules", list[rule], dataclasses.field(default_factory=list)), *extra],
+        bases=(config,),
+    )
     module = sys.modules[__name__]
     for cls in (rule, derived):
         if getattr(module, cls.__name__, cls) is not cls:
@@ -195,8 +217,11 @@ def rule_items(rule: Any) -> tuple[str, dict[str, Any]]:
     elif dataclasses.is_dataclass(rule):
         items = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
     else:
-        raise UserError("method.rules", f"a rule must be a mapping, got {rule!r}",
-                        "write each rule as {match: GLOB, <param>: VALUE}")
+        raise UserError(
+            "method.rules",
+            f"a rule must be a mapping, got {rule!r}",
+            "write each rule as {match: GLOB, <param>: VALUE}",
+        )
     match = items.pop("match", "*")
     return match, {k: v for k, v in items.items() if v is not None}
 
@@ -223,26 +248,44 @@ def check_rule_shapes(cfg: Any, n_experts: int) -> None:
         allowed = rule_params(type(cfg)) if expert is None else expert_params(type(cfg))
         where = f"method.rules[{i}]"
         if not isinstance(match, str) or not match:
-            raise UserError(f"{where}.match", f"must be a non-empty glob, got {match!r}",
-                            f"set e.g. {where}.match='*mlp*'")
+            raise UserError(
+                f"{where}.match", f"must be a non-empty glob, got {match!r}", f"set e.g. {where}.match='*mlp*'"
+            )
         if expert is not None and not (isinstance(expert, int) and 0 <= expert < n_models):
-            raise UserError(f"{where}.expert", f"must be an expert index in 0..{n_models - 1}, got {expert!r}",
-                            "count the modelset's experts from 0 (the base is 0 for linear with include_base)")
+            raise UserError(
+                f"{where}.expert",
+                f"must be an expert index in 0..{n_models - 1}, got {expert!r}",
+                "count the modelset's experts from 0 (the base is 0 for linear with include_base)",
+            )
         if not params:
-            raise UserError(where, "sets no parameter",
-                            f"add one of: {', '.join(allowed) or '(this method has no numeric parameters)'}")
+            raise UserError(
+                where,
+                "sets no parameter",
+                f"add one of: {', '.join(allowed) or '(this method has no numeric parameters)'}",
+            )
         for p, value in params.items():
             if p not in allowed:
-                raise UserError(f"{where}.{p}", "is not a numeric parameter of this method"
-                                + (" that an expert can set" if expert is not None else
-                                   " (weight needs expert: I)" if p == "weight" else ""),
-                                f"{'this rule' if expert is None else 'a rule with expert'} can set: "
-                                f"{', '.join(allowed) or '(none)'}")
+                raise UserError(
+                    f"{where}.{p}",
+                    "is not a numeric parameter of this method"
+                    + (
+                        " that an expert can set"
+                        if expert is not None
+                        else " (weight needs expert: I)"
+                        if p == "weight"
+                        else ""
+                    ),
+                    f"{'this rule' if expert is None else 'a rule with expert'} can set: "
+                    f"{', '.join(allowed) or '(none)'}",
+                )
             if isinstance(value, (list, tuple)) and not value:
                 raise UserError(f"{where}.{p}", "is an empty list", "give a number or a list of numbers")
             if not all(_is_number(x) for x in knots(value)):
-                raise UserError(f"{where}.{p}", f"must be a finite number or a list of them, got {value!r}",
-                                f"set e.g. {where}.{p}=[0.3, 0.7]")
+                raise UserError(
+                    f"{where}.{p}",
+                    f"must be a finite number or a list of them, got {value!r}",
+                    f"set e.g. {where}.{p}=[0.3, 0.7]",
+                )
 
 
 def _validating_rules(validate: ValidateFn) -> ValidateFn:
@@ -253,6 +296,7 @@ def _validating_rules(validate: ValidateFn) -> ValidateFn:
     lies between checked ones (the engine re-checks each tensor's resolved
     config before loading any tensor, which also catches combinations).
     """
+
     def check(cfg: Any, n_experts: int) -> None:
         validate(cfg, n_experts)
         _check_per_expert(cfg, n_experts, validate)
@@ -283,8 +327,11 @@ def _check_per_expert(cfg: Any, n_experts: int, validate: ValidateFn) -> None:
     allowed = expert_params(type(cfg))
     n_experts += 1 if getattr(cfg, "include_base", False) else 0
     if len(own) > n_experts:
-        raise UserError("method.per_expert", f"{len(own)} entries for {n_experts} experts",
-                        "give at most one entry per expert, in the modelset's order")
+        raise UserError(
+            "method.per_expert",
+            f"{len(own)} entries for {n_experts} experts",
+            "give at most one entry per expert, in the modelset's order",
+        )
     for i, entry in enumerate(own):
         for p, x in (entry or {}).items():
             field = f"method.per_expert[{i}].{p}"

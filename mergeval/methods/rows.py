@@ -57,8 +57,10 @@ class TiesRows:
 
     def __init__(self, cfg, n_experts: int, numel: int):
         self.cfg, self.n = cfg, numel
-        self.k = [kept_count(d, numel) if d < 1.0 else None
-                  for d in (expert_value(cfg, "density", i) for i in range(n_experts))]
+        self.k = [
+            kept_count(d, numel) if d < 1.0 else None
+            for d in (expert_value(cfg, "density", i) for i in range(n_experts))
+        ]
         self.cut: list[tuple[float, dict[int, int]] | None] = [None] * n_experts  # (tau_i, offset -> tie quota)
         # the cut depends on the inputs and the kept counts only, not on lambda or weights: run_plan's
         # ``prepared`` reuses it for every candidate of a sweep with the same densities
@@ -106,8 +108,9 @@ class TiesRows:
             self.cut[i] = (tau, dict(zip(offsets, quotas)))
 
     def _exact(self, blocks, i: int):
-        whole = torch.cat([(experts[i].float() - base.float()).abs().reshape(-1)
-                           for _, base, experts in blocks.read_all()])
+        whole = torch.cat(
+            [(experts[i].float() - base.float()).abs().reshape(-1) for _, base, experts in blocks.read_all()]
+        )
         tau, c_gt, c_eq = exact(whole, self.k[i])
         ties = [int((chunk == tau).sum()) for chunk in whole.split([n for n in blocks.numels()])]
         return (tau, c_gt, c_eq), ties
@@ -151,7 +154,7 @@ class DareRows:
             mask = np.empty(self.n, dtype=np.bool_)
             start = 0
             for n in blocks.numels():
-                np.less(torch.rand(n, generator=self.gen).numpy(), np.float32(density), out=mask[start:start + n])
+                np.less(torch.rand(n, generator=self.gen).numpy(), np.float32(density), out=mask[start : start + n])
                 start += n
             self.masks[i] = torch.from_numpy(mask)
 
@@ -161,14 +164,15 @@ class DareRows:
             if self.masks[i] is None:
                 return d
             # the mask is drawn and kept on the CPU; on another device its block goes there (a no-op on the CPU)
-            keep_only_(d, self.masks[i][offset:offset + d.numel()].view_as(d).to(d.device))
+            keep_only_(d, self.masks[i][offset : offset + d.numel()].view_as(d).to(d.device))
             return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
+
         return sparsify
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
         if (options := fused_options(self.cfg, base, self.checks_inputs, len(experts), self.elect)) is not None:
             n = base.numel()
-            masks = [None if m is None else m[offset:offset + n] for m in self.masks]
+            masks = [None if m is None else m[offset : offset + n] for m in self.masks]
             divisors = [0.0 if m is None or self.rescale == "none" else d for m, d in zip(self.masks, self.density)]
             return fused.merge_rows(base, experts, masks=masks, divisors=divisors, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, self.elect, self._sparsify(offset))
@@ -191,19 +195,28 @@ def fused_options(cfg, base: torch.Tensor, kernel: bool, n_experts: int, elect: 
         return None
     w = expert_weights(cfg, n_experts)
     if elect:
-        return {"weights": w, "elect": True, "lambda_": cfg.lambda_,
-                "vote_weighted": compat.option(cfg, "weights_before_election", False, True),
-                "normalize": compat.option(cfg, "normalize", True, True, (True, False))}
-    return {"weights": w, "elect": False, "lambda_": cfg.lambda_,
-            "divide_by": sum(w) if cfg.normalize and abs(sum(w)) >= 1e-8 else 0.0}
+        return {
+            "weights": w,
+            "elect": True,
+            "lambda_": cfg.lambda_,
+            "vote_weighted": compat.option(cfg, "weights_before_election", False, True),
+            "normalize": compat.option(cfg, "normalize", True, True, (True, False)),
+        }
+    return {
+        "weights": w,
+        "elect": False,
+        "lambda_": cfg.lambda_,
+        "divide_by": sum(w) if cfg.normalize and abs(sum(w)) >= 1e-8 else 0.0,
+    }
 
 
 class GtaRows:
     """compat.gta (compat=mergekit) in row blocks: ``prepare`` makes each expert's keep mask and L1 factor from
     its whole d_i, expert after expert (the module docstring); ``merge`` is gta on a block with them."""
 
-    def __init__(self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple,
-                 keep_reads_values: bool = True):
+    def __init__(
+        self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple, keep_reads_values: bool = True
+    ):
         """``keep(d_i, i)``: expert i's mask over its whole d_i (flat bool, or None: d_i kept whole), drawn in
         expert order as the whole-tensor code draws; ``apply(d, mask)``: how mergekit applies it; ``options``:
         gta's (rescale, sign rule, normalize); ``keep_reads_values=False``: ``keep`` needs only d_i's shape
@@ -236,8 +249,9 @@ class GtaRows:
             keep, factor = self.masks[i], self.factors[i]
             if keep is None:
                 return d
-            s = self.apply(d, keep[offset:offset + d.numel()].to(d.device))  # a no-op on the CPU
+            s = self.apply(d, keep[offset : offset + d.numel()].to(d.device))  # a no-op on the CPU
             return s if factor is None else s * factor
+
         return compat.gta(base, experts, self.cfg, sparsify if self.keep else None, False, self.elect, self.normalize)
 
 
@@ -259,8 +273,14 @@ def _gta_rows(cfg, n_experts: int) -> bool:
 def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | GtaRows | None:
     """TIES in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
     if _gta_rows(cfg, n_experts):
-        return GtaRows(cfg, n_experts, gen, lambda d, i: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
-                       compat.times_mask, mergekit_ties_options(cfg))
+        return GtaRows(
+            cfg,
+            n_experts,
+            gen,
+            lambda d, i: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
+            compat.times_mask,
+            mergekit_ties_options(cfg),
+        )
     return TiesRows(cfg, n_experts, numel) if _chunkable(cfg) else None
 
 
@@ -268,10 +288,17 @@ def dare_rows(elect: bool):
     def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | GtaRows | None:
         """DARE in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
         if _gta_rows(cfg, n_experts):
-            return GtaRows(cfg, n_experts, gen,
-                           lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
-                           compat.where_mask, mergekit_gta_options(cfg, elect), keep_reads_values=False)
+            return GtaRows(
+                cfg,
+                n_experts,
+                gen,
+                lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
+                compat.where_mask,
+                mergekit_gta_options(cfg, elect),
+                keep_reads_values=False,
+            )
         return DareRows(cfg, n_experts, numel, gen, elect) if _chunkable(cfg) else None
+
     return rows
 
 
@@ -301,6 +328,7 @@ def elementwise_rows(name: str):
         if name == "task_arithmetic" and _gta_rows(cfg, n_experts):
             return GtaRows(cfg, n_experts, gen, None, None, (False, None, cfg.normalize))
         return None
+
     return rows
 
 

@@ -239,7 +239,7 @@ def kth_largest(a: torch.Tensor, k: int) -> tuple[float, int, int]:
 
 
 def keep_rule(tau: float, c_gt: int, c_eq: int, k: int) -> str | None:
-    """">" (keep a > tau), ">=" (keep a >= tau), or None when the tied entries need a tie order (module doc)."""
+    """ ">" (keep a > tau), ">=" (keep a >= tau), or None when the tied entries need a tie order (module doc)."""
     if tau == 0:
         return ">"
     if c_gt + c_eq == k:

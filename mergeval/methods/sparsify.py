@@ -146,7 +146,9 @@ class SceConfig:
     lambda_: float = 1.0
     select_topk: float = 1.0  # fraction of entries kept, ranked by variance across experts (1 = all)
     normalize: bool | None = None  # null: the mode's (paper false; mergekit true: divide by the surviving weights)
-    uniform_below: float | None = None  # equal expert weights below this summed mean-square delta (null: 0; mergekit 1e-6)
+    uniform_below: float | None = (
+        None  # equal expert weights below this summed mean-square delta (null: 0; mergekit 1e-6)
+    )
     compat: str = "paper"
 
 
@@ -176,7 +178,8 @@ def _check_common(cfg, n_experts: int) -> None:
 def _rescale(cfg) -> str:
     """The resolved rescale: the paper's own (inverse_density, inverse_prob, none) or mergekit's (l1 or none)."""
     paper, mergekit = {"dare": ("inverse_density", "l1"), "della": ("inverse_prob", "l1")}.get(
-        _family(cfg), ("none", "none"))
+        _family(cfg), ("none", "none")
+    )
     return compat.option(cfg, "rescale", paper, mergekit, ("l1", "none"))
 
 
@@ -195,8 +198,11 @@ def _validate_breadcrumbs(cfg: BreadcrumbsConfig | BreadcrumbsTiesConfig, n_expe
     if not (0.0 <= cfg.gamma < 1.0):
         raise UserError("method.gamma", f"must be in [0, 1), got {cfg.gamma}", "set e.g. method.gamma=0.01")
     if cfg.density + cfg.gamma > 1.0 + 1e-9 and not compat.is_mergekit(cfg):  # mergekit shrinks the outlier cut
-        raise UserError("method.gamma", f"density + gamma = {cfg.density + cfg.gamma:g} exceeds 1",
-                        "lower method.gamma or method.density so that they sum to at most 1")
+        raise UserError(
+            "method.gamma",
+            f"density + gamma = {cfg.density + cfg.gamma:g} exceeds 1",
+            "lower method.gamma or method.density so that they sum to at most 1",
+        )
 
 
 def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> None:
@@ -204,15 +210,19 @@ def _validate_della(cfg: DellaLinearConfig | DellaConfig, n_experts: int) -> Non
     _check_choice(_rescale(cfg), RESCALES_DELLA, "method.rescale")
     _check_choice(compat.option(cfg, "rank_scope", "tensor", "row"), RANK_SCOPES, "method.rank_scope")
     if not (math.isfinite(cfg.epsilon) and cfg.epsilon >= 0.0):
-        raise UserError("method.epsilon", f"must be a finite number >= 0, got {cfg.epsilon}",
-                        "set e.g. method.epsilon=0.1")
+        raise UserError(
+            "method.epsilon", f"must be a finite number >= 0, got {cfg.epsilon}", "set e.g. method.epsilon=0.1"
+        )
     if compat.is_mergekit(cfg):
         compat.check_magprune(cfg.density, cfg.epsilon)
         return
     lo, hi = cfg.density - cfg.epsilon, cfg.density + cfg.epsilon
     if not (lo > 0.0 and hi <= 1.0 + 1e-9):
-        raise UserError("method.epsilon", f"keep probabilities density -/+ epsilon = [{lo:g}, {hi:g}] "
-                        "leave (0, 1]", "choose epsilon < density and density + epsilon <= 1")
+        raise UserError(
+            "method.epsilon",
+            f"keep probabilities density -/+ epsilon = [{lo:g}, {hi:g}] leave (0, 1]",
+            "choose epsilon < density and density + epsilon <= 1",
+        )
 
 
 def _validate_sce(cfg: SceConfig, n_experts: int) -> None:
@@ -221,13 +231,19 @@ def _validate_sce(cfg: SceConfig, n_experts: int) -> None:
     compat.option(cfg, "normalize", False, True)
     uniform_below = compat.option(cfg, "uniform_below", 0.0, 1e-6)
     if not (math.isfinite(uniform_below) and uniform_below >= 0.0):
-        raise UserError("method.uniform_below", f"must be a finite number >= 0, got {uniform_below}",
-                        "set method.uniform_below=0 (never) or 1e-6 (mergekit)")
+        raise UserError(
+            "method.uniform_below",
+            f"must be a finite number >= 0, got {uniform_below}",
+            "set method.uniform_below=0 (never) or 1e-6 (mergekit)",
+        )
     _check_density(cfg.select_topk, "method.select_topk")
     if cfg.select_topk < 1.0 and n_experts < 2:
-        raise UserError("modelset.experts", f"sce with select_topk < 1 ranks entries by their variance across "
-                        f"experts, which needs at least 2 experts (got {n_experts})",
-                        "add an expert or set method.select_topk=1.0")
+        raise UserError(
+            "modelset.experts",
+            f"sce with select_topk < 1 ranks entries by their variance across "
+            f"experts, which needs at least 2 experts (got {n_experts})",
+            "add an expert or set method.select_topk=1.0",
+        )
 
 
 # ---------------------------------------------------------------- sparsifiers (one task vector each)
@@ -339,7 +355,7 @@ def _placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor |
         keys |= (np.arange(r, dtype=np.int64) << (31 + col_bits))[:, None]
     else:
         for lo in range(0, n, KEY_CHUNK):
-            keys[0, lo:lo + KEY_CHUNK] |= np.arange(lo, min(lo + KEY_CHUNK, n), dtype=np.int64)
+            keys[0, lo : lo + KEY_CHUNK] |= np.arange(lo, min(lo + KEY_CHUNK, n), dtype=np.int64)
     flat = keys.reshape(-1)
     flat.sort()
     flat &= (1 << col_bits) - 1  # each sorted key's column; row j of the sorted keys is row j of the tensor
@@ -350,8 +366,9 @@ def _placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor |
     return torch.from_numpy(out).view(r, n)
 
 
-def della_magprune(delta: torch.Tensor, density: float, epsilon: float, rescale: str,
-                   gen: torch.Generator, rank_scope: str = "tensor") -> torch.Tensor:
+def della_magprune(
+    delta: torch.Tensor, density: float, epsilon: float, rescale: str, gen: torch.Generator, rank_scope: str = "tensor"
+) -> torch.Tensor:
     """DELLA's MAGPRUNE (Deep et al., 2024): magnitude-ranked random drop, then rescale.
 
     p = della_keep_prob(delta, rank_scope)      larger |delta| -> higher keep probability
@@ -396,13 +413,22 @@ MERGEKIT_NORMALIZE = {"ties": True, "della": True}  # mergekit's normalize defau
 
 def mergekit_gta_options(cfg, elect: bool) -> tuple[bool, str | None, bool]:
     """compat.gta's rescale, sign rule and normalize for a DARE, breadcrumbs or DELLA config under compat=mergekit."""
-    normalize = (compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
-                 if elect else cfg.normalize)
+    normalize = (
+        compat.option(cfg, "normalize", True, MERGEKIT_NORMALIZE.get(cfg.name, False), (True, False))
+        if elect
+        else cfg.normalize
+    )
     return _rescale(cfg) == "l1", cfg.sign_rule if elect else None, normalize
 
 
-def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Generator | None, elect: bool,
-             sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+def _combine(
+    base: torch.Tensor,
+    experts: list[torch.Tensor],
+    cfg,
+    gen: torch.Generator | None,
+    elect: bool,
+    sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda.
     ``sparsify``: the config's own sparsifier unless given (rows.DareRows: masks drawn beforehand)."""
     sparsify = sparsify or _sparsifier(cfg, gen)
@@ -430,8 +456,9 @@ def _combine(base: torch.Tensor, experts: list[torch.Tensor], cfg, gen: torch.Ge
 
 
 @register("dare_linear", DareLinearConfig, _validate_dare)
-def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinearConfig,
-                gen: torch.Generator) -> torch.Tensor:
+def dare_linear(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinearConfig, gen: torch.Generator
+) -> torch.Tensor:
     """DARE + task arithmetic (Yu et al., 2024).
 
     s_i    = dare_drop(d_i, density_i, rescale)   keep w.p. density_i; kept / density_i (or L1-matched, or as is)
@@ -443,8 +470,9 @@ def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinear
 
 # version 2: sums over 5+ experts in order (task_vector.sum_in_order)
 @register("dare_ties", DareTiesConfig, _validate_dare, version=2)
-def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig,
-              gen: torch.Generator) -> torch.Tensor:
+def dare_ties(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig, gen: torch.Generator
+) -> torch.Tensor:
     """DARE + TIES election (Yu et al., 2024): random drop instead of TIES' magnitude trim.
 
     s_i    = dare_drop(d_i, density_i, rescale)
@@ -457,8 +485,9 @@ def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConf
 
 # version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
 @register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=3)
-def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig,
-                gen: torch.Generator) -> torch.Tensor:
+def breadcrumbs(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
 
     s_i    = breadcrumbs_mask(d_i)   drop the floor(gamma*n) largest |d_i|, keep the next ceil(density*n)
@@ -472,8 +501,9 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
 # version 4: sums over 5+ experts in order (task_vector.sum_in_order); 3: the outliers' ties by position too
 # (2: the trim cut's; 1: both in torch.topk's order)
 @register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4)
-def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig,
-                     gen: torch.Generator) -> torch.Tensor:
+def breadcrumbs_ties(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).
 
     s_i    = breadcrumbs_mask(d_i)
@@ -484,8 +514,9 @@ def breadcrumbs_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: Bread
 
 
 @register("della_linear", DellaLinearConfig, _validate_della)
-def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLinearConfig,
-                 gen: torch.Generator) -> torch.Tensor:
+def della_linear(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLinearConfig, gen: torch.Generator
+) -> torch.Tensor:
     """DELLA's MAGPRUNE + task arithmetic (Deep et al., 2024; mergekit's della_linear).
 
     p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
@@ -570,8 +601,12 @@ def _sce_mergekit(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfi
     agree = (torch.sign(tv) == torch.where(tv.sum(0) >= 0, 1.0, -1.0)).to(tv.dtype)
     energy = tv.square().reshape(tv.shape[0], -1).mean(dim=1)
     total = torch.sum(energy).item()
-    w = torch.ones_like(energy) / len(experts) if abs(total) < compat.option(cfg, "uniform_below", 0.0, 1e-6) else energy / total
-    w = (w.view(-1, *([1] * b.dim())) * agree)
+    w = (
+        torch.ones_like(energy) / len(experts)
+        if abs(total) < compat.option(cfg, "uniform_below", 0.0, 1e-6)
+        else energy / total
+    )
+    w = w.view(-1, *([1] * b.dim())) * agree
     tau = (tv * w).sum(0)
     if compat.option(cfg, "normalize", False, True):
         tau = tau / w.sum(0).clamp(min=1e-6)

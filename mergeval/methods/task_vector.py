@@ -59,8 +59,11 @@ def _check_weights(weights: list[float] | None, n: int) -> None:
     if weights is None:
         return
     if len(weights) != n:
-        raise UserError("method.weights", f"{len(weights)} weights for {n} merged models",
-                        f"give exactly {n} weights or leave method.weights null")
+        raise UserError(
+            "method.weights",
+            f"{len(weights)} weights for {n} merged models",
+            f"give exactly {n} weights or leave method.weights null",
+        )
     if not all(math.isfinite(w) for w in weights):
         raise UserError("method.weights", f"non-finite weight in {weights}", "use finite numbers")
 
@@ -75,8 +78,11 @@ def _validate_linear(cfg: LinearConfig, n_experts: int) -> None:
     n = n_experts + (1 if cfg.include_base else 0)
     _check_weights(cfg.weights, n)
     if cfg.normalize and cfg.weights is not None and abs(sum(cfg.weights)) < 1e-12:
-        raise UserError("method.weights", "weights sum to 0 and method.normalize=true",
-                        "use weights with a non-zero sum or set method.normalize=false")
+        raise UserError(
+            "method.weights",
+            "weights sum to 0 and method.normalize=true",
+            "use weights with a non-zero sum or set method.normalize=false",
+        )
 
 
 def _validate_ta(cfg: TaskArithmeticConfig, n_experts: int) -> None:
@@ -119,8 +125,9 @@ def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, g
 
 
 @register("task_arithmetic", TaskArithmeticConfig, _validate_ta)
-def task_arithmetic(base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskArithmeticConfig,
-                    gen: torch.Generator) -> torch.Tensor:
+def task_arithmetic(
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskArithmeticConfig, gen: torch.Generator
+) -> torch.Tensor:
     """Task arithmetic (Ilharco et al., 2023).
 
     merged = b + lambda * sum_i w_i * (e_i - b)                   normalize=false (default)
@@ -195,8 +202,13 @@ def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: 
     an exact zero sum elects +, normalize and rescale as mergekit's parameters.
     """
     if compat.is_mergekit(cfg):
-        return compat.gta(base, experts, cfg, lambda d, i: compat.magnitude(d, expert_value(cfg, "density", i)),
-                          *mergekit_ties_options(cfg))
+        return compat.gta(
+            base,
+            experts,
+            cfg,
+            lambda d, i: compat.magnitude(d, expert_value(cfg, "density", i)),
+            *mergekit_ties_options(cfg),
+        )
     b = base.float()
     trimmed = []
     for i, e in enumerate(experts):
@@ -258,7 +270,7 @@ def _sorted_sum(voters: torch.Tensor) -> torch.Tensor:
 
 # Any float32 summation order of n values errs by at most (n - 1) u sum|x| (u = 2^-24); beyond twice that (with
 # slack for the rounding of sum|x| itself) every order, the sorted one included, has the exact sum's sign.
-SIGN_SAFE = 4 * 2.0 ** -24
+SIGN_SAFE = 4 * 2.0**-24
 
 
 def sign_of_sum(voters: torch.Tensor) -> torch.Tensor:

@@ -89,9 +89,7 @@ def macro_og(
     return factor * (avg_m - max(avgs))
 
 
-def normalized_score(
-    merged: float, base: float, expert: float, eps: float = 1e-12
-) -> float | None:
+def normalized_score(merged: float, base: float, expert: float, eps: float = 1e-12) -> float | None:
     """Where the merged score lies between base (0) and expert (1).
 
         normalized = (merged - base) / (expert - base)
@@ -116,10 +114,10 @@ def mean_normalized_score(values: Iterable[float | None]) -> float | None:
 def band(normalized: float | None) -> str:
     """Verdict for a normalized score, with thresholds from a merging evaluation guide.
 
-        "good"      if x > 0.8            (the guide: "scores above 0.8 are considered good")
-        "moderate"  if 0.5 <= x <= 0.8    ("between 0.5 and 0.8 indicate moderate degradation")
-        "failing"   if x < 0.5
-        "undefined" if x is None
+    "good"      if x > 0.8            (the guide: "scores above 0.8 are considered good")
+    "moderate"  if 0.5 <= x <= 0.8    ("between 0.5 and 0.8 indicate moderate degradation")
+    "failing"   if x < 0.5
+    "undefined" if x is None
     """
     if normalized is None:
         return "undefined"

@@ -20,9 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 
-def expected_calibration_error(
-    confidences: Sequence[float], correct: Sequence[bool | int], n_bins: int = 10
-) -> float:
+def expected_calibration_error(confidences: Sequence[float], correct: Sequence[bool | int], n_bins: int = 10) -> float:
     """Expected calibration error over n_bins equal-width bins of [0, 1].
 
         B_b     = { i : b/n_bins <= conf_i < (b+1)/n_bins },  b = 0..n_bins-1
@@ -131,16 +129,21 @@ def format_agreement(rows_a: Sequence[Mapping], rows_b: Sequence[Mapping]) -> di
     docs = sorted(a)
     for d in docs:
         if a[d]["gold"] != b[d]["gold"] or len(a[d]["lls"]) != len(b[d]["lls"]):
-            raise ValueError(f"doc_id {d} differs between the formats: gold {a[d]['gold']} / {b[d]['gold']}, "
-                             f"{len(a[d]['lls'])} / {len(b[d]['lls'])} choices")
+            raise ValueError(
+                f"doc_id {d} differs between the formats: gold {a[d]['gold']} / {b[d]['gold']}, "
+                f"{len(a[d]['lls'])} / {len(b[d]['lls'])} choices"
+            )
     pred_a = [int(np.argmax(a[d]["lls"])) for d in docs]  # numpy: the first of equal maxima, like lm-eval's acc
     pred_b = [int(np.argmax(b[d]["lls"])) for d in docs]
     gold = [a[d]["gold"] for d in docs]
     n = len(docs)
-    return {"agreement": consistency(pred_a, pred_b), "n": n,
-            "acc_a": sum(p == g for p, g in zip(pred_a, gold)) / n,
-            "acc_b": sum(p == g for p, g in zip(pred_b, gold)) / n,
-            "both_correct": sum(p == q == g for p, q, g in zip(pred_a, pred_b, gold)) / n}
+    return {
+        "agreement": consistency(pred_a, pred_b),
+        "n": n,
+        "acc_a": sum(p == g for p, g in zip(pred_a, gold)) / n,
+        "acc_b": sum(p == g for p, g in zip(pred_b, gold)) / n,
+        "both_correct": sum(p == q == g for p, q, g in zip(pred_a, pred_b, gold)) / n,
+    }
 
 
 def _by_doc(rows: Sequence[Mapping]) -> dict:

@@ -74,8 +74,10 @@ def calibration(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None]) 
         if per_task is None:
             out[role] = None
             continue
-        out[role] = {task: ece_from_loglikelihoods([r["lls"] for r in rows], [r["gold"] for r in rows])
-                     for task, rows in per_task.items()}
+        out[role] = {
+            task: ece_from_loglikelihoods([r["lls"] for r in rows], [r["gold"] for r in rows])
+            for task, rows in per_task.items()
+        }
     return out
 
 
@@ -92,7 +94,10 @@ def consistency(samples_by_role: Mapping[str, Mapping[str, list[dict]] | None], 
         out[role] = {}
         for task_a, task_b in pairs:
             stats = format_agreement(per_task[task_a], per_task[task_b])
-            out[role][f"{task_a}~{task_b}"] = {"agreement": stats["agreement"], "n": stats["n"],
-                                               "acc": {task_a: stats["acc_a"], task_b: stats["acc_b"]},
-                                               "both_correct": stats["both_correct"]}
+            out[role][f"{task_a}~{task_b}"] = {
+                "agreement": stats["agreement"],
+                "n": stats["n"],
+                "acc": {task_a: stats["acc_a"], task_b: stats["acc_b"]},
+                "both_correct": stats["both_correct"],
+            }
     return out

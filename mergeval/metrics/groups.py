@@ -91,9 +91,7 @@ def group_mean(
     return math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total
 
 
-def forgetting(
-    base_general: Mapping[str, float], merged_general: Mapping[str, float]
-) -> dict:
+def forgetting(base_general: Mapping[str, float], merged_general: Mapping[str, float]) -> dict:
     """Drop of a merged model below the base model on general tasks.
 
         drop_t = base_general[t] - merged_general[t]    (positive = forgotten)

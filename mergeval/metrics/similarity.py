@@ -27,7 +27,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def layer_index(name: str) -> int | None:
     """The i of the first ``layers.<i>.`` in a parameter name, or None.
 
-        "model.layers.12.mlp.up_proj.weight" -> 12,   "lm_head.weight" -> None
+    "model.layers.12.mlp.up_proj.weight" -> 12,   "lm_head.weight" -> None
     """
     m = _LAYER.search(name)
     return int(m.group(1)) if m else None
@@ -182,8 +182,12 @@ def task_vector_stats(
     return pairwise_stats(base, {"a": a, "b": b}, [("a", "b")], eps)["a~b"]
 
 
-def pairwise_stats(base: Mapping[str, Tensor], models: Mapping[str, Mapping[str, Tensor]],
-                   pairs: list[tuple[str, str]], eps: float = 0.05) -> dict[str, dict]:
+def pairwise_stats(
+    base: Mapping[str, Tensor],
+    models: Mapping[str, Mapping[str, Tensor]],
+    pairs: list[tuple[str, str]],
+    eps: float = 0.05,
+) -> dict[str, dict]:
     """``task_vector_stats`` of each pair (a, b) of ``models``, keyed "a~b", in one pass over the tensors:
     each model's task vector and dominant basis (``dominant_basis``) are computed once per tensor, whatever
     the number of pairs it is in."""
@@ -233,7 +237,11 @@ def pairwise_stats(base: Mapping[str, Tensor], models: Mapping[str, Mapping[str,
                     pool["sums"][k] += sums[k]
                 pool["ab"] += ab
                 pool["ba"] += ba
-    return {key: {"per_tensor": per_tensor[key],
-                  "by_layer": {i: _finish(p["sums"], p["ab"], p["ba"]) for i, p in sorted(layers[key].items())},
-                  "overall": _finish(overall[key]["sums"], overall[key]["ab"], overall[key]["ba"])}
-            for key in per_tensor}
+    return {
+        key: {
+            "per_tensor": per_tensor[key],
+            "by_layer": {i: _finish(p["sums"], p["ab"], p["ba"]) for i, p in sorted(layers[key].items())},
+            "overall": _finish(overall[key]["sums"], overall[key]["ab"], overall[key]["ba"]),
+        }
+        for key in per_tensor
+    }

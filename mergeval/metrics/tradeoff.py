@@ -120,7 +120,5 @@ def synergy_area(
     knots.setdefault(0.0, 0.0)
     knots.setdefault(1.0, 0.0)
     us = sorted(knots)
-    integral = math.fsum(
-        (b - a) * (knots[a] + knots[b]) / 2.0 for a, b in zip(us, us[1:])
-    )
+    integral = math.fsum((b - a) * (knots[a] + knots[b]) / 2.0 for a, b in zip(us, us[1:]))
     return length * integral

@@ -33,8 +33,11 @@ def adapter_config(adapter_dir: Path, field: str) -> dict:
     try:
         config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as err:
-        raise UserError(field, f"'{adapter_dir / ADAPTER_CONFIG}' is not readable JSON ({type(err).__name__})",
-                        "re-download or re-save that adapter") from None
+        raise UserError(
+            field,
+            f"'{adapter_dir / ADAPTER_CONFIG}' is not readable JSON ({type(err).__name__})",
+            "re-download or re-save that adapter",
+        ) from None
     if not isinstance(config, dict):
         raise UserError(field, f"'{adapter_dir / ADAPTER_CONFIG}' is not a JSON object", "re-save that adapter")
     return config
@@ -56,12 +59,16 @@ def check_adapter_base(config: dict, base_spec: str, base_dir: Path, field: str)
     else:
         return
     if not same:
-        raise UserError(field, f"is a LoRA adapter for {theirs}, not for the modelset's base {base_spec}",
-                        f"set modelset.base to {theirs}, or use an adapter trained on {base_spec}")
+        raise UserError(
+            field,
+            f"is a LoRA adapter for {theirs}, not for the modelset's base {base_spec}",
+            f"set modelset.base to {theirs}, or use an adapter trained on {base_spec}",
+        )
 
 
-def applied_adapter(adapter_dir: Path, base_dir: Path, base_identity: str, base_spec: str, cache: Path,
-                    field: str) -> Path:
+def applied_adapter(
+    adapter_dir: Path, base_dir: Path, base_identity: str, base_spec: str, cache: Path, field: str
+) -> Path:
     """The full checkpoint of ``adapter_dir`` applied to ``base_dir`` (built once, then read from the cache)."""
     from blake3 import blake3
 
@@ -71,15 +78,21 @@ def applied_adapter(adapter_dir: Path, base_dir: Path, base_identity: str, base_
     config = adapter_config(adapter_dir, field)
     kind = str(config.get("peft_type", "")).upper()
     if kind != "LORA":
-        raise UserError(field, f"is a PEFT {kind or 'unknown'} adapter; mergeval applies LoRA adapters only",
-                        "merge it into its base with PEFT (merge_and_unload) and point the source at the result")
+        raise UserError(
+            field,
+            f"is a PEFT {kind or 'unknown'} adapter; mergeval applies LoRA adapters only",
+            "merge it into its base with PEFT (merge_and_unload) and point the source at the result",
+        )
     check_adapter_base(config, base_spec, base_dir, field)
     weights = sorted(adapter_dir.glob("adapter_model*.safetensors"))
     if not weights:
         pickled = sorted(p.name for p in adapter_dir.glob("adapter_model*.bin"))
-        raise UserError(field, f"'{adapter_dir}' has no adapter_model.safetensors"
-                        + (f" (only {pickled[0]}, a pickle mergeval does not load)" if pickled else ""),
-                        "save the adapter with safe_serialization=True")
+        raise UserError(
+            field,
+            f"'{adapter_dir}' has no adapter_model.safetensors"
+            + (f" (only {pickled[0]}, a pickle mergeval does not load)" if pickled else ""),
+            "save the adapter with safe_serialization=True",
+        )
     h = blake3()
     h.update(f"adapter-{ADAPTER_VERSION}|base|{base_identity}|".encode())
     for path in [adapter_dir / ADAPTER_CONFIG, *weights]:
@@ -90,8 +103,7 @@ def applied_adapter(adapter_dir: Path, base_dir: Path, base_identity: str, base_
         return target
     with one_builder(target, f"the adapter {adapter_dir.name} applied to its base") as build:
         if build:
-            print(f"mergeval: {field}: applying the LoRA adapter {adapter_dir} to the base (once; cached)",
-                  flush=True)
+            print(f"mergeval: {field}: applying the LoRA adapter {adapter_dir} to the base (once; cached)", flush=True)
             with atomic_dir(target) as tmp:
                 _apply(adapter_dir, base_dir, tmp, field)
     return target
@@ -113,13 +125,17 @@ def _apply(adapter_dir: Path, base_dir: Path, out: Path, field: str) -> None:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
     except Exception as err:  # noqa: BLE001  PEFT raises several types for an adapter that does not fit
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(field, f"the LoRA adapter does not fit the modelset's base ({type(err).__name__}: {first})",
-                        "use an adapter trained on the modelset's base") from None
+        raise UserError(
+            field,
+            f"the LoRA adapter does not fit the modelset's base ({type(err).__name__}: {first})",
+            "use an adapter trained on the modelset's base",
+        ) from None
     merged = model.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
-    (out / "mergeval-adapter.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": str(base_dir),
-                                                          "version": ADAPTER_VERSION}, indent=2))
+    (out / "mergeval-adapter.json").write_text(
+        json.dumps({"adapter": str(adapter_dir), "base": str(base_dir), "version": ADAPTER_VERSION}, indent=2)
+    )

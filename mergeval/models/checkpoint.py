@@ -39,9 +39,20 @@ def load_tensors(model_dir: Path, label: str = "modelset") -> dict[str, torch.Te
 
 # What must agree for two checkpoints to be merged tensor by tensor: equal shapes alone do not prove it (6 heads
 # of 8 dims and 4 heads of 12 give the same projections, but the merge would mix unrelated heads).
-ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "tie_word_embeddings",
-                       "rope_theta", "rope_scaling", "partial_rotary_factor")
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+)
 
 
 def architecture(config: dict) -> dict:
@@ -67,9 +78,11 @@ def architecture(config: dict) -> dict:
 
 
 VOCAB_POLICIES = ("error", "truncate", "union", "base")
-VOCAB_FIX = ("merge models that share the base's tokenizer, or set vocab_policy=base (the base's embeddings and "
-             "head as they are: experts padded beyond the base), truncate (all to the smallest vocabulary) or union "
-             "(the base's vocabulary; the base's rows for tokens an expert lacks)")
+VOCAB_FIX = (
+    "merge models that share the base's tokenizer, or set vocab_policy=base (the base's embeddings and "
+    "head as they are: experts padded beyond the base), truncate (all to the smallest vocabulary) or union "
+    "(the base's vocabulary; the base's rows for tokens an expert lacks)"
+)
 
 
 def check_vocab_policy(policy: str) -> None:
@@ -88,16 +101,27 @@ def vocab_size(config: dict) -> int | None:
     return config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
 
 
-def vocab_tensors(base_shapes: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
-                  base_vocab: int | None, vocab: int | None) -> dict[str, tuple[int, ...]]:
+def vocab_tensors(
+    base_shapes: dict[str, tuple[int, ...]],
+    shapes: dict[str, tuple[int, ...]],
+    base_vocab: int | None,
+    vocab: int | None,
+) -> dict[str, tuple[int, ...]]:
     """The tensors whose shapes differ from the base's only because the vocabularies differ.
 
     A tensor is one when it has rows = the model's vocab_size in each model (dim 0:
     embeddings, lm_head) and otherwise the base's shape. Returns name -> its shape here.
     """
-    return {name: shape for name, shape in shapes.items()
-            if name in base_shapes and shape != base_shapes[name] and len(shape) >= 2
-            and shape[1:] == base_shapes[name][1:] and shape[0] == vocab and base_shapes[name][0] == base_vocab}
+    return {
+        name: shape
+        for name, shape in shapes.items()
+        if name in base_shapes
+        and shape != base_shapes[name]
+        and len(shape) >= 2
+        and shape[1:] == base_shapes[name][1:]
+        and shape[0] == vocab
+        and base_shapes[name][0] == base_vocab
+    }
 
 
 def check_architecture(field: str, config: dict, base_config: dict) -> None:
@@ -105,10 +129,18 @@ def check_architecture(field: str, config: dict, base_config: dict) -> None:
     base's; model_type, hidden_size and num_hidden_layers must be there in both or in neither."""
     arch, base_arch = architecture(config), architecture(base_config)
     for key in ARCHITECTURE_FIELDS:
-        if key in arch and key in base_arch and arch[key] != base_arch[key] or \
-                key in ("model_type", "hidden_size", "num_hidden_layers") and arch.get(key) != base_arch.get(key):
-            raise UserError(field, f"{key} is {arch.get(key)!r} but the base has {base_arch.get(key)!r}",
-                            "merge only models of the base's architecture (fine-tuned from the same base)")
+        if (
+            key in arch
+            and key in base_arch
+            and arch[key] != base_arch[key]
+            or key in ("model_type", "hidden_size", "num_hidden_layers")
+            and arch.get(key) != base_arch.get(key)
+        ):
+            raise UserError(
+                field,
+                f"{key} is {arch.get(key)!r} but the base has {base_arch.get(key)!r}",
+                "merge only models of the base's architecture (fine-tuned from the same base)",
+            )
 
 
 def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str = "error") -> None:
@@ -128,13 +160,17 @@ def check_compatible(base_dir: Path, others: dict[str, Path], vocab_policy: str 
         missing, extra = sorted(set(base_shapes) - set(shapes)), sorted(set(shapes) - set(base_shapes))
         if missing or extra:
             which = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
-            raise UserError(field, f"tensor names differ from the base ({which})",
-                            "merge only checkpoints of the same architecture")
+            raise UserError(
+                field, f"tensor names differ from the base ({which})", "merge only checkpoints of the same architecture"
+            )
         vocab = vocab_tensors(base_shapes, shapes, vocab_size(base_cfg), vocab_size(cfg))
         for tensor, shape in shapes.items():
             if shape != base_shapes[tensor] and tensor not in vocab:
-                raise UserError(field, f"tensor {tensor} has shape {list(shape)} but the base has "
-                                f"{list(base_shapes[tensor])}", "merge only checkpoints with identical shapes")
+                raise UserError(
+                    field,
+                    f"tensor {tensor} has shape {list(shape)} but the base has {list(base_shapes[tensor])}",
+                    "merge only checkpoints with identical shapes",
+                )
         if vocab or vocab_size(cfg) != vocab_size(base_cfg):
             check_vocab(field, vocab, base_shapes, vocab_size(base_cfg), vocab_size(cfg), vocab_policy)
         if vocab_policy == "error":
@@ -181,25 +217,47 @@ def _check_tokenizer(field: str, base_dir: Path, path: Path) -> None:
     if theirs is None or base is None or theirs == base:
         return
     parts = [key for key in TOKENIZING if theirs[key] != base[key]]
-    raise UserError(field, f"its tokenizer differs from the base's ({', '.join(parts)} in tokenizer.json), and "
-                    "every model is evaluated with the base's", "merge models that share the base's tokenizer, or "
-                    "set vocab_policy=union or truncate to merge across vocabularies anyway")
+    raise UserError(
+        field,
+        f"its tokenizer differs from the base's ({', '.join(parts)} in tokenizer.json), and "
+        "every model is evaluated with the base's",
+        "merge models that share the base's tokenizer, or "
+        "set vocab_policy=union or truncate to merge across vocabularies anyway",
+    )
 
 
-def check_vocab(field: str, vocab: dict[str, tuple[int, ...]], base_shapes: dict[str, tuple[int, ...]],
-                 base_vocab: int | None, other_vocab: int | None, policy: str) -> None:
+def check_vocab(
+    field: str,
+    vocab: dict[str, tuple[int, ...]],
+    base_shapes: dict[str, tuple[int, ...]],
+    base_vocab: int | None,
+    other_vocab: int | None,
+    policy: str,
+) -> None:
     listed = ", ".join(f"{t} {list(s)} vs the base's {list(base_shapes[t])}" for t, s in sorted(vocab.items()))
     if policy == "error":
-        raise UserError(field, f"vocabulary differs from the base: vocab_size {other_vocab} vs {base_vocab}"
-                        + (f"; {listed}" if listed else ""), VOCAB_FIX)
+        raise UserError(
+            field,
+            f"vocabulary differs from the base: vocab_size {other_vocab} vs {base_vocab}"
+            + (f"; {listed}" if listed else ""),
+            VOCAB_FIX,
+        )
     if policy == "union" and other_vocab is not None and base_vocab is not None and other_vocab > base_vocab:
-        raise UserError(field, f"has a larger vocabulary than the base ({other_vocab} > {base_vocab}"
-                        + (f"; {listed}" if listed else "") + "), which vocab_policy=union cannot keep",
-                        "use vocab_policy=truncate, or make the model with the largest vocabulary the base")
+        raise UserError(
+            field,
+            f"has a larger vocabulary than the base ({other_vocab} > {base_vocab}"
+            + (f"; {listed}" if listed else "")
+            + "), which vocab_policy=union cannot keep",
+            "use vocab_policy=truncate, or make the model with the largest vocabulary the base",
+        )
 
 
-def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
-               label: str = "modelset"):
+def load_model(
+    model_dir: Path,
+    tensors: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    label: str = "modelset",
+):
     """The causal LM in ``model_dir`` in ``dtype``; with ``tensors`` (e.g. a merge kept in memory) loaded over
     its weights. A directory transformers cannot load (a config it rejects, damaged files) is a one-line error
     for ``label``.
@@ -209,8 +267,9 @@ def load_model(model_dir: Path, tensors: dict[str, torch.Tensor] | None = None, 
     in float32, as before), without a float32 copy of a bfloat16 model in memory on the way."""
     from transformers import AutoModelForCausalLM
 
-    model = _transformers_load(AutoModelForCausalLM, model_dir, label,
-                               dtype=torch.float32 if tensors is not None else dtype)
+    model = _transformers_load(
+        AutoModelForCausalLM, model_dir, label, dtype=torch.float32 if tensors is not None else dtype
+    )
     if tensors is not None:
         result = model.load_state_dict(tensors, strict=False)
         if result.unexpected_keys:
@@ -236,5 +295,8 @@ def _transformers_load(auto, model_dir: Path, label: str, **kwargs):
         return auto.from_pretrained(model_dir, **kwargs)
     except Exception as err:  # noqa: BLE001  transformers raises many types for a directory it cannot read
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise UserError(label, f"transformers cannot load {auto.__name__} from '{model_dir}' "
-                        f"({type(err).__name__}: {first})", REFETCH) from err
+        raise UserError(
+            label,
+            f"transformers cannot load {auto.__name__} from '{model_dir}' ({type(err).__name__}: {first})",
+            REFETCH,
+        ) from err

@@ -128,13 +128,37 @@ INERT_PREFIXES = ("readme", "license", "licence", "notice", "use_policy", "merge
 INERT_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".webp")
 # Weights, covered by ``fingerprint`` (in the format mergeval reads) or not read at all (other frameworks'
 # formats beside the safetensors files), and the shard index (sharding does not change the weights).
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt",
-                   ".h5", ".msgpack", ".gguf", ".onnx", ".npz", ".ot")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".safetensors.index.json",
+    ".bin",
+    ".bin.index.json",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".npz",
+    ".ot",
+)
 # What AutoTokenizer reads from a directory (besides config.json, read only when tokenizer_config.json does not
 # name the tokenizer's class).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 # Keys of a JSON file that record where or with what it was written, not what it does.
 PROVENANCE_KEYS = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
 IDENTITY_SCHEME = "identity-1"  # raise when what the identity covers changes: every stored score is keyed anew
@@ -173,8 +197,14 @@ def model_files(model_dir: Path) -> list[Path]:
     """The top-level files of ``model_dir`` that shape the forward pass and generation (config.json,
     generation_config.json, custom code...): everything but the weights, the tokenizer's files and inert
     files."""
-    return [p for p in model_dir.iterdir() if p.is_file() and not is_inert(p.name)
-            and not p.name.lower().endswith(WEIGHT_SUFFIXES) and p.name not in TOKENIZER_FILES]
+    return [
+        p
+        for p in model_dir.iterdir()
+        if p.is_file()
+        and not is_inert(p.name)
+        and not p.name.lower().endswith(WEIGHT_SUFFIXES)
+        and p.name not in TOKENIZER_FILES
+    ]
 
 
 def tokenizer_files(tokenizer_dir: Path) -> list[Path]:

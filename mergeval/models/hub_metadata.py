@@ -62,14 +62,19 @@ def hub_model(repo_id: str, field: str) -> HubModel:
     where = constants.ENDPOINT
     with _hub_errors(repo_id, field, where):
         info = HfApi().model_info(repo_id, files_metadata=True)
-    files = {s.rfilename: s.size if s.size is not None else (s.lfs.size if s.lfs else 0)
-             for s in info.siblings or []}
+    files = {s.rfilename: s.size if s.size is not None else (s.lfs.size if s.lfs else 0) for s in info.siblings or []}
     download = {name: files[name] for name in filter_repo_objects(files, allow_patterns=HUB_PATTERNS)}
     adapter = ADAPTER_CONFIG in files and "config.json" not in files  # as models/adapters.py's is_adapter
     wanted = ADAPTER_CONFIG if adapter else "config.json" if "config.json" in files else None
     config = _small_json(repo_id, wanted, info.sha, field, where) if wanted else None
-    return HubModel(repo=repo_id, commit=info.sha, files=files, download=download,
-                    config=None if adapter else config, adapter=config if adapter else None)
+    return HubModel(
+        repo=repo_id,
+        commit=info.sha,
+        files=files,
+        download=download,
+        config=None if adapter else config,
+        adapter=config if adapter else None,
+    )
 
 
 def _small_json(repo_id: str, name: str, commit: str | None, field: str, where: str) -> dict:
@@ -83,9 +88,12 @@ def _small_json(repo_id: str, name: str, commit: str | None, field: str, where: 
         except (OSError, ValueError) as err:
             doc = err
     if not isinstance(doc, dict):
-        raise UserError(field, f"{name} of {repo_id} on the hub is not a JSON object"
-                        + (f" ({type(doc).__name__})" if isinstance(doc, Exception) else ""),
-                        "fix that repository's file, or use another source")
+        raise UserError(
+            field,
+            f"{name} of {repo_id} on the hub is not a JSON object"
+            + (f" ({type(doc).__name__})" if isinstance(doc, Exception) else ""),
+            "fix that repository's file, or use another source",
+        )
     return doc
 
 
@@ -117,18 +125,31 @@ def _user_error(err: Exception, repo: str, field: str, where: str) -> UserError:
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 
     if isinstance(err, GatedRepoError):
-        return UserError(field, f"{repo} is gated on the hub", "accept its conditions on its hub page, then log in "
-                         "(hf auth login) or set HF_TOKEN")
+        return UserError(
+            field,
+            f"{repo} is gated on the hub",
+            "accept its conditions on its hub page, then log in (hf auth login) or set HF_TOKEN",
+        )
     if isinstance(err, RepositoryNotFoundError):
-        return UserError(field, f"no repository {repo} on the hub at {where} (or it is private)",
-                         "check the id (hf:<org>/<name>); for a private repository log in (hf auth login) or set "
-                         "HF_TOKEN")
+        return UserError(
+            field,
+            f"no repository {repo} on the hub at {where} (or it is private)",
+            "check the id (hf:<org>/<name>); for a private repository log in (hf auth login) or set HF_TOKEN",
+        )
     if isinstance(err, HFValidationError):
-        return UserError(field, f"'{repo}' is not a hub repository id",
-                         "write hf:<org>/<name> (mergeval reads a repository's main revision)")
+        return UserError(
+            field,
+            f"'{repo}' is not a hub repository id",
+            "write hf:<org>/<name> (mergeval reads a repository's main revision)",
+        )
     if isinstance(err, HfHubHTTPError) and err.response is not None:
-        return UserError(field, f"the hub at {where} answered {err.response.status_code} for {repo}",
-                         "try again later, or check HF_ENDPOINT")
-    return UserError(field, f"cannot reach the hub at {where} for {repo} ({type(err).__name__})",
-                     "check the network and HF_ENDPOINT, or download the model where there is network and run with "
-                     "offline=true")
+        return UserError(
+            field,
+            f"the hub at {where} answered {err.response.status_code} for {repo}",
+            "try again later, or check HF_ENDPOINT",
+        )
+    return UserError(
+        field,
+        f"cannot reach the hub at {where} for {repo} ({type(err).__name__})",
+        "check the network and HF_ENDPOINT, or download the model where there is network and run with offline=true",
+    )

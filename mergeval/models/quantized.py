@@ -58,8 +58,9 @@ def can_dequantize(quant: dict) -> bool:
 
 def describe(quant: dict) -> str:
     method = str(quant.get("quant_method", "unknown"))
-    bits = quant.get("bits") or ("4-bit" if quant.get("load_in_4bit") else "8-bit" if quant.get("load_in_8bit")
-                                 else None)
+    bits = quant.get("bits") or (
+        "4-bit" if quant.get("load_in_4bit") else "8-bit" if quant.get("load_in_8bit") else None
+    )
     return f"{method}, {bits}" if isinstance(bits, str) else f"{method}, {bits}-bit" if bits else method
 
 
@@ -71,10 +72,14 @@ def dequantized(model_dir: Path, quant: dict, cache: Path, field: str) -> Path:
 
     block = quant.get("weight_block_size")
     if not can_dequantize(quant):
-        raise UserError(field, f"'{model_dir}' is quantized ({describe(quant)}), which mergeval cannot dequantize "
-                        "on a CPU (only block-wise fp8)", "use the unquantized checkpoint it was made from, or "
-                        "dequantize it where its kernels run: AutoModelForCausalLM.from_pretrained(DIR)"
-                        ".dequantize().save_pretrained(OUT), then point the source at OUT")
+        raise UserError(
+            field,
+            f"'{model_dir}' is quantized ({describe(quant)}), which mergeval cannot dequantize "
+            "on a CPU (only block-wise fp8)",
+            "use the unquantized checkpoint it was made from, or "
+            "dequantize it where its kernels run: AutoModelForCausalLM.from_pretrained(DIR)"
+            ".dequantize().save_pretrained(OUT), then point the source at OUT",
+        )
     key = f"{fingerprint(model_dir)}-{DEQUANTIZED_VERSION}"
     target = cache / "dequantized" / f"{model_dir.name}-{key[:16]}"
     if cached_build_usable(target, field):
@@ -111,8 +116,11 @@ def _write_dequantized(model_dir: Path, out: Path, block: tuple[int, int], field
                     except ValueError as err:
                         raise UserError(field, f"'{path}': {name}: {err}", "re-download that checkpoint") from None
                 elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    raise UserError(field, f"'{path}': {name} is float8 without its {name}{SCALE_SUFFIX}",
-                                    "re-download that checkpoint")
+                    raise UserError(
+                        field,
+                        f"'{path}': {name} is float8 without its {name}{SCALE_SUFFIX}",
+                        "re-download that checkpoint",
+                    )
                 tensors[name] = t.contiguous()
         name = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(out / name), metadata={"format": "pt"})
@@ -122,6 +130,5 @@ def _write_dequantized(model_dir: Path, out: Path, block: tuple[int, int], field
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for extra in model_dir.iterdir():
-        if extra.is_file() and extra.name != "config.json" and not extra.name.endswith((".safetensors",
-                                                                                          ".index.json")):
+        if extra.is_file() and extra.name != "config.json" and not extra.name.endswith((".safetensors", ".index.json")):
             shutil.copy2(extra, out / extra.name)

@@ -19,9 +19,20 @@ import torch
 from mergeval.core.errors import UserError
 
 # safetensors header dtype -> torch dtype (the writer uses the inverse)
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 INDEX = "model.safetensors.index.json"
 REFETCH = "re-download or re-save that checkpoint (a transfer that stopped half-way, or a full disk?)"
 
@@ -51,8 +62,9 @@ def read_header(path: Path, label: str = "modelset") -> tuple[int, dict]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
         if n <= 0 or 8 + n > size:
-            raise UserError(label, f"'{path}' is not a complete safetensors file (header length {n}, file size "
-                            f"{size})", REFETCH)
+            raise UserError(
+                label, f"'{path}' is not a complete safetensors file (header length {n}, file size {size})", REFETCH
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as err:
@@ -71,11 +83,15 @@ def read_header(path: Path, label: str = "modelset") -> tuple[int, dict]:
         for d in shape:
             count *= d
         if not 0 <= begin <= end <= data:
-            raise UserError(label, f"'{path}' is truncated: tensor {name} ends at byte {8 + n + end} of {size}",
-                            REFETCH)
+            raise UserError(
+                label, f"'{path}' is truncated: tensor {name} ends at byte {8 + n + end} of {size}", REFETCH
+            )
         if end - begin != count * dtype.itemsize:
-            raise UserError(label, f"'{path}': tensor {name} holds {end - begin} bytes, its shape needs "
-                            f"{count * dtype.itemsize}", REFETCH)
+            raise UserError(
+                label,
+                f"'{path}': tensor {name} holds {end - begin} bytes, its shape needs {count * dtype.itemsize}",
+                REFETCH,
+            )
     return 8 + n, header
 
 
@@ -85,8 +101,11 @@ def read_config(model_dir: Path, label: str = "modelset") -> dict:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError as err:
-        raise UserError(label, f"'{model_dir}' has no config.json", "point it at a Hugging Face model directory "
-                        "(config.json, *.safetensors, tokenizer files)") from err
+        raise UserError(
+            label,
+            f"'{model_dir}' has no config.json",
+            "point it at a Hugging Face model directory (config.json, *.safetensors, tokenizer files)",
+        ) from err
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(label, f"'{path}' is not valid JSON ({err})", REFETCH) from err
     if not isinstance(config, dict):
@@ -106,8 +125,11 @@ def cached_build_usable(target: Path, label: str) -> bool:
         import shutil
         import sys
 
-        print(f"mergeval: {label}: the cached build {target} is damaged ({err.problem}); building it again",
-              file=sys.stderr, flush=True)
+        print(
+            f"mergeval: {label}: the cached build {target} is damaged ({err.problem}); building it again",
+            file=sys.stderr,
+            flush=True,
+        )
         shutil.rmtree(target, ignore_errors=True)
         return False
     return True
@@ -118,8 +140,11 @@ def check_checkpoint(model_dir: Path, label: str) -> dict[str, tuple[int, ...]]:
     read_config(model_dir, label)
     files = shard_files(model_dir, label)
     if not files:
-        raise UserError(label, f"'{model_dir}' holds no *.safetensors weights",
-                        "convert the checkpoint to safetensors (save_pretrained(..., safe_serialization=True))")
+        raise UserError(
+            label,
+            f"'{model_dir}' holds no *.safetensors weights",
+            "convert the checkpoint to safetensors (save_pretrained(..., safe_serialization=True))",
+        )
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         shapes.update({name: tuple(e["shape"]) for name, e in read_header(path, label)[1].items()})

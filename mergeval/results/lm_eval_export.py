@@ -57,10 +57,14 @@ def lm_eval_results(run: dict, role: str, metrics: dict[str, dict], suite=None) 
             results[task][f"{name}_stderr,{filt}"] = "N/A" if stderr is None else stderr
         higher = result["rows"][task]["higher_is_better"]
         hib[task] = {key.split(",", 1)[0]: higher if key == score["metric"] else None for key in found}
-        n_samples[task] = {"effective": score["n"]} if cfg.benchmark.limit else {"original": score["n"],
-                                                                                  "effective": score["n"]}
-    known = [t for t in tasks if suite is not None and suite.digests.get(t) == result["task_digests"].get(t)
-             and t in suite.loaded["tasks"]]
+        n_samples[task] = (
+            {"effective": score["n"]} if cfg.benchmark.limit else {"original": score["n"], "effective": score["n"]}
+        )
+    known = [
+        t
+        for t in tasks
+        if suite is not None and suite.digests.get(t) == result["task_digests"].get(t) and t in suite.loaded["tasks"]
+    ]
     subtasks = group_subtasks(tasks, result["rows"], suite)
     return {
         "results": results,
@@ -71,18 +75,30 @@ def lm_eval_results(run: dict, role: str, metrics: dict[str, dict], suite=None) 
         "n-shot": {t: suite.task(t).get_config("num_fewshot") or 0 for t in known},
         "higher_is_better": hib,
         "n-samples": n_samples,
-        "config": {"model": "hf", "model_args": {"pretrained": model["path"], "dtype": cfg.eval.dtype},
-                   "batch_size": str(cfg.eval.batch_size), "device": cfg.eval.device, "limit": cfg.benchmark.limit,
-                   "bootstrap_iters": BOOTSTRAP_ITERS, "gen_kwargs": dict(cfg.eval.gen_kwargs or {}),
-                   "fewshot_seed": FEWSHOT_SEED, "mergeval_backend": cfg.eval.backend},
+        "config": {
+            "model": "hf",
+            "model_args": {"pretrained": model["path"], "dtype": cfg.eval.dtype},
+            "batch_size": str(cfg.eval.batch_size),
+            "device": cfg.eval.device,
+            "limit": cfg.benchmark.limit,
+            "bootstrap_iters": BOOTSTRAP_ITERS,
+            "gen_kwargs": dict(cfg.eval.gen_kwargs or {}),
+            "fewshot_seed": FEWSHOT_SEED,
+            "mergeval_backend": cfg.eval.backend,
+        },
         "lm_eval_version": (run.get("versions") or {}).get("lm_eval"),
         "model_name": model["path"] or model["source"],
         "chat_template": "applied" if cfg.eval.apply_chat_template else None,
         "system_instruction": cfg.eval.system_instruction,
         "fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),
         "date": run["created"],
-        "mergeval": {"run_id": run["run_id"], "role": role, "source": model["source"],
-                     "fingerprint": model["fingerprint"], "task_digests": {t: result["task_digests"][t] for t in tasks}},
+        "mergeval": {
+            "run_id": run["run_id"],
+            "role": role,
+            "source": model["source"],
+            "fingerprint": model["fingerprint"],
+            "task_digests": {t: result["task_digests"][t] for t in tasks},
+        },
     }
 
 
@@ -120,8 +136,9 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
     for model in run["models"]:
         metrics = store.all_metrics(model["fingerprint"], digests, settings)
         path = out_dir / f"results_{re.sub(r'[^A-Za-z0-9_.-]', '_', model['role'])}.json"
-        atomic_write_text(path, json.dumps(lm_eval_results(run, model["role"], metrics, suite), indent=2,
-                                           default=str) + "\n")
+        atomic_write_text(
+            path, json.dumps(lm_eval_results(run, model["role"], metrics, suite), indent=2, default=str) + "\n"
+        )
         written.append(path)
     return written
 
@@ -135,23 +152,30 @@ def _refuse_other_runs_files(out_dir: Path, run_id: str) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             other = None  # not an export of ours: not ours to replace either
         if other != run_id:
-            raise UserError("DIR", f"{path} is {'from run ' + other[:8] if other else 'not an export of this run'}",
-                            "export each run into a directory of its own")
+            raise UserError(
+                "DIR",
+                f"{path} is {'from run ' + other[:8] if other else 'not an export of this run'}",
+                "export each run into a directory of its own",
+            )
 
 
 def _finished_run(store, run_id: str) -> dict:
     runs = [r for r in store.runs() if r["run_id"].startswith(run_id)] if run_id else []
     if len(runs) != 1:
-        raise UserError("RUN_ID", f"{len(runs)} runs in {store.location} start with '{run_id}'",
-                        "give a run id (or an unambiguous prefix) that `python -m mergeval.results` lists")
+        raise UserError(
+            "RUN_ID",
+            f"{len(runs)} runs in {store.location} start with '{run_id}'",
+            "give a run id (or an unambiguous prefix) that `python -m mergeval.results` lists",
+        )
     run = runs[0]
     if run["status"] != "finished":
         raise UserError("RUN_ID", f"run {run['run_id']} is {run['status']}", "export a finished run")
     try:
         run["result"] = json.loads(Path(run["result_path"]).read_text())
     except (OSError, ValueError) as err:
-        raise UserError("RUN_ID", f"cannot read the run's {run['result_path']} ({err})",
-                        "restore its job directory") from None
+        raise UserError(
+            "RUN_ID", f"cannot read the run's {run['result_path']} ({err})", "restore its job directory"
+        ) from None
     return run
 
 
@@ -173,8 +197,9 @@ def main(argv: list[str]) -> int:
 
     from mergeval.results.store import open_existing
 
-    parser = argparse.ArgumentParser(prog="python -m mergeval.results export",
-                                     description="Write a run's models as lm_eval results files.")
+    parser = argparse.ArgumentParser(
+        prog="python -m mergeval.results export", description="Write a run's models as lm_eval results files."
+    )
     parser.add_argument("run_id", help="the run (an unambiguous prefix of its id)")
     parser.add_argument("out_dir", help="directory for results_<role>.json")
     parser.add_argument("--store", help="the SQLite results store (default: <cache>/results.sqlite)")

@@ -99,8 +99,9 @@ def settings_hash(settings: Mapping) -> str:
     return hashlib.sha256(_canonical(settings).encode()).hexdigest()[:16]
 
 
-def merge_key(input_fingerprints: Sequence[str], method_config, seed: int | None,
-              options: Mapping | None = None) -> str:
+def merge_key(
+    input_fingerprints: Sequence[str], method_config, seed: int | None, options: Mapping | None = None
+) -> str:
     """Identity of a merge: sha256 of canonical JSON {inputs, method, seed, options}, first 32 hex digits.
 
     The inputs stay in the order given (base first, then the experts in modelset
@@ -134,9 +135,19 @@ def _as_mapping(config) -> dict:
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
 
 
-ARCHITECTURE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
-                     "tie_word_embeddings", "torch_dtype")
+ARCHITECTURE_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "torch_dtype",
+)
 
 
 def architecture_of(hf_config: Mapping) -> dict:
@@ -153,8 +164,7 @@ class Store:
     across threads and survives ``fork``; each write is one transaction.
     """
 
-    def __init__(self, location: Path | str, *, field: str | None = None,
-                 claim_timeout_s: float = CLAIM_TIMEOUT_S):
+    def __init__(self, location: Path | str, *, field: str | None = None, claim_timeout_s: float = CLAIM_TIMEOUT_S):
         self._db = open_backend(location, field or ("store.url" if is_server_url(location) else "store.path"))
         self.field = self._db.field
         self.path: Path | None = getattr(self._db, "path", None)  # the SQLite file; None for a server
@@ -194,16 +204,21 @@ class Store:
             if version == 0:
                 create(db, self._db.ddl)
             elif version > SCHEMA_VERSION:
-                raise UserError(self.field, f"{self.location} has schema v{version}, newer than this mergeval "
-                                f"(v{SCHEMA_VERSION})", f"upgrade mergeval or use another {self.field}")
+                raise UserError(
+                    self.field,
+                    f"{self.location} has schema v{version}, newer than this mergeval (v{SCHEMA_VERSION})",
+                    f"upgrade mergeval or use another {self.field}",
+                )
             elif version < SCHEMA_VERSION:
                 migrate(db, version)
                 stale = stale_rows(db) if version < 6 else (0, 0)  # rows keyed by weights alone (before v6)
                 if any(stale):  # said once: the migration happens once per store
-                    print(f"mergeval: the results store {self.location} was keyed by model weights alone; its "
-                          f"{stale[0]} stored evaluations and {stale[1]} merges stay for the record but are not "
-                          "reused (a model's config and tokenizer now count too): models are evaluated once more",
-                          flush=True)
+                    print(
+                        f"mergeval: the results store {self.location} was keyed by model weights alone; its "
+                        f"{stale[0]} stored evaluations and {stale[1]} merges stay for the record but are not "
+                        "reused (a model's config and tokenizer now count too): models are evaluated once more",
+                        flush=True,
+                    )
 
     def _version(self, db) -> int:
         if not self._db.table_exists(db, "meta"):
@@ -220,22 +235,38 @@ class Store:
     # ``settings`` of the evaluation methods: one Mapping for every task, or a PerTask (each task's own part of
     # the run's settings, read under the run's too: eval/settings.py)
 
-    def get_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-                   metrics: Mapping[str, str] | None = None) -> dict[str, dict] | None:
+    def get_scores(
+        self,
+        fingerprint: str,
+        digests: Mapping[str, str],
+        settings: Mapping | PerTask,
+        metrics: Mapping[str, str] | None = None,
+    ) -> dict[str, dict] | None:
         """{task: {metric, value, stderr, n}} if every task is stored for this model and settings, else None.
         ``metrics`` (task -> ``"metric,filter"``) picks what each task reports; default ``acc,none``."""
         got = self.stored_scores(fingerprint, digests, settings, metrics)
         return got if set(got) == set(digests) else None
 
-    def stored_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-                      metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
+    def stored_scores(
+        self,
+        fingerprint: str,
+        digests: Mapping[str, str],
+        settings: Mapping | PerTask,
+        metrics: Mapping[str, str] | None = None,
+    ) -> dict[str, dict]:
         """{task: {metric, value, stderr, n}} of the tasks of ``digests`` stored for this model (any subset)."""
         with self._read() as db:
             return _stored(db, fingerprint, digests, settings, metrics, self._report)
 
-    def claim_or_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-                        on_wait: Callable[[], None] | None = None, poll_s: float = 2.0,
-                        metrics: Mapping[str, str] | None = None) -> dict[str, dict]:
+    def claim_or_scores(
+        self,
+        fingerprint: str,
+        digests: Mapping[str, str],
+        settings: Mapping | PerTask,
+        on_wait: Callable[[], None] | None = None,
+        poll_s: float = 2.0,
+        metrics: Mapping[str, str] | None = None,
+    ) -> dict[str, dict]:
         """{task: scores} of the tasks already stored for this model and settings; when that is not every
         task of ``digests``, this process has claimed the evaluation of the missing ones.
 
@@ -256,15 +287,20 @@ class Store:
                 if not missing:
                     return got
                 tasks = _tasks_key(missing)
-                holder = db.execute("SELECT host, pid, since, renewed FROM claims WHERE model_fingerprint=? AND "
-                                    "settings_hash=? AND tasks_key=?", (fingerprint, key, tasks)).fetchone()
+                holder = db.execute(
+                    "SELECT host, pid, since, renewed FROM claims WHERE model_fingerprint=? AND "
+                    "settings_hash=? AND tasks_key=?",
+                    (fingerprint, key, tasks),
+                ).fetchone()
                 now = self._db.now(db)
                 if holder is None or not _claim_alive(*holder, now=now, timeout_s=self.claim_timeout_s):
-                    db.execute("INSERT INTO claims (model_fingerprint, settings_hash, tasks_key, host, pid, since, "
-                               "renewed) VALUES (?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, settings_hash, "
-                               "tasks_key) DO UPDATE SET host=excluded.host, pid=excluded.pid, "
-                               "since=excluded.since, renewed=excluded.renewed",
-                               (fingerprint, key, tasks, socket.gethostname(), os.getpid(), now, now))
+                    db.execute(
+                        "INSERT INTO claims (model_fingerprint, settings_hash, tasks_key, host, pid, since, "
+                        "renewed) VALUES (?,?,?,?,?,?,?) ON CONFLICT (model_fingerprint, settings_hash, "
+                        "tasks_key) DO UPDATE SET host=excluded.host, pid=excluded.pid, "
+                        "since=excluded.since, renewed=excluded.renewed",
+                        (fingerprint, key, tasks, socket.gethostname(), os.getpid(), now, now),
+                    )
                     claimed = True
                 else:
                     claimed = False
@@ -288,24 +324,26 @@ class Store:
     def renew_claims(self) -> int:
         """Mark every claim of this process renewed now (the heartbeat's beat); returns how many it holds."""
         with self._write() as db:
-            return db.execute("UPDATE claims SET renewed=? WHERE host=? AND pid=?",
-                              (self._db.now(db), socket.gethostname(), os.getpid())).rowcount
+            return db.execute(
+                "UPDATE claims SET renewed=? WHERE host=? AND pid=?",
+                (self._db.now(db), socket.gethostname(), os.getpid()),
+            ).rowcount
 
     def release_claims(self) -> None:
         """Drop every evaluation claim of this process (its run failed before scoring)."""
         with self._write() as db:
             db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), os.getpid()))
 
-    def samples_paths(self, fingerprint: str, digests: Mapping[str, str],
-                      settings: Mapping | PerTask) -> dict[str, str | None]:
+    def samples_paths(
+        self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask
+    ) -> dict[str, str | None]:
         """task -> the file its per-item samples were written to (None: stored without samples). Tasks
         evaluated in different runs have different files."""
         with self._read() as db:
             rows = _rows(db, "samples_path", fingerprint, digests, settings)
         return {task: found[0][1][0] for task, found in rows.items()}
 
-    def all_metrics(self, fingerprint: str, digests: Mapping[str, str],
-                    settings: Mapping | PerTask) -> dict[str, dict]:
+    def all_metrics(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask) -> dict[str, dict]:
         """task -> every metric stored for it (``{"acc,none": [value, stderr], ...}``), for the tasks stored."""
         with self._read() as db:
             rows = _rows(db, "metrics", fingerprint, digests, settings)
@@ -317,8 +355,14 @@ class Store:
                 self._report(f"the evaluation of {task} by model {fingerprint[:12]}", err)
         return out
 
-    def put_scores(self, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-                   scores: Mapping[str, Mapping], samples_path: str | None = None) -> None:
+    def put_scores(
+        self,
+        fingerprint: str,
+        digests: Mapping[str, str],
+        settings: Mapping | PerTask,
+        scores: Mapping[str, Mapping],
+        samples_path: str | None = None,
+    ) -> None:
         """Store one model's scores on several tasks: all tasks or none (one transaction); a re-evaluation replaces.
         Each score is ``{metric, value, stderr, n}``, with ``metrics`` (every key -> [value, stderr]) when the
         task reported more than the one shown, and ``items_by_metric`` (key -> {"ids", "values"}: each item's
@@ -332,33 +376,69 @@ class Store:
                 "task_digest, settings_hash) DO UPDATE SET task=excluded.task, settings=excluded.settings, "
                 "metrics=excluded.metrics, n=excluded.n, created=excluded.created, "
                 "samples_path=excluded.samples_path, items=excluded.items",
-                [(fingerprint, digests[task], settings_hash(own[task]), task, _canonical(own[task]),
-                  _canonical(_all_metrics(s)), s["n"], now, samples_path, _all_items(s))
-                 for task, s in scores.items()])
+                [
+                    (
+                        fingerprint,
+                        digests[task],
+                        settings_hash(own[task]),
+                        task,
+                        _canonical(own[task]),
+                        _canonical(_all_metrics(s)),
+                        s["n"],
+                        now,
+                        samples_path,
+                        _all_items(s),
+                    )
+                    for task, s in scores.items()
+                ],
+            )
             # this process's claims on the model end here (it may have evaluated more tasks than it claimed: a
             # group is evaluated whole when one of its members is missing)
-            db.execute("DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND (tasks_key=? OR "
-                       "(host=? AND pid=?))", (fingerprint, key, _tasks_key(digests), socket.gethostname(), os.getpid()))
+            db.execute(
+                "DELETE FROM claims WHERE model_fingerprint=? AND settings_hash=? AND (tasks_key=? OR "
+                "(host=? AND pid=?))",
+                (fingerprint, key, _tasks_key(digests), socket.gethostname(), os.getpid()),
+            )
 
     # models and merges
 
-    def put_model(self, fingerprint: str, source: str, architecture: Mapping | None = None,
-                  path: str | None = None, weights: str | None = None) -> None:
+    def put_model(
+        self,
+        fingerprint: str,
+        source: str,
+        architecture: Mapping | None = None,
+        path: str | None = None,
+        weights: str | None = None,
+    ) -> None:
         """Record a model the first time its identity is seen (a copy elsewhere keeps the first row)."""
         with self._write() as db:
-            db.execute("INSERT INTO models (fingerprint, source, architecture, path, created, weights) "
-                       "VALUES (?,?,?,?,?,?) ON CONFLICT (fingerprint) DO NOTHING",
-                       (fingerprint, source, None if architecture is None else _canonical(architecture), path,
-                        time.time(), weights))
+            db.execute(
+                "INSERT INTO models (fingerprint, source, architecture, path, created, weights) "
+                "VALUES (?,?,?,?,?,?) ON CONFLICT (fingerprint) DO NOTHING",
+                (
+                    fingerprint,
+                    source,
+                    None if architecture is None else _canonical(architecture),
+                    path,
+                    time.time(),
+                    weights,
+                ),
+            )
 
     def model(self, fingerprint: str) -> dict | None:
         with self._read() as db:
-            row = db.execute("SELECT source, architecture, path, weights FROM models WHERE fingerprint=?",
-                             (fingerprint,)).fetchone()
+            row = db.execute(
+                "SELECT source, architecture, path, weights FROM models WHERE fingerprint=?", (fingerprint,)
+            ).fetchone()
         if row is None:
             return None
-        return {"fingerprint": fingerprint, "source": row[0], "architecture": row[1] and json.loads(row[1]),
-                "path": row[2], "weights": row[3]}
+        return {
+            "fingerprint": fingerprint,
+            "source": row[0],
+            "architecture": row[1] and json.loads(row[1]),
+            "path": row[2],
+            "weights": row[3],
+        }
 
     def get_merge(self, key: str) -> str | None:
         """The output fingerprint of the merge with this ``merge_key``, if it was ever done."""
@@ -366,39 +446,87 @@ class Store:
             row = db.execute("SELECT output_fingerprint FROM merges WHERE merge_key=?", (key,)).fetchone()
         return row[0] if row else None
 
-    def evaluated_merge(self, key: str, digests: Mapping[str, str], settings: Mapping,
-                        metrics: Mapping[str, str] | None = None) -> str | None:
+    def evaluated_merge(
+        self, key: str, digests: Mapping[str, str], settings: Mapping, metrics: Mapping[str, str] | None = None
+    ) -> str | None:
         """The output fingerprint of merge ``key`` if it was done and its output scored on all these tasks and
         settings (then neither the merge nor its evaluation needs redoing), else None."""
         output = self.get_merge(key)
         done = output is not None and self.get_scores(output, digests, settings, metrics) is not None
         return output if done else None
 
-    def put_merge(self, key: str, inputs: Sequence[str], method_config, seed: int | None,
-                  output_fingerprint: str, options: Mapping | None = None) -> None:
+    def put_merge(
+        self,
+        key: str,
+        inputs: Sequence[str],
+        method_config,
+        seed: int | None,
+        output_fingerprint: str,
+        options: Mapping | None = None,
+    ) -> None:
         """Record a merge's output; the first record of a key is kept (merges are deterministic)."""
         with self._write() as db:
-            db.execute("INSERT INTO merges VALUES (?,?,?,?,?,?,?) ON CONFLICT (merge_key) DO NOTHING",
-                       (key, _canonical(list(inputs)), _canonical(_as_mapping(method_config)), seed,
-                        _canonical(dict(options or {})), output_fingerprint, time.time()))
+            db.execute(
+                "INSERT INTO merges VALUES (?,?,?,?,?,?,?) ON CONFLICT (merge_key) DO NOTHING",
+                (
+                    key,
+                    _canonical(list(inputs)),
+                    _canonical(_as_mapping(method_config)),
+                    seed,
+                    _canonical(dict(options or {})),
+                    output_fingerprint,
+                    time.time(),
+                ),
+            )
 
     # runs
 
-    def start_run(self, run_id: str, *, experiment: str, method: str, config: Mapping, versions: Mapping,
-                  git: Mapping, job_dir: str | None = None, config_hash: str | None = None) -> None:
+    def start_run(
+        self,
+        run_id: str,
+        *,
+        experiment: str,
+        method: str,
+        config: Mapping,
+        versions: Mapping,
+        git: Mapping,
+        job_dir: str | None = None,
+        config_hash: str | None = None,
+    ) -> None:
         """Insert the run as ``running``. Raises StoreError if the run id is already in the store.
         ``config_hash`` identifies the configuration for ``finished_run`` (resumable sweeps)."""
         try:
             with self._write() as db:
-                db.execute("INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, "
-                           "job_dir, host, pid, pid_start, config_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                           (run_id, time.time(), "running", experiment, method, _dump(config),
-                            _dump(versions), _dump(git), job_dir, *proc.me(), config_hash))
+                db.execute(
+                    "INSERT INTO runs (run_id, created, status, experiment, method, config, versions, git, "
+                    "job_dir, host, pid, pid_start, config_hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        run_id,
+                        time.time(),
+                        "running",
+                        experiment,
+                        method,
+                        _dump(config),
+                        _dump(versions),
+                        _dump(git),
+                        job_dir,
+                        *proc.me(),
+                        config_hash,
+                    ),
+                )
         except self._db.IntegrityError as err:
             raise StoreError(f"run {run_id} is already in the store") from err
 
-    def finish_run(self, run_id: str, *, result_path: str, aggregates: Mapping, timings: Mapping,
-                   models: Sequence[Mapping], scores: Mapping) -> None:
+    def finish_run(
+        self,
+        run_id: str,
+        *,
+        result_path: str,
+        aggregates: Mapping,
+        timings: Mapping,
+        models: Sequence[Mapping],
+        scores: Mapping,
+    ) -> None:
         """Mark a running run finished with its results, exactly once.
 
         Raises StoreError (and changes nothing) if the run is unknown or not
@@ -408,8 +536,16 @@ class Store:
             changed = db.execute(
                 "UPDATE runs SET status='finished', finished=?, result_path=?, aggregates=?, timings=?, models=?, "
                 "scores=? WHERE run_id=? AND status='running'",
-                (time.time(), str(result_path), _dump(aggregates), _dump(timings), _dump(list(models)),
-                 _dump(scores), run_id)).rowcount
+                (
+                    time.time(),
+                    str(result_path),
+                    _dump(aggregates),
+                    _dump(timings),
+                    _dump(list(models)),
+                    _dump(scores),
+                    run_id,
+                ),
+            ).rowcount
         if changed != 1:
             state = self._status(run_id)
             raise StoreError(f"run {run_id} cannot be finished: it is {state or 'not in the store'}")
@@ -418,26 +554,36 @@ class Store:
         """Mark a running run failed; False (and no change) if it is not running. Never raises on state,
         so it is safe in an error handler."""
         with self._write() as db:
-            return db.execute("UPDATE runs SET status='failed', finished=?, error=?, timings=? "
-                              "WHERE run_id=? AND status='running'",
-                              (time.time(), error, None if timings is None else _dump(timings),
-                               run_id)).rowcount == 1
+            return (
+                db.execute(
+                    "UPDATE runs SET status='failed', finished=?, error=?, timings=? "
+                    "WHERE run_id=? AND status='running'",
+                    (time.time(), error, None if timings is None else _dump(timings), run_id),
+                ).rowcount
+                == 1
+            )
 
     def interrupt_run(self, run_id: str, note: str, timings: Mapping | None = None) -> bool:
         """Mark a running run interrupted (SIGTERM, Ctrl-C); like ``fail_run``, never raises on state."""
         with self._write() as db:
-            return db.execute("UPDATE runs SET status='interrupted', finished=?, error=?, timings=? "
-                              "WHERE run_id=? AND status='running'",
-                              (time.time(), note, None if timings is None else _dump(timings),
-                               run_id)).rowcount == 1
+            return (
+                db.execute(
+                    "UPDATE runs SET status='interrupted', finished=?, error=?, timings=? "
+                    "WHERE run_id=? AND status='running'",
+                    (time.time(), note, None if timings is None else _dump(timings), run_id),
+                ).rowcount
+                == 1
+            )
 
     def reap_dead_runs(self, found_by: str = "a later run") -> list[str]:
         """Runs left ``running`` by a process of this host that is provably gone (killed) become ``interrupted``
         with a note (naming ``found_by``), and that process's evaluation claims are dropped; returns their run
         ids. Runs of other hosts, and runs from before schema v4 (no process recorded), are left as they are."""
         with self._read() as db:
-            rows = db.execute("SELECT run_id, host, pid, pid_start FROM runs WHERE status='running' AND host=?",
-                              (socket.gethostname(),)).fetchall()
+            rows = db.execute(
+                "SELECT run_id, host, pid, pid_start FROM runs WHERE status='running' AND host=?",
+                (socket.gethostname(),),
+            ).fetchall()
             claims = db.execute("SELECT DISTINCT pid FROM claims WHERE host=?", (socket.gethostname(),)).fetchall()
         dead = [r for r in rows if proc.gone(r[1], r[2], r[3])]
         dead_claims = [pid for (pid,) in claims if pid != os.getpid() and proc.gone(socket.gethostname(), pid)]
@@ -445,9 +591,14 @@ class Store:
             return []
         with self._write() as db:
             for run_id, host, pid, _ in dead:
-                db.execute("UPDATE runs SET status='interrupted', finished=?, error=? WHERE run_id=? AND "
-                           "status='running'", (time.time(), f"process {pid} on {host} ended without finishing "
-                                                f"(killed?); found by {found_by}", run_id))
+                db.execute(
+                    "UPDATE runs SET status='interrupted', finished=?, error=? WHERE run_id=? AND status='running'",
+                    (
+                        time.time(),
+                        f"process {pid} on {host} ended without finishing (killed?); found by {found_by}",
+                        run_id,
+                    ),
+                )
             for pid in dead_claims:
                 db.execute("DELETE FROM claims WHERE host=? AND pid=?", (socket.gethostname(), pid))
         return [r[0] for r in dead]
@@ -457,11 +608,19 @@ class Store:
             row = db.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
         return row[0] if row else None
 
-    def runs(self, experiment: str | None = None, method: str | None = None, status: str | None = None,
-             since: float | None = None) -> list[dict]:
+    def runs(
+        self,
+        experiment: str | None = None,
+        method: str | None = None,
+        status: str | None = None,
+        since: float | None = None,
+    ) -> list[dict]:
         """Runs, oldest first, filtered by modelset (experiment), method, status and start time (epoch s)."""
-        filters = [(f"{col}=?", val) for col, val in (("experiment", experiment), ("method", method),
-                                                      ("status", status)) if val is not None]
+        filters = [
+            (f"{col}=?", val)
+            for col, val in (("experiment", experiment), ("method", method), ("status", status))
+            if val is not None
+        ]
         if since is not None:
             filters.append(("created>=?", since))
         return self._select(filters)
@@ -485,8 +644,12 @@ class Store:
         out = []
         for row in rows:
             try:
-                out.append({k: (_json(k, v) if k in _JSON_COLUMNS and v is not None else _text(k, v))
-                            for k, v in zip(names, row)})
+                out.append(
+                    {
+                        k: (_json(k, v) if k in _JSON_COLUMNS and v is not None else _text(k, v))
+                        for k, v in zip(names, row)
+                    }
+                )
             except Damaged as err:  # one damaged run never hides the others
                 self._report(f"run {_shown(row[names.index('run_id')])}", err)
         return out
@@ -497,6 +660,7 @@ class Store:
         if line not in _REPORTED:
             _REPORTED.add(line)
             print(line, file=sys.stderr, flush=True)
+
 
 _CHECKED: set[str] = set()  # stores this process has health-checked
 _REPORTED: set[str] = set()  # damaged rows this process has reported
@@ -532,6 +696,8 @@ def _json(column: str, value):
 
 def _shown(value) -> str:
     return value.encode("utf-8", "backslashreplace").decode() if isinstance(value, str) else str(value)
+
+
 _HEARTBEAT_LOCK = threading.Lock()  # a heartbeat's stop decision and a new claim's start never interleave
 
 
@@ -583,8 +749,9 @@ def _run(settings: Mapping | PerTask) -> Mapping:
     return settings.run if isinstance(settings, PerTask) else settings
 
 
-def _rows(db, columns: str, fingerprint: str, digests: Mapping[str, str],
-          settings: Mapping | PerTask) -> dict[str, list[tuple[str, tuple]]]:
+def _rows(
+    db, columns: str, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask
+) -> dict[str, list[tuple[str, tuple]]]:
     """task -> [(settings hash, the row's ``columns``)] of this model's evaluations of the tasks of ``digests``:
     the row under the task's own settings first, then the one under the run's settings (how it was keyed
     before per-task keys). Tasks with neither are left out."""
@@ -598,17 +765,24 @@ def _rows(db, columns: str, fingerprint: str, digests: Mapping[str, str],
     hashes = sorted({k for ordered in keys.values() for k in ordered})
     found = {}
     for task, digest, key, *values in db.execute(
-            f"SELECT task, task_digest, settings_hash, {columns} FROM evaluations WHERE model_fingerprint=? "
-            f"AND task_digest IN ({','.join('?' * len(digests))}) AND settings_hash IN ({','.join('?' * len(hashes))})",
-            (fingerprint, *digests.values(), *hashes)):
+        f"SELECT task, task_digest, settings_hash, {columns} FROM evaluations WHERE model_fingerprint=? "
+        f"AND task_digest IN ({','.join('?' * len(digests))}) AND settings_hash IN ({','.join('?' * len(hashes))})",
+        (fingerprint, *digests.values(), *hashes),
+    ):
         if digests.get(task) == digest:
             found[task, key] = tuple(values)
     out = {task: [(k, found[task, k]) for k in ordered if (task, k) in found] for task, ordered in keys.items()}
     return {task: rows for task, rows in out.items() if rows}
 
 
-def _stored(db, fingerprint: str, digests: Mapping[str, str], settings: Mapping | PerTask,
-            metrics: Mapping[str, str] | None = None, report=None) -> dict[str, dict]:
+def _stored(
+    db,
+    fingerprint: str,
+    digests: Mapping[str, str],
+    settings: Mapping | PerTask,
+    metrics: Mapping[str, str] | None = None,
+    report=None,
+) -> dict[str, dict]:
     """{task: {metric, value, stderr, n}} (+ ``items``: the metric's per-item outcomes, where kept) of the tasks of
     ``digests`` stored for this model and settings (any subset); a task stored without the metric asked for counts as not stored, and so does a damaged row
     (``report``-ed; the evaluation that follows replaces it)."""
@@ -636,8 +810,7 @@ def _tasks_key(digests: Mapping[str, str]) -> str:
     return hashlib.sha256(_canonical(sorted(digests.values())).encode()).hexdigest()[:16]
 
 
-def _claim_alive(host: str, pid: int, since: float, renewed: float | None, *, now: float,
-                 timeout_s: float) -> bool:
+def _claim_alive(host: str, pid: int, since: float, renewed: float | None, *, now: float, timeout_s: float) -> bool:
     """Whether a claim's process may still be evaluating: on this host, unless its process is gone (this very
     process's stale claims never block it); elsewhere, whether it was renewed (or made, before any renewal)
     less than ``timeout_s`` before ``now``."""
@@ -658,20 +831,27 @@ def open_store(cfg, cache: Path) -> Store:
     if not timeout > 0:
         raise UserError("store.claim_timeout_s", f"must be positive, got {timeout}", "give seconds, e.g. 300")
     if url and path:
-        raise UserError("store.url", "store.url and store.path are both set", "keep one of them (store.url "
-                        "also takes a file path)")
+        raise UserError(
+            "store.url", "store.url and store.path are both set", "keep one of them (store.url also takes a file path)"
+        )
     if url:
         url = str(url)
         if "://" in url and not is_server_url(url) and not url.startswith("sqlite:///"):
-            raise UserError("store.url", f"'{url.split('://')[0]}://' is not a store this mergeval can use",
-                            "give postgresql://USER@HOST:PORT/DB, sqlite:///FILE or a file path")
+            raise UserError(
+                "store.url",
+                f"'{url.split('://')[0]}://' is not a store this mergeval can use",
+                "give postgresql://USER@HOST:PORT/DB, sqlite:///FILE or a file path",
+            )
         if "://" not in url and _MISSPELT_URL.search(url):  # a file path by the rules, a URL by intent
-            raise UserError("store.url", f"'{url}' reads as a URL without its '://', which would make a new "
-                            "SQLite file at that relative path", "write postgresql://USER@HOST:PORT/DB or "
-                            "sqlite:///FILE, or give the file with store.path=FILE")
+            raise UserError(
+                "store.url",
+                f"'{url}' reads as a URL without its '://', which would make a new SQLite file at that relative path",
+                "write postgresql://USER@HOST:PORT/DB or sqlite:///FILE, or give the file with store.path=FILE",
+            )
         return Store(url if is_server_url(url) else sqlite_path(url), field="store.url", claim_timeout_s=timeout)
-    return Store(Path(path).expanduser() if path else cache / "results.sqlite", field="store.path",
-                 claim_timeout_s=timeout)
+    return Store(
+        Path(path).expanduser() if path else cache / "results.sqlite", field="store.path", claim_timeout_s=timeout
+    )
 
 
 def record_models(store: Store, models) -> None:

@@ -60,8 +60,11 @@ def check_job_dir(cfg: DictConfig, out_dir: Path) -> None:
         same, what = False, "unreadable"
     if not same:
         field = "hydra.sweep.dir" if in_multirun() else "hydra.run.dir"
-        raise UserError(field, f"'{out_dir}' already holds the result.json of another configuration ({what})",
-                        "choose a new directory (by default each run gets its own) or remove that result.json")
+        raise UserError(
+            field,
+            f"'{out_dir}' already holds the result.json of another configuration ({what})",
+            "choose a new directory (by default each run gets its own) or remove that result.json",
+        )
 
 
 def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path]) -> None:
@@ -75,14 +78,18 @@ def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path])
     for name, path in expert_dirs.items():
         theirs = vocab_size(read_config(path, f"modelset.experts.{name}"))
         if base is not None and theirs is not None and theirs < base:
-            raise UserError("vocab_policy", f"truncate cuts the merge to expert {name}'s {theirs} vocabulary rows, "
-                            f"fewer than the base's {base}, so it cannot be evaluated in the base's architecture",
-                            "use vocab_policy=union (the base's rows for the tokens it lacks), or python -m "
-                            "mergeval.merge to write the truncated merge")
+            raise UserError(
+                "vocab_policy",
+                f"truncate cuts the merge to expert {name}'s {theirs} vocabulary rows, "
+                f"fewer than the base's {base}, so it cannot be evaluated in the base's architecture",
+                "use vocab_policy=union (the base's rows for the tokens it lacks), or python -m "
+                "mergeval.merge to write the truncated merge",
+            )
 
 
-def _merge_tokens(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs: dict[str, Path], models: list,
-                  out_dir: Path) -> Path:
+def _merge_tokens(
+    cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs: dict[str, Path], models: list, out_dir: Path
+) -> Path:
     """The merge with the vocabularies aligned by token (tokenizer_source), written to ``<job dir>/merged_model``
     with its tokenizer: it cannot stream into a model of the base's vocabulary."""
     from mergeval.merge import merge_to_disk
@@ -94,9 +101,20 @@ def _merge_tokens(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_di
         import shutil
 
         shutil.rmtree(target)  # a rerun of this job's configuration (resume): the merge is made again
-    return merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
-                         card={"config": merge_config(cfg), "inputs": inputs}, progress=True,
-                         out_dtype=cfg.out_dtype, tokenizer_source=cfg.tokenizer_source, device=merge_device(cfg))
+    return merge_to_disk(
+        method,
+        method_cfg,
+        base_dir,
+        expert_dirs,
+        target,
+        cfg.seed,
+        cfg.vocab_policy,
+        card={"config": merge_config(cfg), "inputs": inputs},
+        progress=True,
+        out_dtype=cfg.out_dtype,
+        tokenizer_source=cfg.tokenizer_source,
+        device=merge_device(cfg),
+    )
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:
@@ -106,9 +124,16 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     apply_offline(cfg.offline)
     store = open_store(cfg, cache_root(cfg.cache_dir))
     run_id, versions, git = uuid.uuid4().hex, package_versions(), git_commit()
-    store.start_run(run_id, experiment=cfg.modelset.name, method=cfg.method.name,
-                    config=OmegaConf.to_container(cfg, resolve=True), versions=versions, git=git,
-                    job_dir=str(out_dir), config_hash=config_hash(cfg))  # a resumed sweep finds it by this
+    store.start_run(
+        run_id,
+        experiment=cfg.modelset.name,
+        method=cfg.method.name,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        versions=versions,
+        git=git,
+        job_dir=str(out_dir),
+        config_hash=config_hash(cfg),
+    )  # a resumed sweep finds it by this
     reset_device_memory_peak(cfg.eval.device)
     try:
         outcome = _execute(cfg, out_dir, store)
@@ -128,6 +153,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     from mergeval.merge.memory import merge_live
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict, model_identity
+
     quiet_transformers(cfg.verbose)
     lap = Laps()
     timings = lap.timings
@@ -141,8 +167,11 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     _check_truncation(cfg.vocab_policy, base_dir, expert_dirs)
     if cfg.get("tokenizer_source") and cfg.metric.similarity:
-        raise UserError("metric.similarity", "compares the models' tensors row by row, and tokenizer_source gives "
-                        "the merge other vocabulary rows", "drop metric.similarity, or tokenizer_source")
+        raise UserError(
+            "metric.similarity",
+            "compares the models' tensors row by row, and tokenizer_source gives the merge other vocabulary rows",
+            "drop metric.similarity, or tokenizer_source",
+        )
     lap("resolve_models")
     tokenizer = None  # loaded before the first merge or evaluation, so a damaged one fails before minutes of
     # either; a run whose merge and scores all come from the store never loads it (nor imports what it needs)
@@ -175,15 +204,33 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         merged_model = load_model(target, None, getattr(torch, cfg.eval.dtype), "tokenizer_source")
         merged = dict(merged_model.state_dict())
         weights = fingerprint(target, None, "tokenizer_source")
-        models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, target), merge="this run",
-                                weights=weights, path=str(target)))
+        models.append(
+            ModelInfo(
+                MERGED,
+                f"{method.name}",
+                model_identity(weights, target),
+                merge="this run",
+                weights=weights,
+                path=str(target),
+            )
+        )
     else:  # streamed into a live model: one model in memory, whatever the number of experts
         tokenizer = load_tokenizer(base_dir)
-        merged_model, merged = merge_live(method, method_cfg, base_dir, expert_dirs, cfg.seed, cfg.vocab_policy,
-                                          dtype=getattr(torch, cfg.eval.dtype), slices=slices, device=merging_on)
+        merged_model, merged = merge_live(
+            method,
+            method_cfg,
+            base_dir,
+            expert_dirs,
+            cfg.seed,
+            cfg.vocab_policy,
+            dtype=getattr(torch, cfg.eval.dtype),
+            slices=slices,
+            device=merging_on,
+        )
         weights = fingerprint_state_dict(merged)  # evaluated in the base's architecture, with its tokenizer
-        models.append(ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run",
-                                weights=weights))
+        models.append(
+            ModelInfo(MERGED, f"{method.name}", model_identity(weights, base_dir), merge="this run", weights=weights)
+        )
         store.put_merge(key, inputs, method_cfg, cfg.seed, models[-1].fingerprint, options)
     if not done:
         merge_info["device"] = gpus.compute_device(merging_on)  # the device that merged (result.json's merge)
@@ -201,9 +248,16 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         from mergeval.merge.card import merge_config
 
         target = out_dir / "merged_model"
-        save_merged(merged, base_dir, target, method,
-                    {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]}, out_dtype=cfg.out_dtype,
-                    slices=slices, model_dirs={"base": base_dir, **expert_dirs})
+        save_merged(
+            merged,
+            base_dir,
+            target,
+            method,
+            {"config": merge_config(cfg), "inputs": [vars(m) for m in models[:-1]]},
+            out_dtype=cfg.out_dtype,
+            slices=slices,
+            model_dirs={"base": base_dir, **expert_dirs},
+        )
         models[-1].path = str(target)
         lap("save_merged")
     # From here the live model holds the merge: once eval.dtype or eval.device gives it new tensors, this
@@ -218,17 +272,30 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     for number, info in enumerate([models[-1], *models[:-1]], start=1):
         # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
         # sweep jobs wait for the one evaluating a shared constituent.
-        got = {} if cfg.eval.force else store.claim_or_scores(
-            info.fingerprint, digests, settings,
-            lambda role=info.role: print(f"mergeval: waiting for another job evaluating {role}", flush=True),
-            metrics=metrics)
+        got = (
+            {}
+            if cfg.eval.force
+            else store.claim_or_scores(
+                info.fingerprint,
+                digests,
+                settings,
+                lambda role=info.role: print(f"mergeval: waiting for another job evaluating {role}", flush=True),
+                metrics=metrics,
+            )
+        )
         entries = [e for e in suite.entries if any(t not in got for t in suite.rows_of([e]))]
-        info.evaluated = ("reused from the results store" if not entries else "this run" if not got
-                          else "partly reused from the results store")
+        info.evaluated = (
+            "reused from the results store"
+            if not entries
+            else "this run"
+            if not got
+            else "partly reused from the results store"
+        )
         if entries:
             if tokens:  # each model with its own tokenizer (resolve.evaluation_tokenizer; the merge its own)
-                tokenizer = load_tokenizer(Path(info.path) if info.role == MERGED else
-                                           evaluation_tokenizer(Path(info.path), base_dir, tokens))
+                tokenizer = load_tokenizer(
+                    Path(info.path) if info.role == MERGED else evaluation_tokenizer(Path(info.path), base_dir, tokens)
+                )
             elif tokenizer is None:
                 tokenizer = load_tokenizer(base_dir)
             step = f"mergeval: [{number}/{len(models)}] {info.role}"
@@ -242,14 +309,20 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             model = model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)
-            print(f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s",
-                  flush=True)
+            print(
+                f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s", flush=True
+            )
             evaluated = {t: digests[t] for t in result}
-            kept = samples.write(samples.path_for(cache, info.fingerprint, settings_hash(settings.run), evaluated),
-                                 harness.samples)
-            store.put_scores(info.fingerprint, evaluated, settings,
-                             {t: s.stored() for t, s in result.items()},
-                             samples_path=str(kept))
+            kept = samples.write(
+                samples.path_for(cache, info.fingerprint, settings_hash(settings.run), evaluated), harness.samples
+            )
+            store.put_scores(
+                info.fingerprint,
+                evaluated,
+                settings,
+                {t: s.stored() for t, s in result.items()},
+                samples_path=str(kept),
+            )
             got = {**got, **{t: s.as_dict() for t, s in result.items()}}
             del model
         if info.role == MERGED:
@@ -263,8 +336,16 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
             scores[task][info.role] = score
     lap("evaluate")
 
-    rows = {t: {"metric": r.metric, "higher_is_better": r.higher_is_better, "output_type": r.output_type,
-                "entry": r.entry, "counted": r.counted} for t, r in suite.rows.items()}
+    rows = {
+        t: {
+            "metric": r.metric,
+            "higher_is_better": r.higher_is_better,
+            "output_type": r.output_type,
+            "entry": r.entry,
+            "counted": r.counted,
+        }
+        for t, r in suite.rows.items()
+    }
     counted, excluded = aggregable(scores, rows, tasks)
     aggregates = aggregate(scores, counted, models, cfg.metric)
     aggregates["excluded"] = excluded
@@ -282,8 +363,18 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         from mergeval.merge.card import add_evaluation
 
         add_evaluation(Path(models[-1].path) / "README.md", scores, [m.role for m in models])
-    return Outcome(models, tasks, scores, aggregates, digests, timings, merge_info, rows=rows,
-                   task_settings=dict(settings.tasks), items=items)
+    return Outcome(
+        models,
+        tasks,
+        scores,
+        aggregates,
+        digests,
+        timings,
+        merge_info,
+        rows=rows,
+        task_settings=dict(settings.tasks),
+        items=items,
+    )
 
 
 def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
@@ -320,8 +411,14 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
     try:
         atomic_write_text(path, result_text(result))  # outcome.py
         mergekit_config.write_for_run(out_dir / "mergekit.yaml", cfg, outcome.models)  # when mergekit can express it
-        store.finish_run(outcome.run_id, result_path=str(path), aggregates=outcome.aggregates,
-                         timings=outcome.timings, models=result["models"], scores=outcome.scores)
+        store.finish_run(
+            outcome.run_id,
+            result_path=str(path),
+            aggregates=outcome.aggregates,
+            timings=outcome.timings,
+            models=result["models"],
+            scores=outcome.scores,
+        )
     except BaseException as err:
         path.unlink(missing_ok=True)
         _record_end(store, outcome.run_id, err, timings=outcome.timings)

@@ -25,13 +25,17 @@ def check_metric_config(metric, tasks: list[str]) -> None:
             raise UserError(f"metric.groups.{name}.tasks", "empty group", "list some of benchmark.tasks")
         unknown = [t for t in group.tasks if t not in tasks]
         if unknown:
-            raise UserError(f"metric.groups.{name}.tasks", f"{unknown} not in benchmark.tasks",
-                            f"use tasks from {tasks}")
+            raise UserError(
+                f"metric.groups.{name}.tasks", f"{unknown} not in benchmark.tasks", f"use tasks from {tasks}"
+            )
     if metric.weighting not in ("tasks", "equal", "given"):
         raise UserError("metric.weighting", f"unknown weighting '{metric.weighting}'", "use tasks, equal or given")
     if metric.weighting == "given" and set(metric.weights or {}) != set(metric.groups or {}):
-        raise UserError("metric.weights", "weighting=given needs one weight per group",
-                        f"set metric.weights for {sorted(metric.groups or {})}")
+        raise UserError(
+            "metric.weights",
+            "weighting=given needs one weight per group",
+            f"set metric.weights for {sorted(metric.groups or {})}",
+        )
     unknown = [t for t in metric.forgetting_tasks if t not in tasks]
     if unknown:
         raise UserError("metric.forgetting_tasks", f"{unknown} not in benchmark.tasks", f"use tasks from {tasks}")
@@ -42,12 +46,18 @@ def check_consistency_pairs(pairs: list[list[str]], tasks: list[str]) -> None:
     """Each metric.consistency pair: two distinct benchmark tasks that ask the same items (X and X_mc)."""
     for pair in pairs:
         if len(pair) != 2 or pair[0] == pair[1]:
-            raise UserError("metric.consistency", f"{pair} is not a pair of two distinct tasks",
-                            "give [task, task_mc] pairs, e.g. [[mergeval_chem_count, mergeval_chem_count_mc]]")
+            raise UserError(
+                "metric.consistency",
+                f"{pair} is not a pair of two distinct tasks",
+                "give [task, task_mc] pairs, e.g. [[mergeval_chem_count, mergeval_chem_count_mc]]",
+            )
         missing = [t for t in pair if t not in tasks]
         if missing:
-            raise UserError("metric.consistency", f"{missing} of pair {pair} not in benchmark.tasks",
-                            f"add them to benchmark.tasks or pair tasks from {tasks}")
+            raise UserError(
+                "metric.consistency",
+                f"{missing} of pair {pair} not in benchmark.tasks",
+                f"add them to benchmark.tasks or pair tasks from {tasks}",
+            )
         if not same_items(*pair):
             cloze = items_of(pair[0])
             hint = f"pair {cloze} with {cloze + LETTERED}" if cloze in GENERATED else "pair a task X with X_mc"
@@ -87,25 +97,37 @@ def _interpolation_error(err, key_error, unsupported) -> UserError:
     env = re.search(r"Environment variable '([^']+)' not found", str(err) + str(err.__cause__ or ""))
     if env:
         var = env.group(1)
-        return UserError(field, f"the environment variable {var} is not set",
-                         f"set it (export {var}=...) or give a default: ${{oc.env:{var},DEFAULT}}")
+        return UserError(
+            field,
+            f"the environment variable {var} is not set",
+            f"set it (export {var}=...) or give a default: ${{oc.env:{var},DEFAULT}}",
+        )
     if isinstance(err, key_error):
         missing = re.search(r"key '([^']+)'", text)
         name = missing.group(1) if missing else text
-        return UserError(field, f"${{{name}}} names no field of the config",
-                         "refer to a field that exists (e.g. ${seed}, ${modelset.name}) or give the value itself")
+        return UserError(
+            field,
+            f"${{{name}}} names no field of the config",
+            "refer to a field that exists (e.g. ${seed}, ${modelset.name}) or give the value itself",
+        )
     if isinstance(err, unsupported):
         resolver = re.search(r"interpolation type '?([\w.-]+)", text)
-        return UserError(field, f"no resolver named '{resolver.group(1) if resolver else text}'",
-                         "use one of OmegaConf's (oc.env, oc.select, ...) or give the value itself")
+        return UserError(
+            field,
+            f"no resolver named '{resolver.group(1) if resolver else text}'",
+            "use one of OmegaConf's (oc.env, oc.select, ...) or give the value itself",
+        )
     converted = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", text)
     if converted:
         value, _, kind = converted.groups()
         via = f" ({expression.group(1)})" if expression else ""
         kind = kind.lower()
         article = "an" if kind[0] in "aeiou" else "a"
-        return UserError(field, f"the interpolation{via} gives '{value}', not {article} {kind}",
-                         f"give {article} {kind} value for {field}")
+        return UserError(
+            field,
+            f"the interpolation{via} gives '{value}', not {article} {kind}",
+            f"give {article} {kind} value for {field}",
+        )
     return UserError(field, f"cannot resolve its value ({text})", "fix the interpolation or give the value itself")
 
 
@@ -133,9 +155,12 @@ def _check_keys(node: dict, schema, prefix: str) -> None:
         if key not in fields:
             near = difflib.get_close_matches(str(key), fields, n=1)
             where = f"the fields of {prefix[:-1]}" if prefix else "the top-level fields"
-            raise UserError(f"{prefix}{key}", "no such field (added with +?)",
-                            (f"did you mean {prefix}{near[0]}? " if near else "check the spelling; ")
-                            + f"{where} are: {', '.join(fields)}")
+            raise UserError(
+                f"{prefix}{key}",
+                "no such field (added with +?)",
+                (f"did you mean {prefix}{near[0]}? " if near else "check the spelling; ")
+                + f"{where} are: {', '.join(fields)}",
+            )
         if not isinstance(value, dict):
             continue
         if prefix == "" and key == "method":  # Any in the schema: the fields of the method it names
@@ -182,8 +207,11 @@ def check_mapping_keys(bench) -> None:
         for task in bench.get(field) or {}:
             if task not in entries:
                 near = difflib.get_close_matches(task, entries, n=1)
-                raise UserError(f"benchmark.{field}.{task}", f"'{task}' is not in benchmark.tasks",
-                                f"did you mean {near[0]}?" if near else f"use one of {entries}")
+                raise UserError(
+                    f"benchmark.{field}.{task}",
+                    f"'{task}' is not in benchmark.tasks",
+                    f"did you mean {near[0]}?" if near else f"use one of {entries}",
+                )
 
 
 # lm-eval's own generation keys; the rest go to transformers' generate (its GenerationConfig's fields)
@@ -208,8 +236,11 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
     for key in gen_kwargs:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1)
-            raise UserError(f"eval.gen_kwargs.{key}", "not a generation setting of lm-eval or transformers' "
-                            "generate()", f"did you mean {near[0]}?" if near else "see transformers' GenerationConfig")
+            raise UserError(
+                f"eval.gen_kwargs.{key}",
+                "not a generation setting of lm-eval or transformers' generate()",
+                f"did you mean {near[0]}?" if near else "see transformers' GenerationConfig",
+            )
 
 
 def model_slices(cfg: DictConfig) -> list | None:
@@ -222,8 +253,11 @@ def model_slices(cfg: DictConfig) -> list | None:
 def refuse_slices(cfg: DictConfig, what: str) -> None:
     """A UserError when the modelset has layer slices, which ``what`` does not merge."""
     if cfg.modelset.get("slices"):
-        raise UserError("modelset.slices", f"{what} merges whole models, not layer slices",
-                        "merge and evaluate a frankenmerge with python -m mergeval (or python -m mergeval.merge)")
+        raise UserError(
+            "modelset.slices",
+            f"{what} merges whole models, not layer slices",
+            "merge and evaluate a frankenmerge with python -m mergeval (or python -m mergeval.merge)",
+        )
 
 
 def validate(cfg: DictConfig, schema=None):
@@ -247,27 +281,40 @@ def validate(cfg: DictConfig, schema=None):
     generated = [t for t in cfg.benchmark.tasks if t in GENERATED]
     unknown = [t for t in cfg.benchmark.tasks if t.startswith(PREFIX) and t not in GENERATED]
     if unknown:  # registry names are checked when the benchmark is loaded; ours need no index
-        raise UserError("benchmark.tasks", f"unknown generated task '{unknown[0]}'",
-                        f"choose from: {', '.join(sorted(GENERATED))}")
+        raise UserError(
+            "benchmark.tasks", f"unknown generated task '{unknown[0]}'", f"choose from: {', '.join(sorted(GENERATED))}"
+        )
     if generated:
         check_tasks(generated, cfg.benchmark.n_items)
     experts = cfg.modelset.experts
     slices = model_slices(cfg)
     if slices and cfg.get("metric") is not None and cfg.metric.get("similarity"):
-        raise UserError("metric.similarity", "compares the merge's tensors with each expert's of the same name, "
-                        "which layer slices renumber", "set metric.similarity=false for a merge of modelset.slices")
+        raise UserError(
+            "metric.similarity",
+            "compares the merge's tensors with each expert's of the same name, which layer slices renumber",
+            "set metric.similarity=false for a merge of modelset.slices",
+        )
     if not experts and not slices:
         raise UserError("modelset.experts", "no experts to merge", "list at least one expert in the modelset")
     for name, expert in experts.items():
         if (expert.source is None) == (expert.domain is None):
-            raise UserError(f"modelset.experts.{name}", "needs exactly one of source or domain",
-                            "set source (a model) or domain (fine-tune the base on generated data)")
+            raise UserError(
+                f"modelset.experts.{name}",
+                "needs exactly one of source or domain",
+                "set source (a model) or domain (fine-tune the base on generated data)",
+            )
         if expert.domain is not None and expert.domain not in DOMAINS:
-            raise UserError(f"modelset.experts.{name}.domain", f"unknown training domain '{expert.domain}'",
-                            f"choose one of: {', '.join(sorted(DOMAINS))}")
+            raise UserError(
+                f"modelset.experts.{name}.domain",
+                f"unknown training domain '{expert.domain}'",
+                f"choose one of: {', '.join(sorted(DOMAINS))}",
+            )
         if expert.task is not None and expert.task not in cfg.benchmark.tasks:
-            raise UserError(f"modelset.experts.{name}.task", f"'{expert.task}' is not in benchmark.tasks",
-                            f"use one of {list(cfg.benchmark.tasks)} or null")
+            raise UserError(
+                f"modelset.experts.{name}.task",
+                f"'{expert.task}' is not in benchmark.tasks",
+                f"use one of {list(cfg.benchmark.tasks)} or null",
+            )
         if expert.get("calibration") is not None:
             from mergeval.merge.expert_statistics import check_calibration
 
@@ -279,42 +326,55 @@ def validate(cfg: DictConfig, schema=None):
     except UserError as err:
         if not slices or not err.field.startswith("modelset"):
             raise
-        fix = ("give every slice the base's range and one per other input, or method=passthrough for one source "
-               "per slice" if len(slices[0]) == 1 else "give every slice one source, or choose a method that "
-               "merges them (linear, slerp...)")
+        fix = (
+            "give every slice the base's range and one per other input, or method=passthrough for one source per slice"
+            if len(slices[0]) == 1
+            else "give every slice one source, or choose a method that merges them (linear, slerp...)"
+        )
         raise UserError("modelset.slices", f"{len(slices[0])} source(s) per slice: {err.problem}", fix) from None
     if method.needs.statistics and method_cfg.statistics is None:  # before minutes of building experts
         missing = [n for n, e in experts.items() if e.get("calibration") is None]
         if missing:
             field = f"modelset.experts.{missing[0]}.calibration"
-            raise UserError(field, f"method {method.name} needs calibration data for every expert",
-                            f"set {field}={{task: {experts[missing[0]].domain or '<generated domain>'}, split: "
-                            "train, n: 64}")
+            raise UserError(
+                field,
+                f"method {method.name} needs calibration data for every expert",
+                f"set {field}={{task: {experts[missing[0]].domain or '<generated domain>'}, split: train, n: 64}}",
+            )
     if method.needs.ranking and method_cfg.order != "given" and method_cfg.validation_scores is None:
         if not generated:
-            raise UserError("method.order", "ranking experts needs a validation split, which only mergeval's "
-                            "generated tasks have", "give method.validation_scores or set method.order=given")
+            raise UserError(
+                "method.order",
+                "ranking experts needs a validation split, which only mergeval's generated tasks have",
+                "give method.validation_scores or set method.order=given",
+            )
         check_tasks(generated, cfg.benchmark.n_items, method_cfg.validation_items)
     if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:
         raise UserError("benchmark.limit", f"must be positive, got {cfg.benchmark.limit}", "set it to null or >= 1")
     if cfg.benchmark.num_fewshot is not None and cfg.benchmark.num_fewshot < 0:
-        raise UserError("benchmark.num_fewshot", f"must be 0 or more, got {cfg.benchmark.num_fewshot}",
-                        "set it to null (each task's own default) or a number of examples >= 0")
+        raise UserError(
+            "benchmark.num_fewshot",
+            f"must be 0 or more, got {cfg.benchmark.num_fewshot}",
+            "set it to null (each task's own default) or a number of examples >= 0",
+        )
     check_best(cfg.sweep.best)
     check_mapping_keys(cfg.benchmark)
     check_gen_kwargs(dict(cfg.eval.gen_kwargs or {}))
     if cfg.metric.scale not in ("percent", "fraction"):
         raise UserError("metric.scale", f"unknown scale '{cfg.metric.scale}'", "use percent or fraction")
     if cfg.eval.batch_size < 1:
-        raise UserError("eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32")
+        raise UserError(
+            "eval.batch_size", f"must be positive, got {cfg.eval.batch_size}", "set e.g. eval.batch_size=32"
+        )
     check_metric_config(cfg.metric, list(cfg.benchmark.tasks))
     check_constituents(cfg.metric.constituents, list(experts))
     check_backend(cfg.eval.backend, compute_device(cfg.eval.device))  # a simulated GPU computes on the CPU
     if cfg.eval.dtype not in ("float32", "bfloat16", "float16"):
         raise UserError("eval.dtype", f"unknown dtype '{cfg.eval.dtype}'", "use float32, bfloat16 or float16")
     if cfg.get("out_dtype") not in (None, "float32", "bfloat16", "float16"):
-        raise UserError("out_dtype", f"unknown dtype '{cfg.out_dtype}'",
-                        "use float32, bfloat16 or float16, or null for the base's")
+        raise UserError(
+            "out_dtype", f"unknown dtype '{cfg.out_dtype}'", "use float32, bfloat16 or float16, or null for the base's"
+        )
     check_vocab_policy(cfg.vocab_policy)
     from mergeval.merge.tokens import check_tokenizer_source  # loads torch: not on the import of these checks
 
@@ -331,22 +391,33 @@ def check_merge_device(cfg: DictConfig) -> None:
 
     device = merge_device(cfg)
     inherited = " (eval.device's, merge.device's default)" if device == str(cfg.eval.device) else ""
+    if inherited:  # the user set eval.device: its own check names it
+        check_backend(cfg.eval.backend, compute_device(cfg.eval.device))
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
-        raise UserError("merge.device", f"'{device}'{inherited} is not a device torch knows",
-                        "set merge.device=cpu, or cuda / cuda:K on a GPU machine") from None
+        raise UserError(
+            "merge.device",
+            f"'{device}'{inherited} is not a device torch knows",
+            "set merge.device=cpu, or cuda / cuda:K on a GPU machine",
+        ) from None
     if parsed.type == "cpu" or (kind(device) == "cuda" and simulated() is not None):  # simulated: the CPU computes
         return
     backend = getattr(torch, parsed.type, None)
     available = getattr(backend, "is_available", None)
     if available is None or not available():
-        raise UserError("merge.device", f"'{device}'{inherited} is not available: torch sees no {parsed.type} device "
-                        "on this machine", "set merge.device=cpu to merge on the CPU (or run on a machine with one)")
+        raise UserError(
+            "merge.device",
+            f"'{device}'{inherited} is not available: torch sees no {parsed.type} device on this machine",
+            "set merge.device=cpu to merge on the CPU (or run on a machine with one)",
+        )
     count = getattr(backend, "device_count", None)
     if parsed.index is not None and count is not None and parsed.index >= count():
-        raise UserError("merge.device", f"'{device}'{inherited} is not available: torch sees {count()} "
-                        f"{parsed.type} device(s) here", f"set merge.device={parsed.type} (or merge.device=cpu)")
+        raise UserError(
+            "merge.device",
+            f"'{device}'{inherited} is not available: torch sees {count()} {parsed.type} device(s) here",
+            f"set merge.device={parsed.type} (or merge.device=cpu)",
+        )
 
 
 def check_constituents(choice, experts: list[str]) -> None:
@@ -354,12 +425,16 @@ def check_constituents(choice, experts: list[str]) -> None:
     if choice in ("experts", "base_and_experts"):
         return
     if isinstance(choice, str) or not choice:
-        raise UserError("metric.constituents", f"unknown choice {choice!r}",
-                        f"use experts, base_and_experts, or a list of roles from {['base', *experts]}")
+        raise UserError(
+            "metric.constituents",
+            f"unknown choice {choice!r}",
+            f"use experts, base_and_experts, or a list of roles from {['base', *experts]}",
+        )
     unknown = [r for r in choice if r not in ["base", *experts]]
     if unknown:
-        raise UserError("metric.constituents", f"{unknown} are not roles of the modelset",
-                        f"choose from {['base', *experts]}")
+        raise UserError(
+            "metric.constituents", f"{unknown} are not roles of the modelset", f"choose from {['base', *experts]}"
+        )
 
 
 def check_rows(cfg: DictConfig, rows: dict) -> None:
@@ -371,9 +446,11 @@ def check_rows(cfg: DictConfig, rows: dict) -> None:
     for field, task in uses:
         row = rows[task]
         if not row.higher_is_better:
-            raise UserError(field, f"'{task}' reports {row.metric}, where lower is better, which the aggregates "
-                            "cannot use", f"leave {task} out there, or pick a higher-is-better metric with "
-                            f"benchmark.metrics.{task}")
+            raise UserError(
+                field,
+                f"'{task}' reports {row.metric}, where lower is better, which the aggregates cannot use",
+                f"leave {task} out there, or pick a higher-is-better metric with benchmark.metrics.{task}",
+            )
 
 
 def check_best(best: str) -> None:
@@ -381,6 +458,9 @@ def check_best(best: str) -> None:
     head, _, rest = best.partition(".")
     if (head in NUMBERS and not rest) or (head in TABLES and rest):
         return
-    raise UserError("sweep.best", f"'{best}' is not a number among a run's aggregates",
-                    f"use one of {', '.join(NUMBERS)}, or a value inside {', '.join(TABLES)} with dots "
-                    "(e.g. forgetting.mean; see a run's result.json)")
+    raise UserError(
+        "sweep.best",
+        f"'{best}' is not a number among a run's aggregates",
+        f"use one of {', '.join(NUMBERS)}, or a value inside {', '.join(TABLES)} with dots "
+        "(e.g. forgetting.mean; see a run's result.json)",
+    )

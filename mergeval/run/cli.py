@@ -215,8 +215,11 @@ def _check_job_dir_text(job_dir: Path) -> None:
     from mergeval.core.errors import UTF8_FIX, is_utf8, shown
 
     if not is_utf8(str(job_dir)):
-        raise UserError("hydra.run.dir", f"the job directory {shown(str(job_dir))} has bytes that are not UTF-8 text",
-                        f"{UTF8_FIX}; run from such a directory or set hydra.run.dir=DIR")
+        raise UserError(
+            "hydra.run.dir",
+            f"the job directory {shown(str(job_dir))} has bytes that are not UTF-8 text",
+            f"{UTF8_FIX}; run from such a directory or set hydra.run.dir=DIR",
+        )
 
 
 def run_cli(hydra_main, entry: str = "mergeval", summary: str = "", sections: dict | None = None) -> None:
@@ -321,8 +324,10 @@ def _run_cli(hydra_main, entry: str, summary: str, sections: dict | None) -> Non
         if full_error:
             raise
         which = "SIGTERM" if isinstance(err, Interrupted) else "Ctrl-C"
-        print(f"mergeval: interrupted by {which}: stopped, nothing half-written left{_AFTER_INTERRUPTION.get(entry, '')}",
-              file=sys.stderr)
+        print(
+            f"mergeval: interrupted by {which}: stopped, nothing half-written left{_AFTER_INTERRUPTION.get(entry, '')}",
+            file=sys.stderr,
+        )
         end_now(2)
     except SystemExit as ex:  # a job's failure, its one line printed (failing_cleanly)
         if ex.code == 2:
@@ -348,9 +353,11 @@ def _run_cli(hydra_main, entry: str, summary: str, sections: dict | None) -> Non
 
 # What an interrupted command leaves for the next one, by entry point (the others keep nothing to continue from).
 _AFTER_INTERRUPTION = {
-    **dict.fromkeys(("mergeval", "mergeval.staged", "mergeval.search"),
-                    " (the run is recorded as interrupted); run the same command again to continue, finished "
-                    "evaluations are reused"),
+    **dict.fromkeys(
+        ("mergeval", "mergeval.staged", "mergeval.search"),
+        " (the run is recorded as interrupted); run the same command again to continue, finished "
+        "evaluations are reused",
+    ),
     "mergeval.merge": "; run the same command again to merge (experts already built are reused)",
 }
 
@@ -369,8 +376,11 @@ def _in_job_dir(ex: BaseException, known: UserError) -> UserError:
     if os_error.filename is not None and not os.fsdecode(os_error.filename).startswith(str(job_dir)):
         return known  # another file (a log file the user's config names): the line already names it
     field = "hydra.sweep.dir" if swept else "hydra.run.dir"
-    return UserError(field, f"cannot write the job directory {job_dir} ({known.problem})",
-                     f"{known.fix}; or choose another directory with {field}=DIR")
+    return UserError(
+        field,
+        f"cannot write the job directory {job_dir} ({known.problem})",
+        f"{known.fix}; or choose another directory with {field}=DIR",
+    )
 
 
 def _merge_abandoned() -> bool:

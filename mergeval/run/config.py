@@ -294,6 +294,11 @@ def sweep_sections(config) -> dict:
     from omegaconf import DictConfig, OmegaConf
 
     run_fields = {f.name for f in dataclasses.fields(RunConfig)}
-    return {key: OmegaConf.get_type(node) for key, node in config.items_ex(resolve=False)
-            if key not in run_fields and key != "hydra" and isinstance(node, DictConfig)
-            and dataclasses.is_dataclass(OmegaConf.get_type(node))}
+    return {
+        key: OmegaConf.get_type(node)
+        for key, node in config.items_ex(resolve=False)
+        if key not in run_fields
+        and key != "hydra"
+        and isinstance(node, DictConfig)
+        and dataclasses.is_dataclass(OmegaConf.get_type(node))
+    }

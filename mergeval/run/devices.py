@@ -54,8 +54,12 @@ def job_device(cfg: DictConfig) -> Iterator[str | None]:
     held = gpus.claim(n, preferred=job, holder={"job": job})
     try:
         cfg.eval.device = held.device
-        shared = f", shared with {held.shared_with} other job{'s' * (held.shared_with > 1)} (more jobs at once " \
-                 f"than the {n} GPUs: hydra.launcher.n_jobs)" if held.shared_with else ""
+        shared = (
+            f", shared with {held.shared_with} other job{'s' * (held.shared_with > 1)} (more jobs at once "
+            f"than the {n} GPUs: hydra.launcher.n_jobs)"
+            if held.shared_with
+            else ""
+        )
         simulated = " (simulated: computing on the CPU)" if gpus.simulated() is not None else ""
         print(f"mergeval: job {job} evaluates on {held.device} of {n}{shared}{simulated}", flush=True)
         yield held.device

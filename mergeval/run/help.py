@@ -51,16 +51,30 @@ def help_text(entry: str, summary: str) -> str:
 
     groups = choices(Path(mergeval.run.conf.__file__).parent)
     width = max(len(g) for g in GROUPS) + 2
-    lines = ["mergeval: merge LLM checkpoints and evaluate the merges, reproducibly.", "",
-             f"python -m {entry} [+experiment=NAME] [GROUP=CHOICE ...] [KEY=VALUE ...]", f"  {summary}", "",
-             "Config groups (GROUP=CHOICE; an experiment is added with +experiment=NAME):"]
+    lines = [
+        "mergeval: merge LLM checkpoints and evaluate the merges, reproducibly.",
+        "",
+        f"python -m {entry} [+experiment=NAME] [GROUP=CHOICE ...] [KEY=VALUE ...]",
+        f"  {summary}",
+        "",
+        "Config groups (GROUP=CHOICE; an experiment is added with +experiment=NAME):",
+    ]
     for group, names in groups.items():
         lines.append(f"  {group:<{width}}" + _wrap(", ".join(names), 2 + width))
-    lines += ["", "Main overrides:", OVERRIDES, "", "Entry points:", ENTRY_POINTS, "",
-              "Results: each run writes outputs/<date>/<time>/result.json (a sweep: multirun/<date>/<time>/<n>/) and",
-              "a row in the results store (default the SQLite file <cache_dir>/results.sqlite; cache_dir defaults to",
-              "$MERGEVAL_CACHE or your user cache directory). Errors you can fix end in one line and exit status 2.",
-              "", "Hydra's own options: --hydra-help. More: README.md."]
+    lines += [
+        "",
+        "Main overrides:",
+        OVERRIDES,
+        "",
+        "Entry points:",
+        ENTRY_POINTS,
+        "",
+        "Results: each run writes outputs/<date>/<time>/result.json (a sweep: multirun/<date>/<time>/<n>/) and",
+        "a row in the results store (default the SQLite file <cache_dir>/results.sqlite; cache_dir defaults to",
+        "$MERGEVAL_CACHE or your user cache directory). Errors you can fix end in one line and exit status 2.",
+        "",
+        "Hydra's own options: --hydra-help. More: README.md.",
+    ]
     return "\n".join(lines)
 
 

@@ -48,8 +48,18 @@ from mergeval.core.errors import UserError
 from mergeval.eval.harness import BOOTSTRAP_ITERS, FEWSHOT_SEED
 
 BACKENDS = {"hf": "hflm", "vllm": "vllm"}  # lm_eval --model -> eval.backend
-_LOCATION_KEYS = {"task", "task_alias", "tag", "group", "dataset_path", "dataset_name", "dataset_kwargs",
-                  "metadata", "num_fewshot", "unsafe_code"}  # compared otherwise (data) or separately (n-shot)
+_LOCATION_KEYS = {
+    "task",
+    "task_alias",
+    "tag",
+    "group",
+    "dataset_path",
+    "dataset_name",
+    "dataset_kwargs",
+    "metadata",
+    "num_fewshot",
+    "unsafe_code",
+}  # compared otherwise (data) or separately (n-shot)
 
 
 def find_files(path: Path) -> tuple[Path, dict[str, Path]]:
@@ -57,8 +67,11 @@ def find_files(path: Path) -> tuple[Path, dict[str, Path]]:
     if path.is_dir():
         found = sorted(path.rglob("results_*.json"))
         if len(found) != 1:
-            raise UserError("RESULTS", f"{path} holds {len(found)} lm_eval results files",
-                            "give the path of one results_<time>.json")
+            raise UserError(
+                "RESULTS",
+                f"{path} holds {len(found)} lm_eval results files",
+                "give the path of one results_<time>.json",
+            )
         path = found[0]
     if not path.is_file():
         raise UserError("RESULTS", f"no such file {path}", "give a results_<time>.json written by lm_eval")
@@ -73,11 +86,15 @@ def read_results(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise UserError("RESULTS", f"cannot read {path} as JSON ({err})", "give a results file written by lm_eval") \
-            from None
+        raise UserError(
+            "RESULTS", f"cannot read {path} as JSON ({err})", "give a results file written by lm_eval"
+        ) from None
     if not isinstance(data, dict) or not all(k in data for k in ("results", "config", "versions", "n-shot")):
-        raise UserError("RESULTS", f"{path} is not an lm_eval results file (no results/config/versions/n-shot)",
-                        "give a results_<time>.json written by lm_eval --output_path")
+        raise UserError(
+            "RESULTS",
+            f"{path} is not an lm_eval results file (no results/config/versions/n-shot)",
+            "give a results_<time>.json written by lm_eval --output_path",
+        )
     return data
 
 
@@ -115,16 +132,24 @@ def check_settings(data: dict, cfg) -> None:
 
     got = file_settings(data)
     want = {
-        "eval.backend": cfg.eval.backend, "eval.dtype": cfg.eval.dtype, "eval.batch_size": cfg.eval.batch_size,
-        "eval.device": cfg.eval.device, "benchmark.limit": cfg.benchmark.limit,
-        "eval.gen_kwargs": dict(cfg.eval.gen_kwargs or {}), "eval.apply_chat_template": bool(cfg.eval.apply_chat_template),
+        "eval.backend": cfg.eval.backend,
+        "eval.dtype": cfg.eval.dtype,
+        "eval.batch_size": cfg.eval.batch_size,
+        "eval.device": cfg.eval.device,
+        "benchmark.limit": cfg.benchmark.limit,
+        "eval.gen_kwargs": dict(cfg.eval.gen_kwargs or {}),
+        "eval.apply_chat_template": bool(cfg.eval.apply_chat_template),
         "eval.system_instruction": cfg.eval.system_instruction,
-        "eval.fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn), "fewshot_seed": FEWSHOT_SEED,
-        "bootstrap_iters": BOOTSTRAP_ITERS, "lm_eval": version("lm_eval"),
+        "eval.fewshot_as_multiturn": bool(cfg.eval.fewshot_as_multiturn),
+        "fewshot_seed": FEWSHOT_SEED,
+        "bootstrap_iters": BOOTSTRAP_ITERS,
+        "lm_eval": version("lm_eval"),
     }
     for field, expected in want.items():
         if not _same(got[field], expected):
-            fix = f"import and run with {field}={got[field]}" if "." in field else f"run lm_eval with {field} {expected}"
+            fix = (
+                f"import and run with {field}={got[field]}" if "." in field else f"run lm_eval with {field} {expected}"
+            )
             if field not in ("eval.backend", "lm_eval") and "." in field:
                 fix += f", or rerun lm_eval with {expected!r}"
             raise UserError(field, f"the results file has {got[field]!r}, the run would use {expected!r}", fix)
@@ -142,28 +167,42 @@ def check_task(data: dict, name: str, task, docs: list, samples: list[dict] | No
     field = f"RESULTS.{name}"
     own_version = (task.get_config("metadata") or {}).get("version")
     if not _same(data["versions"].get(name), own_version):
-        raise UserError(f"versions.{name}", f"the results file has version {data['versions'].get(name)!r}, the "
-                        f"benchmark's task is version {own_version!r}", "evaluate the same task version with "
-                        "lm_eval, or let mergeval evaluate it")
+        raise UserError(
+            f"versions.{name}",
+            f"the results file has version {data['versions'].get(name)!r}, the "
+            f"benchmark's task is version {own_version!r}",
+            "evaluate the same task version with lm_eval, or let mergeval evaluate it",
+        )
     shots = task.get_config("num_fewshot") or 0
     if not _same(data["n-shot"].get(name), shots):
-        raise UserError(f"n-shot.{name}", f"the results file has {data['n-shot'].get(name)}-shot, the run would "
-                        f"use {shots}-shot", f"run lm_eval with --num_fewshot {shots}, or set benchmark.num_fewshot / "
-                        f"benchmark.fewshot.{name} to match")
+        raise UserError(
+            f"n-shot.{name}",
+            f"the results file has {data['n-shot'].get(name)}-shot, the run would use {shots}-shot",
+            f"run lm_eval with --num_fewshot {shots}, or set benchmark.num_fewshot / benchmark.fewshot.{name} to match",
+        )
     effective = (data.get("n-samples", {}).get(name) or {}).get("effective")
     if effective != len(docs):
-        raise UserError(f"n-samples.{name}", f"the results file scored {effective} documents, the run would score "
-                        f"{len(docs)}", "evaluate the same split, data and limit")
+        raise UserError(
+            f"n-samples.{name}",
+            f"the results file scored {effective} documents, the run would score {len(docs)}",
+            "evaluate the same split, data and limit",
+        )
     recorded = (data.get("configs") or {}).get(name)
     if recorded is None:
-        raise UserError(f"configs.{name}", "the results file does not record the task's config",
-                        "give the results file lm_eval wrote, unedited")
+        raise UserError(
+            f"configs.{name}",
+            "the results file does not record the task's config",
+            "give the results file lm_eval wrote, unedited",
+        )
     ours = task.dump_config()
     for key in sorted((set(recorded) | set(ours)) - _LOCATION_KEYS):
         if not _same(_plain(recorded.get(key)), _plain(ours.get(key))):
-            raise UserError(f"configs.{name}.{key}", "the results file's task differs from the benchmark's "
-                            f"({_short(recorded.get(key))} vs {_short(ours.get(key))})",
-                            "evaluate the benchmark's own task definition with lm_eval")
+            raise UserError(
+                f"configs.{name}.{key}",
+                "the results file's task differs from the benchmark's "
+                f"({_short(recorded.get(key))} vs {_short(ours.get(key))})",
+                "evaluate the benchmark's own task definition with lm_eval",
+            )
     _check_data(field, recorded, ours, docs, samples)
 
 
@@ -181,29 +220,48 @@ def _check_data(field: str, recorded: dict, ours: dict, docs: list, samples: lis
     if samples is not None:
         for row in samples:
             doc_id = row.get("doc_id")
-            if not isinstance(doc_id, int) or not 0 <= doc_id < len(docs) or _plain(row.get("doc")) != _plain(docs[doc_id]):
-                raise UserError(field, f"the samples' document {doc_id} is not the benchmark's",
-                                "evaluate the benchmark's data with lm_eval")
+            if (
+                not isinstance(doc_id, int)
+                or not 0 <= doc_id < len(docs)
+                or _plain(row.get("doc")) != _plain(docs[doc_id])
+            ):
+                raise UserError(
+                    field,
+                    f"the samples' document {doc_id} is not the benchmark's",
+                    "evaluate the benchmark's data with lm_eval",
+                )
         return
     theirs, mine = _data_files(recorded), _data_files(ours)
     if mine or theirs:
         for split, path in mine.items():
             other = theirs.get(split)
             if other is None or not Path(other).is_file():
-                raise UserError(field, f"cannot verify the data: the {split} file lm_eval read ({other}) is not here",
-                                "import with the samples (lm_eval --log_samples) or where the files are")
+                raise UserError(
+                    field,
+                    f"cannot verify the data: the {split} file lm_eval read ({other}) is not here",
+                    "import with the samples (lm_eval --log_samples) or where the files are",
+                )
             if _sha(Path(other)) != _sha(Path(path)):
-                raise UserError(field, f"lm_eval read a different {split} file ({other})",
-                                "evaluate the benchmark's data with lm_eval")
+                raise UserError(
+                    field,
+                    f"lm_eval read a different {split} file ({other})",
+                    "evaluate the benchmark's data with lm_eval",
+                )
         return
     for key in ("dataset_path", "dataset_name"):
         if recorded.get(key) != ours.get(key):
-            raise UserError(field, f"lm_eval read {key} {recorded.get(key)!r}, the benchmark reads {ours.get(key)!r}",
-                            "evaluate the benchmark's data set with lm_eval")
+            raise UserError(
+                field,
+                f"lm_eval read {key} {recorded.get(key)!r}, the benchmark reads {ours.get(key)!r}",
+                "evaluate the benchmark's data set with lm_eval",
+            )
     revision = [(c.get("dataset_kwargs") or {}).get("revision") for c in (recorded, ours)]
     if revision[0] != revision[1]:
-        raise UserError(field, f"lm_eval read revision {revision[0]!r}, the benchmark reads {revision[1]!r}",
-                        "evaluate the same revision")
+        raise UserError(
+            field,
+            f"lm_eval read revision {revision[0]!r}, the benchmark reads {revision[1]!r}",
+            "evaluate the same revision",
+        )
 
 
 def _data_files(config: dict) -> dict[str, str]:
@@ -223,8 +281,14 @@ def mergeval_samples(task, rows: list[dict]) -> list[dict]:
     """lm_eval's logged multiple-choice samples as mergeval's: {doc_id, lls (per choice), gold}."""
     from mergeval.eval.samples import gold_index
 
-    return [{"doc_id": r["doc_id"], "lls": [float(resp[0]) for resp in r["filtered_resps"]],
-             "gold": gold_index(task, r["doc"])} for r in sorted(rows, key=lambda r: r["doc_id"])]
+    return [
+        {
+            "doc_id": r["doc_id"],
+            "lls": [float(resp[0]) for resp in r["filtered_resps"]],
+            "gold": gold_index(task, r["doc"]),
+        }
+        for r in sorted(rows, key=lambda r: r["doc_id"])
+    ]
 
 
 def import_results(cfg, results: Path, model_spec: str) -> dict:
@@ -252,17 +316,26 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     # reuses them for an expert whose tokenizer files are the base's, as a run evaluates it with the base's)
     fp = model_identity(weights, model_dir)
     pretrained = model_args(data["config"]).get("pretrained")
-    if isinstance(pretrained, str) and Path(pretrained).expanduser().is_dir() and \
-            Path(pretrained).expanduser().resolve() != model_dir:
+    if (
+        isinstance(pretrained, str)
+        and Path(pretrained).expanduser().is_dir()
+        and Path(pretrained).expanduser().resolve() != model_dir
+    ):
         theirs = fingerprint(Path(pretrained).expanduser().resolve(), cache / "fingerprints.json", "RESULTS")
         if theirs != weights:
-            raise UserError("--model", f"the results are of {pretrained} (fingerprint {theirs}), not of {model_spec} "
-                            f"({weights})", "give the model lm_eval evaluated")
+            raise UserError(
+                "--model",
+                f"the results are of {pretrained} (fingerprint {theirs}), not of {model_spec} ({weights})",
+                "give the model lm_eval evaluated",
+            )
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
     names = [n for n in suite.names if n in data["results"]]
     if not names:
-        raise UserError("RESULTS", f"none of the benchmark's tasks ({', '.join(suite.names)}) is in {path.name}",
-                        "compose the benchmark the file was evaluated on (+experiment=..., benchmark.tasks=...)")
+        raise UserError(
+            "RESULTS",
+            f"none of the benchmark's tasks ({', '.join(suite.names)}) is in {path.name}",
+            "compose the benchmark the file was evaluated on (+experiment=..., benchmark.tasks=...)",
+        )
     task_dict = suite.subset(suite.entries)
     kept: dict[str, list[dict]] = {}
     logged: dict[str, list[dict]] = {}  # lm_eval's sample rows: each item's metrics (the store's item outcomes)
@@ -271,7 +344,7 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
             continue  # a group: its members are checked
         task = suite.task(name)
         docs = list(task.eval_docs)
-        docs = docs[:int(cfg.benchmark.limit) if cfg.benchmark.limit and cfg.benchmark.limit >= 1 else None]
+        docs = docs[: int(cfg.benchmark.limit) if cfg.benchmark.limit and cfg.benchmark.limit >= 1 else None]
         rows = read_samples(sample_files[name]) if name in sample_files else None
         check_task(data, name, task, docs, rows)
         if rows is not None:
@@ -287,9 +360,15 @@ def import_results(cfg, results: Path, model_spec: str) -> dict:
     if kept:
         kept_path = str(samples_io.write(samples_io.path_for(cache, fp, settings_hash(settings.run), digests), kept))
     store.put_scores(fp, digests, settings, scores, samples_path=kept_path)
-    return {"model": model_spec, "fingerprint": fp, "file": str(path), "stored": scores, "samples": kept_path,
-            "skipped": [t for t in data["results"] if t not in suite.rows],
-            "missing": [n for n in suite.names if n not in data["results"]]}
+    return {
+        "model": model_spec,
+        "fingerprint": fp,
+        "file": str(path),
+        "stored": scores,
+        "samples": kept_path,
+        "skipped": [t for t in data["results"] if t not in suite.rows],
+        "missing": [n for n in suite.names if n not in data["results"]],
+    }
 
 
 def _number(value) -> str:
@@ -301,8 +380,9 @@ def main(argv: list[str]) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m mergeval.results import",
-                                     description="Store an lm_eval results file as one model's evaluation.")
+    parser = argparse.ArgumentParser(
+        prog="python -m mergeval.results import", description="Store an lm_eval results file as one model's evaluation."
+    )
     parser.add_argument("results", help="results_<time>.json written by lm_eval (or the directory holding it)")
     parser.add_argument("--model", required=True, help="the evaluated model: a directory, zoo:NAME or hf:ORG/NAME")
     parser.add_argument("overrides", nargs="*", help="the run's config overrides, e.g. +experiment=tiny")
@@ -313,8 +393,10 @@ def main(argv: list[str]) -> int:
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2
-    print(f"imported {len(done['stored'])} task(s) of {done['model']} (fingerprint {done['fingerprint']}) "
-          f"from {done['file']}")
+    print(
+        f"imported {len(done['stored'])} task(s) of {done['model']} (fingerprint {done['fingerprint']}) "
+        f"from {done['file']}"
+    )
     for name, s in done["stored"].items():
         print(f"  {name}: {s['metric']} = {_number(s['value'])} ± {_number(s['stderr'])} (n={s['n']})")
     if done["samples"]:

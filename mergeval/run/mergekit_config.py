@@ -59,22 +59,67 @@ import yaml
 from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock", "sce", "nearswap", "nuslerp", "multislerp", "karcher",
-           "ram", "ramplus_tl", "arcee_fusion")
-OWN = ("nearswap", "nuslerp", "multislerp", "karcher", "ram", "ramplus_tl", "arcee_fusion")  # mergekit's own methods: one mode, mergekit's
+METHODS = (
+    "linear",
+    "task_arithmetic",
+    "ties",
+    "dare_ties",
+    "dare_linear",
+    "breadcrumbs",
+    "breadcrumbs_ties",
+    "della",
+    "della_linear",
+    "slerp",
+    "model_stock",
+    "sce",
+    "nearswap",
+    "nuslerp",
+    "multislerp",
+    "karcher",
+    "ram",
+    "ramplus_tl",
+    "arcee_fusion",
+)
+OWN = (
+    "nearswap",
+    "nuslerp",
+    "multislerp",
+    "karcher",
+    "ram",
+    "ramplus_tl",
+    "arcee_fusion",
+)  # mergekit's own methods: one mode, mergekit's
 SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", *OWN)
 BASE_AS_MODEL = ("linear", "nuslerp", "multislerp")  # without base_model, the first model is the base and merged
-SHARED = ("lambda_", "t", "filter_wise", "select_topk", "normalize", "density", "gamma", "epsilon", "r", "alpha",
-          "nuslerp_flatten", "nuslerp_row_wise", "normalize_weights", "eps", "max_iter", "tol")  # global parameters written out
+SHARED = (
+    "lambda_",
+    "t",
+    "filter_wise",
+    "select_topk",
+    "normalize",
+    "density",
+    "gamma",
+    "epsilon",
+    "r",
+    "alpha",
+    "nuslerp_flatten",
+    "nuslerp_row_wise",
+    "normalize_weights",
+    "eps",
+    "max_iter",
+    "tol",
+)  # global parameters written out
 PER_MODEL = ("weight", "density", "gamma", "epsilon")  # mergekit's per-input parameters
 RENAME = {"lambda": "lambda_"}
 NO_EFFECT = ("int8_mask",)
 # mergekit's top-level keys mergeval does not support: (what they do, the fix)
 UNSUPPORTED_TOP = {
     "modules": ("per-module merges", "merge whole models with models:"),
-    "chat_template": ("chat template replacement", "drop chat_template: (the merge keeps the base's template); set "
-                      "another in the merged model's tokenizer_config.json"),
+    "chat_template": (
+        "chat template replacement",
+        "drop chat_template: (the merge keeps the base's template); set "
+        "another in the merged model's tokenizer_config.json",
+    ),
 }
 
 
@@ -84,8 +129,11 @@ UNSUPPORTED_TOP = {
 def load(path: str | Path) -> dict:
     docs = load_all(path)
     if len(docs) > 1:
-        raise UserError("mergekit", f"'{path}' holds {len(docs)} configurations (a mergekit-multi file)",
-                        "give it to python -m mergeval or python -m mergeval.merge, which run its stages")
+        raise UserError(
+            "mergekit",
+            f"'{path}' holds {len(docs)} configurations (a mergekit-multi file)",
+            "give it to python -m mergeval or python -m mergeval.merge, which run its stages",
+        )
     return docs[0]
 
 
@@ -97,8 +145,9 @@ def load_all(path: str | Path) -> list[dict]:
     try:
         docs = [d for d in yaml.safe_load_all(file.read_text()) if d is not None]
     except yaml.YAMLError as err:
-        raise UserError("mergekit", f"'{path}' is not valid YAML ({str(err).splitlines()[0]})",
-                        "fix the file") from None
+        raise UserError(
+            "mergekit", f"'{path}' is not valid YAML ({str(err).splitlines()[0]})", "fix the file"
+        ) from None
     if not docs or not all(isinstance(d, dict) for d in docs):
         raise UserError("mergekit", f"'{path}' does not hold a mapping", "write a mergekit configuration")
     return docs
@@ -108,17 +157,26 @@ def _source(ref: Any, field: str) -> str:
     if not isinstance(ref, str) or not ref:
         raise UserError(field, f"must be a model path or Hugging Face id, got {ref!r}", "write it as a string")
     if "+" in ref:
-        raise UserError(field, f"'{ref}' applies a LoRA adapter, which mergeval cannot load",
-                        "merge the adapter into the model first")
+        raise UserError(
+            field,
+            f"'{ref}' applies a LoRA adapter, which mergeval cannot load",
+            "merge the adapter into the model first",
+        )
     local = Path(ref).expanduser()
     if local.is_dir():
         return str(local.resolve())
     if looks_like_path(ref):
-        raise UserError(field, f"no such model directory '{local}'",
-                        "point it at a directory with config.json and *.safetensors, or give a Hugging Face id")
+        raise UserError(
+            field,
+            f"no such model directory '{local}'",
+            "point it at a directory with config.json and *.safetensors, or give a Hugging Face id",
+        )
     if "@" in ref:
-        raise UserError(field, f"'{ref}' pins a revision, which mergeval's sources cannot",
-                        "download that revision and give its directory")
+        raise UserError(
+            field,
+            f"'{ref}' pins a revision, which mergeval's sources cannot",
+            "download that revision and give its directory",
+        )
     return f"hf:{ref}"
 
 
@@ -127,8 +185,11 @@ def _not_a_parameter(field: str, param: str, method: str, known) -> UserError:
     import difflib
 
     near = difflib.get_close_matches(param, [p for p in (*known, *RENAME) if p not in RENAME.values()], n=1)
-    return UserError(field, f"is not a parameter of {method}",
-                     f"did you mean {near[0]}?" if near else f"remove it (mergekit's {method} has no {param})")
+    return UserError(
+        field,
+        f"is not a parameter of {method}",
+        f"did you mean {near[0]}?" if near else f"remove it (mergekit's {method} has no {param})",
+    )
 
 
 def _glob(filter_: str | None) -> str:
@@ -145,8 +206,11 @@ def _setting(value: Any, field: str) -> list[tuple[str, Any]]:
         out = []
         for j, cond in enumerate(value):
             if set(cond) - {"filter", "value"} or "value" not in cond:
-                raise UserError(f"{field}[{j}]", "a filter entry holds exactly value and an optional filter",
-                                "write {filter: mlp, value: 0.5}")
+                raise UserError(
+                    f"{field}[{j}]",
+                    "a filter entry holds exactly value and an optional filter",
+                    "write {filter: mlp, value: 0.5}",
+                )
             out.append((_glob(cond.get("filter")), _scalar_or_gradient(cond["value"], f"{field}[{j}].value")))
         return out[::-1]
     return [("*", _scalar_or_gradient(value, field))]
@@ -156,8 +220,9 @@ def _scalar_or_gradient(value: Any, field: str) -> Any:
     number = (int, float)
     if isinstance(value, bool) or isinstance(value, str):
         return value
-    if isinstance(value, number) or (isinstance(value, list) and value and
-                                     all(isinstance(v, number) and not isinstance(v, bool) for v in value)):
+    if isinstance(value, number) or (
+        isinstance(value, list) and value and all(isinstance(v, number) and not isinstance(v, bool) for v in value)
+    ):
         return value
     raise UserError(field, f"unsupported value {value!r}", "use a number, a list of numbers or filter entries")
 
@@ -170,21 +235,40 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     for key, (what, fix) in UNSUPPORTED_TOP.items():
         if doc.get(key):
             raise UserError(f"{where}.{key}", f"{what} has no mergeval counterpart", fix)
-    known = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
-             "slices", "modules", "tokenizer", "chat_template", "name"}
+    known = {
+        "merge_method",
+        "base_model",
+        "models",
+        "parameters",
+        "dtype",
+        "out_dtype",
+        "tokenizer_source",
+        "slices",
+        "modules",
+        "tokenizer",
+        "chat_template",
+        "name",
+    }
     for key in doc:
         if key not in known:
-            raise UserError(f"{where}.{key}", "is not a mergekit configuration key mergeval knows",
-                            f"use: {', '.join(sorted(known))}")
+            raise UserError(
+                f"{where}.{key}",
+                "is not a mergekit configuration key mergeval knows",
+                f"use: {', '.join(sorted(known))}",
+            )
     if doc.get("slices") is not None:
         return _from_slices(doc, where)
     name = doc.get("merge_method")
     if name == "passthrough":
-        raise UserError(f"{where}.merge_method", "passthrough passes one model on: mergeval runs it over slices",
-                        "list the layer ranges under slices: (one source each)")
+        raise UserError(
+            f"{where}.merge_method",
+            "passthrough passes one model on: mergeval runs it over slices",
+            "list the layer ranges under slices: (one source each)",
+        )
     if name not in METHODS:
-        raise UserError(f"{where}.merge_method", f"'{name}' has no mergeval counterpart",
-                        f"mergeval runs: {', '.join(METHODS)}")
+        raise UserError(
+            f"{where}.merge_method", f"'{name}' has no mergeval counterpart", f"mergeval runs: {', '.join(METHODS)}"
+        )
     models = doc.get("models") or []
     if not isinstance(models, list) or not models:
         raise UserError(f"{where}.models", "lists no models", "list the models to merge under models:")
@@ -192,8 +276,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     for i, m in enumerate(models):
         m = {"model": m} if isinstance(m, str) else m
         if not isinstance(m, dict) or "model" not in m or set(m) - {"model", "parameters"}:
-            raise UserError(f"{where}.models[{i}]", "must hold model and optional parameters",
-                            "write - model: PATH_OR_ID")
+            raise UserError(
+                f"{where}.models[{i}]", "must hold model and optional parameters", "write - model: PATH_OR_ID"
+            )
         entries.append((str(m["model"]), m.get("parameters") or {}, f"{where}.models[{i}]"))
     base_ref = doc.get("base_model")
     notes = _notes(doc, where)
@@ -202,8 +287,10 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     if name == "karcher":  # every model is averaged, base_model too (added last where it is not listed)
         refs = [ref for ref, _, _ in entries]
         if base_ref in refs[:-1]:
-            notes.append(f"{where}.base_model is listed before the last model: mergeval averages it last, so its "
-                         "tensors differ from mergekit's by float32 rounding (list it last for the same bits)")
+            notes.append(
+                f"{where}.base_model is listed before the last model: mergeval averages it last, so its "
+                "tensors differ from mergekit's by float32 rounding (list it last for the same bits)"
+            )
         base_ref, include_base = base_ref or refs[-1], True
     elif name in BASE_AS_MODEL and base_ref is None:
         base_ref, include_base = entries[0][0], True
@@ -238,14 +325,17 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
         for glob, v in _setting(value, field):
             if isinstance(v, str) or isinstance(v, bool):
                 if glob != "*" or expert is not None:
-                    raise UserError(field, "a switch cannot vary by tensor or model in mergeval",
-                                    "give it once, unfiltered, under the global parameters")
+                    raise UserError(
+                        field,
+                        "a switch cannot vary by tensor or model in mergeval",
+                        "give it once, unfiltered, under the global parameters",
+                    )
                 cfg[target] = ("l1" if v else "none") if target == "rescale" else v
                 continue
             if param == "weight" and expert is None and glob == "*" and not isinstance(v, list):
                 cfg["weights"], weights_given[:] = [float(v)] * len(weighted), [True] * len(weighted)
             elif param == "weight" or expert is not None:
-                for i in ([expert] if expert is not None else range(len(weighted))):
+                for i in [expert] if expert is not None else range(len(weighted)):
                     weights_given[i] = weights_given[i] or param == "weight"
                     rules.append({"match": glob, "expert": i, param if param == "weight" else target: v})
             elif glob == "*" and not isinstance(v, list):
@@ -261,19 +351,28 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
                 raise _not_a_parameter(f"{field}.parameters.{key}", key, name, PER_MODEL)
             # a parameter the method shares across models (ram's epsilon): mergekit ignores it here
             if key not in PER_MODEL or (key in names and key not in expert_params(method.config)):
-                raise UserError(f"{field}.parameters.{key}", "mergekit reads it only from the global parameters",
-                                f"move {key} under parameters:")
+                raise UserError(
+                    f"{field}.parameters.{key}",
+                    "mergekit reads it only from the global parameters",
+                    f"move {key} under parameters:",
+                )
             put(key, value, f"{field}.parameters.{key}", i)
     if "weights" in names:
         missing = [i for i, given in enumerate(weights_given) if not given]
         if missing:
-            raise UserError(f"{weighted[missing[0]][2]}.parameters.weight", f"mergekit's {name} needs a weight for "
-                            "every model", "add weight: 1.0")
+            raise UserError(
+                f"{weighted[missing[0]][2]}.parameters.weight",
+                f"mergekit's {name} needs a weight for every model",
+                "add weight: 1.0",
+            )
     if rules:
         cfg["rules"] = rules
     stem = f"mergekit_{name}"
-    modelset = {"name": stem, "base": _source(base_ref, f"{where}.base_model"),
-                "experts": _expert_names([(ref, field) for ref, _, field in experts])}
+    modelset = {
+        "name": stem,
+        "base": _source(base_ref, f"{where}.base_model"),
+        "experts": _expert_names([(ref, field) for ref, _, field in experts]),
+    }
     tokenizer_choice(doc, modelset, where)  # its errors, with the file's others
     return cfg, modelset, notes
 
@@ -294,14 +393,18 @@ def tokenizer_choice(doc: dict, modelset: dict, where: str = "mergekit") -> str 
             raise UserError(field, "is given with tokenizer_source, which mergekit refuses", "keep one of the two")
         if not isinstance(spec, dict) or set(spec) - {"source"}:
             extra = sorted(set(spec) - {"source"}) if isinstance(spec, dict) else [spec]
-            raise UserError(field, f"{extra[0]}: mergeval takes only tokenizer.source (no per-token embeddings or "
-                            "padding)", "drop it, or build that tokenizer with mergekit")
+            raise UserError(
+                field,
+                f"{extra[0]}: mergeval takes only tokenizer.source (no per-token embeddings or padding)",
+                "drop it, or build that tokenizer with mergekit",
+            )
         tok, field = spec.get("source", "union"), f"{field}.source"
     if tok is None:
         return None
     if doc.get("base_model") is None:
-        raise UserError(field, "without base_model mergekit builds the tokenizer around any one of the models",
-                        "set base_model")
+        raise UserError(
+            field, "without base_model mergekit builds the tokenizer around any one of the models", "set base_model"
+        )
     if tok in ("base", "union"):
         return tok
     ref = _source(tok, field) if isinstance(tok, str) and tok else tok
@@ -319,8 +422,10 @@ def _notes(doc: dict, where: str) -> list[str]:
         if doc.get(key) is not None and doc[key] not in DTYPE_NAMES:
             raise UserError(f"{where}.{key}", f"unknown dtype '{doc[key]}'", f"use one of: {', '.join(DTYPE_NAMES)}")
     if doc.get("dtype") not in (None, "float32", "fp32"):
-        return [f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
-                f"{doc['dtype']}, so its tensors differ by that rounding)"]
+        return [
+            f"{where}.dtype={doc['dtype']}: mergeval merges in float32 (mergekit computes in "
+            f"{doc['dtype']}, so its tensors differ by that rounding)"
+        ]
     return []
 
 
@@ -328,8 +433,11 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
     """``from_mergekit`` of a configuration with slices: (module docstring)."""
     slices, field = doc["slices"], f"{where}.slices"
     if doc.get("models"):
-        raise UserError(f"{where}.models", "cannot be combined with slices:", "list the models in the slices' "
-                        "sources, or remove slices: to merge whole models")
+        raise UserError(
+            f"{where}.models",
+            "cannot be combined with slices:",
+            "list the models in the slices' sources, or remove slices: to merge whole models",
+        )
     if not isinstance(slices, list) or not slices:
         raise UserError(field, "lists no slices", "write - sources: [{model: PATH_OR_ID, layer_range: [0, 4]}]")
     refs: list[tuple[str, str]] = []  # (model reference, field) in order of first appearance
@@ -341,20 +449,30 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
         for key in set(entry) - {"sources"}:
             if key == "base_model" and entry[key] in (None, doc.get("base_model")):
                 continue
-            raise UserError(f"{at}.{key}", "a slice's own " + key + " has no mergeval counterpart",
-                            "give it once for the whole merge (base_model:, parameters:) or remove it")
+            raise UserError(
+                f"{at}.{key}",
+                "a slice's own " + key + " has no mergeval counterpart",
+                "give it once for the whole merge (base_model:, parameters:) or remove it",
+            )
         sources = entry["sources"] if isinstance(entry["sources"], list) else []
         for j, src in enumerate(sources):
             if not isinstance(src, dict) or not isinstance(src.get("model"), str):
-                raise UserError(f"{at}.sources[{j}]", "must hold model and layer_range",
-                                "write - model: PATH_OR_ID\n  layer_range: [0, 4]")
+                raise UserError(
+                    f"{at}.sources[{j}]",
+                    "must hold model and layer_range",
+                    "write - model: PATH_OR_ID\n  layer_range: [0, 4]",
+                )
             if src.get("parameters"):
-                raise UserError(f"{at}.sources[{j}].parameters", "a source's own parameters have no mergeval "
-                                "counterpart", "move them under the global parameters:")
+                raise UserError(
+                    f"{at}.sources[{j}].parameters",
+                    "a source's own parameters have no mergeval counterpart",
+                    "move them under the global parameters:",
+                )
             unknown = sorted(set(src) - {"model", "layer_range", "parameters"})
             if unknown:
-                raise UserError(f"{at}.sources[{j}].{unknown[0]}", "is not a key of a slice source",
-                                "keep model and layer_range")
+                raise UserError(
+                    f"{at}.sources[{j}].{unknown[0]}", "is not a key of a slice source", "keep model and layer_range"
+                )
             if src["model"] not in [r for r, _ in refs]:
                 refs.append((src["model"], f"{at}.sources[{j}]"))
         parsed.append(sources)
@@ -364,8 +482,10 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
     others = [(r, f) for r, f in refs if r != base_ref]
     names = dict(zip([r for r, _ in others], _expert_names(others)))
     names[base_ref] = "base"
-    out_slices = [{"sources": [{"model": names[src["model"]], "layer_range": src.get("layer_range")}
-                               for src in sources]} for sources in parsed]
+    out_slices = [
+        {"sources": [{"model": names[src["model"]], "layer_range": src.get("layer_range")} for src in sources]}
+        for sources in parsed
+    ]
     from mergeval.merge.slices import parse
 
     order = parse(out_slices, list(names.values()), field)  # the sources of each slice, the base's first
@@ -384,17 +504,30 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
     else:  # the method over the first slice's sources, as if they were whole models
         by_name = {v: k for k, v in names.items()}
         models = [{"model": by_name[x.model]} for x in order[0]]
-        cfg, _, notes = from_mergekit({k: v for k, v in doc.items() if k != "slices"} | {"models": models,
-                                       "base_model": doc.get("base_model") or (None if name == "linear" else base_ref)},
-                                      where)
+        cfg, _, notes = from_mergekit(
+            {k: v for k, v in doc.items() if k != "slices"}
+            | {"models": models, "base_model": doc.get("base_model") or (None if name == "linear" else base_ref)},
+            where,
+        )
     experts = {names[r]: {"source": _source(r, f"{f}.model")} for r, f in others}
-    modelset = {"name": f"mergekit_{name}_slices", "base": _source(base_ref, f"{where}.base_model"),
-                "experts": experts, "slices": out_slices}
+    modelset = {
+        "name": f"mergekit_{name}_slices",
+        "base": _source(base_ref, f"{where}.base_model"),
+        "experts": experts,
+        "slices": out_slices,
+    }
     return cfg, modelset, notes
 
 
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-               "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
 
 
 def output_dtype(doc: dict, where: str = "mergekit") -> str | None:
@@ -465,30 +598,33 @@ def renamed(modelset: dict, names: dict[str, str]) -> dict:
     experts = {new.get(k, k): v for k, v in modelset["experts"].items()}
     out = {**modelset, "experts": experts}
     if modelset.get("slices"):
-        out["slices"] = [{**s, "sources": [{**src, "model": new.get(src["model"], src["model"])}
-                                           for src in s["sources"]]} for s in modelset["slices"]]
+        out["slices"] = [
+            {**s, "sources": [{**src, "model": new.get(src["model"], src["model"])} for src in s["sources"]]}
+            for s in modelset["slices"]
+        ]
     return out
 
 
 # ---------------------------------------------------------------- out
 
 
-def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None,
-                tokenizer_source: str | None = None) -> dict | None:
+def to_mergekit(
+    method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None, tokenizer_source: str | None = None
+) -> dict | None:
     """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors.
     ``out_dtype``: the dtype the merge is written in (None: the inputs'). ``tokenizer_source``: base, union or
     the path of the model whose tokenizer the merge gets."""
     from mergeval.methods.registry import rule_items
 
     name = method_cfg.name
-    if name not in METHODS or (getattr(method_cfg, "compat", "paper") != "mergekit"
-                               and name not in SAME_IN_BOTH_MODES):
+    if name not in METHODS or (getattr(method_cfg, "compat", "paper") != "mergekit" and name not in SAME_IN_BOTH_MODES):
         return None
     if getattr(method_cfg, "sign_rule", "sum") != "sum":
         return None
     shared: dict[str, Any] = {}
-    own: list[dict[str, Any]] = [{} for _ in range(len(experts) + (1 if getattr(method_cfg, "include_base", False)
-                                                                     else 0))]
+    own: list[dict[str, Any]] = [
+        {} for _ in range(len(experts) + (1 if getattr(method_cfg, "include_base", False) else 0))
+    ]
     names = {f.name for f in fields(method_cfg)}
     for f in SHARED:
         value = getattr(method_cfg, f, None)
@@ -499,10 +635,11 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
         shared["rescale"] = rescale == "l1"
     if "weights" in names:
         from mergeval.methods.compat import expert_value
+
         for i in range(len(own)):
             own[i]["weight"] = expert_value(method_cfg, "weight", i)
             for p in PER_MODEL[1:]:
-                pe = (getattr(method_cfg, "per_expert", None) or [])
+                pe = getattr(method_cfg, "per_expert", None) or []
                 if i < len(pe) and pe[i] and pe[i].get(p) is not None:
                     own[i][p] = pe[i][p]
         for p in PER_MODEL[1:]:  # every model has its own: mergekit never reads the global one
@@ -511,16 +648,26 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     for rule in getattr(method_cfg, "rules", None) or []:
         match, params = rule_items(rule)
         expert = params.pop("expert", None)
-        if not (match == "*" or (match.startswith("*") and match.endswith("*") and len(match) > 2
-                                 and not any(c in match[1:-1] for c in "*?["))):
+        if not (
+            match == "*"
+            or (
+                match.startswith("*")
+                and match.endswith("*")
+                and len(match) > 2
+                and not any(c in match[1:-1] for c in "*?[")
+            )
+        ):
             return None
         filt = None if match == "*" else match[1:-1]
         for p, v in params.items():
             target = own[expert] if expert is not None else shared
             key = {"lambda_": "lambda"}.get(p, p)
             entries = target.get(key)
-            entries = entries if isinstance(entries, list) and entries and isinstance(entries[0], dict) else (
-                [] if entries is None else [{"value": entries}])
+            entries = (
+                entries
+                if isinstance(entries, list) and entries and isinstance(entries[0], dict)
+                else ([] if entries is None else [{"value": entries}])
+            )
             # mergeval: the last matching rule wins; mergekit: the first filter -> put the rule first
             entries.insert(0, {"filter": filt, "value": v} if filt else {"value": v})
             target[key] = entries
@@ -528,7 +675,7 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
         for key, entries in target.items():
             if isinstance(entries, list) and entries and isinstance(entries[0], dict):
                 cut = next((j for j, e in enumerate(entries) if "filter" not in e), len(entries) - 1)
-                target[key] = entries[:cut + 1]  # entries after an unfiltered one are never reached
+                target[key] = entries[: cut + 1]  # entries after an unfiltered one are never reached
     include_base = getattr(method_cfg, "include_base", False)
     paths = ([base] if include_base and name != "karcher" else []) + list(experts)
     models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
@@ -552,8 +699,9 @@ def to_mergekit(method_cfg: Any, base: str, experts: list[str], out_dtype: str |
     return doc
 
 
-def sliced_to_mergekit(method_cfg: Any, paths: dict[str, str], slices: list, out_dtype: str | None = None
-                       ) -> dict | None:
+def sliced_to_mergekit(
+    method_cfg: Any, paths: dict[str, str], slices: list, out_dtype: str | None = None
+) -> dict | None:
     """The mergekit configuration of a merge over layer slices (``merge.slices.parse``'s, in input order;
     ``paths``: modelset name -> model path), or None when mergekit cannot give the same tensors."""
     n = len(slices[0])
@@ -571,19 +719,37 @@ def sliced_to_mergekit(method_cfg: Any, paths: dict[str, str], slices: list, out
         own = {int(m["model"][1:]): m.get("parameters") or {} for m in doc.pop("models")}
         if "base_model" in doc:
             doc["base_model"] = paths["base"]
-    doc["slices"] = [{"sources": [{"model": paths[x.model], "layer_range": [x.start, x.end],
-                                   **({"parameters": own[p]} if own.get(p) else {})}
-                                  for p, x in enumerate(sources)]} for sources in slices]
+    doc["slices"] = [
+        {
+            "sources": [
+                {
+                    "model": paths[x.model],
+                    "layer_range": [x.start, x.end],
+                    **({"parameters": own[p]} if own.get(p) else {}),
+                }
+                for p, x in enumerate(sources)
+            ]
+        }
+        for sources in slices
+    ]
     doc = {k: doc[k] for k in ("merge_method", "base_model", "slices", "parameters") if k in doc} | {
-        k: v for k, v in doc.items() if k not in ("merge_method", "base_model", "slices", "parameters")}
+        k: v for k, v in doc.items() if k not in ("merge_method", "base_model", "slices", "parameters")
+    }
     doc.setdefault("dtype", "float32")
     if out_dtype is not None:
         doc["out_dtype"] = out_dtype
     return doc
 
 
-def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype: str | None = None,
-          tokenizer_source: str | None = None, doc: dict | None = None) -> Path | None:
+def write(
+    path: Path,
+    method_cfg: Any,
+    base: str,
+    experts: list[str],
+    out_dtype: str | None = None,
+    tokenizer_source: str | None = None,
+    doc: dict | None = None,
+) -> Path | None:
     """Write ``to_mergekit``'s configuration (or ``doc``) as YAML at ``path`` (nothing when mergekit cannot
     express it)."""
     from mergeval.core.paths import atomic_write_text
@@ -591,8 +757,11 @@ def write(path: Path, method_cfg: Any, base: str, experts: list[str], out_dtype:
     doc = doc or to_mergekit(method_cfg, base, experts, out_dtype, tokenizer_source)
     if doc is None:
         return None
-    atomic_write_text(path, "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
-                      + yaml.safe_dump(doc, sort_keys=False))
+    atomic_write_text(
+        path,
+        "# mergekit 0.1.5 configuration giving this merge: mergekit-yaml mergekit.yaml OUT\n"
+        + yaml.safe_dump(doc, sort_keys=False),
+    )
     return path
 
 

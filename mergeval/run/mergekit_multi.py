@@ -64,20 +64,30 @@ def stages(docs: list[dict]) -> tuple[dict[str, dict], dict]:
         name = doc.get("name")
         body = {k: v for k, v in doc.items() if k != "name"}
         if "name" in doc and (not isinstance(name, str) or not name.strip()):
-            raise UserError(f"mergekit[{i}].name", f"must be a stage name, got {name!r}",
-                            "write name: STAGE (or drop it on the final merge)")
+            raise UserError(
+                f"mergekit[{i}].name",
+                f"must be a stage name, got {name!r}",
+                "write name: STAGE (or drop it on the final merge)",
+            )
         if name is None:
             if final is not None:
-                raise UserError(f"mergekit[{i}].name", "a second document without a name: the file's one unnamed "
-                                "configuration is its final merge", "give every other stage a name: STAGE")
+                raise UserError(
+                    f"mergekit[{i}].name",
+                    "a second document without a name: the file's one unnamed configuration is its final merge",
+                    "give every other stage a name: STAGE",
+                )
             final = body
         elif name in named:
             raise UserError(f"mergekit[{i}].name", f"stage '{name}' is named twice", "give each stage its own name")
         else:
             named[name] = body
     if final is None:
-        raise UserError("mergekit", "every document has a name, so none is the final merge (mergekit-multi "
-                        "writes the unnamed one to its output)", "remove name: from the final merge")
+        raise UserError(
+            "mergekit",
+            "every document has a name, so none is the final merge (mergekit-multi "
+            "writes the unnamed one to its output)",
+            "remove name: from the final merge",
+        )
     return named, final
 
 
@@ -120,8 +130,11 @@ def uses(doc: dict, where: str, names: set[str]) -> list[str]:
                 out.append(ref)
         elif "/" not in ref and not set("+@") & set(ref) and not Path(ref).expanduser().is_dir():
             listed = ", ".join(sorted(names)) or "none"
-            raise UserError(field, f"'{ref}' is neither a stage of this file nor a model directory",
-                            f"name a stage ({listed}), a model directory or a Hugging Face id as org/name")
+            raise UserError(
+                field,
+                f"'{ref}' is neither a stage of this file nor a model directory",
+                f"name a stage ({listed}), a model directory or a Hugging Face id as org/name",
+            )
     return out
 
 
@@ -136,9 +149,12 @@ def order(named: dict[str, dict], final: dict, final_where: str) -> list[str]:
         if name in done:
             return
         if name in path:
-            cycle = path[path.index(name):] + [name]
-            raise UserError(f"mergekit[{name}]", f"the stages use each other in a cycle: {' -> '.join(cycle)}",
-                            "make one of them use a model or another stage instead")
+            cycle = path[path.index(name) :] + [name]
+            raise UserError(
+                f"mergekit[{name}]",
+                f"the stages use each other in a cycle: {' -> '.join(cycle)}",
+                "make one of them use a model or another stage instead",
+            )
         path.append(name)
         for dep in needs[name]:
             visit(dep)
@@ -207,8 +223,11 @@ def final_config(cfg: DictConfig, docs: list[dict]) -> tuple[dict, dict[str, str
     paths: dict[str, str] = {}
     for name in needed:
         where = label(0, name)
-        paths[name] = str(build_stage(cfg, substituted(named[name], paths, where), where,
-                                      {p: n for n, p in paths.items()}, name, cache))
+        paths[name] = str(
+            build_stage(
+                cfg, substituted(named[name], paths, where), where, {p: n for n, p in paths.items()}, name, cache
+            )
+        )
     out = (substituted(final, paths, final_where), {p: n for n, p in paths.items()})
     _BUILT[memo] = out
     return out
@@ -224,8 +243,13 @@ def stage_key(cfg: DictConfig, models) -> str:
     for s in slices or []:  # by input position: the names a file gives do not change the merge
         for src in s["sources"]:
             src["model"] = names.index(src["model"])
-    options = {"format": KEY_FORMAT, "vocab_policy": cfg.vocab_policy, "out_dtype": cfg.get("out_dtype"),
-               "tokenizer_source": names.index(tok) if tok in names[1:] else tok, "slices": slices}
+    options = {
+        "format": KEY_FORMAT,
+        "vocab_policy": cfg.vocab_policy,
+        "out_dtype": cfg.get("out_dtype"),
+        "tokenizer_source": names.index(tok) if tok in names[1:] else tok,
+        "slices": slices,
+    }
     return merge_key([m.fingerprint for m in models], OmegaConf.to_object(cfg.method), cfg.seed, options)
 
 

@@ -21,10 +21,21 @@ def merge_resolved(cfg: DictConfig, method, method_cfg, target: Path, cache: Pat
     base_dir, expert_dirs, models = resolved or resolve_models(cfg, cache)
     method_cfg, _ = prepare_method(cfg, method, method_cfg, models, base_dir, cache, can_evaluate=False)
     inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
-    out = merge_to_disk(method, method_cfg, base_dir, expert_dirs, target, cfg.seed, cfg.vocab_policy,
-                        card={"config": merge_config(cfg), "inputs": inputs}, progress=True, out_dtype=cfg.out_dtype,
-                        tokenizer_source=cfg.get("tokenizer_source"),
-                        slices=parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts]), device=merge_device(cfg))
+    out = merge_to_disk(
+        method,
+        method_cfg,
+        base_dir,
+        expert_dirs,
+        target,
+        cfg.seed,
+        cfg.vocab_policy,
+        card={"config": merge_config(cfg), "inputs": inputs},
+        progress=True,
+        out_dtype=cfg.out_dtype,
+        tokenizer_source=cfg.get("tokenizer_source"),
+        slices=parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts]),
+        device=merge_device(cfg),
+    )
     mergekit_config.write_for_run(out / "mergekit.yaml", cfg, models)  # when mergekit can express the merge
     return out
 

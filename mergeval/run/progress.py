@@ -66,8 +66,16 @@ def duration(seconds: float) -> str:
 class SweepProgress:
     """Reads the store for the sweep's jobs and prints a line whenever more have finished (``start``/``stop``)."""
 
-    def __init__(self, jobs: list[SweepJob], store, best: str = "macro_gain", minimize: bool = False,
-                 poll_s: float = 2.0, resumed: bool = True, out=None):
+    def __init__(
+        self,
+        jobs: list[SweepJob],
+        store,
+        best: str = "macro_gain",
+        minimize: bool = False,
+        poll_s: float = 2.0,
+        resumed: bool = True,
+        out=None,
+    ):
         self.jobs, self.store, self.best, self.minimize, self.poll_s = jobs, store, best, minimize, poll_s
         self.resumed = resumed  # False (sweep.resume=false, eval.force=true): runs finished before do not count
         self.out = out or sys.stdout
@@ -88,8 +96,9 @@ class SweepProgress:
             if run["finished"] < self.started:
                 tally.before += 1
             value = aggregate_value(run.get("aggregates") or {}, self.best)
-            if value is not None and (tally.best is None or (value < tally.best[0] if self.minimize
-                                                              else value > tally.best[0])):
+            if value is not None and (
+                tally.best is None or (value < tally.best[0] if self.minimize else value > tally.best[0])
+            ):
                 tally.best = (value, job.label)
         return tally
 
@@ -167,8 +176,13 @@ def watch(argv: list[str]) -> SweepProgress | None:
     stores = {(c.store.path, c.cache_dir) for c in configs}
     if not first.sweep.progress or len(stores) > 1:
         return None
-    jobs = [SweepJob(job_label(job, swept) or "the only job", config_hash(cfg))
-            for job, cfg in zip(expanded, configs)]
+    jobs = [SweepJob(job_label(job, swept) or "the only job", config_hash(cfg)) for job, cfg in zip(expanded, configs)]
     store = open_store(first, cache_root(first.cache_dir))
-    return SweepProgress(jobs, store, first.sweep.best, first.sweep.minimize, first.sweep.poll_s,
-                         resumed=first.sweep.resume and not first.eval.force).start()
+    return SweepProgress(
+        jobs,
+        store,
+        first.sweep.best,
+        first.sweep.minimize,
+        first.sweep.poll_s,
+        resumed=first.sweep.resume and not first.eval.force,
+    ).start()

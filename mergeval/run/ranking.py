@@ -22,8 +22,9 @@ from mergeval.core.errors import UserError
 from mergeval.core.outcome import ModelInfo
 
 
-def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path,
-                   can_evaluate: bool):
+def prepare_method(
+    cfg: DictConfig, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path, can_evaluate: bool
+):
     """What a method needs from the models before merging: hierarchical's head counts (the base's config.json),
     CMM's validation ranking (evaluations; refused when the caller cannot evaluate). Returns (cfg, merge_info)."""
     needs = method.needs
@@ -54,8 +55,11 @@ def prepare_method(cfg: DictConfig, method, method_cfg, models: list[ModelInfo],
 def refuse_ranking(method, method_cfg) -> None:
     """For callers that cannot evaluate (merge-only): a method that must rank experts first is an error."""
     if "needs_ranking" in merge_details(method.name, method_cfg, []):
-        raise UserError("method.order", "ranking the experts needs an evaluation, which a merge-only run does not "
-                        "do", "give method.validation_scores, set method.order=given, or run python -m mergeval")
+        raise UserError(
+            "method.order",
+            "ranking the experts needs an evaluation, which a merge-only run does not do",
+            "give method.validation_scores, set method.order=given, or run python -m mergeval",
+        )
 
 
 def merge_details(method_name: str, method_cfg, models: list[ModelInfo]) -> dict:
@@ -104,8 +108,13 @@ def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]
         se = math.hypot(stderrs[a], stderrs[b])
         gap = scores[b] - scores[a]
         if gap < se or se == 0 and gap == 0:
-            out.append({"experts": [names[a], names[b]], "scores": [scores[a], scores[b]],
-                        "gap_in_stderrs": None if se == 0 else gap / se})
+            out.append(
+                {
+                    "experts": [names[a], names[b]],
+                    "scores": [scores[a], scores[b]],
+                    "gap_in_stderrs": None if se == 0 else gap / se,
+                }
+            )
     return out
 
 
@@ -144,17 +153,28 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
             store.put_scores(info.fingerprint, digests, settings, {t: fresh[t].stored() for t in tasks})
             del model
         per_task[info.role] = got
-        scores.append(expert_score({t: got[t]["value"] for t in tasks}, method_cfg.rank_by, info.task,
-                                   f"modelset.experts.{info.role}.task"))
+        scores.append(
+            expert_score(
+                {t: got[t]["value"] for t in tasks}, method_cfg.rank_by, info.task, f"modelset.experts.{info.role}.task"
+            )
+        )
         stderrs.append(score_stderr({t: got[t]["stderr"] for t in tasks}, method_cfg.rank_by, info.task))
     names = [m.role for m in models if m.role != "base"]
     ties = near_ties(names, scores, stderrs)
     for tie in ties:
         (a, b), (sa, sb) = tie["experts"], tie["scores"]
         apart = "no" if tie["gap_in_stderrs"] is None else f"{tie['gap_in_stderrs']:.2f}"
-        print(f"mergeval: ranking: {a} and {b} are {apart} stderr apart on the validation split ({sa:.3f}, "
-              f"{sb:.3f}): the data do not settle their order; more method.validation_items would", flush=True)
-    details = {"validation_items": method_cfg.validation_items, "validation_digests": digests,
-               "validation_scores": dict(zip(names, scores)), "validation_stderrs": dict(zip(names, stderrs)),
-               "validation_near_ties": ties, "validation_per_task": per_task}
+        print(
+            f"mergeval: ranking: {a} and {b} are {apart} stderr apart on the validation split ({sa:.3f}, "
+            f"{sb:.3f}): the data do not settle their order; more method.validation_items would",
+            flush=True,
+        )
+    details = {
+        "validation_items": method_cfg.validation_items,
+        "validation_digests": digests,
+        "validation_scores": dict(zip(names, scores)),
+        "validation_stderrs": dict(zip(names, stderrs)),
+        "validation_near_ties": ties,
+        "validation_per_task": per_task,
+    }
     return dataclasses.replace(method_cfg, validation_scores=scores), details

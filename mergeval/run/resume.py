@@ -129,8 +129,12 @@ def running_here(store, config_hash: str) -> dict | None:
 
     host, me, _ = proc.me()
     for run in store.runs(status="running"):
-        if run.get("config_hash") == config_hash and run.get("host") == host and run.get("pid") != me \
-                and not proc.gone(run["host"], run["pid"], run.get("pid_start")):
+        if (
+            run.get("config_hash") == config_hash
+            and run.get("host") == host
+            and run.get("pid") != me
+            and not proc.gone(run["host"], run["pid"], run.get("pid_start"))
+        ):
             return run
     return None
 
@@ -139,14 +143,21 @@ def adopt(run: dict, out_dir: Path) -> dict | None:
     """A skipped job's report: one line saying which run finished its configuration, and that run's result.json
     copied into this job's directory (with ``resumed_from``), returned to be shown. None (and the line says
     so) when that file is gone: its scores are still in the store."""
-    print(f"mergeval: skipped: this configuration finished before as run {run['run_id']} ({run['job_dir']}); "
-          "sweep.resume=false runs it again", flush=True)
+    print(
+        f"mergeval: skipped: this configuration finished before as run {run['run_id']} ({run['job_dir']}); "
+        "sweep.resume=false runs it again",
+        flush=True,
+    )
     source = Path(run["result_path"])
     try:
         result = json.loads(source.read_text())
     except (OSError, ValueError):
-        print(f"mergeval: its result.json ({source}) is gone or unreadable; the store keeps its scores "
-              f"(python -m mergeval.results)", file=sys.stderr, flush=True)
+        print(
+            f"mergeval: its result.json ({source}) is gone or unreadable; the store keeps its scores "
+            f"(python -m mergeval.results)",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     from mergeval.core.outcome import result_text
     from mergeval.core.paths import atomic_write_text
@@ -172,14 +183,25 @@ def skip(cfg: DictConfig, out_dir: Path, title: str) -> bool:
     if run is None:
         live = running_here(store, wanted)
         if live is not None:
-            print(f"mergeval: skipped: this configuration is being run by process {live['pid']} on this machine "
-                  f"(a job of an earlier sweep, {live['job_dir']}); run the sweep again once it has ended",
-                  flush=True)
+            print(
+                f"mergeval: skipped: this configuration is being run by process {live['pid']} on this machine "
+                f"(a job of an earlier sweep, {live['job_dir']}); run the sweep again once it has ended",
+                flush=True,
+            )
         return live is not None
     result = adopt(run, out_dir)
     if result is not None:
-        render(Outcome([ModelInfo(**m) for m in result["models"]], result["tasks"], result["scores"],
-                       result["aggregates"], result["task_digests"], merge_info=result.get("merge", {}),
-                       rows=result.get("rows", {})), title=title)
+        render(
+            Outcome(
+                [ModelInfo(**m) for m in result["models"]],
+                result["tasks"],
+                result["scores"],
+                result["aggregates"],
+                result["task_digests"],
+                merge_info=result.get("merge", {}),
+                rows=result.get("rows", {}),
+            ),
+            title=title,
+        )
         print(f"result: {out_dir / 'result.json'} (copied from {run['result_path']})", flush=True)
     return True

@@ -60,8 +60,11 @@ def aggregate(scores: dict[str, dict[str, dict]], tasks: list[str], models: list
     normalized, unlearned = {}, []
     own: dict[str, str] = {}  # task -> the expert it is normalized by: of two naming it, the better on it
     for e in experts:
-        if e.task is not None and e.task in tasks and (
-                e.task not in own or scores[e.task][e.role]["value"] > scores[e.task][own[e.task]]["value"]):
+        if (
+            e.task is not None
+            and e.task in tasks
+            and (e.task not in own or scores[e.task][e.role]["value"] > scores[e.task][own[e.task]]["value"])
+        ):
             own[e.task] = e.role
     for task, role in own.items():
         s = scores[task]

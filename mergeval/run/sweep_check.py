@@ -68,8 +68,11 @@ def expand(overrides: list[str], params: dict | None = None) -> list[list[str]] 
         by_key: dict[str, list[str]] = {}
         for o in OverridesParser.create().parse_overrides(lines):
             key = o.get_key_element()
-            by_key[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                           else [f"{key}={o.get_value_element_as_str()}"])
+            by_key[key] = (
+                [f"{key}={v}" for v in o.sweep_string_iterator()]
+                if o.is_sweep_override()
+                else [f"{key}={o.get_value_element_as_str()}"]
+            )
     except Exception:  # noqa: BLE001  anything Hydra cannot parse, it reports in its own words when it runs
         return None
     return [list(job) for job in itertools.product(*by_key.values())]
@@ -95,7 +98,8 @@ def jobs_of(argv: list[str]) -> list[list[str]] | None:
 def might_sweep(argv: list[str]) -> bool:
     """Whether ``argv`` can start a multirun: ``-m``, or an experiment or ``hydra.mode`` that may set it."""
     return any(arg in ("-m", "--multirun") for arg in argv) or any(
-        a.lstrip("+~").startswith(("experiment=", "hydra.mode=")) for a in argv)
+        a.lstrip("+~").startswith(("experiment=", "hydra.mode=")) for a in argv
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -120,8 +124,9 @@ def sweep_jobs(argv: list[str]) -> list[list[str]] | None:
     hydra_cfg = _hydra_config(search + [a for a in argv if not a.startswith("-")])
     if hydra_cfg is None:  # not composable here: the command line's own sweep, as far as it goes
         jobs = expand(task_overrides(argv)) if multirun else None
-    elif (not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN")) or \
-            "basic_sweeper" not in str(hydra_cfg.sweeper.get("_target_", "")):  # no multirun, or another sweeper
+    elif (not multirun and not str(hydra_cfg.mode).endswith("MULTIRUN")) or "basic_sweeper" not in str(
+        hydra_cfg.sweeper.get("_target_", "")
+    ):  # no multirun, or another sweeper
         return None
     else:
         params = hydra_cfg.sweeper.get("params") or {}
@@ -164,8 +169,9 @@ def code_in_config(argv: list[str]) -> str | None:
             for name, spec in ((hydra_cfg.get(node) or {}).get(section) or {}).items():
                 made_by = spec.get("()") or spec.get("class") if hasattr(spec, "get") else None
                 if made_by is not None and ("()" in spec or not str(made_by).startswith("logging.")):
-                    return (f"hydra.{node}.{section}.{name}: a config file makes it with {made_by}, which runs "
-                            f"code; {fix}")
+                    return (
+                        f"hydra.{node}.{section}.{name}: a config file makes it with {made_by}, which runs code; {fix}"
+                    )
     return None
 
 
@@ -227,8 +233,10 @@ def check_sweep(argv: list[str]) -> list[str]:
             label = job_label(job, swept)
             problems.append(f"sweep job {number} of {len(jobs)} ({label}): {line}")
     if problems:
-        problems.append(f"{len(problems)} of {len(jobs)} jobs are invalid; no job was started: fix the swept "
-                        "values and run the sweep again")
+        problems.append(
+            f"{len(problems)} of {len(jobs)} jobs are invalid; no job was started: fix the swept "
+            "values and run the sweep again"
+        )
     return problems
 
 

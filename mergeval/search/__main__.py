@@ -29,8 +29,9 @@ def main(cfg: DictConfig) -> None:
         try:
             import optuna  # noqa: F401
         except ImportError:
-            raise UserError("search", "needs Optuna, which is not installed", "pip install 'mergeval[cluster]'") \
-                from None
+            raise UserError(
+                "search", "needs Optuna, which is not installed", "pip install 'mergeval[cluster]'"
+            ) from None
         from mergeval.run.rerun import run_command
         from mergeval.search import report
         from mergeval.search.run import run_search
@@ -46,8 +47,12 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     from mergeval.search.schema import SearchConfig
 
-    run_cli(main, "mergeval.search", "Tune a merge method's coefficients with Optuna on a validation split; "
-            "see search.* fields and conf/search/.", sections={"search": SearchConfig})
+    run_cli(
+        main,
+        "mergeval.search",
+        "Tune a merge method's coefficients with Optuna on a validation split; see search.* fields and conf/search/.",
+        sections={"search": SearchConfig},
+    )
 
 
 if __name__ == "__main__":

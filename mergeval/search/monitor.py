@@ -26,8 +26,10 @@ class Progress:
         elapsed = time.perf_counter() - self.started
         done = self.done_before + self.done_here
         left = elapsed / self.done_here * (self.total - done)
-        return (f"search: trial {done}/{self.total} (#{number}) {outcome} · best so far {best} · "
-                f"{duration(elapsed)} elapsed, about {duration(left)} left")
+        return (
+            f"search: trial {done}/{self.total} (#{number}) {outcome} · best so far {best} · "
+            f"{duration(elapsed)} elapsed, about {duration(left)} left"
+        )
 
 
 def signed(value: float) -> str:

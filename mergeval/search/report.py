@@ -26,18 +26,24 @@ def lines(outcome: SearchOutcome) -> list[str]:
     """The summary: trials, the best recipe against the default on the validation split, the test split apart,
     and the cost against scoring every trial in full."""
     o, cost = outcome, outcome.cost
-    out = [f"study '{o.study}': {cost['trials']} trials ({cost['complete']} complete, "
-           f"{cost['pruned_at_stage1']} pruned at stage 1, {cost['pruned_at_stage2']} at stage 2), "
-           f"objective {o.objective}"]
+    out = [
+        f"study '{o.study}': {cost['trials']} trials ({cost['complete']} complete, "
+        f"{cost['pruned_at_stage1']} pruned at stage 1, {cost['pruned_at_stage2']} at stage 2), "
+        f"objective {o.objective}"
+    ]
     out.append(f"validation split ({o.validation_items} items per task, disjoint from the test items):")
-    out.append(f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores, o.tasks)}")
+    out.append(
+        f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores, o.tasks)}"
+    )
     if o.best is None:
         out.append("  no trial completed: nothing to report on the test split")
     else:
         label = f"best (trial #{o.best_number})"
         out.append(f"  {label:<16} {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores, o.tasks)}")
-        out.append(f"  best recipe: {describe(o.best.params)}"
-                   + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else ""))
+        out.append(
+            f"  best recipe: {describe(o.best.params)}"
+            + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else "")
+        )
         if o.run_command:
             out.append(f"  as a run (result.json, the results store; stored evaluations are reused): {o.run_command}")
     if o.test:
@@ -48,11 +54,16 @@ def lines(outcome: SearchOutcome) -> list[str]:
     staged, full = cost["staged"], cost["full"]
     if cost["fraction_of_full"] is not None:
         fraction = cost["fraction_of_full"]
-        verdict = f"{1 - fraction:.0%} saved" if fraction <= 1 else \
-            f"{fraction - 1:.0%} more (stage 1's perplexities come on top of every trial that is not pruned)"
-        out.append(f"cost: {staged['forward_passes']:,} forward passes ({staged['examples']:,} examples) staged, "
-                   f"against {full['forward_passes']:,} ({full['examples']:,}) scoring every trial on the whole "
-                   f"validation split: {fraction:.0%}, {verdict}")
+        verdict = (
+            f"{1 - fraction:.0%} saved"
+            if fraction <= 1
+            else f"{fraction - 1:.0%} more (stage 1's perplexities come on top of every trial that is not pruned)"
+        )
+        out.append(
+            f"cost: {staged['forward_passes']:,} forward passes ({staged['examples']:,} examples) staged, "
+            f"against {full['forward_passes']:,} ({full['examples']:,}) scoring every trial on the whole "
+            f"validation split: {fraction:.0%}, {verdict}"
+        )
     return out
 
 

@@ -72,19 +72,26 @@ def prepare(cfg: DictConfig) -> tuple[object, Space]:
     studies.check_search(s)
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
     if other:
-        raise UserError("benchmark.tasks", f"a search tunes on the validation split of mergeval's generated tasks; "
-                        f"{other[0]} has none", "search on generated tasks (mergeval_*)")
+        raise UserError(
+            "benchmark.tasks",
+            f"a search tunes on the validation split of mergeval's generated tasks; {other[0]} has none",
+            "search on generated tasks (mergeval_*)",
+        )
     method = get_method(cfg.method.name)
     if s.method is not None and s.method != method.name:
-        raise UserError("search.method", f"the space is written for {s.method}, the run merges with {method.name}",
-                        f"add method={s.method}, or pick the search preset of {method.name}")
+        raise UserError(
+            "search.method",
+            f"the space is written for {s.method}, the run merges with {method.name}",
+            f"add method={s.method}, or pick the search preset of {method.name}",
+        )
     try:
         check_tasks(list(cfg.benchmark.tasks), cfg.benchmark.n_items, s.validation_items)
     except UserError as err:
         if err.field != "method.validation_items":
             raise
-        raise UserError("search.validation_items", err.problem, "lower search.validation_items or benchmark.n_items") \
-            from None
+        raise UserError(
+            "search.validation_items", err.problem, "lower search.validation_items or benchmark.n_items"
+        ) from None
     n_experts = len(cfg.modelset.experts)
     return method, parse_space(OmegaConf.to_container(s.space, resolve=True), method, cfg.method, n_experts)
 
@@ -129,25 +136,44 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
-                         pad_id, cfg.eval.device)
+        scorer = HeldOut(
+            {t: answer_sequences(tokenizer, items) for t, items in heldout.items()},
+            cfg.eval.batch_size,
+            pad_id,
+            cfg.eval.device,
+        )
         models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
         lap("models")
         reference = {t: r["perplexity"] for t, r in reference_perplexities(models, owners, scorer).items()}
         store = open_store(cfg, cache)
         validation = Bench(validation_cfg, suite, tasks, suite.digests, store, tokenizer)
-        stages = Stages(cfg, method, len(expert_dirs), models, constituents, scorer, reference, validation,
-                        constituent_scores(validation, constituents, models),
-                        choices_per_item(suite.generated_dir, tasks, n_val),
-                        n_val, min(n_val - 1, stage2_limit(s.stage2_fraction, n_val)), cache, base_dir)
+        stages = Stages(
+            cfg,
+            method,
+            len(expert_dirs),
+            models,
+            constituents,
+            scorer,
+            reference,
+            validation,
+            constituent_scores(validation, constituents, models),
+            choices_per_item(suite.generated_dir, tasks, n_val),
+            n_val,
+            min(n_val - 1, stage2_limit(s.stage2_fraction, n_val)),
+            cache,
+            base_dir,
+        )
         reference_cost = sum(len(scorer.sequences[t]) * len(roles) for t, roles in owners.items())
         lap("constituents")
 
-        print(f"search: scoring the default recipe ({describe(_searched(cfg, space))}) on the validation split",
-              flush=True)
+        print(
+            f"search: scoring the default recipe ({describe(_searched(cfg, space))}) on the validation split",
+            flush=True,
+        )
         baseline = score(stages, {}, {})
-        outcome = SearchOutcome(name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline,
-                                orphans=orphans)
+        outcome = SearchOutcome(
+            name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline, orphans=orphans
+        )
         print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
         if s.start_from_default:
             _seed_default(study, space, baseline)
@@ -197,9 +223,11 @@ def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
     done = len(studies.sampled_trials(study))
     outcome.resumed = done
     if done:
-        print(f"search: resuming study '{outcome.study}' with {done} finished trial(s)"
-              + (f"; trial(s) {outcome.orphans} of a process that is gone marked failed" if outcome.orphans else ""),
-              flush=True)
+        print(
+            f"search: resuming study '{outcome.study}' with {done} finished trial(s)"
+            + (f"; trial(s) {outcome.orphans} of a process that is gone marked failed" if outcome.orphans else ""),
+            flush=True,
+        )
     progress = Progress(s.n_trials, done)
     for _ in range(max(0, s.n_trials - done)):
         trial = study.ask(space.distributions())
@@ -217,16 +245,27 @@ def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
         else:
             study.tell(trial, res.value)
             ended = f"{s.objective} {signed(res.value)}"
-        print(progress.line(trial.number, f"{ended} ({res.seconds:.1f} s; {describe(trial.params)})",
-                            _best_line(study, s.objective)), flush=True)
+        print(
+            progress.line(
+                trial.number, f"{ended} ({res.seconds:.1f} s; {describe(trial.params)})", _best_line(study, s.objective)
+            ),
+            flush=True,
+        )
     outcome.trials = [_trial_row(t) for t in studies.sampled_trials(study)]
 
 
 def _attrs(res: Scored) -> dict:
     """What a trial keeps in the study besides its value: enough for a resumed search's report and cost."""
-    return {"stage": res.stage, "reason": res.reason, "fingerprint": res.fingerprint, "seconds": res.seconds,
-            "log_ratio": res.log_ratio if res.log_ratio != float("inf") else None, "stage2": res.stage2,
-            "cost": dataclasses.asdict(res.cost), "ran": res.ran}
+    return {
+        "stage": res.stage,
+        "reason": res.reason,
+        "fingerprint": res.fingerprint,
+        "seconds": res.seconds,
+        "log_ratio": res.log_ratio if res.log_ratio != float("inf") else None,
+        "stage2": res.stage2,
+        "cost": dataclasses.asdict(res.cost),
+        "ran": res.ran,
+    }
 
 
 def _trial_row(t) -> dict:
@@ -260,12 +299,19 @@ def _cost(study, stages: Stages, reference_texts: int) -> dict:
     for t in trials:
         staged = staged + Cost(**t.user_attrs.get("cost", {}))
     full = stages.full_cost() * len(trials)
-    by_stage = {f"pruned_at_stage{k}": sum(t.state.name == PRUNED and t.user_attrs.get("stage") == k for t in trials)
-                for k in (1, 2)}
-    return {"trials": len(trials), "complete": sum(t.state.name == COMPLETE for t in trials), **by_stage,
-            "staged": dataclasses.asdict(staged), "full": dataclasses.asdict(full),
-            "fraction_of_full": staged.forward_passes / full.forward_passes if full.forward_passes else None,
-            "ran_forward_passes": sum(t.user_attrs.get("ran", 0) for t in trials)}
+    by_stage = {
+        f"pruned_at_stage{k}": sum(t.state.name == PRUNED and t.user_attrs.get("stage") == k for t in trials)
+        for k in (1, 2)
+    }
+    return {
+        "trials": len(trials),
+        "complete": sum(t.state.name == COMPLETE for t in trials),
+        **by_stage,
+        "staged": dataclasses.asdict(staged),
+        "full": dataclasses.asdict(full),
+        "fraction_of_full": staged.forward_passes / full.forward_passes if full.forward_passes else None,
+        "ran_forward_passes": sum(t.user_attrs.get("ran", 0) for t in trials),
+    }
 
 
 def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages, outcome: SearchOutcome) -> dict:
@@ -273,12 +319,14 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     them (the same store keys: a default already run is not evaluated again)."""
     from mergeval.eval.suite import build_suite
     from mergeval.staged.pipeline import Bench, constituent_scores
+
     print("search: tuning done; scoring the best recipe and the default on the test split", flush=True)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
     bench = Bench(cfg, suite, list(cfg.benchmark.tasks), suite.digests, store, tokenizer)
     constituents = constituent_scores(bench, stages.constituents, models)
     out = {"constituents": constituents}
     for label, recipe in (("default", outcome.baseline), ("best", outcome.best)):
+
         def make_model(config=recipe.config, label=label):
             from mergeval.staged.plan import Candidate
 
@@ -287,6 +335,11 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
 
         scores, where, _ = bench.scores(recipe.fingerprint, make_model)
         value, aggregates = objective(cfg.search.objective, scores, constituents, stages.constituents, cfg.metric)
-        out[label] = {"fingerprint": recipe.fingerprint, "scores": scores, "evaluated": where,
-                      "aggregates": aggregates, "objective": value}
+        out[label] = {
+            "fingerprint": recipe.fingerprint,
+            "scores": scores,
+            "evaluated": where,
+            "aggregates": aggregates,
+            "objective": value,
+        }
     return out

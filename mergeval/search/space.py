@@ -120,8 +120,12 @@ def describe(params: dict[str, Any]) -> str:
 def parse_space(space: dict, method: MergeMethod, base, n_experts: int) -> Space:
     """The validated space of ``search.space`` for ``method`` (``base``: the run's method config)."""
     if not space:
-        raise UserError("search.space", "is empty", "name at least one method field, e.g. "
-                        "search.space={lambda_: {low: 0.2, high: 2.0}}, or pick a preset: search=task_arithmetic")
+        raise UserError(
+            "search.space",
+            "is empty",
+            "name at least one method field, e.g. "
+            "search.space={lambda_: {low: 0.2, high: 2.0}}, or pick a preset: search=task_arithmetic",
+        )
     hints = typing.get_type_hints(method.config)
     fields = [f.name for f in dataclasses.fields(method.config) if f.name not in ("name", "rules", "per_expert")]
     entries = []
@@ -162,8 +166,11 @@ def _entry(key: str, spec: dict, hint, method: MergeMethod, n_experts: int, wher
         if log and low <= 0:
             raise UserError(f"{where}.low", f"a log scale needs low > 0, got {low}", "raise low or drop log")
         if step is not None and not (_is_number(step) and step > 0) or step is not None and log:
-            raise UserError(f"{where}.step", f"must be a positive number without log, got {step!r}",
-                            "drop step, or give e.g. step: 0.1")
+            raise UserError(
+                f"{where}.step",
+                f"must be a positive number without log, got {step!r}",
+                "drop step, or give e.g. step: 0.1",
+            )
         if hint is int or hint == int | None:
             distribution = IntDistribution(int(low), int(high), log=log, step=int(step or 1))
         else:
@@ -172,11 +179,15 @@ def _entry(key: str, spec: dict, hint, method: MergeMethod, n_experts: int, wher
         if per_expert:
             raise UserError(f"{where}.depth", "does not go with per_expert", "search one of the two")
         if key not in rule_params(method.config):
-            raise UserError(f"{where}.depth", f"{key} is not a numeric parameter a rule can set",
-                            f"use one of: {', '.join(rule_params(method.config)) or '(none)'}")
+            raise UserError(
+                f"{where}.depth",
+                f"{key} is not a numeric parameter a rule can set",
+                f"use one of: {', '.join(rule_params(method.config)) or '(none)'}",
+            )
         if not (isinstance(depth, int) and not isinstance(depth, bool) and depth >= 2):
-            raise UserError(f"{where}.depth", f"must be an integer >= 2 (knots over depth), got {depth!r}",
-                            "set e.g. depth: 3")
+            raise UserError(
+                f"{where}.depth", f"must be an integer >= 2 (knots over depth), got {depth!r}", "set e.g. depth: 3"
+            )
         match = spec.get("match", "*")
         if not isinstance(match, str) or not match:
             raise UserError(f"{where}.match", f"must be a non-empty glob, got {match!r}", "set e.g. match: '*mlp*'")
@@ -186,8 +197,11 @@ def _entry(key: str, spec: dict, hint, method: MergeMethod, n_experts: int, wher
     if per_expert:
         if key != "weights" and key not in expert_params(method.config):
             own = [p for p in expert_params(method.config) if p != "weight"]
-            raise UserError(f"{where}.per_expert", f"{method.name} has no per-expert {key}",
-                            f"per_expert applies to: {', '.join(['weights', *own]) if own else '(none)'}")
+            raise UserError(
+                f"{where}.per_expert",
+                f"{method.name} has no per-expert {key}",
+                f"per_expert applies to: {', '.join(['weights', *own]) if own else '(none)'}",
+            )
         return Entry(key, "per_expert", tuple(f"{key}[{i}]" for i in range(n_experts)), distribution)
     if key == "weights":
         raise UserError(f"{where}.per_expert", "weights is a list, one value per expert", "add per_expert: true")
@@ -205,8 +219,9 @@ def _check_values(entry: Entry, spec: dict, method: MergeMethod, base, n_experts
         try:
             typed_config("search.space", method, params, n_experts, base)
         except UserError as err:
-            raise UserError(where, f"{value!r} is refused by {method.name}: {err.problem}",
-                            f"narrow the range of {where}") from None
+            raise UserError(
+                where, f"{value!r} is refused by {method.name}: {err.problem}", f"narrow the range of {where}"
+            ) from None
 
 
 def _is_number(x: Any) -> bool:

@@ -43,10 +43,17 @@ def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:
     if cfg.search.study:
         return str(cfg.search.study)
     s = cfg.search
-    identity = {"space": space_digest, "validation_items": s.validation_items, "settings": settings,
-                "heldout_nll_version": NLL_VERSION,
-                "tasks": list(cfg.benchmark.tasks), "n_items": cfg.benchmark.n_items, "seed": cfg.seed,
-                "sampler": s.sampler, "method": OmegaConf.to_container(cfg.method, resolve=True)}
+    identity = {
+        "space": space_digest,
+        "validation_items": s.validation_items,
+        "settings": settings,
+        "heldout_nll_version": NLL_VERSION,
+        "tasks": list(cfg.benchmark.tasks),
+        "n_items": cfg.benchmark.n_items,
+        "seed": cfg.seed,
+        "sampler": s.sampler,
+        "method": OmegaConf.to_container(cfg.method, resolve=True),
+    }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{cfg.method.name}-{cfg.modelset.name}-{cfg.benchmark.name}-{s.objective}-{digest}"
 
@@ -85,10 +92,12 @@ def sampler(s, offset: int = 0):
         try:
             import cmaes  # noqa: F401  (Optuna's CMA-ES sampler needs it)
         except ImportError:
-            raise UserError("search.sampler", "cmaes needs the cmaes package", "pip install 'mergeval[cluster]'") \
-                from None
-        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=s.random_trials,
-                                            warn_independent_sampling=False)
+            raise UserError(
+                "search.sampler", "cmaes needs the cmaes package", "pip install 'mergeval[cluster]'"
+            ) from None
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=s.random_trials, warn_independent_sampling=False
+        )
     return optuna.samplers.RandomSampler(seed=seed)
 
 
@@ -99,20 +108,32 @@ def opened_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
     connections are closed when the block ends."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     s = cfg.search
-    pruner = StagePruner(s.keep_percent, s.startup_trials, s.prune_at) if s.pruner == "stages" \
+    pruner = (
+        StagePruner(s.keep_percent, s.startup_trials, s.prune_at)
+        if s.pruner == "stages"
         else optuna.pruners.NopPruner()
+    )
     storage = optuna.storages.RDBStorage(storage_url(cfg, cache))
     try:
-        study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
-                                    sampler=sampler(cfg.search), pruner=pruner, load_if_exists=True)
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            direction="maximize",
+            sampler=sampler(cfg.search),
+            pruner=pruner,
+            load_if_exists=True,
+        )
         study.sampler = sampler(cfg.search, offset=len(study.trials))
         identity = {"space": space_digest, "objective": cfg.search.objective}
         known = study.user_attrs.get("identity")
         if known is None:
             study.set_user_attr("identity", identity)
         elif known != identity:
-            raise UserError("search.study", f"study '{name}' searched {known}, this search {identity}",
-                            "name another study with search.study=..., or search what it searched")
+            raise UserError(
+                "search.study",
+                f"study '{name}' searched {known}, this search {identity}",
+                "name another study with search.study=..., or search what it searched",
+            )
         yield study, fail_orphans(study, storage)
     finally:
         # The storage's pooled connections, closed: while one stays open, SQLite cannot fold its write-ahead log
@@ -144,15 +165,22 @@ def sampled_trials(study) -> list:
     return [t for t in done_trials(study) if not t.user_attrs.get("default")]
 
 
-def seed_default(study, distributions: dict, params: dict, value: float, stage_values: dict[int, float],
-                 attrs: dict) -> bool:
+def seed_default(
+    study, distributions: dict, params: dict, value: float, stage_values: dict[int, float], attrs: dict
+) -> bool:
     """Add the default recipe, already scored, as a complete trial (once per study), so the sampler starts from
     what it must beat and the pruner ranks against it; False when the study holds it already."""
     if any(t.user_attrs.get("default") for t in study.get_trials(deepcopy=False)):
         return False
-    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
-                                              intermediate_values=stage_values,
-                                              user_attrs={**attrs, "default": True}))
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=params,
+            distributions=distributions,
+            value=value,
+            intermediate_values=stage_values,
+            user_attrs={**attrs, "default": True},
+        )
+    )
     return True
 
 
@@ -184,9 +212,13 @@ class StagePruner(optuna.pruners.BasePruner):
         trials = study.get_trials(deepcopy=False)
         if sum(t.state == TrialState.COMPLETE for t in trials) < self.startup_trials:
             return False
-        values = [t.intermediate_values[step] for t in trials
-                  if step in t.intermediate_values and t.state != TrialState.FAIL
-                  and math.isfinite(t.intermediate_values[step])]
+        values = [
+            t.intermediate_values[step]
+            for t in trials
+            if step in t.intermediate_values
+            and t.state != TrialState.FAIL
+            and math.isfinite(t.intermediate_values[step])
+        ]
         value = trial.intermediate_values[step]
         if not math.isfinite(value):
             return True

@@ -92,13 +92,15 @@ def recipe_config(stages: Stages, overrides: dict):
     """The run's method config with a trial's fields set, validated, then prepared as a run prepares it
     (CMM's expert ranking on the validation split, head counts, calibration statistics)."""
     config = typed_config("search.space", stages.method, overrides, stages.n_experts, stages.cfg.method)
-    config, _ = prepare_method(stages.cfg, stages.method, config, stages.constituents, stages.base_dir,
-                               stages.cache, can_evaluate=True)
+    config, _ = prepare_method(
+        stages.cfg, stages.method, config, stages.constituents, stages.base_dir, stages.cache, can_evaluate=True
+    )
     return config
 
 
-def objective(kind: str, scores: dict, constituent_scores: dict, constituents: list[ModelInfo],
-              metric) -> tuple[float, dict]:
+def objective(
+    kind: str, scores: dict, constituent_scores: dict, constituents: list[ModelInfo], metric
+) -> tuple[float, dict]:
     """(the objective's value, the aggregates) of a merge's scores (task -> {value, ...}) against the constituents'
     on the same items.
 
@@ -108,8 +110,12 @@ def objective(kind: str, scores: dict, constituent_scores: dict, constituents: l
     tasks = list(scores)
     table = {t: {**constituent_scores[t], MERGED: scores[t]} for t in tasks}
     aggregates = aggregate(table, tasks, constituents, metric)
-    value = {"mean_accuracy": mean_accuracy(scores), "macro_gain": aggregates["macro_gain"],
-             "macro_og": aggregates["macro_og"], "normalized": aggregates["normalized_mean"]}[kind]
+    value = {
+        "mean_accuracy": mean_accuracy(scores),
+        "macro_gain": aggregates["macro_gain"],
+        "macro_og": aggregates["macro_og"],
+        "normalized": aggregates["normalized_mean"],
+    }[kind]
     return value, aggregates
 
 
@@ -144,8 +150,11 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
         return False
 
     degraded = not out.degradation <= s.degrade_threshold
-    why = (f"stage 1: perplexity x{out.degradation + 1:.3g} of the experts' (threshold x{s.degrade_threshold + 1:g})"
-           if degraded and s.pruner != "none" else "")
+    why = (
+        f"stage 1: perplexity x{out.degradation + 1:.3g} of the experts' (threshold x{s.degrade_threshold + 1:g})"
+        if degraded and s.pruner != "none"
+        else ""
+    )
     if halt(0, stage1_value(out), why):
         return _done(out, started)
 
@@ -160,8 +169,9 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
     out.ran += ran
     out.cost += benchmark_cost(stages.choices, stages.n_stage2, stages.n_items)
     out.scores = {t: combine(first[t], rest[t]) for t in stages.validation.tasks}
-    out.value, out.aggregates = objective(s.objective, out.scores, stages.constituent_scores, stages.constituents,
-                                          stages.cfg.metric)
+    out.value, out.aggregates = objective(
+        s.objective, out.scores, stages.constituent_scores, stages.constituents, stages.cfg.metric
+    )
     out.stage = 3
     return _done(out, started)
 

@@ -49,13 +49,17 @@ def pick_command(pick) -> str:
     overrides = list(HydraConfig.get().overrides.task)
     plain = [*kept(overrides, ("staged",), pick.method), f"method={pick.method}"]
     composed = compose("config", overrides=open_mappings(plain))  # as the plain run will compose it
-    return run_command(overrides, ("staged",), changed_fields(pick.config, OmegaConf.to_container(composed.method)),
-                       method=pick.method)
+    return run_command(
+        overrides, ("staged",), changed_fields(pick.config, OmegaConf.to_container(composed.method)), method=pick.method
+    )
 
 
 def cli() -> None:
-    run_cli(main, 'mergeval.staged',
-            'Evaluate a sweep in three stages (perplexity, part of the benchmark, all of it); see staged.* fields.')
+    run_cli(
+        main,
+        "mergeval.staged",
+        "Evaluate a sweep in three stages (perplexity, part of the benchmark, all of it); see staged.* fields.",
+    )
 
 
 if __name__ == "__main__":

@@ -37,13 +37,19 @@ def perplexity_cost(texts_per_task: Mapping[str, int]) -> Cost:
 
 def benchmark_cost(choices: Mapping[str, Sequence[int]], start: int, stop: int) -> Cost:
     """One model on items ``[start, stop)`` of every task: ``choices[task][i]`` forward passes for item i."""
-    return Cost(sum(len(c[start:stop]) for c in choices.values()),
-                sum(sum(c[start:stop]) for c in choices.values()))
+    return Cost(sum(len(c[start:stop]) for c in choices.values()), sum(sum(c[start:stop]) for c in choices.values()))
 
 
-def cost_table(n_candidates: int, texts_per_task: Mapping[str, int], reference_texts: int,
-               choices: Mapping[str, Sequence[int]], n_full: int, n_stage2_items: int, n_stage2: int,
-               n_stage3: int) -> dict[str, Cost]:
+def cost_table(
+    n_candidates: int,
+    texts_per_task: Mapping[str, int],
+    reference_texts: int,
+    choices: Mapping[str, Sequence[int]],
+    n_full: int,
+    n_stage2_items: int,
+    n_stage2: int,
+    n_stage3: int,
+) -> dict[str, Cost]:
     """Per stage and in total, for a sweep of ``n_candidates``, next to full evaluation of every candidate.
 
     stage1 = candidates x held-out texts + ``reference_texts`` (each expert on its own task's texts);
@@ -56,15 +62,22 @@ def cost_table(n_candidates: int, texts_per_task: Mapping[str, int], reference_t
     stage1 = perplexity_cost(texts_per_task) * n_candidates + Cost(reference_texts, reference_texts)
     stage2 = benchmark_cost(choices, 0, n_stage2_items) * n_stage2
     stage3 = benchmark_cost(choices, n_stage2_items, n_full) * n_stage3
-    return {"stage1": stage1, "stage2": stage2, "stage3": stage3, "staged": stage1 + stage2 + stage3,
-            "full": benchmark_cost(choices, 0, n_full) * n_candidates}
+    return {
+        "stage1": stage1,
+        "stage2": stage2,
+        "stage3": stage3,
+        "staged": stage1 + stage2 + stage3,
+        "full": benchmark_cost(choices, 0, n_full) * n_candidates,
+    }
 
 
 def fractions(table: Mapping[str, Cost]) -> dict[str, float | None]:
     """The staged total as a fraction of full evaluation, in forward passes and in examples."""
     staged, full = table["staged"], table["full"]
-    return {"forward_passes": staged.forward_passes / full.forward_passes if full.forward_passes else None,
-            "examples": staged.examples / full.examples if full.examples else None}
+    return {
+        "forward_passes": staged.forward_passes / full.forward_passes if full.forward_passes else None,
+        "examples": staged.examples / full.examples if full.examples else None,
+    }
 
 
 def as_json(table: Mapping[str, Cost]) -> dict:

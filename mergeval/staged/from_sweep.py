@@ -43,8 +43,10 @@ def candidate_spec(method: dict, swept: set[str] = frozenset()) -> dict:
     """``{name, field: value}``: the method's fields that differ from its defaults or are ``swept`` (what labels
     a candidate: a swept lambda_=1.0 is named even where 1.0 is the default)."""
     defaults = OmegaConf.to_container(OmegaConf.structured(get_method(method["name"]).config))
-    return {"name": method["name"],
-            **{k: v for k, v in method.items() if k != "name" and (k in swept or defaults.get(k) != v)}}
+    return {
+        "name": method["name"],
+        **{k: v for k, v in method.items() if k != "name" and (k in swept or defaults.get(k) != v)},
+    }
 
 
 def swept_fields(methods: list[dict]) -> dict[str, set[str]]:
@@ -67,13 +69,19 @@ def staged_config(jobs: list[DictConfig], labels: list[str]) -> DictConfig:
     for label, other in zip(labels[1:], rest[1:]):
         key = _differing_key(rest[0], other)
         if key is not None:
-            raise UserError(key, f"differs between the sweep's jobs ({labels[0]} / {label}); a staged sweep "
-                            "compares merges of the same models on the same benchmark, so only the method may vary",
-                            f"fix {key} to one value, or sweep it without {SWEEPER}")
+            raise UserError(
+                key,
+                f"differs between the sweep's jobs ({labels[0]} / {label}); a staged sweep "
+                "compares merges of the same models on the same benchmark, so only the method may vary",
+                f"fix {key} to one value, or sweep it without {SWEEPER}",
+            )
     staged = rest[0].get("staged") or {}
     if staged.get("grid") or staged.get("candidates"):
-        raise UserError("staged.grid", f"with {SWEEPER} the sweep's jobs are the candidates",
-                        "drop staged.grid and staged.candidates (or run python -m mergeval.staged without -m)")
+        raise UserError(
+            "staged.grid",
+            f"with {SWEEPER} the sweep's jobs are the candidates",
+            "drop staged.grid and staged.candidates (or run python -m mergeval.staged without -m)",
+        )
     n_experts = len(rest[0]["modelset"]["experts"])
     specs, swept, seen = [], swept_fields([job["method"] for job in plain]), {}
     for label, job in zip(labels, plain):
@@ -84,8 +92,9 @@ def staged_config(jobs: list[DictConfig], labels: list[str]) -> DictConfig:
             raise UserError(err.field, f"{err.problem} (sweep job {label})", err.fix) from None
         key = json.dumps(OmegaConf.to_container(OmegaConf.structured(candidate.config)), sort_keys=True)
         if key in seen:
-            raise UserError("method", f"sweep jobs {seen[key]} and {label} are the same merge",
-                            "list each swept value once")
+            raise UserError(
+                "method", f"sweep jobs {seen[key]} and {label} are the same merge", "list each swept value once"
+            )
         seen[key] = label
         specs.append(spec)
     cfg = jobs[0].copy()

@@ -53,8 +53,11 @@ def domain_heldout(domain: str, n: int, train_draws: int, train_seed: int) -> li
             out.append(item)
             if len(out) == n:
                 return out
-    raise UserError("staged.heldout_items", f"only {len(out)} held-out {domain} items found outside the test "
-                    "and training items", "lower staged.heldout_items")
+    raise UserError(
+        "staged.heldout_items",
+        f"only {len(out)} held-out {domain} items found outside the test and training items",
+        "lower staged.heldout_items",
+    )
 
 
 def general_heldout(n: int, n_items: int) -> list[Item]:
@@ -65,8 +68,11 @@ def general_heldout(n: int, n_items: int) -> list[Item]:
     tested = {item["question"] for item in GENERATED[GENERAL_TASK](n_items)}
     left = [item for item in pool if item["question"] not in tested]
     if not left:
-        raise UserError("benchmark.n_items", f"the general pool has no question left outside the {n_items} "
-                        "test questions", "lower benchmark.n_items to leave held-out text for stage 1")
+        raise UserError(
+            "benchmark.n_items",
+            f"the general pool has no question left outside the {n_items} test questions",
+            "lower benchmark.n_items to leave held-out text for stage 1",
+        )
     return left[:n]
 
 
@@ -85,6 +91,9 @@ def heldout_items(tasks: list[str], n: int, n_items: int, trained_domains: set[s
         elif items_of(task) == GENERAL_TASK:
             out[task] = general_heldout(n, n_items)
         else:
-            raise UserError("benchmark.tasks", f"no held-out text is defined for task '{task}'",
-                            "drop it from benchmark.tasks for staged evaluation")
+            raise UserError(
+                "benchmark.tasks",
+                f"no held-out text is defined for task '{task}'",
+                "drop it from benchmark.tasks for staged evaluation",
+            )
     return out

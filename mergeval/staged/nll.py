@@ -48,8 +48,14 @@ def answer_sequences(tokenizer, items: list[Item]) -> list[tuple[list[int], int]
 
 
 @torch.inference_mode()
-def token_nlls(model, sequences: list[tuple[list[int], int]], batch_size: int, pad_id: int,
-               device: str = "cpu", spent: Spent | None = None) -> list[list[float]]:
+def token_nlls(
+    model,
+    sequences: list[tuple[list[int], int]],
+    batch_size: int,
+    pad_id: int,
+    device: str = "cpu",
+    spent: Spent | None = None,
+) -> list[list[float]]:
     """For each (ids, start): ``-ln p(ids[j] | ids[:j])`` for ``j = start .. len(ids)-1``, in input order.
 
     Sequences are batched longest first (less padding), right-padded with an
@@ -68,23 +74,26 @@ def token_nlls(model, sequences: list[tuple[list[int], int]], batch_size: int, p
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
     result: list[list[float]] = [[] for _ in sequences]
     for lo in range(0, len(order), batch_size):
-        rows = order[lo:lo + batch_size]
+        rows = order[lo : lo + batch_size]
         width = max(len(sequences[i][0]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, i in enumerate(rows):
             seq = sequences[i][0]
-            ids[r, :len(seq)] = torch.tensor(seq)
-            mask[r, :len(seq)] = 1
+            ids[r, : len(seq)] = torch.tensor(seq)
+            mask[r, : len(seq)] = 1
         # position p predicts token p + 1: the answer tokens start..end-1 come from positions start-1..end-2;
         # the logits kept are those of positions first.. (first: the earliest of the batch's rows)
         first = min(sequences[i][1] for i in rows) - 1 if keeps else 0
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                       **({"logits_to_keep": width - first} if keeps else {})).logits
+        logits = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            **({"logits_to_keep": width - first} if keeps else {}),
+        ).logits
         for r, i in enumerate(rows):
             seq, start = sequences[i]
-            logp = torch.log_softmax(logits[r, start - 1 - first:len(seq) - 1 - first].float(), dim=-1)
-            targets = ids[r, start:len(seq)].to(logp.device)
+            logp = torch.log_softmax(logits[r, start - 1 - first : len(seq) - 1 - first].float(), dim=-1)
+            targets = ids[r, start : len(seq)].to(logp.device)
             result[i] = (-logp.gather(1, targets[:, None])[:, 0]).tolist()
         spent.forward_passes += len(rows)
         spent.tokens += int(mask.sum())

@@ -146,8 +146,9 @@ class Bench:
         model = make_model()
         with library_bars(self.cfg.verbose):
             fresh = harness.score(model, self.tokenizer, samples=samples)
-        self.store.put_scores(fingerprint, {t: self.digests[t] for t in fresh}, settings,
-                              {t: s.stored() for t, s in fresh.items()})
+        self.store.put_scores(
+            fingerprint, {t: self.digests[t] for t in fresh}, settings, {t: s.stored() for t, s in fresh.items()}
+        )
         return {**got, **{t: s.as_dict() for t, s in fresh.items()}}, THIS_RUN, sum(harness.requests.values())
 
 
@@ -180,8 +181,11 @@ def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
         if roles:
             owners[task] = roles
     if not owners:
-        raise UserError("modelset.experts", "staged evaluation ranks by perplexity on the experts' own tasks, and "
-                        "no expert names one", "set modelset.experts.<name>.task")
+        raise UserError(
+            "modelset.experts",
+            "staged evaluation ranks by perplexity on the experts' own tasks, and no expert names one",
+            "set modelset.experts.<name>.task",
+        )
     return owners
 
 
@@ -189,13 +193,19 @@ def prepare(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the run config (its ``method`` is unused) and the sweep's plan."""
     validate(cfg)
     if cfg.get("tokenizer_source"):
-        raise UserError("tokenizer_source", "staged evaluation merges in memory in the base's vocabulary",
-                        "merge different tokenizers with python -m mergeval or python -m mergeval.merge")
+        raise UserError(
+            "tokenizer_source",
+            "staged evaluation merges in memory in the base's vocabulary",
+            "merge different tokenizers with python -m mergeval or python -m mergeval.merge",
+        )
     refuse_slices(cfg, "staged evaluation")
     other = [t for t in cfg.benchmark.tasks if t not in GENERATED]
     if other:
-        raise UserError("benchmark.tasks", f"staged evaluation splits mergeval's generated tasks into stages; "
-                        f"{other[0]} is not one", "run registry tasks with python -m mergeval")
+        raise UserError(
+            "benchmark.tasks",
+            f"staged evaluation splits mergeval's generated tasks into stages; {other[0]} is not one",
+            "run registry tasks with python -m mergeval",
+        )
     plan = make_plan(cfg.staged, len(cfg.modelset.experts))
     stage1_tasks(cfg)
     return plan
@@ -224,8 +234,10 @@ class Models:
         # Where they do not (a paper's 8B models: 16 GB each in bfloat16), each merge reads its inputs a tensor
         # or a row block at a time from the files (the page cache's copies), holding only the merge itself.
         self.in_memory = size <= CONSTITUENTS_IN_MEMORY * available_memory()
-        self.sources = [MemorySource(load_tensors(d, label), label, d) if self.in_memory else CheckpointReader(d, label)
-                        for label, d in labelled.items()]
+        self.sources = [
+            MemorySource(load_tensors(d, label), label, d) if self.in_memory else CheckpointReader(d, label)
+            for label, d in labelled.items()
+        ]
         self._live = None
         self._names: list[str] = []  # the tensor names every merge carries
         self.kept = KeptMerges(0, 0)
@@ -236,8 +248,15 @@ class Models:
         from mergeval.merge.memory import merge_sources
 
         self.merges_run += 1
-        return merge_sources(cand.method, cand.config, self.sources[0], self.sources[1:], self.cfg.seed,
-                             vocab_policy=self.cfg.vocab_policy, prepared=self.prepared)
+        return merge_sources(
+            cand.method,
+            cand.config,
+            self.sources[0],
+            self.sources[1:],
+            self.cfg.seed,
+            vocab_policy=self.cfg.vocab_policy,
+            prepared=self.prepared,
+        )
 
     def identity(self, tensors: dict) -> str:
         """The identity of a merge held in ``tensors`` (models.fingerprint.model_identity): it is evaluated in the
@@ -284,9 +303,13 @@ class HeldOut:
     spent: Spent = field(default_factory=Spent)
 
     def perplexities(self, model, only: list[str] | None = None) -> dict[str, float]:
-        return {t: _finite_or_inf(perplexity(token_nlls(model, seqs, self.batch_size, self.pad_id, self.device,
-                                                        self.spent)))
-                for t, seqs in self.sequences.items() if only is None or t in only}
+        return {
+            t: _finite_or_inf(
+                perplexity(token_nlls(model, seqs, self.batch_size, self.pad_id, self.device, self.spent))
+            )
+            for t, seqs in self.sequences.items()
+            if only is None or t in only
+        }
 
 
 def run_staged(cfg: DictConfig) -> StagedOutcome:
@@ -314,15 +337,29 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    scorer = HeldOut({t: answer_sequences(tokenizer, items) for t, items in heldout.items()}, cfg.eval.batch_size,
-                     pad_id, cfg.eval.device)
+    scorer = HeldOut(
+        {t: answer_sequences(tokenizer, items) for t, items in heldout.items()},
+        cfg.eval.batch_size,
+        pad_id,
+        cfg.eval.device,
+    )
     models = Models(cfg, base_dir, expert_dirs, getattr(torch, cfg.eval.dtype))
     digests = suite.digests
     outcome = StagedOutcome(
-        tasks, digests, constituents, {t: {} for t in tasks},
-        {t: {"texts": len(s), "answer_tokens": sum(len(ids) - start for ids, start in s)}
-         for t, s in scorer.sequences.items()},
-        {}, [], n_full, stage2_limit(plan.stage2_fraction, n_full), timings=timings)
+        tasks,
+        digests,
+        constituents,
+        {t: {} for t in tasks},
+        {
+            t: {"texts": len(s), "answer_tokens": sum(len(ids) - start for ids, start in s)}
+            for t, s in scorer.sequences.items()
+        },
+        {},
+        [],
+        n_full,
+        stage2_limit(plan.stage2_fraction, n_full),
+        timings=timings,
+    )
 
     models.kept = KeptMerges(plan.stage1_keep, int(plan.keep_memory * available_memory()))
     _stage1(outcome, plan, owners, models, scorer)
@@ -339,13 +376,21 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     if plan.full:
         _full(bench, outcome, plan, models.candidate)
         lap("full")
-    outcome.merges.update(merged=models.merges_run, constituents_in_memory=models.in_memory,
-                          kept_bytes_peak=models.kept.peak_bytes)
+    outcome.merges.update(
+        merged=models.merges_run, constituents_in_memory=models.in_memory, kept_bytes_peak=models.kept.peak_bytes
+    )
     models.kept.retain([])
     texts = {t: len(s) for t, s in scorer.sequences.items()}
-    outcome.cost = cost_table(len(outcome.candidates), texts, sum(texts[t] * len(r) for t, r in owners.items()),
-                              choices_per_item(task_dir, tasks, n_full), n_full, outcome.stage2_items, len(outcome.stage2),
-                              len(outcome.stage3))
+    outcome.cost = cost_table(
+        len(outcome.candidates),
+        texts,
+        sum(texts[t] * len(r) for t, r in owners.items()),
+        choices_per_item(task_dir, tasks, n_full),
+        n_full,
+        outcome.stage2_items,
+        len(outcome.stage2),
+        len(outcome.stage3),
+    )
     return outcome
 
 
@@ -362,23 +407,29 @@ def _data_aware(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache
             plan.candidates[i] = dataclasses.replace(cand, config=config)
 
 
-def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], models: Models,
-            scorer: HeldOut) -> None:
+def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], models: Models, scorer: HeldOut) -> None:
     """Perplexity of every candidate on the experts' held-out answers; the early stop, or stage 2's candidates.
 
     The reference for each task is its expert (the best, if several share it):
     the source models the guide's early stop compares with. It does not change
     the ranking (see :func:`mergeval.metrics.perplexity.mean_log_ratio`).
     """
-    print(f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates on "
-          f"{sum(len(s) for s in scorer.sequences.values())} held-out texts of {', '.join(owners)}", flush=True)
+    print(
+        f"mergeval: stage 1: perplexity of {len(plan.candidates)} candidates on "
+        f"{sum(len(s) for s in scorer.sequences.values())} held-out texts of {', '.join(owners)}",
+        flush=True,
+    )
     outcome.reference = reference_perplexities(models, owners, scorer)
     reference = {t: r["perplexity"] for t, r in outcome.reference.items()}
     for cand in plan.candidates:
         tensors = models.merged(cand)
-        res = CandidateResult(cand.label, cand.method.name, cand.params,
-                              OmegaConf.to_container(OmegaConf.structured(cand.config)),
-                              models.identity(tensors))
+        res = CandidateResult(
+            cand.label,
+            cand.method.name,
+            cand.params,
+            OmegaConf.to_container(OmegaConf.structured(cand.config)),
+            models.identity(tensors),
+        )
         res.perplexity = scorer.perplexities(models.live(tensors))
         del tensors
         res.log_ratio = _finite_or_inf(mean_log_ratio(res.perplexity, reference))
@@ -387,18 +438,27 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
         if not res.degraded:  # a degraded candidate is never promoted
             models.keep(cand.label, res.log_ratio)
         outcome.candidates.append(res)
-        print(f"  {cand.label}: perplexity x{res.degradation + 1:.3g} of the experts' (geometric mean over tasks)",
-              flush=True)
+        print(
+            f"  {cand.label}: perplexity x{res.degradation + 1:.3g} of the experts' (geometric mean over tasks)",
+            flush=True,
+        )
     outcome.ran["stage1"] = scorer.spent.forward_passes
     labels = [c.label for c in outcome.candidates]
     degraded = frozenset(c.label for c in outcome.candidates if c.degraded)
     if len(degraded) == len(labels):
-        outcome.early_stop = (f"every candidate's held-out perplexity is more than {plan.degrade_threshold:.0%} "
-                              "above the experts' on their own tasks (geometric mean over tasks); stopped before "
-                              "any benchmark: reconsider whether these experts merge well, or the methods")
+        outcome.early_stop = (
+            f"every candidate's held-out perplexity is more than {plan.degrade_threshold:.0%} "
+            "above the experts' on their own tasks (geometric mean over tasks); stopped before "
+            "any benchmark: reconsider whether these experts merge well, or the methods"
+        )
     else:
-        outcome.stage2 = promote({c.label: c.log_ratio for c in outcome.candidates}, labels, plan.stage1_keep,
-                                 higher_is_better=False, excluded=degraded)
+        outcome.stage2 = promote(
+            {c.label: c.log_ratio for c in outcome.candidates},
+            labels,
+            plan.stage1_keep,
+            higher_is_better=False,
+            excluded=degraded,
+        )
 
 
 def reference_perplexities(models: Models, owners: dict[str, list[str]], scorer: HeldOut) -> dict[str, dict]:
@@ -419,6 +479,7 @@ def constituent_scores(bench: Bench, constituents: list[ModelInfo], models: Mode
     and settings, via the store); each ModelInfo's ``evaluated`` says whether this call ran it."""
     scores: dict[str, dict[str, dict]] = {t: {} for t in bench.tasks}
     for info in constituents:
+
         def load(path=Path(info.path), role=info.role):
             print(f"mergeval: evaluating {role} on {len(bench.tasks)} tasks", flush=True)
             return models.saved(path)
@@ -439,13 +500,17 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     by_label = {c.label: c for c in plan.candidates}
     n2, n = outcome.stage2_items, outcome.n_full
     kept = outcome.merges.get("kept_between_stages", 0)
-    print(f"mergeval: stage 2: {len(outcome.stage2)} candidates on items [0, {n2}) of each task"
-          + (f" ({kept} kept in memory since stage 1, not merged again)" if kept else ""), flush=True)
+    print(
+        f"mergeval: stage 2: {len(outcome.stage2)} candidates on items [0, {n2}) of each task"
+        + (f" ({kept} kept in memory since stage 1, not merged again)" if kept else ""),
+        flush=True,
+    )
     outcome.ran["stage2"] = 0
     for label in outcome.stage2:
         res = outcome.result(label)
-        res.stage2, res.evaluated["stage2"], ran = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c),
-                                                                (0, n2))
+        res.stage2, res.evaluated["stage2"], ran = bench.scores(
+            res.fingerprint, lambda c=by_label[label]: model_of(c), (0, n2)
+        )
         outcome.ran["stage2"] += ran
     keys = {label: outcome.result(label).mean("stage2") for label in outcome.stage2}
     outcome.stage3 = promote(keys, outcome.stage2, plan.stage3_keep, higher_is_better=True)
@@ -454,16 +519,18 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     for label in outcome.stage3:
         res = outcome.result(label)
         if n2 < n:
-            rest, res.evaluated["stage3"], ran = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c),
-                                                              (n2, n))
+            rest, res.evaluated["stage3"], ran = bench.scores(
+                res.fingerprint, lambda c=by_label[label]: model_of(c), (n2, n)
+            )
             outcome.ran["stage3"] += ran
             res.stage3 = {t: combine(res.stage2[t], rest[t]) for t in outcome.tasks}
         else:  # stage 2 already covered every item
             res.stage3 = res.stage2
         scores = {t: dict(outcome.constituent_scores[t], **{MERGED: res.stage3[t]}) for t in outcome.tasks}
         res.aggregates = aggregate(scores, outcome.tasks, outcome.constituents, bench.cfg.metric.scale)
-    outcome.stage3 = best_first({label: outcome.result(label).mean("stage3") for label in outcome.stage3},
-                                outcome.stage3, higher_is_better=True)
+    outcome.stage3 = best_first(
+        {label: outcome.result(label).mean("stage3") for label in outcome.stage3}, outcome.stage3, higher_is_better=True
+    )
     outcome.pick = outcome.stage3[0]
 
 
@@ -484,8 +551,7 @@ def compare(staged_pick: str | None, full_means: dict[str, float], order: list[s
     """
     full_pick = best_first(full_means, order, higher_is_better=True)[0]
     regret = None if staged_pick is None else full_means[full_pick] - full_means[staged_pick]
-    return {"full_pick": full_pick, "staged_pick": staged_pick, "same_pick": staged_pick == full_pick,
-            "regret": regret}
+    return {"full_pick": full_pick, "staged_pick": staged_pick, "same_pick": staged_pick == full_pick, "regret": regret}
 
 
 def _full(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
@@ -498,4 +564,3 @@ def _full(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
         outcome.ran["full"] += ran
     means = {c.label: c.mean("full") for c in outcome.candidates}
     outcome.comparison = compare(outcome.pick, means, [c.label for c in outcome.candidates])
-

@@ -77,8 +77,11 @@ def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
     except UserError as err:
         raise UserError(name_path, err.problem, err.fix) from None
     if method.needs.at_run_time():  # python -m mergeval prepares those; a staged sweep merges candidates as they are
-        raise UserError(name_path, f"{method.name} needs run-time preparation that staged sweeps do not do",
-                        "sweep it with python -m mergeval -m instead")
+        raise UserError(
+            name_path,
+            f"{method.name} needs run-time preparation that staged sweeps do not do",
+            "sweep it with python -m mergeval -m instead",
+        )
     params = {k: v for k, v in spec.items() if k != "name"}
     config = typed_config(path, method, params, n_experts)
     label = method.name + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
@@ -94,8 +97,9 @@ def typed_config(path: str, method: MergeMethod, params: dict, n_experts: int, b
             node = OmegaConf.merge(node, {key: value})
         except ConfigKeyError:
             fields = [f for f in node if f != "name"]
-            raise UserError(f"{path}.{key}", f"no such field of method {method.name}",
-                            f"use one of: {', '.join(fields)}") from None
+            raise UserError(
+                f"{path}.{key}", f"no such field of method {method.name}", f"use one of: {', '.join(fields)}"
+            ) from None
         except ValidationError as err:
             raise UserError(f"{path}.{key}", str(err).splitlines()[0], "fix the value's type") from None
     config = OmegaConf.to_object(node)
@@ -109,31 +113,50 @@ def typed_config(path: str, method: MergeMethod, params: dict, n_experts: int, b
 
 def make_plan(staged, n_experts: int) -> Plan:
     if staged is None:
-        raise UserError("staged", "no staged section in the config",
-                        "use an experiment that defines one, e.g. +experiment=quickstart_staged")
+        raise UserError(
+            "staged",
+            "no staged section in the config",
+            "use an experiment that defines one, e.g. +experiment=quickstart_staged",
+        )
     candidates, seen = [], {}
     for path, spec in _specs(staged):
         cand = build_candidate(path, spec, n_experts)
         key = json.dumps(OmegaConf.to_container(OmegaConf.structured(cand.config)), sort_keys=True)
         if key in seen:
-            raise UserError(path, f"candidate {cand.label} is the same merge as {seen[key]}",
-                            "list each configuration once")
+            raise UserError(
+                path, f"candidate {cand.label} is the same merge as {seen[key]}", "list each configuration once"
+            )
         seen[key] = cand.label
         candidates.append(cand)
     if not candidates:
-        raise UserError("staged", "no candidates", "set staged.grid (method: {field: [values]}) or staged.candidates "
-                        "(e.g. +experiment=quickstart_staged), or sweep with python -m mergeval -m hydra/sweeper=staged")
+        raise UserError(
+            "staged",
+            "no candidates",
+            "set staged.grid (method: {field: [values]}) or staged.candidates "
+            "(e.g. +experiment=quickstart_staged), or sweep with python -m mergeval -m hydra/sweeper=staged",
+        )
     checks = [
         ("staged.heldout_items", staged.heldout_items >= 1, "set e.g. staged.heldout_items=64"),
         ("staged.stage1_keep", staged.stage1_keep >= 1, "set e.g. staged.stage1_keep=4"),
         ("staged.stage2_fraction", 0 < staged.stage2_fraction <= 1, "set e.g. staged.stage2_fraction=0.15"),
-        ("staged.stage3_keep", 1 <= staged.stage3_keep <= staged.stage1_keep,
-         "set it between 1 and staged.stage1_keep"),
+        (
+            "staged.stage3_keep",
+            1 <= staged.stage3_keep <= staged.stage1_keep,
+            "set it between 1 and staged.stage1_keep",
+        ),
         ("staged.degrade_threshold", staged.degrade_threshold > 0, "set e.g. staged.degrade_threshold=1.0"),
         ("staged.keep_memory", 0 <= staged.keep_memory <= 1, "set a share between 0 (merge again) and 1, e.g. 0.25"),
     ]
     for field, ok, fix in checks:
         if not ok:
             raise UserError(field, f"invalid value {OmegaConf.select(staged, field.split('.', 1)[1])}", fix)
-    return Plan(candidates, staged.heldout_items, staged.stage1_keep, staged.stage2_fraction, staged.stage3_keep,
-                staged.degrade_threshold, staged.full, staged.keep_memory)
+    return Plan(
+        candidates,
+        staged.heldout_items,
+        staged.stage1_keep,
+        staged.stage2_fraction,
+        staged.stage3_keep,
+        staged.degrade_threshold,
+        staged.full,
+        staged.keep_memory,
+    )

@@ -36,32 +36,34 @@ def to_json(cfg: DictConfig, outcome: StagedOutcome) -> dict:
         row = asdict(c)
         row.update(stage2_mean_acc=c.mean("stage2"), stage3_mean_acc=c.mean("stage3"), full_mean_acc=c.mean("full"))
         candidates.append(row)
-    return _jsonable({
-        "run_id": uuid.uuid4().hex,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "seeds": {"merge": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0, "heldout_data": 0},
-        "tasks": outcome.tasks,
-        "task_digests": outcome.task_digests,
-        "items_per_task": {"full": outcome.n_full, "stage2": outcome.stage2_items},
-        "heldout": outcome.heldout,
-        "constituents": [vars(m) for m in outcome.constituents],
-        "constituent_scores": outcome.constituent_scores,
-        "reference_perplexity": outcome.reference,
-        "candidates": candidates,
-        "stage2": outcome.stage2,
-        "stage3": outcome.stage3,
-        "pick": outcome.pick,
-        "pick_command": outcome.pick_command,
-        "early_stop": outcome.early_stop,
-        "cost": as_json(outcome.cost),
-        "forward_passes_run_in_this_job": outcome.ran,
-        "full_comparison": outcome.comparison,
-        "timings_s": outcome.timings,
-        "merges": outcome.merges,
-        "versions": package_versions(),
-        "git": git_commit(),
-    })
+    return _jsonable(
+        {
+            "run_id": uuid.uuid4().hex,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "seeds": {"merge": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0, "heldout_data": 0},
+            "tasks": outcome.tasks,
+            "task_digests": outcome.task_digests,
+            "items_per_task": {"full": outcome.n_full, "stage2": outcome.stage2_items},
+            "heldout": outcome.heldout,
+            "constituents": [vars(m) for m in outcome.constituents],
+            "constituent_scores": outcome.constituent_scores,
+            "reference_perplexity": outcome.reference,
+            "candidates": candidates,
+            "stage2": outcome.stage2,
+            "stage3": outcome.stage3,
+            "pick": outcome.pick,
+            "pick_command": outcome.pick_command,
+            "early_stop": outcome.early_stop,
+            "cost": as_json(outcome.cost),
+            "forward_passes_run_in_this_job": outcome.ran,
+            "full_comparison": outcome.comparison,
+            "timings_s": outcome.timings,
+            "merges": outcome.merges,
+            "versions": package_versions(),
+            "git": git_commit(),
+        }
+    )
 
 
 def write(cfg: DictConfig, outcome: StagedOutcome, out_dir: Path) -> Path:
@@ -90,27 +92,54 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
         if c.degraded:
             ratio += " (degraded)"
         gain = "-" if c.aggregates is None else f"{c.aggregates['macro_gain']:+.2f}"
-        row = [c.label + ("  ← pick" if c.label == outcome.pick else ""), ratio, _acc(c.mean("stage2")),
-               _acc(c.mean("stage3"))] + ([_acc(c.mean("full"))] if has_full else []) + [gain]
+        row = (
+            [
+                c.label + ("  ← pick" if c.label == outcome.pick else ""),
+                ratio,
+                _acc(c.mean("stage2")),
+                _acc(c.mean("stage3")),
+            ]
+            + ([_acc(c.mean("full"))] if has_full else [])
+            + [gain]
+        )
         table.add_row(*[f"[bold]{v}[/bold]" if c.label == outcome.pick else v for v in row])
     console.print(table)
-    console.print("[dim]PPL / experts: held-out answer perplexity over each expert's on its own task, geometric "
-                  "mean over the experts' tasks; acc: mean over all tasks[/dim]")
+    console.print(
+        "[dim]PPL / experts: held-out answer perplexity over each expert's on its own task, geometric "
+        "mean over the experts' tasks; acc: mean over all tasks[/dim]"
+    )
 
     full = outcome.cost["full"]
-    costs = Table(title="evaluation cost (candidates; the constituents' own evaluation is the same either way)",
-                  title_justify="left")
+    costs = Table(
+        title="evaluation cost (candidates; the constituents' own evaluation is the same either way)",
+        title_justify="left",
+    )
     for name in ("stage", "models", "examples", "forward passes", "of full"):
         costs.add_column(name, justify="left" if name == "stage" else "right", no_wrap=True)
-    counts = {"stage1": len(outcome.candidates), "stage2": len(outcome.stage2), "stage3": len(outcome.stage3),
-              "staged": None, "full": len(outcome.candidates)}
-    names = {"stage1": "1 perplexity (+ experts)", "stage2": f"2 items [0, {n2})", "stage3": f"3 items [{n2}, {n})",
-             "staged": "staged total", "full": "full, every candidate"}
+    counts = {
+        "stage1": len(outcome.candidates),
+        "stage2": len(outcome.stage2),
+        "stage3": len(outcome.stage3),
+        "staged": None,
+        "full": len(outcome.candidates),
+    }
+    names = {
+        "stage1": "1 perplexity (+ experts)",
+        "stage2": f"2 items [0, {n2})",
+        "stage3": f"3 items [{n2}, {n})",
+        "staged": "staged total",
+        "full": "full, every candidate",
+    }
     for key, label in names.items():
         cost = outcome.cost[key]
         share = f"{cost.forward_passes / full.forward_passes:.1%}" if full.forward_passes else "-"
-        costs.add_row(label, "" if counts[key] is None else str(counts[key]), f"{cost.examples:,}",
-                      f"{cost.forward_passes:,}", share)
+        costs.add_row(
+            label,
+            "" if counts[key] is None else str(counts[key]),
+            f"{cost.examples:,}",
+            f"{cost.forward_passes:,}",
+            share,
+        )
     console.print(costs)
 
     if outcome.early_stop:
@@ -119,12 +148,17 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
         pick = outcome.result(outcome.pick)
         agg = pick.aggregates
         mean = agg["normalized_mean"]
-        console.print(f"pick: [bold]{pick.label}[/bold]   mean acc {pick.mean('stage3'):.3f}   "
-                      f"Macro-Gain {agg['macro_gain']:+.2f}   normalized "
-                      f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})")
+        console.print(
+            f"pick: [bold]{pick.label}[/bold]   mean acc {pick.mean('stage3'):.3f}   "
+            f"Macro-Gain {agg['macro_gain']:+.2f}   normalized "
+            f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})"
+        )
         if outcome.pick_command:
-            console.print(f"as a run (result.json, the results store; stored evaluations are reused): "
-                          f"{outcome.pick_command}", soft_wrap=True, highlight=False)
+            console.print(
+                f"as a run (result.json, the results store; stored evaluations are reused): {outcome.pick_command}",
+                soft_wrap=True,
+                highlight=False,
+            )
     if outcome.comparison:
         cmp = outcome.comparison
         verdict = "the same pick" if cmp["same_pick"] else "a different pick"

@@ -26,8 +26,13 @@ def best_first(keys: Mapping[str, float], labels: Sequence[str], higher_is_bette
     return sorted(labels, key=lambda c: -keys[c] if higher_is_better else keys[c])
 
 
-def promote(keys: Mapping[str, float], labels: Sequence[str], k: int, higher_is_better: bool,
-            excluded: frozenset[str] = frozenset()) -> list[str]:
+def promote(
+    keys: Mapping[str, float],
+    labels: Sequence[str],
+    k: int,
+    higher_is_better: bool,
+    excluded: frozenset[str] = frozenset(),
+) -> list[str]:
     """The best ``k`` of ``labels`` not in ``excluded``."""
     return [c for c in best_first(keys, labels, higher_is_better) if c not in excluded][:k]
 
@@ -43,4 +48,9 @@ def combine(first: Mapping[str, float], rest: Mapping[str, float]) -> dict[str, 
     n = int(first["n"]) + int(rest["n"])
     correct = round(first["value"] * first["n"]) + round(rest["value"] * rest["n"])
     p = correct / n
-    return {"metric": first.get("metric", "acc,none"), "value": p, "stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"), "n": n}
+    return {
+        "metric": first.get("metric", "acc,none"),
+        "value": p,
+        "stderr": math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan"),
+        "n": n,
+    }

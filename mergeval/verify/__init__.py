@@ -19,5 +19,19 @@ from mergeval.verify.load import Spec, available, find_spec, load_spec
 from mergeval.verify.runs import Measured, Run, load_runs
 from mergeval.verify.tables import CellCheck, check_tables
 
-__all__ = ["CellCheck", "Claim", "ClaimResult", "Measured", "Run", "Spec", "available", "check_tables", "compare",
-           "evaluate_claim", "evaluate_claims", "find_spec", "load_runs", "load_spec"]
+__all__ = [
+    "CellCheck",
+    "Claim",
+    "ClaimResult",
+    "Measured",
+    "Run",
+    "Spec",
+    "available",
+    "check_tables",
+    "compare",
+    "evaluate_claim",
+    "evaluate_claims",
+    "find_spec",
+    "load_runs",
+    "load_spec",
+]

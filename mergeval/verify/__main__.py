@@ -94,19 +94,32 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mergeval.verify", description="Check a paper spec's published tables and claims.")
     p.add_argument("spec", nargs="?", help="a spec name (see --list) or a path to a spec YAML")
-    p.add_argument("--all", action="store_true",
-                   help="check every spec on the search path (tables and claims that need no run)")
-    p.add_argument("--run", action="append", default=None, metavar="RESULT",
-                   help="a result.json, or a directory searched for them (repeatable)")
+    p.add_argument(
+        "--all", action="store_true", help="check every spec on the search path (tables and claims that need no run)"
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=None,
+        metavar="RESULT",
+        help="a result.json, or a directory searched for them (repeatable)",
+    )
     p.add_argument("--tag", action="append", default=[], help="check only claims with this tag (repeatable)")
     p.add_argument("--claim", action="append", default=[], metavar="ID", help="check only this claim (repeatable)")
     p.add_argument("--list", action="store_true", help="list the specs on the search path and exit")
-    p.add_argument("--strict", action="store_true",
-                   help="a claim not run or undetermined by rounding, or a cell not checkable, fails")
-    p.add_argument("--recorded", metavar="NAME", action="append",
-                   help="compare with the verdicts the spec recorded as NAME; fail only when one recorded at "
-                        "least 1 stderr from its threshold changed (repeatable: records of the same runs on "
-                        "other machines; only what they all hold that far from the threshold is enforced)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a claim not run or undetermined by rounding, or a cell not checkable, fails",
+    )
+    p.add_argument(
+        "--recorded",
+        metavar="NAME",
+        action="append",
+        help="compare with the verdicts the spec recorded as NAME; fail only when one recorded at "
+        "least 1 stderr from its threshold changed (repeatable: records of the same runs on "
+        "other machines; only what they all hold that far from the threshold is enforced)",
+    )
     p.add_argument("--record", metavar="NAME", help="print the verdicts: block that records this run's results")
     return p
 
@@ -120,8 +133,9 @@ def select_claims(spec: Spec, tags: list[str], ids: list[str]):
             raise UserError("--claim", f"spec {spec.name} has no claim '{cid}'", f"choose from {sorted(known_ids)}")
     for tag in tags:
         if tag not in known_tags:
-            raise UserError("--tag", f"no claim of spec {spec.name} has tag '{tag}'",
-                            f"tags in this spec: {known_tags}")
+            raise UserError(
+                "--tag", f"no claim of spec {spec.name} has tag '{tag}'", f"tags in this spec: {known_tags}"
+            )
     if not tags and not ids:
         return list(spec.claims)
     return [c for c in spec.claims if c.id in ids or set(c.tags) & set(tags)]
@@ -133,11 +147,17 @@ def refuse_checking_nothing(args, claims) -> None:
     if args.run is not None:
         return
     if args.recorded:
-        raise UserError("--recorded", "compares runs with a record, and no --run is given",
-                        "add --run RESULT (a result.json or a sweep's directory) of the recorded setup")
+        raise UserError(
+            "--recorded",
+            "compares runs with a record, and no --run is given",
+            "add --run RESULT (a result.json or a sweep's directory) of the recorded setup",
+        )
     if (args.tag or args.claim) and claims and all(c.uses_runs for c in claims):
-        raise UserError("--run", f"the {len(claims)} claim(s) selected are all about runs, and no --run is given",
-                        "add --run RESULT (a result.json or a sweep's directory), or select published claims")
+        raise UserError(
+            "--run",
+            f"the {len(claims)} claim(s) selected are all about runs, and no --run is given",
+            "add --run RESULT (a result.json or a sweep's directory), or select published claims",
+        )
 
 
 def refuse_unusable_runs(spec_name: str, runs, results: list[ClaimResult]) -> None:
@@ -146,10 +166,13 @@ def refuse_unusable_runs(spec_name: str, runs, results: list[ClaimResult]) -> No
     using = [r for r in results if r.uses_runs]
     if runs is None or not using or any(r.status != "not run" for r in using):
         return
-    raise UserError("--run", f"the {len(runs)} run(s) given evaluate none of spec {spec_name}'s {len(using)} run "
-                    f"claim checks (the first: {using[0].detail or 'no matching run'})",
-                    f"give runs of {spec_name}'s setups (python -m mergeval.verify {spec_name} lists what each "
-                    "claim needs), or the spec these runs belong to")
+    raise UserError(
+        "--run",
+        f"the {len(runs)} run(s) given evaluate none of spec {spec_name}'s {len(using)} run "
+        f"claim checks (the first: {using[0].detail or 'no matching run'})",
+        f"give runs of {spec_name}'s setups (python -m mergeval.verify {spec_name} lists what each "
+        "claim needs), or the spec these runs belong to",
+    )
 
 
 def exit_status(checks: list[CellCheck], results: list[ClaimResult], strict: bool) -> int:
@@ -193,33 +216,54 @@ def _setup_lines(spec: Spec) -> list[str]:
     return lines
 
 
-def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None,
-           strict: bool = False) -> str:
+def report(
+    spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs: list[Run] | None, strict: bool = False
+) -> str:
     cite = ", ".join(str(spec.citation[k]) for k in ("authors", "venue") if spec.citation.get(k))
     out = [f"{spec.name}: {spec.title}" + (f" ({cite})" if cite else "")]
     out += _setup_lines(spec)
     out.append(f"\npublished tables: {len(checks)} derived cells")
     if checks:
-        out.append(_table(["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows",
-                           "verdict"],
-                          [[" / ".join(c.at), _short(f"{c.origin}: {c.kind}" if c.origin else c.kind, 60),
-                            c.printed.text, f"{c.recomputed:.6g}", show_interval(c.lo, c.hi),
-                            c.status + (f": {c.detail}" if c.detail else "")]
-                           for c in checks]))
+        out.append(
+            _table(
+                ["cell (table / row / column)", "derivation", "printed", "recomputed", "rounding allows", "verdict"],
+                [
+                    [
+                        " / ".join(c.at),
+                        _short(f"{c.origin}: {c.kind}" if c.origin else c.kind, 60),
+                        c.printed.text,
+                        f"{c.recomputed:.6g}",
+                        show_interval(c.lo, c.hi),
+                        c.status + (f": {c.detail}" if c.detail else ""),
+                    ]
+                    for c in checks
+                ],
+            )
+        )
     runs_given = runs is not None
     if runs:
         out.append(f"\nruns: {len(runs)}")
-        out.append(_table(["run", "method", "modelset", "result"],
-                          [[str(r.index), r.label, str(r.config.get("modelset", {}).get("name", "?")), r.path]
-                           for r in runs]))
+        out.append(
+            _table(
+                ["run", "method", "modelset", "result"],
+                [[str(r.index), r.label, str(r.config.get("modelset", {}).get("name", "?")), r.path] for r in runs],
+            )
+        )
     source = f"{len(runs)} run(s)" if runs_given else "no --run given"
     out.append(f"\nclaims: {len(results)} checks ({source})")
     if results:
         margins = any(r.margin is not None for r in results)
-        out.append(_table(["claim", "verdict"] + (["margin (se)"] if margins else []) + ["left", "op", "right",
-                                                                                          "detail"],
-                          [[r.id, r.status] + ([show_margin(r.margin)] if margins else [])
-                           + [_fmt(r.left), r.op, _fmt(r.right), r.detail] for r in results]))
+        out.append(
+            _table(
+                ["claim", "verdict"] + (["margin (se)"] if margins else []) + ["left", "op", "right", "detail"],
+                [
+                    [r.id, r.status]
+                    + ([show_margin(r.margin)] if margins else [])
+                    + [_fmt(r.left), r.op, _fmt(r.right), r.detail]
+                    for r in results
+                ],
+            )
+        )
     out += power_lines(spec, results)
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     if not counts["not run"]:
@@ -227,8 +271,9 @@ def report(spec: Spec, checks: list[CellCheck], results: list[ClaimResult], runs
     elif not runs_given:
         note = " (they need runs: --run result.json or a sweep directory)"
     else:
-        note = (" (the runs given cannot evaluate them: add runs that match, see each detail; "
-                + ("--strict counts them as failures)" if strict else "not counted; --strict fails on them)"))
+        note = " (the runs given cannot evaluate them: add runs that match, see each detail; " + (
+            "--strict counts them as failures)" if strict else "not counted; --strict fails on them)"
+        )
     code = exit_status(checks, results, strict)
     out.append(f"\nverdict: {summary(checks, results)}{note} -> exit {code}")
     return "\n".join(out)
@@ -255,35 +300,56 @@ def power_lines(spec: Spec, results: list[ClaimResult]) -> list[str]:
             continue
         if "central" in claim.tags and abs(margin) < DECIDED_BY:
             need = items_to_decide(margin, claim.stderr_margin, n, DECIDED_BY)
-            lines.append(f"  central finding {r.id}: {margin:+.2f} se on {n} items per task; "
-                         + (f"about {need} would decide it by {DECIDED_BY:g} se" if need else
-                            "no effect measured: no number of items decides it") + " (the effect as measured)")
+            lines.append(
+                f"  central finding {r.id}: {margin:+.2f} se on {n} items per task; "
+                + (
+                    f"about {need} would decide it by {DECIDED_BY:g} se"
+                    if need
+                    else "no effect measured: no number of items decides it"
+                )
+                + " (the effect as measured)"
+            )
         elif r.claim in required and margin < 0:
             need = items_to_pass(margin, claim.stderr_margin, n)
-            lines.append(f"  precondition {r.id}: {margin:+.2f} se on {n} items per task; "
-                         + (f"about {need} would let it hold by {claim.stderr_margin:g} se"
-                            if need else "its effect is not on the pass side") + " (the effect as measured)")
+            lines.append(
+                f"  precondition {r.id}: {margin:+.2f} se on {n} items per task; "
+                + (
+                    f"about {need} would let it hold by {claim.stderr_margin:g} se"
+                    if need
+                    else "its effect is not on the pass side"
+                )
+                + " (the effect as measured)"
+            )
     return ["\npower (items per task that would settle what this run does not):", *lines] if lines else []
 
 
 def recorded_report(name: str, comparisons: list[Comparison]) -> str:
     """The comparison with a record: one row per recorded result, then a summary line."""
-    rows = [[c.id, f"{c.recorded.verdict} {show_margin(c.recorded.margin)}",
-             "-" if c.now is None else f"{c.now.status} {show_margin(c.now.margin)}",
-             c.status + (" (enforced)" if c.recorded.enforced else " (not enforced)")]
-            for c in comparisons]
+    rows = [
+        [
+            c.id,
+            f"{c.recorded.verdict} {show_margin(c.recorded.margin)}",
+            "-" if c.now is None else f"{c.now.status} {show_margin(c.now.margin)}",
+            c.status + (" (enforced)" if c.recorded.enforced else " (not enforced)"),
+        ]
+        for c in comparisons
+    ]
     changed = [c for c in comparisons if c.status != "same"]
     enforced = sum(c.recorded.enforced for c in comparisons)
-    return "\n".join([f"\nrecorded verdicts '{name}': {len(comparisons)} results",
-                      _table(["claim", "recorded (margin)", "now (margin)", "comparison"], rows),
-                      f"recorded '{name}': {len(comparisons) - len(changed)} same, {len(changed)} changed "
-                      f"({sum(c.counts for c in changed)} of them enforced); {enforced} of the {len(comparisons)} "
-                      f"results are enforced (recorded at least {ENFORCED_MARGIN:g} stderr from the threshold): "
-                      "a change among them fails the check"])
+    return "\n".join(
+        [
+            f"\nrecorded verdicts '{name}': {len(comparisons)} results",
+            _table(["claim", "recorded (margin)", "now (margin)", "comparison"], rows),
+            f"recorded '{name}': {len(comparisons) - len(changed)} same, {len(changed)} changed "
+            f"({sum(c.counts for c in changed)} of them enforced); {enforced} of the {len(comparisons)} "
+            f"results are enforced (recorded at least {ENFORCED_MARGIN:g} stderr from the threshold): "
+            "a change among them fails the check",
+        ]
+    )
 
 
 def _short(text: str, width: int = 40) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def summary(checks: list[CellCheck], results: list[ClaimResult]) -> str:
@@ -294,8 +360,10 @@ def summary(checks: list[CellCheck], results: list[ClaimResult]) -> str:
     counts = {s: sum(r.status == s for r in results) for s in STATUSES}
     undetermined = f", {counts['undetermined']} undetermined by rounding" if counts["undetermined"] else ""
     untestable = f", {counts['untestable']} untestable" if counts["untestable"] else ""
-    return (f"{cells}; claims {counts['pass']} pass, {counts['fail']} fail{undetermined}{untestable}, "
-            f"{counts['not run']} not run")
+    return (
+        f"{cells}; claims {counts['pass']} pass, {counts['fail']} fail{undetermined}{untestable}, "
+        f"{counts['not run']} not run"
+    )
 
 
 def check_all(strict: bool) -> int:
@@ -315,8 +383,10 @@ def check_all(strict: bool) -> int:
         code = exit_status(checks, results, strict)
         worst = max(worst, code)
         need_runs = sum(c.uses_runs for c in spec.claims)
-        print(f"{name}: {summary(checks, results)} ({need_runs} claims on runs not checked here) -> "
-              f"{'ok' if code == 0 else 'FAIL'}  ({path})")
+        print(
+            f"{name}: {summary(checks, results)} ({need_runs} claims on runs not checked here) -> "
+            f"{'ok' if code == 0 else 'FAIL'}  ({path})"
+        )
         for c in checks:
             if not c.ok:
                 print(f"  cell {' / '.join(c.at)} ({c.origin}): {c.status}: {c.detail}")
@@ -336,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.all:
             if args.spec or args.run or args.tag or args.claim:
-                raise UserError("--all", "checks every spec's tables and published claims on its own",
-                                "drop the spec, --run, --tag and --claim, or drop --all")
+                raise UserError(
+                    "--all",
+                    "checks every spec's tables and published claims on its own",
+                    "drop the spec, --run, --tag and --claim, or drop --all",
+                )
             return check_all(args.strict)
         if args.spec is None:
             raise UserError("spec", "no spec given", f"name one of: {', '.join(available())}")
@@ -350,8 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         refuse_unusable_runs(spec.name, runs, results)
         for name in args.recorded or []:
             if name not in spec.verdicts:
-                raise UserError("--recorded", f"spec {spec.name} records no verdicts named '{name}'",
-                                f"choose from {sorted(spec.verdicts)}, or record them with --record")
+                raise UserError(
+                    "--recorded",
+                    f"spec {spec.name} records no verdicts named '{name}'",
+                    f"choose from {sorted(spec.verdicts)}, or record them with --record",
+                )
     except UserError as err:
         print(err.line(), file=sys.stderr)
         return 2

@@ -105,8 +105,26 @@ from mergeval.verify.tables import Table, cell_interval, find_cell, match_name, 
 OPS = (">", ">=", "<", "<=", "==")
 REDUCTIONS = ("min", "max", "mean", "range", "std")
 AGGREGATES = ("macro_gain", "macro_og", "normalized_mean")  # plus normalized.<task>
-_CLAIM_KEYS = {"id", "says", "tags", "where", "for_each", "left", "op", "right", "tolerance", "stderr_margin", "requires",
-               "argmax", "argmin", "is", "rank", "first", "last", "best"}
+_CLAIM_KEYS = {
+    "id",
+    "says",
+    "tags",
+    "where",
+    "for_each",
+    "left",
+    "op",
+    "right",
+    "tolerance",
+    "stderr_margin",
+    "requires",
+    "argmax",
+    "argmin",
+    "is",
+    "rank",
+    "first",
+    "last",
+    "best",
+}
 _RANK_FORMS = {"argmax": {"is"}, "argmin": {"is"}, "rank": {"first", "last", "best"}}
 _ID = re.compile(r"[A-Za-z0-9_]+")
 
@@ -181,8 +199,10 @@ class ClaimResult:
 
 # ---------------------------------------------------------------- verdict
 
-def stderr_units(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
-                 stderr_margin: float = 0.0) -> float | None:
+
+def stderr_units(
+    left: Measured, op: str, right: Measured, tolerance: float = 0.0, stderr_margin: float = 0.0
+) -> float | None:
     """How far a relation on run scores is from its verdict's threshold, in combined stderrs ``se``.
 
     For ``>``/``>=`` (``<``/``<=`` mirror it, d = r - l): ``(d - need) / se`` with d = l - r and
@@ -208,8 +228,9 @@ def combined_stderr(left: Measured, right: Measured) -> float:
     return math.hypot(left.stderr, right.stderr)
 
 
-def compare(left: Measured, op: str, right: Measured, tolerance: float = 0.0,
-            stderr_margin: float = 0.0) -> tuple[str, str]:
+def compare(
+    left: Measured, op: str, right: Measured, tolerance: float = 0.0, stderr_margin: float = 0.0
+) -> tuple[str, str]:
     """The verdict of one relation (pass | fail | undetermined; formula in the module docstring) and why."""
     se = combined_stderr(left, right)
     (l_lo, l_hi), (r_lo, r_hi) = left.bounds, right.bounds
@@ -244,6 +265,7 @@ def _within(lo: float, hi: float) -> str:
 
 # ---------------------------------------------------------------- parsing
 
+
 def parse_claims(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> list[Claim]:
     if raw is None:
         return []
@@ -257,15 +279,19 @@ def parse_claims(raw: Any, field: str, tables: Mapping[str, Table], metrics: Map
         where = f"{field}.{body.get('id', i)}"
         cid = str(body.get("id"))
         if "id" not in body or not _ID.fullmatch(cid) or cid in seen:
-            raise UserError(f"{where}.id", f"'{cid}' is not a new identifier",
-                            "use a unique name of letters, digits, _")
+            raise UserError(
+                f"{where}.id", f"'{cid}' is not a new identifier", "use a unique name of letters, digits, _"
+            )
         seen.add(cid)
         claims.append(_parse_claim(body, where, tables, metrics))
     for claim in claims:
         for need in claim.requires:
             if need not in seen or need == claim.id:
-                raise UserError(f"{field}.{claim.id}.requires", f"'{need}' is not another claim of this spec",
-                                f"name claims of the spec ({', '.join(sorted(seen - {claim.id}))[:200]})")
+                raise UserError(
+                    f"{field}.{claim.id}.requires",
+                    f"'{need}' is not another claim of this spec",
+                    f"name claims of the spec ({', '.join(sorted(seen - {claim.id}))[:200]})",
+                )
     _order(claims, field)
     return claims
 
@@ -278,8 +304,11 @@ def _order(claims: list[Claim], field: str) -> list[str]:
         if cid in done:
             return
         if cid in path:
-            raise UserError(f"{field}.{cid}.requires", f"requires itself through {' -> '.join((*path, cid))}",
-                            "a precondition cannot depend on the claim it guards")
+            raise UserError(
+                f"{field}.{cid}.requires",
+                f"requires itself through {' -> '.join((*path, cid))}",
+                "a precondition cannot depend on the claim it guards",
+            )
         for need in by_id[cid].requires:
             visit(need, (*path, cid))
         done.add(cid)
@@ -294,14 +323,18 @@ def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics
     forms = [k for k in _RANK_FORMS if k in body]
     relation = {"left", "op", "right"}
     allowed = {"id", "says", "tags", "where", "for_each", "requires"} | (
-        {forms[0], *_RANK_FORMS[forms[0]]} if len(forms) == 1 else relation | {"tolerance", "stderr_margin"})
+        {forms[0], *_RANK_FORMS[forms[0]]} if len(forms) == 1 else relation | {"tolerance", "stderr_margin"}
+    )
     unknown = set(body) - allowed
     missing = ({"says"} | (set() if forms else relation)) - set(body)
     if unknown or missing or len(forms) > 1:
-        raise UserError(where, f"missing keys {sorted(missing)}, keys that do not belong {sorted(unknown)}",
-                        "a claim has id, says and either left, op, right (+ tolerance, stderr_margin) or one of "
-                        "argmax/argmin (+ is) or rank (+ first, last, best); optional: tags, where, for_each, "
-                        "requires")
+        raise UserError(
+            where,
+            f"missing keys {sorted(missing)}, keys that do not belong {sorted(unknown)}",
+            "a claim has id, says and either left, op, right (+ tolerance, stderr_margin) or one of "
+            "argmax/argmin (+ is) or rank (+ first, last, best); optional: tags, where, for_each, "
+            "requires",
+        )
     numbers = {}
     for key in ("tolerance", "stderr_margin"):
         value = body.get(key, 0.0)
@@ -317,8 +350,14 @@ def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics
     requires = body.get("requires") or []
     if not isinstance(requires, list) or not all(isinstance(r, str) and _ID.fullmatch(r) for r in requires):
         raise UserError(f"{where}.requires", "must be a list of claim ids", "write requires: [experts_learn]")
-    common = dict(id=str(body["id"]), says=str(body["says"]), tags=tuple(tags), where=claim_where, for_each=for_each,
-                  requires=tuple(requires))
+    common = dict(
+        id=str(body["id"]),
+        says=str(body["says"]),
+        tags=tuple(tags),
+        where=claim_where,
+        for_each=for_each,
+        requires=tuple(requires),
+    )
     if forms:
         claim = Claim(left=None, op=forms[0], right=None, rank=_rank(forms[0], body, where), **common)
     else:
@@ -326,8 +365,14 @@ def _parse_claim(body: Mapping, where: str, tables: Mapping[str, Table], metrics
             raise UserError(f"{where}.op", f"unknown relation {body['op']!r}", f"use one of {' '.join(OPS)}")
         left = _operand(body["left"], f"{where}.left", tables, metrics)
         right = _operand(body["right"], f"{where}.right", tables, metrics)
-        claim = Claim(left=left, op=body["op"], right=right, tolerance=numbers["tolerance"],
-                      stderr_margin=numbers["stderr_margin"], **common)
+        claim = Claim(
+            left=left,
+            op=body["op"],
+            right=right,
+            tolerance=numbers["tolerance"],
+            stderr_margin=numbers["stderr_margin"],
+            **common,
+        )
     _check_templates(claim, where)
     _check_pairing(claim, where)
     _check_expanded_cells(claim, where, tables)
@@ -340,8 +385,11 @@ def _rank(form: str, body: Mapping, field: str) -> Rank:
         places = tuple((p, _name(body[p])) for p in ("first", "last") if p in body)
         best = body.get("best", "high")
         if not places or best not in ("high", "low"):
-            raise UserError(field, "rank needs first: NAME and/or last: NAME (best: high or low)",
-                            "write rank: {table: T, col: C}, first: CMM, last: TA")
+            raise UserError(
+                field,
+                "rank needs first: NAME and/or last: NAME (best: high or low)",
+                "write rank: {table: T, col: C}, first: CMM, last: TA",
+            )
         return Rank(line, places, best)
     if "is" not in body:
         raise UserError(f"{field}.is", f"{form} needs is: NAME", f"write {form}: {{table: T, col: C}}, is: CMM")
@@ -357,8 +405,9 @@ def _where(raw: Any, field: str) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
-        raise UserError(field, "must map config keys to values",
-                        "write e.g. {method: ties, method.lambda_: [0.5, 1.0]}")
+        raise UserError(
+            field, "must map config keys to values", "write e.g. {method: ties, method.lambda_: [0.5, 1.0]}"
+        )
     return dict(raw)
 
 
@@ -373,16 +422,22 @@ def _for_each(raw: Any, field: str, tables: Mapping[str, Table]):
             out[str(var)] = names if names is not None else values
         if all(isinstance(v, list) and v for v in out.values()):
             return out
-    raise UserError(field, f"{raw!r} is not a repetition",
-                    "use for_each: expert, {var: [value, ..]} or {var: {rows: TABLE, except: [..]}}")
+    raise UserError(
+        field,
+        f"{raw!r} is not a repetition",
+        "use for_each: expert, {var: [value, ..]} or {var: {rows: TABLE, except: [..]}}",
+    )
 
 
 def _operand(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> Operand:
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         return Operand("number", number=float(raw))
     if not isinstance(raw, Mapping):
-        raise UserError(field, f"{raw!r} is not an operand",
-                        "give a number, {table, row, col}, {max: ..}, {min: ..}, {score: ..} or {metric: ..}")
+        raise UserError(
+            field,
+            f"{raw!r} is not an operand",
+            "give a number, {table, row, col}, {max: ..}, {min: ..}, {score: ..} or {metric: ..}",
+        )
     keys = set(raw)
     if keys == {"table", "row", "col"}:
         ref = (str(raw["table"]), _name(raw["row"]), _name(raw["col"]))
@@ -406,16 +461,24 @@ def _operand(raw: Any, field: str, tables: Mapping[str, Table], metrics: Mapping
         name = str(raw["metric"])
         known = name in metrics or name in AGGREGATES or name.startswith("normalized.")
         if not known:
-            raise UserError(f"{field}.metric", f"unknown metric '{name}'",
-                            f"use one of the spec's metrics {sorted(metrics)} or {', '.join(AGGREGATES)}, "
-                            "normalized.<task>")
+            raise UserError(
+                f"{field}.metric",
+                f"unknown metric '{name}'",
+                f"use one of the spec's metrics {sorted(metrics)} or {', '.join(AGGREGATES)}, normalized.<task>",
+            )
         if "role" in raw and name not in metrics:
-            raise UserError(f"{field}.role", f"'{name}' is an aggregate of the merged model: it takes no role",
-                            "drop role, or define a spec metric")
+            raise UserError(
+                f"{field}.role",
+                f"'{name}' is an aggregate of the merged model: it takes no role",
+                "drop role, or define a spec metric",
+            )
         return Operand("metric", metric=name, role=str(raw.get("role", "merged")), where=where, over_runs=over)
-    raise UserError(field, f"unknown operand keys {sorted(keys)}",
-                    "give a number, {table, row, col}, {max: LINE}, {min: LINE}, {score: {task, role}} or "
-                    "{metric: M} (+ where, over_runs)")
+    raise UserError(
+        field,
+        f"unknown operand keys {sorted(keys)}",
+        "give a number, {table, row, col}, {max: LINE}, {min: LINE}, {score: {task, role}} or "
+        "{metric: M} (+ where, over_runs)",
+    )
 
 
 def _strings(claim: Claim) -> list[str]:
@@ -423,8 +486,7 @@ def _strings(claim: Claim) -> list[str]:
     if claim.rank is not None:
         out += claim.rank.line.strings() + [who for _, who in claim.rank.places]
     for op in claim.operands:
-        out += [s for s in (*(op.ref or ()), op.task, op.role, op.metric, *(op.line.strings() if op.line else ()))
-                if s]
+        out += [s for s in (*(op.ref or ()), op.task, op.role, op.metric, *(op.line.strings() if op.line else ())) if s]
         out += [v for v in (op.where or {}).values() if isinstance(v, str)]
     return out
 
@@ -440,8 +502,11 @@ def _check_templates(claim: Claim, field: str) -> None:
         try:
             text.format_map(_variables(claim))
         except (KeyError, ValueError, IndexError) as err:
-            raise UserError(field, f"'{text}' uses an unbound or malformed {{variable}} ({err})",
-                            "bind it with for_each, or remove the braces") from None
+            raise UserError(
+                field,
+                f"'{text}' uses an unbound or malformed {{variable}} ({err})",
+                "bind it with for_each, or remove the braces",
+            ) from None
 
 
 def _check_expanded_cells(claim: Claim, field: str, tables: Mapping[str, Table]) -> None:
@@ -468,9 +533,12 @@ def _rank_members(claim: Claim, binding: Mapping[str, Any], tables: Mapping[str,
         name = match_name([c[0] for c in cells], str(_fill(who, binding)))
         if name is None:
             key = "is" if claim.op != "rank" else place
-            raise UserError(f"{field}.{key}", f"{who!r} is not in {claim.rank.line.describe()}",
-                            f"use one of {[c[0] for c in cells]} (rows of derived_rows and columns of derived are "
-                            "summaries, not ranked)")
+            raise UserError(
+                f"{field}.{key}",
+                f"{who!r} is not in {claim.rank.line.describe()}",
+                f"use one of {[c[0] for c in cells]} (rows of derived_rows and columns of derived are "
+                "summaries, not ranked)",
+            )
         places.append((place, name))
     return cells, places
 
@@ -488,14 +556,21 @@ def _check_pairing(claim: Claim, field: str) -> None:
         return
     per_run = _per_run(claim)
     if not per_run:
-        raise UserError(f"{field}.for_each", "expert repetition needs an operand read run by run",
-                        "drop over_runs from one operand, or drop for_each")
+        raise UserError(
+            f"{field}.for_each",
+            "expert repetition needs an operand read run by run",
+            "drop over_runs from one operand, or drop for_each",
+        )
     if any(_effective_where(op, claim) != _effective_where(per_run[0], claim) for op in per_run):
-        raise UserError(f"{field}.for_each", "expert repetition needs its run operands to select the same runs",
-                        "give both operands the same where (or put it on the claim)")
+        raise UserError(
+            f"{field}.for_each",
+            "expert repetition needs its run operands to select the same runs",
+            "give both operands the same where (or put it on the claim)",
+        )
 
 
 # ---------------------------------------------------------------- evaluation
+
 
 def _fill(value: Any, binding: Mapping[str, Any]) -> Any:
     """Substitute {variables}; a string that is exactly one "{var}" takes the bound value itself (a number stays one)."""
@@ -540,8 +615,11 @@ def _reduce(how: str, measured: list[Measured]) -> Measured:
         return Measured(statistics.stdev(values))
     value = math.fsum(values) / len(values) if how == "mean" else high.value - low.value
     if any(f is None for f in forms):  # no combination to pair: the runs taken as scored independently
-        se = (math.sqrt(math.fsum(m.stderr ** 2 for m in measured)) / len(values) if how == "mean"
-              else math.hypot(high.stderr, low.stderr))
+        se = (
+            math.sqrt(math.fsum(m.stderr**2 for m in measured)) / len(values)
+            if how == "mean"
+            else math.hypot(high.stderr, low.stderr)
+        )
         return Measured(value, se)
     return Measured.linear(value, total(forms) * (1.0 / len(forms)) if how == "mean" else high.form - low.form)
 
@@ -554,8 +632,15 @@ def _describe(where: dict) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in where.items()) + "}" if where else "{}"
 
 
-def _operand_value(op: Operand, claim: Claim, run: Run | None, runs: list[Run], binding: Mapping[str, Any],
-                   tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> Measured:
+def _operand_value(
+    op: Operand,
+    claim: Claim,
+    run: Run | None,
+    runs: list[Run],
+    binding: Mapping[str, Any],
+    tables: Mapping[str, Table],
+    metrics: Mapping[str, RunMetric],
+) -> Measured:
     if op.kind == "number":
         return Measured(op.number)
     if op.kind == "cell":
@@ -586,8 +671,13 @@ def _show(value: Any) -> str:
     return text if text is not None else str(value)
 
 
-def evaluate_claims(claims: list[Claim], selected: list[Claim], runs: list[Run] | None,
-                    tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]) -> list[ClaimResult]:
+def evaluate_claims(
+    claims: list[Claim],
+    selected: list[Claim],
+    runs: list[Run] | None,
+    tables: Mapping[str, Table],
+    metrics: Mapping[str, RunMetric],
+) -> list[ClaimResult]:
     """The results of the ``selected`` claims and of every claim they require (in the spec's order), each made
     "untestable" where a precondition does not hold (module docstring)."""
     by_id = {c.id: c for c in claims}
@@ -618,17 +708,25 @@ def _gate(result: ClaimResult, claim: Claim, got: Mapping[str, list[ClaimResult]
         related = here or related
         failing = [p for p in related if p.status != "pass"]
         if not related or failing:
-            why = (f"precondition {need} has no result here" if not related else
-                   f"precondition {failing[0].id} is {failing[0].status}" +
-                   (f" ({failing[0].margin:+.2f} se)" if failing[0].margin is not None else ""))
-            return dataclasses.replace(result, status="untestable", detail=f"{why}; as measured: {result.status}, "
-                                       f"{result.detail}", margin=failing[0].margin if failing else None,
-                                       own_margin=result.margin)
+            why = (
+                f"precondition {need} has no result here"
+                if not related
+                else f"precondition {failing[0].id} is {failing[0].status}"
+                + (f" ({failing[0].margin:+.2f} se)" if failing[0].margin is not None else "")
+            )
+            return dataclasses.replace(
+                result,
+                status="untestable",
+                detail=f"{why}; as measured: {result.status}, {result.detail}",
+                margin=failing[0].margin if failing else None,
+                own_margin=result.margin,
+            )
     return result
 
 
-def evaluate_claim(claim: Claim, runs: list[Run] | None, tables: Mapping[str, Table],
-                   metrics: Mapping[str, RunMetric]) -> list[ClaimResult]:
+def evaluate_claim(
+    claim: Claim, runs: list[Run] | None, tables: Mapping[str, Table], metrics: Mapping[str, RunMetric]
+) -> list[ClaimResult]:
     """Every repetition of one claim; ``runs=None`` means no run results were given."""
     results = []
     static = claim.for_each if isinstance(claim.for_each, Mapping) else {}
@@ -641,8 +739,16 @@ def evaluate_claim(claim: Claim, runs: list[Run] | None, tables: Mapping[str, Ta
         elif not claim.uses_runs:
             results.append(_judge(claim, label(claim.id, parts), None, [], binding, tables, metrics))
         elif runs is None:
-            results.append(ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op,
-                                       detail="no run results given (--run)", uses_runs=True))
+            results.append(
+                ClaimResult(
+                    label(claim.id, parts),
+                    claim.says,
+                    "not run",
+                    claim.op,
+                    detail="no run results given (--run)",
+                    uses_runs=True,
+                )
+            )
         else:
             results += _over_instances(claim, parts, runs, binding, tables, metrics)
     return results
@@ -656,14 +762,30 @@ def _over_instances(claim, parts, runs, binding, tables, metrics) -> list[ClaimR
     elif all(w == wheres[0] for w in wheres):
         instances = _select(runs, wheres[0])
         if not instances:
-            return [ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op, uses_runs=True,
-                                detail=f"no run matches {_describe(wheres[0])}")]
+            return [
+                ClaimResult(
+                    label(claim.id, parts),
+                    claim.says,
+                    "not run",
+                    claim.op,
+                    uses_runs=True,
+                    detail=f"no run matches {_describe(wheres[0])}",
+                )
+            ]
     else:  # operands reading different runs: each must name exactly one
         for w in wheres:
             n = len(_select(runs, w))
             if n != 1:
-                return [ClaimResult(label(claim.id, parts), claim.says, "not run", claim.op, uses_runs=True,
-                                    detail=f"{n} runs match {_describe(w)}; an operand without over_runs needs 1")]
+                return [
+                    ClaimResult(
+                        label(claim.id, parts),
+                        claim.says,
+                        "not run",
+                        claim.op,
+                        uses_runs=True,
+                        detail=f"{n} runs match {_describe(w)}; an operand without over_runs needs 1",
+                    )
+                ]
         instances = [None]
     results = []
     for run in instances:
@@ -671,11 +793,28 @@ def _over_instances(claim, parts, runs, binding, tables, metrics) -> list[ClaimR
         if claim.for_each == "expert":
             experts = run.experts() if run is not None else []
             if not experts:
-                results.append(ClaimResult(label(claim.id, here), claim.says, "not run", claim.op, uses_runs=True,
-                                           detail="the run has no expert with its own task"))
+                results.append(
+                    ClaimResult(
+                        label(claim.id, here),
+                        claim.says,
+                        "not run",
+                        claim.op,
+                        uses_runs=True,
+                        detail="the run has no expert with its own task",
+                    )
+                )
             for role, task in experts:
-                results.append(_judge(claim, label(claim.id, here + [f"expert={role}"]), run, runs,
-                                      dict(binding, expert=role, task=task), tables, metrics))
+                results.append(
+                    _judge(
+                        claim,
+                        label(claim.id, here + [f"expert={role}"]),
+                        run,
+                        runs,
+                        dict(binding, expert=role, task=task),
+                        tables,
+                        metrics,
+                    )
+                )
         else:
             results.append(_judge(claim, label(claim.id, here), run, runs, binding, tables, metrics))
     return results
@@ -683,28 +822,44 @@ def _over_instances(claim, parts, runs, binding, tables, metrics) -> list[ClaimR
 
 def _judge(claim, cid, run, runs, binding, tables, metrics) -> ClaimResult:
     try:
-        lone = {id(op): _select(runs, _bind_where(_effective_where(op, claim), binding))[0]
-                for op in _per_run(claim) if run is None}
+        lone = {
+            id(op): _select(runs, _bind_where(_effective_where(op, claim), binding))[0]
+            for op in _per_run(claim)
+            if run is None
+        }
         left = _operand_value(claim.left, claim, lone.get(id(claim.left), run), runs, binding, tables, metrics)
         right = _operand_value(claim.right, claim, lone.get(id(claim.right), run), runs, binding, tables, metrics)
     except NotRun as reason:
-        return ClaimResult(cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs,
-                           claim=claim.id)
+        return ClaimResult(
+            cid, claim.says, "not run", claim.op, detail=str(reason), uses_runs=claim.uses_runs, claim=claim.id
+        )
     status, detail = compare(left, claim.op, right, claim.tolerance, claim.stderr_margin)
-    return ClaimResult(cid, claim.says, status, claim.op, left, right, detail, claim.uses_runs,
-                       stderr_units(left, claim.op, right, claim.tolerance, claim.stderr_margin), claim=claim.id,
-                       run=None if run is None else run.path,
-                       binding=tuple((k, str(v)) for k, v in binding.items() if k != "task"))
+    return ClaimResult(
+        cid,
+        claim.says,
+        status,
+        claim.op,
+        left,
+        right,
+        detail,
+        claim.uses_runs,
+        stderr_units(left, claim.op, right, claim.tolerance, claim.stderr_margin),
+        claim=claim.id,
+        run=None if run is None else run.path,
+        binding=tuple((k, str(v)) for k, v in binding.items() if k != "task"),
+    )
 
 
-def _judge_rank(claim: Claim, parts: list[str], binding: Mapping[str, Any],
-                tables: Mapping[str, Table]) -> list[ClaimResult]:
+def _judge_rank(
+    claim: Claim, parts: list[str], binding: Mapping[str, Any], tables: Mapping[str, Table]
+) -> list[ClaimResult]:
     """One result per stated place: the named row (column) is first / last of the line (quantified.rank_verdict)."""
     cells, places = _rank_members(claim, binding, tables, f"claims.{claim.id}")
     results = []
     for place, who in places:
         status, detail, mine, rival = rank_verdict(cells, who, place, claim.rank.best)
         here = parts + ([f"{place}={who}"] if len(places) > 1 else [])
-        results.append(ClaimResult(label(claim.id, here), claim.says, status, f"{place} of {len(cells)}, vs",
-                                   mine, rival, detail))
+        results.append(
+            ClaimResult(label(claim.id, here), claim.says, status, f"{place} of {len(cells)}, vs", mine, rival, detail)
+        )
     return results

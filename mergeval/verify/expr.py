@@ -60,6 +60,7 @@ def parse_expr(text: str) -> Expr:
         key = _PLACEHOLDER.format(len(quoted))
         quoted[key] = match.group(1)
         return key
+
     source = _QUOTED.sub(hide, text)
     if "`" in source:
         raise ValueError(f"unbalanced backquote in {text!r}")
@@ -82,18 +83,26 @@ _FUNCTIONS = ("mean", "sum", "min", "max", "abs")
 
 
 def _allowed(node: ast.AST, text: str) -> None:
-    ok = (isinstance(node, (ast.BinOp, ast.UnaryOp, ast.Name, ast.Load, ast.Call, *_BINOPS, ast.USub, ast.UAdd))
-          or (isinstance(node, ast.Constant) and type(node.value) in (int, float)))
+    ok = isinstance(node, (ast.BinOp, ast.UnaryOp, ast.Name, ast.Load, ast.Call, *_BINOPS, ast.USub, ast.UAdd)) or (
+        isinstance(node, ast.Constant) and type(node.value) in (int, float)
+    )
     if isinstance(node, ast.BinOp) and not isinstance(node.op, _BINOPS):
         ok = False
     if isinstance(node, ast.Call):
-        ok = (isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords
-              and node.args and not any(isinstance(a, ast.Starred) for a in node.args)
-              and (node.func.id != "abs" or len(node.args) == 1))
+        ok = (
+            isinstance(node.func, ast.Name)
+            and node.func.id in _FUNCTIONS
+            and not node.keywords
+            and node.args
+            and not any(isinstance(a, ast.Starred) for a in node.args)
+            and (node.func.id != "abs" or len(node.args) == 1)
+        )
     if not ok:
         what = ast.unparse(node) if isinstance(node, ast.expr) else type(node).__name__
-        raise ValueError(f"'{what}' is not allowed in {text!r} (numbers, names, + - * /, parentheses and "
-                         f"{', '.join(_FUNCTIONS)}(..) only; quote other names in backquotes)")
+        raise ValueError(
+            f"'{what}' is not allowed in {text!r} (numbers, names, + - * /, parentheses and "
+            f"{', '.join(_FUNCTIONS)}(..) only; quote other names in backquotes)"
+        )
 
 
 def _is_function(name: ast.Name, tree: ast.expr) -> bool:
@@ -105,6 +114,7 @@ def evaluate(expr: Expr, env: Mapping[str, Interval]) -> Interval:
 
     Raises ValueError when a division's denominator interval contains 0.
     """
+
     def ev(node: ast.expr) -> Interval:
         if isinstance(node, ast.Constant):
             return float(node.value), float(node.value)
@@ -117,6 +127,7 @@ def evaluate(expr: Expr, env: Mapping[str, Interval]) -> Interval:
             return _BINARY[type(node.op)](ev(node.left), ev(node.right), node)
         args = [ev(a) for a in node.args]
         return _CALLS[node.func.id](args)
+
     return ev(expr.tree)
 
 
@@ -127,13 +138,15 @@ def _mul(a: Interval, b: Interval, _node=None) -> Interval:
 
 def _div(a: Interval, b: Interval, node: ast.BinOp) -> Interval:
     if b[0] <= 0.0 <= b[1]:
-        raise ValueError(f"'{ast.unparse(node.right)}' can be 0 within its inputs' rounding "
-                         f"({show_interval(*b)}): the division is undefined")
+        raise ValueError(
+            f"'{ast.unparse(node.right)}' can be 0 within its inputs' rounding "
+            f"({show_interval(*b)}): the division is undefined"
+        )
     return _mul(a, (1.0 / b[1], 1.0 / b[0]))
 
 
 def _abs(args: list[Interval]) -> Interval:
-    (lo, hi), = args
+    ((lo, hi),) = args
     if lo >= 0:
         return lo, hi
     if hi <= 0:

@@ -56,8 +56,11 @@ def parse_formula(raw: Any, field: str, resolve: Callable[[Any, str], Ref]) -> F
     """
     kinds = [k for k in raw if k in KINDS] if isinstance(raw, Mapping) else []
     if len(kinds) != 1 or set(raw) - {kinds[0], "with"} or ("with" in raw and kinds[0] != "expr"):
-        raise UserError(field, f"a derivation needs exactly one of {', '.join(KINDS)} (and with: only beside expr)",
-                        'write e.g. {mean: [colA, colB]} or {expr: "(a + 2*b) / 3"}')
+        raise UserError(
+            field,
+            f"a derivation needs exactly one of {', '.join(KINDS)} (and with: only beside expr)",
+            'write e.g. {mean: [colA, colB]} or {expr: "(a + 2*b) / 3"}',
+        )
     kind, body = kinds[0], raw[kinds[0]]
     if kind == "expr":
         return _expr(body, raw.get("with"), f"{field}.expr", resolve)
@@ -83,16 +86,19 @@ def _expr(text: Any, bindings: Any, field: str, resolve) -> Formula:
     bindings = {str(k): v for k, v in (bindings or {}).items()}
     unused = set(bindings) - set(expr.names)
     if unused:
-        raise UserError(f"{field}.with", f"binds {sorted(unused)}, which {text!r} does not use",
-                        "remove them or use them in the expression")
-    refs = [resolve(bindings[n], f"{field}.with.{n}") if n in bindings else resolve(n, field)
-            for n in expr.names]
+        raise UserError(
+            f"{field}.with",
+            f"binds {sorted(unused)}, which {text!r} does not use",
+            "remove them or use them in the expression",
+        )
+    refs = [resolve(bindings[n], f"{field}.with.{n}") if n in bindings else resolve(n, field) for n in expr.names]
 
     def bounds(boxes: Sequence[Interval]) -> Interval:
         return evaluate(expr, dict(zip(expr.names, boxes)))
 
     def fn(xs: Sequence[float]) -> float:
         return bounds([(x, x) for x in xs])[0]
+
     return Formula("expr", refs, fn, bounds, str(text))
 
 
@@ -107,8 +113,11 @@ def _keys(body: Any, field: str, required: set[str], optional: set[str] = frozen
         raise UserError(field, "must be a mapping", f"give the keys {sorted(required)}")
     missing, extra = required - set(body), set(body) - required - set(optional)
     if missing or extra:
-        raise UserError(field, f"missing keys {sorted(missing)}, unknown keys {sorted(extra)}",
-                        f"use the keys {sorted(required)} (optional: {sorted(optional)})")
+        raise UserError(
+            field,
+            f"missing keys {sorted(missing)}, unknown keys {sorted(extra)}",
+            f"use the keys {sorted(required)} (optional: {sorted(optional)})",
+        )
     return body
 
 
@@ -122,8 +131,11 @@ def _group_mean(body, field, resolve) -> Formula:
     body = _keys(body, field, {"groups"}, {"scale", "weighting", "weights"})
     groups = body["groups"]
     if not isinstance(groups, Mapping) or not groups:
-        raise UserError(f"{field}.groups", "needs a non-empty mapping group -> cell references",
-                        "write e.g. {groups: {a: [colA], b: [colB]}}")
+        raise UserError(
+            f"{field}.groups",
+            "needs a non-empty mapping group -> cell references",
+            "write e.g. {groups: {a: [colA], b: [colB]}}",
+        )
     refs: list[Ref] = []
     keyed: dict[str, list[str]] = {}
     for g, group_refs in groups.items():
@@ -137,6 +149,7 @@ def _group_mean(body, field, resolve) -> Formula:
 
     def fn(xs):
         return group_mean({str(i): x for i, x in enumerate(xs)}, keyed, scale, weighting, weights)
+
     return Formula("group_mean", refs, fn)
 
 
@@ -155,6 +168,7 @@ def _normalized_mean(body, field, resolve) -> Formula:
 
     def fn(xs):
         return mean_normalized_score(normalized_score(xs[i], xs[n + i], xs[2 * n + i]) for i in range(n))
+
     return Formula("normalized_mean", parts[0] + parts[1] + parts[2], fn)
 
 
@@ -163,8 +177,9 @@ def _macro(kind: str, metric):
         body = _keys(body, field, {"merged", "constituents"}, {"scale"})
         merged = _refs(body["merged"], f"{field}.merged", resolve)
         if not isinstance(body["constituents"], list) or not body["constituents"]:
-            raise UserError(f"{field}.constituents", "needs a list of lists of cell references",
-                            "write e.g. [[a1, a2], [b1, b2]]")
+            raise UserError(
+                f"{field}.constituents", "needs a list of lists of cell references", "write e.g. [[a1, a2], [b1, b2]]"
+            )
         constituents = [_refs(c, f"{field}.constituents[{i}]", resolve) for i, c in enumerate(body["constituents"])]
         scale = body.get("scale", "fraction")
         sizes = [len(merged)] + [len(c) for c in constituents]
@@ -172,10 +187,12 @@ def _macro(kind: str, metric):
         def fn(xs):
             cut, start = [], 0
             for size in sizes:
-                cut.append(list(xs[start:start + size]))
+                cut.append(list(xs[start : start + size]))
                 start += size
             return metric(cut[0], cut[1:], scale=scale)
+
         return Formula(kind, merged + [r for c in constituents for r in c], fn)
+
     return build
 
 

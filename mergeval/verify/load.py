@@ -88,13 +88,16 @@ def _configured(start: Path) -> list[Path]:
             try:
                 config = tomllib.loads(pyproject.read_text())
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-                raise UserError(str(pyproject), "is not readable TOML", "fix it, or run from another directory") from None
+                raise UserError(
+                    str(pyproject), "is not readable TOML", "fix it, or run from another directory"
+                ) from None
             path = config.get("tool", {}).get("mergeval", {}).get("specs", {}).get("path", [])
             if isinstance(path, str):
                 path = [path]
             if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
-                raise UserError(f"{pyproject}:tool.mergeval.specs.path", "must be a list of directories",
-                                'write path = ["specs"]')
+                raise UserError(
+                    f"{pyproject}:tool.mergeval.specs.path", "must be a list of directories", 'write path = ["specs"]'
+                )
             return [(folder / p).expanduser() for p in path]
     return []
 
@@ -129,9 +132,12 @@ def find_spec(name_or_path: str) -> Path:
         for folder in search_path():
             if (folder / f"{stem}.yaml").is_file():
                 return folder / f"{stem}.yaml"
-    raise UserError("spec", f"no spec file or spec named '{name_or_path}'",
-                    f"give a path to a spec YAML or one of: {', '.join(available()) or '(none found)'} "
-                    f"(search path: ${ENV}, [tool.mergeval.specs] path, the shipped specs)")
+    raise UserError(
+        "spec",
+        f"no spec file or spec named '{name_or_path}'",
+        f"give a path to a spec YAML or one of: {', '.join(available()) or '(none found)'} "
+        f"(search path: ${ENV}, [tool.mergeval.specs] path, the shipped specs)",
+    )
 
 
 def shown_as(name_or_path: str, path: Path) -> str:
@@ -150,8 +156,11 @@ def read_yaml(path: Path, where: str | None = None) -> object:
     except (OSError, UnicodeDecodeError) as err:
         raise UserError("spec", f"cannot read {path} ({err.__class__.__name__})", "check the file") from None
     except DuplicateKey as err:
-        raise UserError(f"{where}:{err.second}", f"key '{err.key}' is given twice (lines {err.first} and {err.second})",
-                        "keep one of them (YAML would silently keep only the last)") from None
+        raise UserError(
+            f"{where}:{err.second}",
+            f"key '{err.key}' is given twice (lines {err.first} and {err.second})",
+            "keep one of them (YAML would silently keep only the last)",
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
@@ -166,8 +175,11 @@ def load_spec(name_or_path: str) -> Spec:
         raise UserError(where, "is not a spec (not a mapping)", "give at least tables: or claims:")
     unknown = set(raw) - _TOP_KEYS
     if unknown or not {"tables", "claims"} & set(raw):
-        raise UserError(where, f"unknown keys {sorted(unknown)}" if unknown else "has neither tables nor claims",
-                        f"a spec has {sorted(_TOP_KEYS)}, with tables or claims")
+        raise UserError(
+            where,
+            f"unknown keys {sorted(unknown)}" if unknown else "has neither tables nor claims",
+            f"a spec has {sorted(_TOP_KEYS)}, with tables or claims",
+        )
     setups = raw.get("setups") or {}
     if not isinstance(setups, Mapping):
         raise UserError(f"{where}:setups", "must map setup names to setups", "write setups: {name: {experiment: ..}}")
@@ -175,12 +187,26 @@ def load_spec(name_or_path: str) -> Spec:
     for name, setup in setups.items():
         exp = setup.get("experiment") if isinstance(setup, Mapping) else None
         if not isinstance(exp, str) or not (experiments / f"{exp}.yaml").is_file():
-            raise UserError(f"{where}:setups.{name}.experiment", f"no conf/experiment/{exp}.yaml",
-                            "name the experiment config that composes this setup")
+            raise UserError(
+                f"{where}:setups.{name}.experiment",
+                f"no conf/experiment/{exp}.yaml",
+                "name the experiment config that composes this setup",
+            )
     metrics = parse_metrics(raw.get("metrics"), f"{where}:metrics")
     tables = parse_tables(raw.get("tables"), f"{where}:tables")
     claims = parse_claims(raw.get("claims"), f"{where}:claims", tables, metrics)
     name = str(raw.get("name") or path.stem)
     verdicts = parse_records(raw.get("verdicts"), f"{where}:verdicts")
-    return Spec(name, str(path), str(raw.get("title") or name), dict(raw.get("citation") or {}), dict(setups),
-                metrics, tables, claims, [str(n) for n in raw.get("notes") or []], where, verdicts)
+    return Spec(
+        name,
+        str(path),
+        str(raw.get("title") or name),
+        dict(raw.get("citation") or {}),
+        dict(setups),
+        metrics,
+        tables,
+        claims,
+        [str(n) for n in raw.get("notes") or []],
+        where,
+        verdicts,
+    )

@@ -53,7 +53,7 @@ class Printed:
     @property
     def half_width(self) -> float:
         """h = 0.5 * 10^-decimals (0 when exact): how far the unrounded value may be from the printed one."""
-        return 0.0 if self.exact else 0.5 * 10.0 ** -self.decimals
+        return 0.0 if self.exact else 0.5 * 10.0**-self.decimals
 
 
 def parse_printed(token: str) -> Printed | None:
@@ -71,8 +71,10 @@ def parse_printed(token: str) -> Printed | None:
     normal = number.replace("\u2212", "-")
     match = _NUMBER.fullmatch(normal)
     if match is None:
-        raise ValueError(f"{token!r} is not a printed number (digits with an optional sign and decimals, "
-                         f"'{EXACT_MARK}' after it for an exact value, or '-')")
+        raise ValueError(
+            f"{token!r} is not a printed number (digits with an optional sign and decimals, "
+            f"'{EXACT_MARK}' after it for an exact value, or '-')"
+        )
     return Printed(number, float(normal), len(match.group(1) or ""), exact)
 
 
@@ -105,8 +107,10 @@ def corner_range(f: Callable[[Sequence[float]], float], boxes: Sequence[Interval
         raise ValueError(f"intervals must be finite with lo <= hi, got {list(boxes)}")
     free = [i for i, (lo, hi) in enumerate(boxes) if hi > lo]
     if len(free) > MAX_CORNER_INPUTS:
-        raise ValueError(f"{len(free)} rounded inputs: at most {MAX_CORNER_INPUTS} are supported "
-                         "(mark exact inputs with '!' or write the derivation as an expr)")
+        raise ValueError(
+            f"{len(free)} rounded inputs: at most {MAX_CORNER_INPUTS} are supported "
+            "(mark exact inputs with '!' or write the derivation as an expr)"
+        )
     lo, hi = math.inf, -math.inf
     point = [b[0] for b in boxes]
     for ends in itertools.product((0, 1), repeat=len(free)):

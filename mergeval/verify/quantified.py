@@ -60,8 +60,12 @@ class Line:
         return [s for s in (self.table, self.col, self.row, *self.without) if s]
 
     def fill(self, fill: Callable[[str], str]) -> Line:
-        return Line(fill(self.table), self.col and fill(self.col), self.row and fill(self.row),
-                    tuple(fill(w) for w in self.without))
+        return Line(
+            fill(self.table),
+            self.col and fill(self.col),
+            self.row and fill(self.row),
+            tuple(fill(w) for w in self.without),
+        )
 
     def describe(self) -> str:
         axis = f"column {self.col}" if self.col is not None else f"row {self.row}"
@@ -76,14 +80,21 @@ def _text(raw: Any) -> str:
 def parse_line(raw: Any, field: str) -> Line:
     """A Line from {table, col | row, except}; names are matched when the claim is checked against the tables."""
     if not isinstance(raw, Mapping) or set(raw) - _LINE_KEYS or "table" not in raw or ("col" in raw) == ("row" in raw):
-        raise UserError(field, f"{raw!r} is not a line of a table",
-                        "write {table: T, col: C} (down a column) or {table: T, row: R} (across a row), "
-                        "optionally with except: [..]")
+        raise UserError(
+            field,
+            f"{raw!r} is not a line of a table",
+            "write {table: T, col: C} (down a column) or {table: T, row: R} (across a row), "
+            "optionally with except: [..]",
+        )
     without = raw.get("except") or []
     if not isinstance(without, list):
         raise UserError(f"{field}.except", "must be a list of names", "write except: [TA]")
-    return Line(str(raw["table"]), _text(raw["col"]) if "col" in raw else None,
-                _text(raw["row"]) if "row" in raw else None, tuple(_text(w) for w in without))
+    return Line(
+        str(raw["table"]),
+        _text(raw["col"]) if "col" in raw else None,
+        _text(raw["row"]) if "row" in raw else None,
+        tuple(_text(w) for w in without),
+    )
 
 
 def members(spec: Line, tables: Mapping[str, Table], field: str) -> list[tuple[str, Printed, Interval]]:
@@ -95,14 +106,16 @@ def members(spec: Line, tables: Mapping[str, Table], field: str) -> list[tuple[s
     fixed = match_name(along, spec.col if spec.col is not None else spec.row)
     if fixed is None:
         what = "column" if spec.col is not None else "row"
-        raise UserError(field, f"table '{table.name}' has no {what} {show(spec.col or spec.row)}",
-                        f"use one of {along}")
+        raise UserError(
+            field, f"table '{table.name}' has no {what} {show(spec.col or spec.row)}", f"use one of {along}"
+        )
     without = []
     for name in spec.without:
         known = match_name(across, name)
         if known is None:
-            raise UserError(f"{field}.except", f"table '{table.name}' has no {show(name)} to leave out",
-                            f"use names from {across}")
+            raise UserError(
+                f"{field}.except", f"table '{table.name}' has no {show(name)} to leave out", f"use names from {across}"
+            )
         without.append(known)
     without += sorted(table.derived("rows" if spec.col is not None else "columns"))  # summaries: module docstring
     cells = line(table, col=fixed, without=without) if spec.col is not None else line(table, row=fixed, without=without)
@@ -119,8 +132,9 @@ def extreme(how: str, cells: Sequence[tuple[str, Printed, Interval]]) -> Measure
     """max / min of a line: the extreme printed cell, with interval [max lo_i, max hi_i] (resp. min)."""
     pick = max if how == "max" else min
     name, printed, _ = pick(cells, key=lambda c: c[1].value)
-    return replace(measured(name, printed, (0.0, 0.0)), lo=pick(c[2][0] for c in cells),
-                   hi=pick(c[2][1] for c in cells))
+    return replace(
+        measured(name, printed, (0.0, 0.0)), lo=pick(c[2][0] for c in cells), hi=pick(c[2][1] for c in cells)
+    )
 
 
 def quantifier_values(raw: Any, tables: Mapping[str, Table], field: str) -> list[str] | None:
@@ -141,15 +155,17 @@ def quantifier_values(raw: Any, tables: Mapping[str, Table], field: str) -> list
     for w in without:
         known = match_name(names, w)
         if known is None:
-            raise UserError(f"{field}.except", f"table '{name}' has no {axis[:-1]} {show(_text(w))}",
-                            f"use names from {names}")
+            raise UserError(
+                f"{field}.except", f"table '{name}' has no {axis[:-1]} {show(_text(w))}", f"use names from {names}"
+            )
         left_out.append(known)
     summaries = tables[name].derived(axis)  # derived rows / columns are not members (module docstring)
     return [n for n in names if n not in left_out and n not in summaries]
 
 
-def rank_verdict(cells: Sequence[tuple[str, Printed, Interval]], who: str, place: str,
-                 best: str = "high") -> tuple[str, str, Measured, Measured]:
+def rank_verdict(
+    cells: Sequence[tuple[str, Printed, Interval]], who: str, place: str, best: str = "high"
+) -> tuple[str, str, Measured, Measured]:
     """Whether ``who`` is first / last of the line (module docstring); (status, detail, who, its nearest rival).
 
     ``place`` first means best; ``best`` high means larger is better. The
@@ -159,6 +175,7 @@ def rank_verdict(cells: Sequence[tuple[str, Printed, Interval]], who: str, place
 
     def score(box: Interval) -> Interval:
         return (box[0], box[1]) if sign > 0 else (-box[1], -box[0])
+
     by_name = {name: (printed, box) for name, printed, box in cells}
     mine = score(by_name[who][1])
     rivals = [(name, score(box)) for name, _, box in cells if name != who]
@@ -169,7 +186,17 @@ def rank_verdict(cells: Sequence[tuple[str, Printed, Interval]], who: str, place
     who_m = measured(who, *by_name[who])
     rival_m = measured(rival, *by_name[rival])
     if beaten_by:
-        return "fail", f"{', '.join(beaten_by)} {'is' if len(beaten_by) == 1 else 'are'} at least as good", who_m, rival_m
+        return (
+            "fail",
+            f"{', '.join(beaten_by)} {'is' if len(beaten_by) == 1 else 'are'} at least as good",
+            who_m,
+            rival_m,
+        )
     if ties:
         return ("undetermined", f"a rounding tie with {', '.join(ties)}: their intervals overlap", who_m, rival_m)
-    return "pass", f"{'ahead of' if place == 'first' else 'behind'} the other {len(rivals)}; next: {nearest}", who_m, rival_m
+    return (
+        "pass",
+        f"{'ahead of' if place == 'first' else 'behind'} the other {len(rivals)}; next: {nearest}",
+        who_m,
+        rival_m,
+    )

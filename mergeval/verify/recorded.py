@@ -58,8 +58,9 @@ class Recorded:
 
     @property
     def enforced(self) -> bool:
-        return (self.agreed and self.verdict != "not run"
-                and (self.margin is None or abs(self.margin) >= ENFORCED_MARGIN))
+        return (
+            self.agreed and self.verdict != "not run" and (self.margin is None or abs(self.margin) >= ENFORCED_MARGIN)
+        )
 
     def allows(self, verdict: str) -> bool:
         return verdict in self.verdict.split(" / ")
@@ -95,21 +96,33 @@ def parse_records(raw, where: str) -> dict[str, Record]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise UserError(where, "must map record names to {run: .., claims: {..}}",
-                        "write verdicts: {mini: {run: '<command>', claims: {<claim id>: pass +2.1}}}")
+        raise UserError(
+            where,
+            "must map record names to {run: .., claims: {..}}",
+            "write verdicts: {mini: {run: '<command>', claims: {<claim id>: pass +2.1}}}",
+        )
     records = {}
     for name, body in raw.items():
         at = f"{where}.{name}"
-        if not isinstance(body, Mapping) or set(body) - {"run", "claims"} or not isinstance(body.get("claims"), Mapping):
-            raise UserError(at, "must be {run: <how the run was made>, claims: {<claim result id>: <verdict> [margin]}}",
-                            "see mergeval/verify/recorded.py")
+        if (
+            not isinstance(body, Mapping)
+            or set(body) - {"run", "claims"}
+            or not isinstance(body.get("claims"), Mapping)
+        ):
+            raise UserError(
+                at,
+                "must be {run: <how the run was made>, claims: {<claim result id>: <verdict> [margin]}}",
+                "see mergeval/verify/recorded.py",
+            )
         claims = {}
         for cid, entry in body["claims"].items():
             match = _ENTRY.match(str(entry).strip())
             if not match:
-                raise UserError(f"{at}.claims.{cid}", f"'{entry}' is not '<verdict> [margin]'",
-                                f"write one of {', '.join(VERDICTS)}, then the margin in stderrs if it has one "
-                                "(e.g. pass +2.31)")
+                raise UserError(
+                    f"{at}.claims.{cid}",
+                    f"'{entry}' is not '<verdict> [margin]'",
+                    f"write one of {', '.join(VERDICTS)}, then the margin in stderrs if it has one (e.g. pass +2.31)",
+                )
             claims[str(cid)] = Recorded(match.group(1), float(match.group(2)) if match.group(2) else None)
         records[str(name)] = Record(str(name), str(body.get("run") or ""), claims)
     return records

@@ -96,8 +96,11 @@ class Run:
 
     def experts(self) -> list[tuple[str, str]]:
         """(role, own task) of every expert that names its own task."""
-        return [(m["role"], m["task"]) for m in self.models
-                if m.get("role") not in NON_EXPERT_ROLES and m.get("task") is not None]
+        return [
+            (m["role"], m["task"])
+            for m in self.models
+            if m.get("role") not in NON_EXPERT_ROLES and m.get("task") is not None
+        ]
 
     def score(self, task: str, role: str) -> Measured:
         try:
@@ -163,12 +166,18 @@ def _load_run(path: Path) -> Run:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError("--run", f"{path} is not readable JSON ({err.__class__.__name__})",
-                        "give a result.json written by python -m mergeval") from None
+        raise UserError(
+            "--run",
+            f"{path} is not readable JSON ({err.__class__.__name__})",
+            "give a result.json written by python -m mergeval",
+        ) from None
     missing = [k for k in ("config", "scores", "models", "aggregates") if not isinstance(data, dict) or k not in data]
     if missing:
-        raise UserError("--run", f"{path} is not a mergeval result.json (no {', '.join(missing)})",
-                        "give a result.json written by python -m mergeval")
+        raise UserError(
+            "--run",
+            f"{path} is not a mergeval result.json (no {', '.join(missing)})",
+            "give a result.json written by python -m mergeval",
+        )
     items = data.get("items") if isinstance(data.get("items"), dict) else {}
     return Run(str(path), data["config"], data["scores"], data["models"], data["aggregates"], items=items)
 
@@ -224,6 +233,7 @@ class RunMetric:
 
         def f(values: Mapping[str, float]) -> float:
             return group_mean(values, groups, scale, weighting, weights)
+
         acc = {t: m.value for t, m in got.items()}
         value = f(acc)
         # group_mean is linear in the scores: its weight on task t is f(e_t) - f(0)
@@ -247,9 +257,11 @@ class RunMetric:
         return f"metric {self.name} on {run.label}"
 
 
-_METRIC_KEYS = {"group_mean": ({"groups"}, {"scale", "weighting", "weights"}),
-                "mean": (set(), {"tasks", "scale"}),
-                "forgetting": (set(), {"tasks", "scale"})}
+_METRIC_KEYS = {
+    "group_mean": ({"groups"}, {"scale", "weighting", "weights"}),
+    "mean": (set(), {"tasks", "scale"}),
+    "forgetting": (set(), {"tasks", "scale"}),
+}
 
 
 def parse_metrics(raw: Any, field: str) -> dict[str, RunMetric]:
@@ -267,20 +279,34 @@ def parse_metrics(raw: Any, field: str) -> dict[str, RunMetric]:
         body = body or {}
         required, optional = _METRIC_KEYS[kind]
         if not isinstance(body, Mapping) or not required <= set(body) or set(body) - required - optional:
-            raise UserError(f"{where}.{kind}", f"keys: required {sorted(required)}, optional {sorted(optional)}",
-                            "fix the metric's keys")
+            raise UserError(
+                f"{where}.{kind}",
+                f"keys: required {sorted(required)}, optional {sorted(optional)}",
+                "fix the metric's keys",
+            )
         tasks = body.get("tasks")
         if tasks is not None and (not isinstance(tasks, list) or not tasks):
-            raise UserError(f"{where}.{kind}.tasks", "must be a non-empty list of task names or null",
-                            "list the tasks, or null for the default")
+            raise UserError(
+                f"{where}.{kind}.tasks",
+                "must be a non-empty list of task names or null",
+                "list the tasks, or null for the default",
+            )
         if kind == "group_mean":
             groups = body["groups"]
             if not isinstance(groups, Mapping) or not all(isinstance(v, list) for v in groups.values()):
-                raise UserError(f"{where}.group_mean.groups", "must map group names to lists of tasks",
-                                "write {groups: {a: [task1, task2]}}")
+                raise UserError(
+                    f"{where}.group_mean.groups",
+                    "must map group names to lists of tasks",
+                    "write {groups: {a: [task1, task2]}}",
+                )
             try:  # group_mean's own checks, on a dry run
-                group_mean({t: 0.5 for g in groups.values() for t in g}, groups, body.get("scale"),
-                           body.get("weighting", "tasks"), body.get("weights"))
+                group_mean(
+                    {t: 0.5 for g in groups.values() for t in g},
+                    groups,
+                    body.get("scale"),
+                    body.get("weighting", "tasks"),
+                    body.get("weights"),
+                )
             except ValueError as err:
                 raise UserError(f"{where}.group_mean", str(err), "fix the metric definition") from None
         out[str(name)] = RunMetric(str(name), kind, dict(body))

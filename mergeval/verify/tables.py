@@ -72,8 +72,20 @@ from mergeval.verify.formulas import Formula, Ref, parse_formula
 from mergeval.verify.numbers import Interval, Printed, interval, meets, parse_printed
 from mergeval.verify.yamlload import source_text
 
-_TABLE_KEYS = {"source", "columns", "rows", "decimals", "range", "formats", "tolerance", "derived", "derived_rows",
-               "derived_cells", "discrepancies", "notes"}
+_TABLE_KEYS = {
+    "source",
+    "columns",
+    "rows",
+    "decimals",
+    "range",
+    "formats",
+    "tolerance",
+    "derived",
+    "derived_rows",
+    "derived_cells",
+    "discrepancies",
+    "notes",
+}
 _FORMAT_KEYS = {"decimals", "range", "exact"}
 DEFAULT_TOLERANCE_UNITS = 10  # without a tolerance: units of a derived cell's last printed digit (module docstring)
 
@@ -132,7 +144,7 @@ class Table:
         """The rows (axis "rows") that ``derived_rows`` computes, or the columns ("columns") that ``derived`` does:
         summaries of the others, which quantifiers leave out (quantified.py)."""
         kind = "row " if axis == "rows" else "column "
-        return {d.origin[len(kind):] for d in self.derivations if d.origin.startswith(kind)}
+        return {d.origin[len(kind) :] for d in self.derivations if d.origin.startswith(kind)}
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,7 @@ class CellCheck:
 
 
 # ---------------------------------------------------------------- names
+
 
 def name_text(raw: Any) -> str | None:
     """A written name as text: a string as is, a number or flow list as it was written, else None."""
@@ -210,6 +223,7 @@ def show(name: str) -> str:
 
 # ---------------------------------------------------------------- parsing
 
+
 def parse_tables(raw: Any, field: str) -> dict[str, Table]:
     """Tables from a spec's ``tables`` mapping; references are checked once all tables are read."""
     if raw is None:
@@ -218,26 +232,41 @@ def parse_tables(raw: Any, field: str) -> dict[str, Table]:
         raise UserError(field, "must map table names to tables", "see docs/specs.md")
     tables = {str(name): _parse_table(str(name), body, f"{field}.{name}") for name, body in raw.items()}
     for table in tables.values():  # every reference checked (other tables, blank cells), as the names it matched
-        table.derivations = [replace(d, formula=replace(d.formula, refs=[find_cell(tables, r, f"{field}.{d.key}")[0]
-                                                                         for r in d.formula.refs]))
-                             for d in table.derivations]
+        table.derivations = [
+            replace(
+                d,
+                formula=replace(d.formula, refs=[find_cell(tables, r, f"{field}.{d.key}")[0] for r in d.formula.refs]),
+            )
+            for d in table.derivations
+        ]
     return tables
 
 
 def _format(raw: Any, field: str, base: Format = Format()) -> Format:
     """A Format from {decimals, range, exact}, unset keys taken from ``base``."""
     if not isinstance(raw, Mapping) or set(raw) - _FORMAT_KEYS:
-        raise UserError(field, f"must be a mapping with keys among {sorted(_FORMAT_KEYS)}",
-                        "write e.g. {decimals: 2, range: [0, 1]}")
-    decimals, bounds, exact = raw.get("decimals", base.decimals), raw.get("range", base.bounds), raw.get("exact", base.exact)
+        raise UserError(
+            field,
+            f"must be a mapping with keys among {sorted(_FORMAT_KEYS)}",
+            "write e.g. {decimals: 2, range: [0, 1]}",
+        )
+    decimals, bounds, exact = (
+        raw.get("decimals", base.decimals),
+        raw.get("range", base.bounds),
+        raw.get("exact", base.exact),
+    )
     if decimals is not None and not (isinstance(decimals, int) and not isinstance(decimals, bool) and decimals >= 0):
         raise UserError(f"{field}.decimals", f"must be a whole number >= 0, got {decimals!r}", "write decimals: 2")
     if bounds is not None:
-        numbers = isinstance(bounds, Sequence) and len(bounds) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+        numbers = (
+            isinstance(bounds, Sequence)
+            and len(bounds) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+        )
         if not numbers or bounds[0] >= bounds[1]:
-            raise UserError(f"{field}.range", f"must be [low, high] with low < high, got {bounds!r}",
-                            "write range: [0, 100]")
+            raise UserError(
+                f"{field}.range", f"must be [low, high] with low < high, got {bounds!r}", "write range: [0, 100]"
+            )
         bounds = (float(bounds[0]), float(bounds[1]))
     if not isinstance(exact, bool):
         raise UserError(f"{field}.exact", f"must be true or false, got {exact!r}", "write exact: true")
@@ -259,8 +288,9 @@ def _parse_table(name: str, body: Any, field: str) -> Table:
         raise UserError(field, "must be a mapping", f"give the keys {sorted(_TABLE_KEYS)}")
     unknown = set(body) - _TABLE_KEYS
     if unknown or not {"columns", "rows"} <= set(body):
-        raise UserError(field, f"needs columns and rows; unknown keys {sorted(unknown)}",
-                        f"use only {sorted(_TABLE_KEYS)}")
+        raise UserError(
+            field, f"needs columns and rows; unknown keys {sorted(unknown)}", f"use only {sorted(_TABLE_KEYS)}"
+        )
     columns = _names(body["columns"], f"{field}.columns", "column")
     if not isinstance(body["rows"], Mapping) or not body["rows"]:
         raise UserError(f"{field}.rows", "needs a mapping row name -> printed cells", 'write e.g. {CMM: "1.00 2.00"}')
@@ -272,23 +302,35 @@ def _parse_table(name: str, body: Any, field: str) -> Table:
             raise UserError(f"{field}.formats.{col}", "is not one of the table's columns", f"use one of {columns}")
         formats[known] = _format(raw, f"{field}.formats.{col}", default)
     tolerance = body.get("tolerance")
-    if tolerance is not None and not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
-                                      and tolerance > 0):
+    if tolerance is not None and not (
+        isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and tolerance > 0
+    ):
         raise UserError(f"{field}.tolerance", f"must be a number > 0, got {tolerance!r}", "write tolerance: 0.3")
     cells: dict[tuple[str, str], Printed | None] = {}
     rows = [str(r) for r in body["rows"]]
     for row, printed in body["rows"].items():
         tokens = str(printed).split()
         if len(tokens) != len(columns):
-            raise UserError(f"{field}.rows.{row}", f"has {len(tokens)} cells for {len(columns)} columns",
-                            "give one printed value (or '-') per column, separated by spaces")
+            raise UserError(
+                f"{field}.rows.{row}",
+                f"has {len(tokens)} cells for {len(columns)} columns",
+                "give one printed value (or '-') per column, separated by spaces",
+            )
         for col, token in zip(columns, tokens):
             try:
                 cells[row, col] = parse_printed(token)
             except ValueError as err:
                 raise UserError(f"{field}.rows.{row}", str(err), "copy the number as printed") from None
-    table = Table(name, str(body.get("source", "")), columns, rows, cells, formats,
-                  float(tolerance) if tolerance is not None else None, notes=[str(n) for n in body.get("notes") or []])
+    table = Table(
+        name,
+        str(body.get("source", "")),
+        columns,
+        rows,
+        cells,
+        formats,
+        float(tolerance) if tolerance is not None else None,
+        notes=[str(n) for n in body.get("notes") or []],
+    )
     for row, col in cells:
         if cells[row, col] is not None:
             try:
@@ -309,17 +351,22 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
         for target, formula in derived.items():
             known = match_name(axis, target)
             if known is None:
-                raise UserError(f"{field}.{key}.{target}", f"is not one of the table's {'columns' if key == 'derived' else 'rows'}",
-                                f"use one of {axis}")
+                raise UserError(
+                    f"{field}.{key}.{target}",
+                    f"is not one of the table's {'columns' if key == 'derived' else 'rows'}",
+                    f"use one of {axis}",
+                )
             for other in others:
                 row, col = (other, known) if key == "derived" else (known, other)
                 if table.cells[row, col] is not None:
-                    resolve = _resolver(table, row=row if key == "derived" else None,
-                                        col=col if key == "derived_rows" else None)
+                    resolve = _resolver(
+                        table, row=row if key == "derived" else None, col=col if key == "derived_rows" else None
+                    )
                     parsed = parse_formula(formula, f"{field}.{key}.{target}", resolve)
                     origin = f"{'column' if key == 'derived' else 'row'} {known}"
-                    table.derivations.append(Derivation((name, row, col), parsed, origin,
-                                                        f"{name}.{key}.{target}.{parsed.kind}"))
+                    table.derivations.append(
+                        Derivation((name, row, col), parsed, origin, f"{name}.{key}.{target}.{parsed.kind}")
+                    )
     for i, entry in enumerate(body.get("derived_cells") or []):
         where = f"{field}.derived_cells[{i}]"
         if not isinstance(entry, Mapping) or "at" not in entry:
@@ -328,14 +375,16 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
         formula = {k: v for k, v in entry.items() if k != "at"}
         # a bare name is a column of the cell's own row, as in ``derived``
         parsed = parse_formula(formula, where, _resolver(table, row=at[1]))
-        table.derivations.append(Derivation(at, parsed, f"cell [{at[1]}, {at[2]}]",
-                                            f"{name}.derived_cells[{i}].{parsed.kind}"))
+        table.derivations.append(
+            Derivation(at, parsed, f"cell [{at[1]}, {at[2]}]", f"{name}.derived_cells[{i}].{parsed.kind}")
+        )
     targets = {d.at for d in table.derivations}
     for i, entry in enumerate(body.get("discrepancies") or []):
         where = f"{field}.discrepancies[{i}]"
         if not isinstance(entry, Mapping) or set(entry) != {"at", "by", "note"}:
-            raise UserError(where, "needs exactly at, by and note",
-                            "write {at: [row, col], by: printed - recomputed, note: why}")
+            raise UserError(
+                where, "needs exactly at, by and note", "write {at: [row, col], by: printed - recomputed, note: why}"
+            )
         at = _resolver(table)(entry["at"], f"{where}.at")
         if at not in targets:
             raise UserError(f"{where}.at", f"{list(at[1:])} is not a derived cell", "record only derived cells")
@@ -356,12 +405,16 @@ def _resolver(table: Table, row: str | None = None, col: str | None = None):
     col]`` a cell of any table (its names are matched when all tables are read).
     A name this table lacks is a UserError at ``field`` (the formula's key).
     """
+
     def known(names: list[str], raw: Any, what: str, field: str) -> str:
         name = match_name(names, raw)
         if name is None:
-            raise UserError(field, f"refers to {what} {show(_text(raw))}, which table '{table.name}' does not have",
-                            f"use one of {names} (quote a name YAML would read as a number or list; "
-                            "in an expr, backquote a name that is not an identifier)")
+            raise UserError(
+                field,
+                f"refers to {what} {show(_text(raw))}, which table '{table.name}' does not have",
+                f"use one of {names} (quote a name YAML would read as a number or list; "
+                "in an expr, backquote a name that is not an identifier)",
+            )
         return name
 
     def resolve(raw: Any, field: str) -> Ref:
@@ -376,6 +429,7 @@ def _resolver(table: Table, row: str | None = None, col: str | None = None):
             return (raw[0], raw[1], raw[2])  # names matched against that table in ``cell``
         shapes = "a column name (in derived), a row name (in derived_rows), [row, col] or [table, row, col]"
         raise UserError(field, f"{raw!r} is not a cell reference", f"write {shapes}")
+
     return resolve
 
 
@@ -392,8 +446,11 @@ def find_cell(tables: Mapping[str, Table], ref: Sequence[Any], field: str) -> tu
     r, c = match_name(t.rows, row), match_name(t.columns, col)
     if r is None or c is None:
         bad = f"row {show(_text(row))}" if r is None else f"column {show(_text(col))}"
-        raise UserError(field, f"refers to {bad}, which table '{table}' does not have",
-                        f"rows: {t.rows}; columns: {t.columns} (quote a name YAML would read as a number or list)")
+        raise UserError(
+            field,
+            f"refers to {bad}, which table '{table}' does not have",
+            f"rows: {t.rows}; columns: {t.columns} (quote a name YAML would read as a number or list)",
+        )
     printed = t.cells[r, c]
     if printed is None:
         raise UserError(field, f"refers to blank cell [{table}, {r}, {c}]", "refer to a printed cell")
@@ -411,18 +468,26 @@ def cell_interval(tables: Mapping[str, Table], ref: Sequence[Any], field: str = 
     return tables[table].interval(row, col)
 
 
-def line(table: Table, col: str | None = None, row: str | None = None,
-         without: Sequence[str] = ()) -> list[tuple[str, Printed, Interval]]:
+def line(
+    table: Table, col: str | None = None, row: str | None = None, without: Sequence[str] = ()
+) -> list[tuple[str, Printed, Interval]]:
     """The printed cells of one column (over its rows) or one row (over its columns), minus ``without``,
     blanks skipped: (name, printed, interval) in table order."""
     if col is not None:
-        return [(r, table.cells[r, col], table.interval(r, col)) for r in table.rows
-                if r not in without and table.cells[r, col] is not None]
-    return [(c, table.cells[row, c], table.interval(row, c)) for c in table.columns
-            if c not in without and table.cells[row, c] is not None]
+        return [
+            (r, table.cells[r, col], table.interval(r, col))
+            for r in table.rows
+            if r not in without and table.cells[r, col] is not None
+        ]
+    return [
+        (c, table.cells[row, c], table.interval(row, c))
+        for c in table.columns
+        if c not in without and table.cells[row, c] is not None
+    ]
 
 
 # ---------------------------------------------------------------- checking
+
 
 def check_tables(tables: Mapping[str, Table], field: str = "tables") -> list[CellCheck]:
     """Recompute every derived cell of every table from the printed inputs (see module docstring).
@@ -442,8 +507,9 @@ def check_tables(tables: Mapping[str, Table], field: str = "tables") -> list[Cel
             except ValueError as err:
                 raise UserError(where, f"at [{d.at[1]}, {d.at[2]}]: {err}", "check the derivation's inputs") from None
             if recomputed is None:
-                raise UserError(where, f"at [{d.at[1]}, {d.at[2]}]: the derivation is undefined",
-                                "check the derivation's inputs")
+                raise UserError(
+                    where, f"at [{d.at[1]}, {d.at[2]}]: the derivation is undefined", "check the derivation's inputs"
+                )
             checks.append(_verdict(d, table, recomputed, lo, hi))
     return checks
 
@@ -454,7 +520,7 @@ def tolerance(table: Table, row: str, col: str) -> tuple[float, str]:
     if table.tolerance is not None:
         return table.tolerance, f"the tolerance {table.tolerance:g}"
     d = table.decimals(row, col)
-    bound = DEFAULT_TOLERANCE_UNITS * 10.0 ** -d
+    bound = DEFAULT_TOLERANCE_UNITS * 10.0**-d
     return bound, f"the default tolerance {bound:g} ({DEFAULT_TOLERANCE_UNITS} units of its last printed digit)"
 
 
@@ -476,22 +542,52 @@ def _verdict(derivation: Derivation, table: Table, recomputed: float, lo: float,
     if record is None:
         window = (hi - lo) + (p_hi - p_lo)
         if not ok:
-            return check(printed, recomputed, lo, hi, "disagree",
-                         f"printed - recomputed = {off:+.4g}, beyond the inputs' rounding")
+            return check(
+                printed,
+                recomputed,
+                lo,
+                hi,
+                "disagree",
+                f"printed - recomputed = {off:+.4g}, beyond the inputs' rounding",
+            )
         bound, source = tolerance(table, at[1], at[2])
         if window > bound * (1 + 1e-9) + 1e-12:
-            return check(printed, recomputed, lo, hi, "not checkable",
-                         f"rounding lets it move by {window:.3g}, more than {source}; declare decimals/range, "
-                         "mark exact inputs with '!', or state the table's tolerance where the paper's precision "
-                         "allows no better")
+            return check(
+                printed,
+                recomputed,
+                lo,
+                hi,
+                "not checkable",
+                f"rounding lets it move by {window:.3g}, more than {source}; declare decimals/range, "
+                "mark exact inputs with '!', or state the table's tolerance where the paper's precision "
+                "allows no better",
+            )
         return check(printed, recomputed, lo, hi, "agree")
     if ok:
-        return check(printed, recomputed, lo, hi, "record-wrong",
-                         "recorded as a discrepancy, but the printed value recomputes: remove the record")
+        return check(
+            printed,
+            recomputed,
+            lo,
+            hi,
+            "record-wrong",
+            "recorded as a discrepancy, but the printed value recomputes: remove the record",
+        )
     # the recorded difference may itself be off by the rounding of everything involved
     allowed = (p_hi - p_lo) / 2 + (hi - lo) / 2 + record.by.half_width
     if abs(off - record.by.value) <= allowed + 1e-9:
-        return check(printed, recomputed, lo, hi, "recorded",
-                         f"the paper's own: printed - recomputed = {off:+.4g}; {record.note}")
-    return check(printed, recomputed, lo, hi, "record-wrong",
-                     f"recorded by {record.by.text}, measured {off:+.4g}: correct the record")
+        return check(
+            printed,
+            recomputed,
+            lo,
+            hi,
+            "recorded",
+            f"the paper's own: printed - recomputed = {off:+.4g}; {record.note}",
+        )
+    return check(
+        printed,
+        recomputed,
+        lo,
+        hi,
+        "record-wrong",
+        f"recorded by {record.by.text}, measured {off:+.4g}: correct the record",
+    )

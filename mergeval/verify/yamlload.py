@@ -49,7 +49,7 @@ def _node_text(node: yaml.Node) -> str:
     start, end = node.start_mark, node.end_mark
     if start.buffer is None:  # not loaded from a string: fall back to the value's own text
         return str(node.value)
-    return start.buffer[start.index:end.index].strip()
+    return start.buffer[start.index : end.index].strip()
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -30,8 +30,13 @@ Item = dict
 # evaluation tasks are keyed by their items). Versions are per domain so that adding a domain never
 # invalidates the experts already built for the others. DATA_VERSION is the version of the original two.
 DATA_VERSION = 1
-DOMAIN_VERSION = {"chem_count": DATA_VERSION, "unit_convert": DATA_VERSION, "unit_reduce": 1, "time_convert": 1,
-                  "acronym": 1}
+DOMAIN_VERSION = {
+    "chem_count": DATA_VERSION,
+    "unit_convert": DATA_VERSION,
+    "unit_reduce": 1,
+    "time_convert": 1,
+    "acronym": 1,
+}
 
 ELEMENTS = ["H", "C", "N", "O", "S", "P", "Cl", "Na", "K", "Ca", "Mg", "Fe", "Br", "F", "Si", "Al"]
 
@@ -48,11 +53,21 @@ def chem_count_item(rng: random.Random) -> Item:
     formula, counts = _formula(rng)
     element = rng.choice(list(counts))
     answer = counts[element]
-    pool = {n for n in counts.values() if n != answer} | {answer + 1, answer + 2, answer + 3, 2 * answer, max(1, answer - 1)}
+    pool = {n for n in counts.values() if n != answer} | {
+        answer + 1,
+        answer + 2,
+        answer + 3,
+        2 * answer,
+        max(1, answer - 1),
+    }
     pool.discard(answer)
     distractors = rng.sample(sorted(pool), 3)
-    return _mc(rng, f"How many {element} atoms are in one molecule of {formula}?",
-               _atoms(answer), [_atoms(n) for n in distractors])
+    return _mc(
+        rng,
+        f"How many {element} atoms are in one molecule of {formula}?",
+        _atoms(answer),
+        [_atoms(n) for n in distractors],
+    )
 
 
 def _atoms(n: int) -> str:
@@ -62,8 +77,16 @@ def _atoms(n: int) -> str:
 
 
 UNIT_FACTORS = {
-    ("km", "m"): 3, ("m", "cm"): 2, ("m", "mm"): 3, ("cm", "mm"): 1,
-    ("kg", "g"): 3, ("g", "mg"): 3, ("mg", "ug"): 3, ("L", "mL"): 3, ("dL", "mL"): 2, ("L", "dL"): 1,
+    ("km", "m"): 3,
+    ("m", "cm"): 2,
+    ("m", "mm"): 3,
+    ("cm", "mm"): 1,
+    ("kg", "g"): 3,
+    ("g", "mg"): 3,
+    ("mg", "ug"): 3,
+    ("L", "mL"): 3,
+    ("dL", "mL"): 2,
+    ("L", "dL"): 1,
 }
 
 
@@ -96,8 +119,14 @@ def unit_reduce_item(rng: random.Random) -> Item:
 
 
 TIME_FACTORS = {
-    ("minutes", "hours"): 60, ("seconds", "minutes"): 60, ("hours", "days"): 24, ("days", "weeks"): 7,
-    ("months", "years"): 12, ("seconds", "hours"): 3600, ("minutes", "days"): 1440, ("days", "years"): 365,
+    ("minutes", "hours"): 60,
+    ("seconds", "minutes"): 60,
+    ("hours", "days"): 24,
+    ("days", "weeks"): 7,
+    ("months", "years"): 12,
+    ("seconds", "hours"): 3600,
+    ("minutes", "days"): 1440,
+    ("days", "years"): 365,
 }
 # Factors a confused model might apply; the distractors multiply by one of these instead of the right one.
 TIME_CONFUSIONS = [7, 10, 12, 24, 30, 60, 100, 365, 1000, 1440, 3600]
@@ -108,8 +137,12 @@ def time_convert_item(rng: random.Random) -> Item:
     (small, big), factor = rng.choice(sorted(TIME_FACTORS.items()))
     value = rng.randint(2, 99)
     wrong = rng.sample([f for f in TIME_CONFUSIONS if f != factor], 3)
-    return _mc(rng, f"How many {small} are in {value} {big}?", f"{value * factor} {small}",
-               [f"{value * f} {small}" for f in wrong])
+    return _mc(
+        rng,
+        f"How many {small} are in {value} {big}?",
+        f"{value * factor} {small}",
+        [f"{value * f} {small}" for f in wrong],
+    )
 
 
 # Common short English words, to make phrases for the acronym domain.
@@ -139,12 +172,15 @@ def acronym_item(rng: random.Random) -> Item:
         correct = _acronym(words)
         shuffled = words[1:] + words[:1]
         swapped = rng.randrange(len(words))
-        replaced = correct[:swapped] + rng.choice([c for c in "BCDFGHJKLMNPRSTW" if c != correct[swapped]]) \
-            + correct[swapped + 1:]
+        replaced = (
+            correct[:swapped]
+            + rng.choice([c for c in "BCDFGHJKLMNPRSTW" if c != correct[swapped]])
+            + correct[swapped + 1 :]
+        )
         candidates = list(dict.fromkeys([_acronym(words, 1), _acronym(words, -1), _acronym(shuffled), replaced]))
         candidates = [c for c in candidates if c != correct]
         if len(candidates) >= 3:
-            return _mc(rng, f"What is the acronym of \"{' '.join(words)}\"?", correct, rng.sample(candidates, 3))
+            return _mc(rng, f'What is the acronym of "{" ".join(words)}"?', correct, rng.sample(candidates, 3))
 
 
 def _mc(rng: random.Random, question: str, correct: str, distractors: list[str]) -> Item:
@@ -177,7 +213,9 @@ def eval_items(domain: str, n: int, seed: int = 0) -> list[Item]:
     return items
 
 
-def split_items(domain: str, seed: int, n_train: int, n_eval: int, train_seed: int = 0) -> tuple[list[Item], list[Item]]:
+def split_items(
+    domain: str, seed: int, n_train: int, n_eval: int, train_seed: int = 0
+) -> tuple[list[Item], list[Item]]:
     """Draw disjoint train and held-out eval items: no training question appears among the eval items."""
     held_out = eval_items(domain, n_eval, seed)
     seen = {item["question"] for item in held_out}

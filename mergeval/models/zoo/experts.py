@@ -30,8 +30,15 @@ def train_dtype(train) -> str:
 
 
 def expert_key(base_fingerprint: str, domain: str, train) -> str:
-    settings = dict(base=base_fingerprint, domain=domain, data=DOMAIN_VERSION[domain], steps=train.steps,
-                    batch_size=train.batch_size, lr=train.lr, seed=train.seed)
+    settings = dict(
+        base=base_fingerprint,
+        domain=domain,
+        data=DOMAIN_VERSION[domain],
+        steps=train.steps,
+        batch_size=train.batch_size,
+        lr=train.lr,
+        seed=train.seed,
+    )
     if train_dtype(train) != "bfloat16":  # bfloat16 autocast is how every expert was trained before: same keys
         settings["dtype"] = train_dtype(train)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -60,17 +67,41 @@ def _build(base_dir: Path, base_fingerprint: str, domain: str, train, target: Pa
     from mergeval.models.checkpoint import load_model
     from mergeval.models.zoo.finetune import finetune
 
-    train_items, _ = split_items(domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL,
-                                 train_seed=train.seed)
+    train_items, _ = split_items(
+        domain, seed=0, n_train=train.steps * train.batch_size, n_eval=EVAL_POOL, train_seed=train.seed
+    )
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = load_model(base_dir, dtype=torch.float32)
-    losses = finetune(model, tokenizer, train_items, train.steps, train.batch_size, train.lr, train.seed,
-                      desc=f"building expert '{domain}'", dtype=train_dtype(train))
+    losses = finetune(
+        model,
+        tokenizer,
+        train_items,
+        train.steps,
+        train.batch_size,
+        train.lr,
+        train.seed,
+        desc=f"building expert '{domain}'",
+        dtype=train_dtype(train),
+    )
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "mergeval-expert.json").write_text(json.dumps(
-            dict(base_fingerprint=base_fingerprint, domain=domain, data_version=DOMAIN_VERSION[domain],
-                 train=dict(steps=train.steps, batch_size=train.batch_size, lr=train.lr, seed=train.seed,
-                            dtype=train_dtype(train)),
-                 first_loss=losses[0], last_loss=losses[-1]), indent=2))
+        (tmp / "mergeval-expert.json").write_text(
+            json.dumps(
+                dict(
+                    base_fingerprint=base_fingerprint,
+                    domain=domain,
+                    data_version=DOMAIN_VERSION[domain],
+                    train=dict(
+                        steps=train.steps,
+                        batch_size=train.batch_size,
+                        lr=train.lr,
+                        seed=train.seed,
+                        dtype=train_dtype(train),
+                    ),
+                    first_loss=losses[0],
+                    last_loss=losses[-1],
+                ),
+                indent=2,
+            )
+        )

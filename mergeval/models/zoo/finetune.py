@@ -36,14 +36,23 @@ def _batch(tokenizer, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor, to
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     labels = torch.full((len(seqs), width), -100)
     for row, (seq, start) in enumerate(zip(seqs, starts)):
-        ids[row, :len(seq)] = torch.tensor(seq)
-        mask[row, :len(seq)] = 1
-        labels[row, start:len(seq)] = torch.tensor(seq[start:])
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        labels[row, start : len(seq)] = torch.tensor(seq[start:])
     return ids, mask, labels
 
 
-def finetune(model, tokenizer, items: list[Item], steps: int, batch_size: int, lr: float, seed: int,
-             desc: str = "fine-tuning", dtype: str = "bfloat16") -> list[float]:
+def finetune(
+    model,
+    tokenizer,
+    items: list[Item],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    desc: str = "fine-tuning",
+    dtype: str = "bfloat16",
+) -> list[float]:
     """Train ``model`` in place for ``steps`` AdamW steps, matrix products in ``dtype`` (bfloat16: autocast;
     float32: none); returns the loss of each step."""
     torch.manual_seed(seed)
@@ -52,7 +61,7 @@ def finetune(model, tokenizer, items: list[Item], steps: int, batch_size: int, l
     losses = []
     bar = tqdm(range(steps), desc=desc, unit="step")
     for step in bar:
-        ids, mask, labels = _batch(tokenizer, items[step * batch_size:(step + 1) * batch_size])
+        ids, mask, labels = _batch(tokenizer, items[step * batch_size : (step + 1) * batch_size])
         with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext():
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
             targets = labels[:, 1:]

@@ -26,19 +26,28 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
     fp_cache = cache / "fingerprints.json"
     # layer slices may take models of other layer counts: the merge checks those (merge/slices.py)
     check = check_compatible if not cfg.modelset.get("slices") else (lambda *args: None)
-    given = {name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
-             for name, e in cfg.modelset.experts.items() if e.source is not None}
-    base_dir = _unquantized(resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline), cache,
-                            "modelset.base")
+    given = {
+        name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
+        for name, e in cfg.modelset.experts.items()
+        if e.source is not None
+    }
+    base_dir = _unquantized(
+        resolve_source(cfg.modelset.base, "modelset.base", cache, cfg.offline), cache, "modelset.base"
+    )
     given = {name: _unquantized(path, cache, f"modelset.experts.{name}.source") for name, path in given.items()}
     if is_adapter(base_dir):
-        raise UserError("modelset.base", f"'{base_dir}' is a PEFT adapter, not a full model", "make the adapter's "
-                        "own base (base_model_name_or_path in adapter_config.json) the base and the adapter an expert")
+        raise UserError(
+            "modelset.base",
+            f"'{base_dir}' is a PEFT adapter, not a full model",
+            "make the adapter's "
+            "own base (base_model_name_or_path in adapter_config.json) the base and the adapter an expert",
+        )
     models = [_info("base", cfg.modelset.base, base_dir, base_dir, fp_cache, field="modelset.base")]
     for name, path in given.items():  # adapters applied to the base, once (cached)
         if is_adapter(path):
-            given[name] = applied_adapter(path, base_dir, models[0].fingerprint, cfg.modelset.base, cache,
-                                          f"modelset.experts.{name}.source")
+            given[name] = applied_adapter(
+                path, base_dir, models[0].fingerprint, cfg.modelset.base, cache, f"modelset.experts.{name}.source"
+            )
     policy = compat_policy(cfg.vocab_policy, cfg.get("tokenizer_source"))
     check(base_dir, given, policy)  # before spending minutes on building experts
     expert_dirs: dict[str, Path] = {}
@@ -46,12 +55,27 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
         if name in given:
             path, source = given[name], expert.source
         else:
-            path = expert_dir(base_dir, models[0].fingerprint, expert.domain, cfg.modelset.train, cache,
-                              f"modelset.experts.{name}.domain")
+            path = expert_dir(
+                base_dir,
+                models[0].fingerprint,
+                expert.domain,
+                cfg.modelset.train,
+                cache,
+                f"modelset.experts.{name}.domain",
+            )
             source = f"finetune:{expert.domain}"
         expert_dirs[name] = path
-        models.append(_info(name, source, path, evaluation_tokenizer(path, base_dir, cfg.get("tokenizer_source")),
-                            fp_cache, expert.task, f"modelset.experts.{name}"))
+        models.append(
+            _info(
+                name,
+                source,
+                path,
+                evaluation_tokenizer(path, base_dir, cfg.get("tokenizer_source")),
+                fp_cache,
+                expert.task,
+                f"modelset.experts.{name}",
+            )
+        )
         _refuse_a_copy(models)  # as each expert comes: before later ones are fine-tuned
     check(base_dir, expert_dirs, policy)
     return base_dir, expert_dirs, models
@@ -70,8 +94,15 @@ def evaluation_tokenizer(path: Path, base_dir: Path, tokenizer_source: str | Non
     return path if own else base_dir
 
 
-def _info(role: str, source: str, path: Path, tokenizer_dir: Path, fp_cache: Path, task: str | None = None,
-          field: str = "modelset") -> ModelInfo:
+def _info(
+    role: str,
+    source: str,
+    path: Path,
+    tokenizer_dir: Path,
+    fp_cache: Path,
+    task: str | None = None,
+    field: str = "modelset",
+) -> ModelInfo:
     """A model's row: its weights' fingerprint and its identity as a run evaluates it (its own config, the
     tokenizer of ``tokenizer_dir``: evaluation_tokenizer). A damaged checkpoint is reported under ``field``."""
     weights = fingerprint(path, fp_cache, field)
@@ -88,8 +119,14 @@ def _refuse_a_copy(models: list[ModelInfo]) -> None:
     if first is None:
         return
     if first.role == "base":
-        raise UserError(f"modelset.experts.{last.role}", f"is the base model itself ({last.source}): its task "
-                        "vector is zero", "point it at a model fine-tuned from the base")
-    raise UserError(f"modelset.experts.{last.role}", f"is the same model as expert {first.role} ({last.source})",
-                    f"point one of them at another model, or remove {last.role} (a larger share of one expert is "
-                    "a weight: method.weights)")
+        raise UserError(
+            f"modelset.experts.{last.role}",
+            f"is the base model itself ({last.source}): its task vector is zero",
+            "point it at a model fine-tuned from the base",
+        )
+    raise UserError(
+        f"modelset.experts.{last.role}",
+        f"is the same model as expert {first.role} ({last.source})",
+        f"point one of them at another model, or remove {last.role} (a larger share of one expert is "
+        "a weight: method.weights)",
+    )

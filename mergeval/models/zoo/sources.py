@@ -48,21 +48,37 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 def _local_dir(path: Path, field: str) -> Path:
     if not path.is_dir():
-        raise UserError(field, f"no such model directory '{path}'",
-                        "point it at a directory with config.json and *.safetensors, or use smollm2 / hf:<org>/<name>")
+        raise UserError(
+            field,
+            f"no such model directory '{path}'",
+            "point it at a directory with config.json and *.safetensors, or use smollm2 / hf:<org>/<name>",
+        )
     from mergeval.models.adapters import is_adapter
 
     if is_adapter(path):  # a PEFT adapter: applied to the modelset's base by resolve_models
         return path.resolve()
     if not (path / "config.json").exists():
-        raise UserError(field, f"'{path}' has no config.json", "point it at the directory save_pretrained wrote "
-                        "(config.json beside *.safetensors), or use smollm2 / hf:<org>/<name>")
+        raise UserError(
+            field,
+            f"'{path}' has no config.json",
+            "point it at the directory save_pretrained wrote "
+            "(config.json beside *.safetensors), or use smollm2 / hf:<org>/<name>",
+        )
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        what = (f"its weights only as {pickled[0]} (a PyTorch pickle, which mergeval does not load: unpickling can "
-                "run code)") if pickled else "no *.safetensors weights"
-        raise UserError(field, f"'{path}' has {what}", "convert it once: AutoModelForCausalLM.from_pretrained(DIR)"
-                        ".save_pretrained(DIR, safe_serialization=True)")
+        what = (
+            (
+                f"its weights only as {pickled[0]} (a PyTorch pickle, which mergeval does not load: unpickling can "
+                "run code)"
+            )
+            if pickled
+            else "no *.safetensors weights"
+        )
+        raise UserError(
+            field,
+            f"'{path}' has {what}",
+            "convert it once: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)",
+        )
     return path.resolve()
 
 
@@ -71,10 +87,18 @@ def _hub_dir(repo_id: str, field: str, offline: bool) -> Path:
 
     offline = offline or os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     try:
-        return Path(snapshot_download(repo_id, local_files_only=offline,
-                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+        return Path(
+            snapshot_download(
+                repo_id,
+                local_files_only=offline,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            )
+        )
     except Exception as ex:  # the hub client raises several types for "not cached" / "no network"
         where = "the local Hugging Face cache (offline mode)" if offline else "the Hugging Face hub"
-        raise UserError(field, f"cannot get '{repo_id}' from {where} ({type(ex).__name__})",
-                        f"download it where there is network (huggingface-cli download {repo_id}) "
-                        "and run with offline=false, or point to a local directory") from None
+        raise UserError(
+            field,
+            f"cannot get '{repo_id}' from {where} ({type(ex).__name__})",
+            f"download it where there is network (huggingface-cli download {repo_id}) "
+            "and run with offline=false, or point to a local directory",
+        ) from None

@@ -15,8 +15,11 @@ from mergeval.core.paths import atomic_dir
 from mergeval.models.safetensors_io import cached_build_usable
 from mergeval.models.zoo.domains import DOMAINS, QUICKSTART_DOMAINS
 
-ZOO = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, seed=0)}
+ZOO = {
+    "tiny": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, seed=0
+    )
+}
 
 
 def zoo_dir(name: str, cache: Path) -> Path:
@@ -48,14 +51,23 @@ def _build(out: Path, seed: int, **arch) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(_corpus(seed), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                        bos_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     torch.manual_seed(seed)
     eos = tokenizer.eos_token_id
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=256, tie_word_embeddings=True,
-                         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **arch)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **arch,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

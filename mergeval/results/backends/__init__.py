@@ -38,7 +38,7 @@ def sqlite_path(location: str | Path) -> Path:
     """The file of an SQLite location: a path, or an ``sqlite:///`` URL (``sqlite:////abs`` or ``sqlite:///rel``)."""
     text = str(location)
     if text.startswith("sqlite:///"):
-        text = text[len("sqlite:///"):]
+        text = text[len("sqlite:///") :]
     return Path(text).expanduser()
 
 

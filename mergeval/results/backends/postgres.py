@@ -73,8 +73,9 @@ class PostgresBackend:
 
     def connect(self, autocommit: bool = False):
         try:
-            return self.psycopg.connect(self.url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S,
-                                        application_name="mergeval")
+            return self.psycopg.connect(
+                self.url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_S, application_name="mergeval"
+            )
         except self.psycopg.Error as err:
             raise connect_fault(self.location, err, self.field) from err
 
@@ -146,10 +147,8 @@ class PostgresBackend:
         return db.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8").fetchone()[0]
 
 
-_AUTH = ("password authentication failed", "no password supplied", "authentication failed", "pg_hba.conf",
-         "role ")
-_UNREACHABLE_FIX = ("start the server or correct the host and port in store.url (is it reachable from this "
-                    "machine?)")
+_AUTH = ("password authentication failed", "no password supplied", "authentication failed", "pg_hba.conf", "role ")
+_UNREACHABLE_FIX = "start the server or correct the host and port in store.url (is it reachable from this machine?)"
 
 
 def _fault(field: str, problem: str, fix: str) -> UserError:
@@ -167,11 +166,17 @@ def connect_fault(location: str, err: Exception, field: str) -> UserError:
     not reachable (refused, no such host or socket, timed out)."""
     text, why = str(err), _first_line(err)
     if re.search(r'database "[^"]*" does not exist', text):
-        return _fault(field, f"{location}: the database does not exist ({why})",
-                         "create it (createdb NAME) or point store.url at an existing database")
+        return _fault(
+            field,
+            f"{location}: the database does not exist ({why})",
+            "create it (createdb NAME) or point store.url at an existing database",
+        )
     if any(marker in text for marker in _AUTH):  # a wrong password, an unknown role, a refused host
-        return _fault(field, f"{location}: authentication failed ({why})",
-                         "check the user and password in store.url (or PGPASSWORD / ~/.pgpass)")
+        return _fault(
+            field,
+            f"{location}: authentication failed ({why})",
+            "check the user and password in store.url (or PGPASSWORD / ~/.pgpass)",
+        )
     return _fault(field, f"cannot reach the PostgreSQL server at {location} ({why})", _UNREACHABLE_FIX)
 
 
@@ -180,20 +185,35 @@ def server_fault(location: str, err: Exception, field: str) -> UserError | None:
     state = getattr(err, "sqlstate", None) or ""
     why = _first_line(err)
     if state == "53100":  # disk_full
-        return _fault(field, f"the server of {location} has no space left ({why})",
-                         "free space on the database server, or point store.url at another database")
+        return _fault(
+            field,
+            f"the server of {location} has no space left ({why})",
+            "free space on the database server, or point store.url at another database",
+        )
     if state in ("25006", "42501"):  # read_only_sql_transaction, insufficient_privilege
-        return _fault(field, f"{location} does not accept this user's writes ({why})",
-                         "grant the user write rights on the store's tables, or point store.url at a "
-                         "primary server (not a read-only replica)")
+        return _fault(
+            field,
+            f"{location} does not accept this user's writes ({why})",
+            "grant the user write rights on the store's tables, or point store.url at a "
+            "primary server (not a read-only replica)",
+        )
     if state in ("42P01", "42703", "42804"):  # undefined_table / _column, datatype_mismatch: someone else's tables
-        return _fault(field, f"{location} holds tables that are not a mergeval store's ({why})",
-                         "point store.url at an empty database or one that mergeval created")
+        return _fault(
+            field,
+            f"{location} holds tables that are not a mergeval store's ({why})",
+            "point store.url at an empty database or one that mergeval created",
+        )
     if state == "55P03":  # lock_not_available
-        return _fault(field, f"{location} stayed locked by another writer for over {LOCK_TIMEOUT_S} s",
-                         "wait for that process, or check the server for a stuck session (pg_stat_activity)")
+        return _fault(
+            field,
+            f"{location} stayed locked by another writer for over {LOCK_TIMEOUT_S} s",
+            "wait for that process, or check the server for a stuck session (pg_stat_activity)",
+        )
     if state.startswith(("08", "57")) or isinstance(err, _psycopg().OperationalError):
         # connection exceptions, operator intervention (server shut down, connection terminated)
-        return _fault(field, f"lost the connection to the PostgreSQL server at {location} ({why})",
-                         _UNREACHABLE_FIX + "; then rerun: the interrupted write was rolled back")
+        return _fault(
+            field,
+            f"lost the connection to the PostgreSQL server at {location} ({why})",
+            _UNREACHABLE_FIX + "; then rerun: the interrupted write was rolled back",
+        )
     return None

@@ -37,9 +37,14 @@ _RUNS_COLUMNS = """
                                     AND scores IS NOT NULL AND result_path IS NOT NULL))"""
 # v4 adds the 'interrupted' status and the owning process (host, pid, its start time), so a run whose process
 # was killed can be proven dead and marked interrupted by the next process that opens the store.
-_RUNS = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(
-    statuses="'running', 'finished', 'failed', 'interrupted'",
-    owner="\n    host TEXT,\n    pid INTEGER,\n    pid_start INTEGER,") + ")"
+_RUNS = (
+    "CREATE TABLE {name} ("
+    + _RUNS_COLUMNS.format(
+        statuses="'running', 'finished', 'failed', 'interrupted'",
+        owner="\n    host TEXT,\n    pid INTEGER,\n    pid_start INTEGER,",
+    )
+    + ")"
+)
 _RUNS_V2 = "CREATE TABLE {name} (" + _RUNS_COLUMNS.format(statuses="'running', 'finished', 'failed'", owner="") + ")"
 _EVALUATIONS = """
 CREATE TABLE {name} (
@@ -122,11 +127,26 @@ def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
     rows = []
     for run_id, created, result_path, experiment, method, config, aggregates in old.fetchall():
         result = _read_json(Path(result_path))
-        rows.append((run_id, created, "finished", experiment, method, config,
-                     _dump(result.get("versions", {})), _dump(result.get("git", {})),
-                     str(Path(result_path).parent), _dump(result.get("timings_s", {})), aggregates,
-                     _dump(result.get("models", [])), _dump(result.get("scores", {})), result_path,
-                     created, None))
+        rows.append(
+            (
+                run_id,
+                created,
+                "finished",
+                experiment,
+                method,
+                config,
+                _dump(result.get("versions", {})),
+                _dump(result.get("git", {})),
+                str(Path(result_path).parent),
+                _dump(result.get("timings_s", {})),
+                aggregates,
+                _dump(result.get("models", [])),
+                _dump(result.get("scores", {})),
+                result_path,
+                created,
+                None,
+            )
+        )
     db.execute(_RUNS_V2.format(name="runs_v2"))
     db.executemany(f"INSERT INTO runs_v2 VALUES ({','.join('?' * 16)})", rows)
     db.execute("DROP TABLE runs")
@@ -140,11 +160,15 @@ def _migrate_v1_to_v2(db: sqlite3.Connection) -> None:
 def _migrate_v2_to_v3(db: sqlite3.Connection) -> None:
     """v2 -> v3 inside the caller's transaction: an evaluation keeps every metric by name. v2 stored the
     accuracy of generated tasks only, so each row becomes ``{"acc,none": [acc, stderr]}``."""
-    rows = db.execute("SELECT model_fingerprint, task_digest, settings_hash, task, settings, acc, stderr, n, "
-                      "created, samples_path FROM evaluations").fetchall()
+    rows = db.execute(
+        "SELECT model_fingerprint, task_digest, settings_hash, task, settings, acc, stderr, n, "
+        "created, samples_path FROM evaluations"
+    ).fetchall()
     db.execute(_EVALUATIONS.format(name="evaluations_v3"))
-    db.executemany("INSERT INTO evaluations_v3 VALUES (?,?,?,?,?,?,?,?,?)",
-                   [(*r[:5], _canonical({DEFAULT_METRIC: [r[5], r[6]]}), *r[7:]) for r in rows])
+    db.executemany(
+        "INSERT INTO evaluations_v3 VALUES (?,?,?,?,?,?,?,?,?)",
+        [(*r[:5], _canonical({DEFAULT_METRIC: [r[5], r[6]]}), *r[7:]) for r in rows],
+    )
     db.execute("DROP TABLE evaluations")
     db.execute("ALTER TABLE evaluations_v3 RENAME TO evaluations")
     db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
@@ -187,8 +211,10 @@ def _migrate_v6_to_v7(db) -> None:
 
 def stale_rows(db) -> tuple[int, int]:
     """(evaluations, merges) a store holds: before a v5 -> v6 migration, all keyed by tensors alone."""
-    return (db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0],
-            db.execute("SELECT COUNT(*) FROM merges").fetchone()[0])
+    return (
+        db.execute("SELECT COUNT(*) FROM evaluations").fetchone()[0],
+        db.execute("SELECT COUNT(*) FROM merges").fetchone()[0],
+    )
 
 
 def _read_json(path: Path) -> dict:

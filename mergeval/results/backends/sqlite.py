@@ -19,8 +19,10 @@ from mergeval.core.errors import UserError
 from mergeval.core.paths import make_dirs
 
 BUSY_TIMEOUT_S = 120  # a writer waits this long for another process's transaction before giving up
-DAMAGED_FIX = ("move the file aside and rerun (evaluations are then recomputed), or recover what it holds "
-               "with `sqlite3 FILE .recover | sqlite3 NEW`")
+DAMAGED_FIX = (
+    "move the file aside and rerun (evaluations are then recomputed), or recover what it holds "
+    "with `sqlite3 FILE .recover | sqlite3 NEW`"
+)
 
 
 def _text(raw: bytes) -> str:
@@ -37,8 +39,11 @@ class SqliteBackend:
         try:
             make_dirs(self.path.parent)
         except OSError as err:
-            raise UserError(field, f"cannot create {self.path} ({err.strerror}: {err.filename})",
-                            f"point {field} at a writable location") from err
+            raise UserError(
+                field,
+                f"cannot create {self.path} ({err.strerror}: {err.filename})",
+                f"point {field} at a writable location",
+            ) from err
 
     def identity(self) -> str:
         """What names this database within one process (health is checked once per identity)."""
@@ -151,19 +156,35 @@ def store_fault(path: Path, err: sqlite3.DatabaseError, field: str = "store.path
     """The one-line error for an SQLite failure the environment caused, or None for any other."""
     code = getattr(err, "sqlite_errorname", "") or ""
     if code.startswith("SQLITE_READONLY") or "readonly database" in str(err):
-        return UserError(field, f"{path} is read-only ({err})",
-                         f"make the file and its directory writable, or point {field} elsewhere")
+        return UserError(
+            field,
+            f"{path} is read-only ({err})",
+            f"make the file and its directory writable, or point {field} elsewhere",
+        )
     if code in ("SQLITE_FULL",) or "disk is full" in str(err):
-        return UserError(field, f"no space left for {path} ({err})",
-                         f"free some space there, or point {field} at another file system")
-    if code in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or code.startswith("SQLITE_CORRUPT") or \
-            "malformed" in str(err) or "not a database" in str(err):
+        return UserError(
+            field,
+            f"no space left for {path} ({err})",
+            f"free some space there, or point {field} at another file system",
+        )
+    if (
+        code in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+        or code.startswith("SQLITE_CORRUPT")
+        or "malformed" in str(err)
+        or "not a database" in str(err)
+    ):
         return UserError(field, f"{path} is damaged or not a results store ({err})", DAMAGED_FIX)
     if code.startswith("SQLITE_CANTOPEN") or code.startswith("SQLITE_IOERR") or code.startswith("SQLITE_PERM"):
-        return UserError(field, f"cannot read or write {path} ({err})",
-                         f"check the file's permissions and the device, or point {field} elsewhere")
+        return UserError(
+            field,
+            f"cannot read or write {path} ({err})",
+            f"check the file's permissions and the device, or point {field} elsewhere",
+        )
     if is_busy(err):
-        return UserError(field, f"{path} stayed locked by another process for over {BUSY_TIMEOUT_S} s",
-                         f"wait for that process, or use another {field} (a network file system cannot "
-                         "hold an SQLite store safely: use a PostgreSQL store.url)")
+        return UserError(
+            field,
+            f"{path} stayed locked by another process for over {BUSY_TIMEOUT_S} s",
+            f"wait for that process, or use another {field} (a network file system cannot "
+            "hold an SQLite store safely: use a PostgreSQL store.url)",
+        )
     return None

@@ -230,7 +230,9 @@ def warm_page_cache(dirs: list[Path]) -> None:
 # ---------------------------------------------------------------- the two commands
 
 
-def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dtype: str, method: str) -> list[str]:
+def mergekit_command(
+    base: Path, experts: list[Path], out: Path, work: Path, dtype: str, method: str, device: str = "cpu"
+) -> list[str]:
     import yaml
 
     config = {
@@ -246,7 +248,7 @@ def mergekit_command(base: Path, experts: list[Path], out: Path, work: Path, dty
     exe = Path(sys.executable).with_name("mergekit-yaml")
     if not exe.exists():
         sys.exit(f"merge_throughput: {exe} not found; install mergekit (pip install '.[test]')")
-    return [str(exe), str(path), str(out), "--copy-tokenizer", "--device", "cpu", "--no-lazy-unpickle", "--quiet"]
+    return [str(exe), str(path), str(out), "--copy-tokenizer", "--device", device, "--no-lazy-unpickle", "--quiet"]
 
 
 def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
@@ -260,7 +262,7 @@ def card_inputs(base: Path, experts: list[Path]) -> list[dict]:
 
 
 def mergeval_command(
-    base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict], method: str
+    base: Path, experts: list[Path], out: Path, work: Path, inputs: list[dict], method: str, device: str = "cpu"
 ) -> list[str]:
     spec = {
         "base": str(base),
@@ -268,6 +270,7 @@ def mergeval_command(
         "out": str(out),
         "inputs": inputs,
         "method": method,
+        "device": device,
     }
     path = work / f"mergeval-{out.name}.json"
     path.write_text(json.dumps(spec))
@@ -311,6 +314,7 @@ def child_mergeval(spec_path: str) -> None:
         Path(spec["out"]),
         seed=0,
         card={"config": {"method": method.name, "density": DENSITY, "lambda_": LAMBDA}, "inputs": spec["inputs"]},
+        device=spec.get("device", "cpu"),
     )
 
 
@@ -440,6 +444,7 @@ def run_case(
     inputs: list[dict],
     dtype: str,
     compare: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Both tools on one model set with one method: each run timed in a fresh process, order alternating.
     ``compare=False``: each output is removed as soon as its run ends (no agreement figure), so the work
@@ -450,9 +455,9 @@ def run_case(
         for tool in TOOLS if repeat % 2 == 0 else TOOLS[::-1]:
             out = work / f"{method}-{tool}-{repeat}"
             cmd = (
-                mergeval_command(base, experts, out, work, inputs, method)
+                mergeval_command(base, experts, out, work, inputs, method, device)
                 if tool == "mergeval"
-                else mergekit_command(base, experts, out, work, dtype, method)
+                else mergekit_command(base, experts, out, work, dtype, method, device)
             )
             result = measure(cmd, work / f"{method}-{tool}-{repeat}.log", env)
             runs.append({"tool": tool, "repeat": repeat, **result})
@@ -532,7 +537,9 @@ def run(args) -> dict:
                 "io_floor_s": floor,
             }
             for method in args.method:
-                case = run_case(base, experts, method, repeats, work, env, inputs, dtype, not args.no_compare)
+                case = run_case(
+                    base, experts, method, repeats, work, env, inputs, dtype, not args.no_compare, args.device
+                )
                 report["cases"].append({"models": models, **case})
                 print_case(report["cases"][-1])  # as each case ends: a run cut short still tells what it measured
                 if args.json:
@@ -693,6 +700,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="same as --models synthetic-SIZE")
     parser.add_argument("--smoke", action="store_true", help="same as --models smoke: checks the script in seconds")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where both tools merge: cpu, or cuda (mergeval's merge.device, mergekit-yaml's --device)",
+    )
     parser.add_argument(
         "--no-compare",
         action="store_true",

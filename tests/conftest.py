@@ -60,6 +60,10 @@ SLOW_MODULES = (
     "test_faults.py",
     "test_store_postgres.py",
     "test_concurrency.py",
+    # mergekit's own command lines (mergekit-yaml, mergekit-multi) beside whole runs: the full suite's
+    "test_mergekit_multi.py",
+    "test_tokenizer_source.py",
+    "test_slices.py",
 )
 
 

@@ -92,29 +92,14 @@ def _merge_tokens(
 ) -> Path:
     """The merge with the vocabularies aligned by token (tokenizer_source), written to ``<job dir>/merged_model``
     with its tokenizer: it cannot stream into a model of the base's vocabulary."""
-    from mergeval.merge import merge_to_disk
-    from mergeval.merge.card import merge_config
+    from mergeval.run.merging import write_merge
 
-    inputs = [{"role": m.role, "source": m.source, "path": m.path, "fingerprint": m.weights} for m in models]
     target = out_dir / "merged_model"
     if target.exists():
         import shutil
 
         shutil.rmtree(target)  # a rerun of this job's configuration (resume): the merge is made again
-    return merge_to_disk(
-        method,
-        method_cfg,
-        base_dir,
-        expert_dirs,
-        target,
-        cfg.seed,
-        cfg.vocab_policy,
-        card={"config": merge_config(cfg), "inputs": inputs},
-        progress=True,
-        out_dtype=cfg.out_dtype,
-        tokenizer_source=cfg.tokenizer_source,
-        device=merge_device(cfg),
-    )
+    return write_merge(cfg, method, method_cfg, base_dir, expert_dirs, models, target)
 
 
 def run(cfg: DictConfig, out_dir: Path) -> Outcome:

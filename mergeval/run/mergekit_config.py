@@ -59,6 +59,15 @@ import yaml
 from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
+OWN = (
+    "nearswap",
+    "nuslerp",
+    "multislerp",
+    "karcher",
+    "ram",
+    "ramplus_tl",
+    "arcee_fusion",
+)  # mergekit's own methods: one mode, mergekit's
 METHODS = (
     "linear",
     "task_arithmetic",
@@ -72,23 +81,8 @@ METHODS = (
     "slerp",
     "model_stock",
     "sce",
-    "nearswap",
-    "nuslerp",
-    "multislerp",
-    "karcher",
-    "ram",
-    "ramplus_tl",
-    "arcee_fusion",
+    *OWN,
 )
-OWN = (
-    "nearswap",
-    "nuslerp",
-    "multislerp",
-    "karcher",
-    "ram",
-    "ramplus_tl",
-    "arcee_fusion",
-)  # mergekit's own methods: one mode, mergekit's
 SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", *OWN)
 BASE_AS_MODEL = ("linear", "nuslerp", "multislerp")  # without base_model, the first model is the base and merged
 SHARED = (

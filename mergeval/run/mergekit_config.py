@@ -120,17 +120,6 @@ UNSUPPORTED_TOP = {
 # ---------------------------------------------------------------- in
 
 
-def load(path: str | Path) -> dict:
-    docs = load_all(path)
-    if len(docs) > 1:
-        raise UserError(
-            "mergekit",
-            f"'{path}' holds {len(docs)} configurations (a mergekit-multi file)",
-            "give it to python -m mergeval or python -m mergeval.merge, which run its stages",
-        )
-    return docs[0]
-
-
 def load_all(path: str | Path) -> list[dict]:
     """The configurations of a mergekit YAML file: one, or a mergekit-multi file's several (its documents)."""
     file = Path(path).expanduser()
@@ -549,16 +538,10 @@ def _expert_names(refs: list[tuple[str, str]]) -> dict[str, dict]:
 _NOTED: set[str] = set()
 
 
-def apply(cfg) -> None:
-    """Replace ``cfg.method`` and ``cfg.modelset`` in place by the file named in ``cfg.mergekit`` (if any): one
-    configuration (a mergekit-multi file with several: mergekit_multi.apply)."""
-    path = cfg.get("mergekit")
-    if path:
-        apply_doc(cfg, load(path))
-
-
 def apply_doc(cfg, doc: dict, where: str = "mergekit", names: dict[str, str] | None = None) -> None:
-    """``apply`` for one configuration; ``names``: model path -> the modelset name its expert gets."""
+    """Replace ``cfg.method`` and ``cfg.modelset`` in place by one configuration of a mergekit file
+    (``mergekit_multi.apply`` reads the file and runs its earlier stages); ``names``: model path -> the
+    modelset name its expert gets."""
     from omegaconf import OmegaConf, open_dict
 
     from mergeval.methods import get_method

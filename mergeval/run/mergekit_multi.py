@@ -30,7 +30,7 @@ KEY_FORMAT = "mergekit-stage-1"  # raise when what a stage's key covers changes:
 
 
 def apply(cfg: DictConfig) -> None:
-    """``mergekit_config.apply`` for a file of one configuration or several: the stages the final one needs are
+    """``cfg.mergekit``'s file, of one configuration or several, applied to ``cfg``: the stages the final one needs are
     merged (or reused from the cache) first, then the final one replaces ``cfg.method`` and ``cfg.modelset``,
     its models the stages' directories."""
     from mergeval.run.mergekit_config import apply_doc, load_all

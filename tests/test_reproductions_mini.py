@@ -12,19 +12,20 @@ spec's setup plus the ``verdicts:`` record (``verify --record``) of that run::
       mini:
         experiment: cmm_mini
         reduced:
-          overrides: [benchmark.n_items=20, ...]   # what makes it small: fewer items, shorter expert training
+          overrides: [benchmark.n_items=60, ...]   # what makes it small: fewer items, methods (none: the whole mini)
           tags: [mini]                              # the claims it checks
-          verdicts: ci                              # the record it must reproduce
+          verdicts: ci                              # the record it must reproduce (the mini's own for a whole mini)
           # or one record per precision the run computes in (mergeval/core/precision.py: bfloat16 where the CPU
           # runs it natively, else float32), since the two give different experts and scores:
           # verdicts: {bfloat16: ci, float32: ci_float32}
 
-Every reduced setup trains its experts with ``modelset.train.steps=8
-modelset.train.batch_size=8`` (64 items, a third of the full 12 x 16), so
-setups that use the same domains share them: the xdist workers share the
-experts' cache (conftest.py) and the reduced runs share one results store, so
-a base or expert evaluated for one paper on the same items is reused by the
-next. Setups whose experiments use the same modelset run one after another in
+Every reduced setup trains its experts as its mini does (12 x 16; the
+medical parents 30 x 16): an expert trained less than that leaves a
+precondition, and with it the central finding, undecided. Setups that use the
+same domains share them: the xdist workers share the experts' cache
+(conftest.py) and the reduced runs share one results store, so a base or
+expert evaluated for one paper on the same items is reused by the next
+(MergeBench's reduced run asks for CMM's 100 items per task for that reason). Setups whose experiments use the same modelset run one after another in
 one test class (the second reuses all the first built and evaluated); each
 class is a unit of work of its own under ``--dist loadscope``, so the groups
 run on both workers: the largest group first, the others after the other slow

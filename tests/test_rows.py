@@ -160,6 +160,27 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(
         assert in_memory[n].dtype == whole[n].dtype and torch.equal(in_memory[n], whole[n]), n
 
 
+@pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
+@pytest.mark.parametrize("name", ["dare_ties", "dare_linear"])
+def test_dare_row_blocks_merged_in_any_order_draw_their_own_entries(name, compiled, monkeypatch):
+    """No draw depends on another: blocks of odd sizes merged last first give the whole tensor's merge."""
+    g = torch.Generator().manual_seed(0)
+    shape = (700, 301)
+    base = torch.randn(shape, generator=g)
+    experts = [base + 0.1 * torch.randn(shape, generator=g) for _ in range(3)]
+    method = get_method(name)
+    cfg = method.config(density=0.4, per_expert=[{}, {"density": 1.0}, {"density": 0.7}])
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+    gen = fused.CompiledDraws(5, "model.layers.0.mlp.up_proj.weight")
+    whole = method.merge(base, experts, cfg, gen)
+    merger = method.rows(cfg, len(experts), base.numel(), gen)
+    merger.prepare(None)  # nothing to prepare: it reads no block
+    out = torch.empty_like(base)
+    for r0, r1 in reversed(execute.row_spans(shape, 3001)):
+        out[r0:r1] = merger.merge(r0 * shape[1], base[r0:r1], [e[r0:r1] for e in experts])
+    assert torch.equal(out.view(torch.int32), whole.view(torch.int32))
+
+
 @pytest.mark.parametrize("n_experts", [5, 6, 9])
 @pytest.mark.parametrize("weights_before_election", [False, True])
 def test_the_election_of_an_entry_does_not_depend_on_where_it_is(n_experts, weights_before_election):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32's rotation constants, round r uses R[r mod 8]
-PARITY = 0x1BD11BDA  # the key schedule's constant (Threefish's C240)
+PARITY = 0x1BD11BDA  # the key schedule's parity constant (the third key word is it xor k0 xor k1)
 ROUNDS = 20
 MASK = 0xFFFFFFFF
 # entries per step of the torch definition: its int64 temporaries (four of them) stay a few MiB on the CPU;

@@ -84,7 +84,7 @@ def keep_mask(k0, k1, start, threshold, out):
 
 @jit
 def uniforms(k0, k1, start, out):
-    """out[j] = (x0 of entry start + j >> 8) * 2^-24 (float32, exact)."""
+    """out[j] = ((x0 of entry start + j) >> 8) * 2^-24 (float32, exact)."""
     k0, k1 = U32(k0), U32(k1)
     first = np.uint64(start)
     scale = np.float32(2.0**-24)

@@ -23,6 +23,7 @@ bounded by the largest tensor, it stays flat.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -82,12 +83,16 @@ def llama_specs(layers: int, hidden: int, intermediate: int, vocab: int, heads: 
     return config, dict(sorted(shapes.items()))
 
 
+def tensor_seed(seed: int, name: str) -> int:
+    """63-bit generator seed = the first 8 bytes (little-endian) of sha256("<seed>:<name>")."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 def write_checkpoint(out: Path, config, shapes: dict, dtype: torch.dtype, expert: int | None) -> None:
     """Random base weights (seeded per tensor name); an expert adds 1% noise from its own seed.
 
     Written one tensor at a time with mergeval's streaming writer, in 256 MB shards
     (so the reader's index path is exercised for the larger sizes)."""
-    from mergeval.merge import tensor_seed
     from mergeval.merge.writer import ShardWriter
 
     out.mkdir(parents=True)

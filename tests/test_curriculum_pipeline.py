@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from mergeval.core.errors import UserError
 from mergeval.methods import get_method
 from mergeval.methods.curriculum import CmmConfig, merge_order, schedule
+from mergeval.methods.draws import Draws
 from mergeval.methods.pipeline import PipelineConfig, StageConfig
 from mergeval.methods.task_vector import TaskArithmeticConfig, TiesConfig
 from mergeval.run.ranking import near_ties, score_stderr
 
-GEN = torch.Generator().manual_seed(0)
+GEN = Draws(0, "w")
 cmm = get_method("cmm")
 pipeline = get_method("pipeline")
 ta = get_method("task_arithmetic")
@@ -168,7 +169,7 @@ def test_random_stages_are_deterministic():
     cfg = PipelineConfig(
         stages=[stage("d", "base", ["a", "b"], name="dare_ties", density=0.5)], expert_names=["a", "b"]
     )
-    out = [pipeline.merge(base, experts, cfg, torch.Generator().manual_seed(7)) for _ in range(2)]
+    out = [pipeline.merge(base, experts, cfg, Draws(7, "w")) for _ in range(2)]
     assert torch.equal(out[0], out[1])
 
 

@@ -18,6 +18,7 @@ from mergeval.core.errors import UserError
 from mergeval.merge.expert_statistics import calibration_items, check_calibration, data_digest, statistics_dir
 from mergeval.methods import METHODS
 from mergeval.methods.data_aware import fisher_merge, regmean_linear, shrink
+from mergeval.methods.draws import Draws
 from mergeval.methods.masks import tall_masks, top_mask
 from tests.test_engine import make_expert, read_dir
 
@@ -107,7 +108,7 @@ def test_tall_and_consensus_masks_by_hand():
     assert [m.int().tolist() for m in masks] == [[1, 0, 1, 0], [1, 1, 1, 0], [0, 0, 1, 1]]
     assert tall_masks([e1, e2, e3], 0.5, strict=True)[2].int().tolist() == [0, 0, 0, 1]  # 0 > 0 is false
     cfg = METHODS["consensus_ta"].config(lambda_=0.5, k=2, tall_lambda=0.5)
-    out = METHODS["consensus_ta"].merge(base, [e1, e2, e3], cfg, torch.Generator())
+    out = METHODS["consensus_ta"].merge(base, [e1, e2, e3], cfg, Draws(0, "w"))
     assert out.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # votes (2,1,3,1): entries 0 and 2 kept, * 0.5
 
 
@@ -116,7 +117,7 @@ def test_tall_and_consensus_masks_by_hand():
 def test_consensus_with_one_expert_and_k1_is_task_arithmetic(shape, seed, lam):
     base, e = rand(shape, seed).float(), rand(shape, seed + 1).float()
     cfg = METHODS["consensus_ta"].config(lambda_=lam, k=1)
-    out = METHODS["consensus_ta"].merge(base, [e], cfg, torch.Generator())
+    out = METHODS["consensus_ta"].merge(base, [e], cfg, Draws(0, "w"))
     assert torch.allclose(out, base + lam * (e - base), atol=1e-6)
 
 
@@ -130,11 +131,11 @@ def test_localize_stitch_by_hand_and_at_full_density():
     e1, e2 = torch.tensor([4.0, -3.0, 0.5, 0.1]), torch.tensor([2.0, 0.1, 0.2, -6.0])
     assert top_mask(e1, 0.5).tolist() == [True, True, False, False]
     cfg = METHODS["localize_stitch"].config(sparsity=0.5, scope="tensor")
-    out = METHODS["localize_stitch"].merge(base, [e1, e2], cfg, torch.Generator())
+    out = METHODS["localize_stitch"].merge(base, [e1, e2], cfg, Draws(0, "w"))
     # masks (1,1,0,0) and (1,0,0,1): entry 0 overlaps -> mean (4+2)/2; entry 1 from e1; 2 none; 3 from e2
     assert out.tolist() == pytest.approx([3.0, -3.0, 0.0, -6.0])
     full = METHODS["localize_stitch"].merge(
-        base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(sparsity=1.0, scope="tensor"), torch.Generator()
+        base + 1, [e1 + 1, e2 + 1], METHODS["localize_stitch"].config(sparsity=1.0, scope="tensor"), Draws(0, "w")
     )
     assert torch.allclose(full, 1 + (e1 + e2) / 2)
 

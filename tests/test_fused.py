@@ -1,7 +1,7 @@
 """The compiled kernels (mergeval/methods/fused.py) give the torch code's bits.
 
-``keep_draws`` against ``torch.rand(n, generator=gen) < density`` (and the generator left where torch.rand
-leaves it); ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifiers it replaces (DARE's
+``keep`` and ``uniform`` (the counter-based draws) against the torch definition in ``draws.py``, at any
+offset, beyond 2^32 included; ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifiers it replaces (DARE's
 ``keep_only_`` and divide, TIES' ``zero_dropped_``), on values chosen to catch an order, rounding or
 sign-of-zero change: -0.0, subnormals, infinities, NaN, huge values, deltas that cancel, weights of 1 and
 not 1, bfloat16 inputs, up to eight experts. And what ``task_vector.sum_in_order`` relies on: torch's sum over
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.methods import fused, get_method
+from mergeval.methods import draws, fused, get_method
 from mergeval.methods.select import Threshold, keep_only_, zero_dropped_
 from mergeval.methods.sparsify import _combine
 from mergeval.methods.task_vector import TORCH_ROWS_IN_ORDER, sum_in_order
@@ -57,39 +57,60 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((equal | (a.isnan() & b.isnan())).all())
 
 
-# ---------------------------------------------------------------- DARE's draws
+# ---------------------------------------------------------------- the draws
 
-
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**63 - 1),
-    before=st.integers(0, 1500),
-    n=st.integers(0, 5000),
-    density=st.sampled_from([0.0, 1e-9, 0.1, 0.5, 0.6, 0.7, 0.9, 0.999999999, 1 - 2**-25]),
+STARTS = st.one_of(
+    st.integers(0, 10**7), st.integers(2**32 - 3000, 2**32 + 3000), st.integers(2**32, 2**44), st.just(2**63 - 5001)
 )
-def test_keep_draws_are_torch_rands_comparison_and_leave_the_generator_where_torch_does(seed, before, n, density):
-    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-    torch.rand(before, generator=ours), torch.rand(before, generator=theirs)  # any position in the state
-    got = fused.keep_draws(ours, n, density)
-    expected = (torch.rand(n, generator=theirs) < density).numpy()
-    assert np.array_equal(got, expected)
-    assert torch.equal(torch.rand(700, generator=ours), torch.rand(700, generator=theirs))
 
 
-@given(st.one_of(st.floats(0.0, 1.0), st.sampled_from([1e-9, 2**-25, 0.7, 0.1, 1 - 2**-25, 1.0])))
-def test_the_threshold_splits_torchs_uniforms_where_density_does(density):
-    t = fused.keep_threshold(density)
-    u = torch.tensor([m * 2.0**-24 for m in (t - 1, t) if 0 <= m < 2**24], dtype=torch.float32)
-    kept = (u < density).tolist()  # torch's own comparison
-    assert kept == [m < t for m in (t - 1, t) if 0 <= m < 2**24]
+@settings(max_examples=80, deadline=None)
+@given(
+    key=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+    start=STARTS,
+    n=st.integers(0, 5000),
+    density=st.sampled_from([0.0, 1e-9, 0.1, 0.5, 0.6, 0.7, 0.9, 0.999999999, 1 - 2**-25, 1.0]),
+)
+def test_the_compiled_draws_are_the_definitions(key, start, n, density):
+    """Bit for bit at any offset (not a multiple of anything, across the counter's high word, beyond 2^32)."""
+    assert torch.equal(fused.uniform(key, start, n), draws.uniform(key, start, n))
+    assert torch.equal(fused.keep(key, start, n, draws.keep_threshold(density)), draws.keep(key, start, n, density))
 
 
-def test_keep_draws_in_pieces_are_the_draws_in_one_call():
-    whole = fused.keep_draws(torch.Generator().manual_seed(7), 100_003, 0.37)
-    g = torch.Generator().manual_seed(7)
-    pieces = np.concatenate([fused.keep_draws(g, n, 0.37) for n in (1, 623, 624, 625, 4096, 100_003 - 5969)])
-    assert np.array_equal(whole, pieces)
-    assert 0.36 < whole.mean() < 0.38
+def test_the_compiled_draws_of_row_blocks_are_the_whole_tensors():
+    key = (0x13198A2E, 0x03707344)
+    start, sizes = 2**32 - 70_001, [1, 623, 624, 625, 4096, 262_144, 300_003]
+    whole = draws.keep(key, start, sum(sizes), 0.37)
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    pieces = torch.cat([fused.keep(key, start + o, n, draws.keep_threshold(0.37)) for o, n in zip(offsets, sizes)])
+    assert torch.equal(pieces, whole)
+    assert 0.36 < whole.double().mean() < 0.38
+
+
+def test_compiled_draws_take_the_kernels_for_large_cpu_draws_only(monkeypatch):
+    """fused.CompiledDraws (the engine's) gives the definition's bits by whichever path, and leaves small draws,
+    other devices and a thread that is ``off`` to the torch definition."""
+    called = []
+    for kernel in ("keep", "uniform"):
+        original = getattr(fused, kernel)
+        monkeypatch.setattr(fused, kernel, lambda *a, _k=kernel, _f=original: called.append(_k) or _f(*a))
+    gen, plain = fused.CompiledDraws(3, "w"), draws.Draws(3, "w")
+    shape = (fused.MIN_ENTRIES // 64 + 3, 64)  # MIN_ENTRIES and more: the kernels
+    for start in (0, 2**32 - 1000):
+        assert torch.equal(gen.uniform(1, shape, start), plain.uniform(1, shape, start))
+        assert torch.equal(gen.keep(1, shape, 0.4, start), plain.keep(1, shape, 0.4, start))
+    assert called == ["uniform", "keep"] * 2
+    called.clear()
+    assert torch.equal(gen.stream(2).keep(0, shape, 0.4), plain.stream(2).keep(0, shape, 0.4))
+    assert called == ["keep"] and type(gen.stream(2)) is fused.CompiledDraws
+    called.clear()
+    gen.uniform(1, (7, 5)), gen.keep(1, shape, 0.4, device="meta")
+    fused.off()
+    try:
+        gen.keep(1, shape, 0.4)
+    finally:
+        fused.off(False)
+    assert called == []
 
 
 # ---------------------------------------------------------------- one block

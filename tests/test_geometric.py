@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from mergeval.core.errors import UserError
 from mergeval.methods import get_method
+from mergeval.methods.draws import Draws
 
 NEARSWAP = get_method("nearswap")
 
 
 def nearswap(base: torch.Tensor, expert: torch.Tensor, t: float) -> torch.Tensor:
-    return NEARSWAP.merge(base, [expert], NEARSWAP.config(t=t), torch.Generator())
+    return NEARSWAP.merge(base, [expert], NEARSWAP.config(t=t), Draws(0, "w"))
 
 
 pairs = st.integers(1, 64).flatmap(
@@ -73,7 +74,7 @@ def merge(name: str, base: torch.Tensor, experts: list[torch.Tensor], **params) 
     method = get_method(name)
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator())
+    return method.merge(base, experts, cfg, Draws(0, "w"))
 
 
 @st.composite
@@ -293,5 +294,5 @@ def test_weights_summing_to_zero_without_normalising_are_allowed():
     nu = get_method("nuslerp")  # |w_1 + w_2| < 1e-6: t = 0.5, as mergekit
     b, x, y = torch.zeros(2), torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
     torch.testing.assert_close(
-        nu.merge(b, [x, y], nu.config(weights=[1.0, -1.0]), torch.Generator()), torch.tensor([2**-0.5, 2**-0.5])
+        nu.merge(b, [x, y], nu.config(weights=[1.0, -1.0]), Draws(0, "w")), torch.tensor([2**-0.5, 2**-0.5])
     )

@@ -81,8 +81,9 @@ def test_vllm_backend_serves_generation(tiny_dir, cache):
 
 
 # merge.device=cuda (mergeval/merge/execute.py's Device). The same bits as the CPU where every step is elementwise,
-# a selection (TIES' cut, DELLA's stable ranks) or a mask drawn from the CPU generator; paper mode (compat=mergekit
-# follows torch's unstable sort at tied magnitudes, whose order is the device's own)
+# a selection (TIES' cut, DELLA's stable ranks) or a random mask, which the GPU draws itself (methods/draws.py: a
+# function of each entry's index, the same bits on any device); paper mode (compat=mergekit follows torch's
+# unstable sort at tied magnitudes, whose order is the device's own)
 SAME_BITS = {
     "linear": {},
     "task_arithmetic": {"lambda_": 0.7},
@@ -107,6 +108,7 @@ def _gpu_inputs(tiny_dir, tmp_path):
 def test_a_gpu_merge_has_the_cpus_bits_for_elementwise_and_random_methods_and_rounding_for_reductions(
     tiny_dir, tmp_path
 ):
+    """The random methods (dare_*, della*) too: the GPU draws their masks itself, with the CPU's bits."""
     from mergeval.merge import merge_into_model, merge_to_disk
     from mergeval.merge.execute import Device
     from mergeval.methods import METHODS, get_method

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mergeval.core.errors import UserError
 from mergeval.methods import get_method
+from mergeval.methods.draws import Draws
 from mergeval.methods.hierarchical import (
     HierarchicalConfig,
     cosine_weight,
@@ -130,7 +131,7 @@ def test_layer_merge_formula_and_endpoints():
 def test_identical_experts_return_that_model():
     base = layer(tiny_llama(0).state_dict(), 0)
     expert = {n: t + 0.1 for n, t in base.items()}
-    out = method.merge_layer(base, [expert, dict(expert)], CFG, torch.Generator())
+    out = method.merge_layer(base, [expert, dict(expert)], CFG, Draws(0, "w"))
     for n in base:
         torch.testing.assert_close(out[n], expert[n])
 

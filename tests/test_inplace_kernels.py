@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mergeval.methods.select as select
+from mergeval.methods.draws import Draws
 from mergeval.methods.select import Threshold, exact, first_ties_drop, first_ties_mask, keep_only_, zero_dropped_
 from mergeval.methods.task_vector import disjoint_merge, sign_of_sum, weighted_sum
 
@@ -223,8 +224,8 @@ def test_cmm_in_place_gives_the_plain_updates_bits(models, update, lam, dtype, k
     method = get_method("cmm")
     cfg = method.config(update=update, lambda_=lam, order="given", start=0.3, end=0.6, schedule=kind)
     base, experts = models[0].to(dtype), [m.to(dtype) for m in models[1:]]
-    got = method.merge(base, [e.clone() for e in experts], cfg, torch.Generator())
-    expected = reference_cmm(base, experts, cfg, torch.Generator())
+    got = method.merge(base, [e.clone() for e in experts], cfg, Draws(0, "w"))
+    expected = reference_cmm(base, experts, cfg, Draws(0, "w"))
     assert torch.equal(
         got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
         expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

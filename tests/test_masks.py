@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mergeval.core.errors import UserError
 from mergeval.methods import get_method
+from mergeval.methods.draws import Draws
 from mergeval.methods.masks import fusion_importance
 
 RAM, RAMPLUS, FUSION = get_method("ram"), get_method("ramplus_tl"), get_method("arcee_fusion")
@@ -19,7 +20,7 @@ RAM, RAMPLUS, FUSION = get_method("ram"), get_method("ramplus_tl"), get_method("
 def merge(method, base: torch.Tensor, experts: list[torch.Tensor], **params) -> torch.Tensor:
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator())
+    return method.merge(base, experts, cfg, Draws(0, "w"))
 
 
 values = st.floats(-2, 2, width=32)

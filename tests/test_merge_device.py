@@ -1,7 +1,7 @@
 """merge.device: the executor's device path (execute.Device) tested on the CPU.
 
 A GPU merges each unit (or row block) with the methods' torch definitions on tensors moved there, one unit at a
-time, drawing from the same CPU generator. Here ``Device("cpu", torch_only=True)`` takes the CPU through that
+time; random methods draw there too (methods/draws.py: counter-based, the same bits on any device). Here ``Device("cpu", torch_only=True)`` takes the CPU through that
 same path (the moves, the lock, the compiled kernels off on the merging threads), and torch's ``meta`` device
 checks that no CPU tensor is mixed into a device computation; tests/test_gpu.py holds the CUDA checks.
 """
@@ -77,7 +77,7 @@ def test_the_torch_only_hook_really_leaves_the_kernels_out(tiny_dir, inputs, tmp
     if not fused.available():
         pytest.skip("numba does not run here: every path is the torch code")
     called = []
-    for kernel in ("merge_rows", "keep_draws", "placed_by_rank", "count_band"):
+    for kernel in ("merge_rows", "keep", "uniform", "placed_by_rank", "count_band"):
         original = getattr(fused, kernel)
         monkeypatch.setattr(fused, kernel, lambda *a, _k=kernel, _f=original, **kw: called.append(_k) or _f(*a, **kw))
     for name in ("ties", "dare_ties", "della"):
@@ -146,11 +146,27 @@ class MetaDevice(Device):
         return torch.zeros(t.shape, dtype=t.dtype)
 
 
-@pytest.mark.parametrize("name", ["linear", "task_arithmetic", "dare_linear", "dare_ties"])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("linear", {}),
+        ("task_arithmetic", {}),
+        ("dare_linear", CONFIGS["dare_linear"]),
+        ("dare_ties", CONFIGS["dare_ties"]),
+        ("della", CONFIGS["della"]),
+        ("della_linear", CONFIGS["della_linear"]),
+        ("dare_ties", {"density": 0.4, "compat": "mergekit", "rescale": "none"}),
+        ("della", {"density": 0.5, "compat": "mergekit", "rescale": "none"}),  # l1 reads values: not on meta
+    ],
+)
 @pytest.mark.parametrize("blocks", [False, True])
-def test_elementwise_and_random_methods_compute_wholly_on_the_device(name, blocks, tiny_dir, inputs, small_blocks):
+def test_elementwise_and_random_methods_compute_wholly_on_the_device(
+    name, params, blocks, tiny_dir, inputs, small_blocks
+):
+    """The random methods draw on the device (no mask drawn on the CPU and moved: a CPU tensor mixed into the
+    meta device's computation raises)."""
     method = get_method(name)
-    cfg = method.config(**CONFIGS.get(name, {}))
+    cfg = method.config(**params)
     base, experts = load_tensors(tiny_dir), [load_tensors(p) for p in inputs]
     device = MetaDevice()
     out = merge_tensors(method, cfg, base, experts, seed=0, progress=False, blocks=blocks, device=device)

@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from mergeval.core.errors import UserError
 from mergeval.merge import merge_tensors
 from mergeval.methods import get_method
+from mergeval.methods.draws import Draws
 from mergeval.methods.sparsify import della_keep_prob
 
 requires_mergekit = pytest.mark.skipif(
@@ -923,7 +924,7 @@ def sce(base, experts, **params):
     method = get_method("sce")
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator())
+    return method.merge(base, experts, cfg, Draws(0, "w"))
 
 
 @settings(max_examples=40, deadline=None)
@@ -943,7 +944,7 @@ def test_sce_below_uniform_below_weights_experts_equally(data, normalize):
 
 def ties_full(base, experts):
     method = get_method("ties")
-    return method.merge(base, experts, method.config(density=1.0), torch.Generator())
+    return method.merge(base, experts, method.config(density=1.0), Draws(0, "w"))
 
 
 @settings(max_examples=40, deadline=None)

@@ -15,6 +15,7 @@ import torch
 
 from mergeval.methods import METHODS
 from mergeval.methods.curriculum import schedule
+from mergeval.methods.draws import Draws
 from mergeval.methods.hierarchical import HierarchicalConfig, hierarchical_tensor
 from mergeval.methods.pipeline import PipelineConfig, StageConfig
 from mergeval.methods.sparsify import dare_drop, della_keep_prob, della_magprune
@@ -25,7 +26,7 @@ def merge(name: str, base, experts, seed: int = 0, **params):
     method = METHODS[name]
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator().manual_seed(seed))
+    return method.merge(base, experts, cfg, Draws(seed, "w"))
 
 
 def t(*xs: float) -> torch.Tensor:
@@ -85,11 +86,11 @@ def test_ties_with_an_expert_equal_to_the_base():
 
 def test_dare_keeps_each_entry_whole_or_drops_it_then_divides_by_density():
     delta = torch.linspace(-1.0, 1.0, 64)
-    out = dare_drop(delta, 0.25, "inverse_density", torch.Generator().manual_seed(3))
+    out = dare_drop(delta, 0.25, "inverse_density", Draws(3, "w"), 0)
     kept = out != 0
     assert 0 < int(kept.sum()) < 64
     torch.testing.assert_close(out[kept], delta[kept] * 4.0)
-    l1 = dare_drop(delta, 0.25, "l1", torch.Generator().manual_seed(3))
+    l1 = dare_drop(delta, 0.25, "l1", Draws(3, "w"), 0)
     assert torch.equal(l1 != 0, kept)  # the same draws
     assert l1.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-5)
 
@@ -103,7 +104,7 @@ def test_della_keep_probabilities_and_rescale_by_hand():
     # rows: each row ranked on its own
     rows = della_keep_prob(torch.tensor([[1.0, 2.0], [4.0, 3.0]]), 0.5, 0.1, "row")
     torch.testing.assert_close(rows, torch.tensor([[0.4, 0.6], [0.6, 0.4]]))
-    out = della_magprune(delta, 0.5, 0.2, "inverse_prob", torch.Generator().manual_seed(5))
+    out = della_magprune(delta, 0.5, 0.2, "inverse_prob", Draws(5, "w"), 0)
     p = t(0.7, 0.3, 0.5, 0.4, 0.6)
     kept = out != 0
     assert kept.any()
@@ -149,7 +150,7 @@ def test_model_stock_filter_wise_takes_one_angle_per_row():
 def test_hierarchical_non_layer_tensor_interpolates_from_the_anchor():
     # d_A = (1, 0), d_B = (1, 1): cos = 1/sqrt2 = w; merged = (1 - w) A + w B = (1, w)
     base, a, b = t(0.0, 0.0), t(1.0, 0.0), t(1.0, 1.0)
-    out = hierarchical_tensor(base, [a, b], HierarchicalConfig(align="none"), torch.Generator())
+    out = hierarchical_tensor(base, [a, b], HierarchicalConfig(align="none"), Draws(0, "w"))
     torch.testing.assert_close(out, t(1.0, 1 / math.sqrt(2)))
 
 
@@ -204,4 +205,4 @@ def test_a_pipeline_stage_merges_around_its_own_base():
     ]
     cfg = PipelineConfig(stages=stages, expert_names=["a", "c"])
     METHODS["pipeline"].validate(cfg, 2)
-    assert METHODS["pipeline"].merge(t(0.0), [t(2.0), t(4.0)], cfg, torch.Generator()).item() == pytest.approx(2.5)
+    assert METHODS["pipeline"].merge(t(0.0), [t(2.0), t(4.0)], cfg, Draws(0, "w")).item() == pytest.approx(2.5)

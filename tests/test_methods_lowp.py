@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergeval.methods import METHODS
+from mergeval.methods.draws import Draws
 from mergeval.methods.task_vector import kept_count, trim_to_density
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -58,7 +59,7 @@ def merge(name: str, base, experts, seed: int = 0, **params):
     method = METHODS[name]
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator().manual_seed(seed))
+    return method.merge(base, experts, cfg, Draws(seed, "w"))
 
 
 def ties_reference(

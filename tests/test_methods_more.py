@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mergeval.core.errors import UserError
 from mergeval.methods import METHODS, get_method
+from mergeval.methods.draws import Draws
 from mergeval.methods.sparsify import breadcrumbs_mask, dare_drop, della_keep_prob, della_magprune
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -33,7 +34,7 @@ def merge(name: str, base, experts, seed: int = 0, **params):
     method = METHODS[name]
     cfg = method.config(**params)
     method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, torch.Generator().manual_seed(seed))
+    return method.merge(base, experts, cfg, Draws(seed, "w"))
 
 
 # ---------------------------------------------------------------- shared invariants
@@ -136,7 +137,7 @@ def test_dare_keeps_density_and_is_unbiased(data, density, seed):
     _, (delta,) = data
     n = delta.numel()
     outs = torch.stack(
-        [dare_drop(delta, density, "inverse_density", torch.Generator().manual_seed(seed + i)) for i in range(SEEDS)]
+        [dare_drop(delta, density, "inverse_density", Draws(seed + i, "w"), 0) for i in range(SEEDS)]
     ).double()
     kept = (outs != 0).double().mean()
     assert abs(kept - density) <= 7 * math.sqrt(density * (1 - density) / (n * SEEDS))
@@ -151,7 +152,7 @@ def test_dare_keeps_density_and_is_unbiased(data, density, seed):
 @given(tensors(max_experts=1), st.floats(0.05, 0.95), st.integers(0, 2**31 - 1))
 def test_dare_l1_rescale_keeps_the_l1_norm(data, density, seed):
     _, (delta,) = data
-    out = dare_drop(delta, density, "l1", torch.Generator().manual_seed(seed))
+    out = dare_drop(delta, density, "l1", Draws(seed, "w"), 0)
     if (out != 0).any():
         assert torch.allclose(out.abs().sum(), delta.abs().sum(), rtol=1e-5)
         assert torch.equal(out != 0, (out / delta) > 0)  # kept entries keep their sign, others are 0
@@ -296,7 +297,7 @@ def test_della_ranks_are_a_stable_sorts_bit_for_bit(shape, levels, rank_scope, e
 )
 def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, levels, rank_scope, rescale, chunk, seed):
     # della_magprune in place and in fewer temporaries (sparsify.py) against its definition written out:
-    # m = [u < p] with u = torch.rand from the same generator, then m * d / p (or as is, or L1-matched); and
+    # m = [u < p] with u the draws' uniforms of expert 0, then m * d / p (or as is, or L1-matched); and
     # one-row keys numbered in chunks of any size (KEY_CHUNK, 1M columns, made small) give the same ranks
     from mergeval.methods import sparsify
     from mergeval.methods.task_vector import match_l1
@@ -306,7 +307,7 @@ def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, leve
     density, eps = 0.6, 0.3
     reference_p = della_keep_prob(delta, density, eps, rank_scope)
     kept = torch.where(
-        torch.rand(delta.shape, generator=torch.Generator().manual_seed(seed)) < reference_p,
+        Draws(seed, "w").uniform(0, delta.shape) < reference_p,
         delta,
         torch.zeros_like(delta),
     )
@@ -318,7 +319,7 @@ def test_magprune_is_its_formula_bit_for_bit_whatever_the_key_chunks(shape, leve
     try:
         sparsify.KEY_CHUNK = chunk
         assert torch.equal(della_keep_prob(delta, density, eps, rank_scope), reference_p)
-        got = della_magprune(delta, density, eps, rescale, torch.Generator().manual_seed(seed), rank_scope)
+        got = della_magprune(delta, density, eps, rescale, Draws(seed, "w"), 0, rank_scope)
     finally:
         sparsify.KEY_CHUNK = chunk_was
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # -0.0 and +0.0 told apart
@@ -333,10 +334,7 @@ def test_della_is_unbiased(data, density, seed):
     eps = 0.15
     p = della_keep_prob(delta, density, eps).double()
     outs = torch.stack(
-        [
-            della_magprune(delta, density, eps, "inverse_prob", torch.Generator().manual_seed(seed + i))
-            for i in range(SEEDS)
-        ]
+        [della_magprune(delta, density, eps, "inverse_prob", Draws(seed + i, "w"), 0) for i in range(SEEDS)]
     ).double()
     sd = delta.double().abs() * torch.sqrt((1 - p) / (p * SEEDS))
     assert ((outs.mean(0) - delta.double()).abs() <= 7 * sd + 1e-6).all()

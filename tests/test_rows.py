@@ -21,6 +21,7 @@ from mergeval.merge import reader as reader_module
 from mergeval.merge.memory import merge_into_model
 from mergeval.merge.reader import CheckpointReader
 from mergeval.methods import fused, get_method, select
+from mergeval.methods.draws import Draws
 from mergeval.methods.select import Threshold, first_k_mask
 from mergeval.methods.task_vector import disjoint_merge, kept_count, trim_to_density
 from mergeval.models.checkpoint import load_model, load_tensors
@@ -75,13 +76,6 @@ def test_the_sampled_threshold_counts_ties_per_chunk():
     assert select.tie_quotas(t.chunk_ties, 2 * 8192) == [
         min(max(0, 2 * 8192 - sum(t.chunk_ties[:i])), x) for i, x in enumerate(t.chunk_ties)
     ]
-
-
-def test_torch_draws_the_same_uniforms_in_pieces_as_in_one_call():
-    whole = torch.rand(100_003, generator=torch.Generator().manual_seed(3))
-    g = torch.Generator().manual_seed(3)
-    pieces = torch.cat([torch.rand(n, generator=g) for n in (1, 15, 17, 4096, 100_003 - 4129)])
-    assert torch.equal(whole, pieces)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +141,7 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(
     whole = merge_tensors(
         method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7, blocks=False
     )
-    # compiled: the blocks (and DARE's draws) through fused.py's kernels, held to the torch reference
+    # compiled: the blocks (and the draws) through fused.py's kernels, held to the torch reference
     monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
     out = merge_to_disk(method, cfg, tiny_dir, tied_experts, tmp_path / "out", seed=7)
     reader = CheckpointReader(out, "out")
@@ -155,7 +149,7 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(
     for n in whole:
         assert torch.equal(reader.get(n), whole[n]), n
         assert torch.equal(reader.get(n).signbit(), whole[n].signbit()), n  # zeros of the same sign too
-    assert method.rows(cfg, len(tied_experts), 10**6, torch.Generator()) is not None or name == "linear"
+    assert method.rows(cfg, len(tied_experts), 10**6, Draws(0, "w")) is not None or name == "linear"
     # a run's merge into the live model takes the same row blocks
     live = merge_into_model(load_model(tiny_dir), method, cfg, tiny_dir, tied_experts, seed=7).state_dict()
     for n in whole:
@@ -164,6 +158,27 @@ def test_row_blocks_equal_the_whole_tensor_merge_bit_for_bit(
     in_memory = merge_tensors(method, cfg, load_tensors(tiny_dir), [load_tensors(p) for p in tied_experts], seed=7)
     for n in whole:
         assert in_memory[n].dtype == whole[n].dtype and torch.equal(in_memory[n], whole[n]), n
+
+
+@pytest.mark.parametrize("compiled", [False, True] if fused.available() else [False])
+@pytest.mark.parametrize("name", ["dare_ties", "dare_linear"])
+def test_dare_row_blocks_merged_in_any_order_draw_their_own_entries(name, compiled, monkeypatch):
+    """No draw depends on another: blocks of odd sizes merged last first give the whole tensor's merge."""
+    g = torch.Generator().manual_seed(0)
+    shape = (700, 301)
+    base = torch.randn(shape, generator=g)
+    experts = [base + 0.1 * torch.randn(shape, generator=g) for _ in range(3)]
+    method = get_method(name)
+    cfg = method.config(density=0.4, per_expert=[{}, {"density": 1.0}, {"density": 0.7}])
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 if compiled else 1 << 62)
+    gen = fused.CompiledDraws(5, "model.layers.0.mlp.up_proj.weight")
+    whole = method.merge(base, experts, cfg, gen)
+    merger = method.rows(cfg, len(experts), base.numel(), gen)
+    merger.prepare(None)  # nothing to prepare: it reads no block
+    out = torch.empty_like(base)
+    for r0, r1 in reversed(execute.row_spans(shape, 3001)):
+        out[r0:r1] = merger.merge(r0 * shape[1], base[r0:r1], [e[r0:r1] for e in experts])
+    assert torch.equal(out.view(torch.int32), whole.view(torch.int32))
 
 
 @pytest.mark.parametrize("n_experts", [5, 6, 9])
@@ -237,7 +252,7 @@ def test_compat_row_blocks_of_strided_inputs_equal_their_whole_tensor_merge(name
     ]
     method = get_method(name)
     cfg = method.config(compat="mergekit", **params)
-    assert method.rows(cfg, 3, 589_824, g) is not None
+    assert method.rows(cfg, 3, 589_824, Draws(0, "w")) is not None
     whole = merge_tensors(method, cfg, base, experts, seed=0, progress=False, blocks=False)["w"]
     blocks = merge_tensors(method, cfg, base, experts, seed=0, progress=False)["w"]
     assert torch.equal(whole.contiguous().view(torch.int32), blocks.contiguous().view(torch.int32))
@@ -260,7 +275,7 @@ def test_compat_row_blocks_equal_the_whole_merge_for_any_number_of_experts(name,
     ]
     method = get_method(name)
     cfg = method.config(compat="mergekit", **params)
-    assert (method.rows(cfg, n_experts, 268_000, g) is None) == (n_experts > 4)
+    assert (method.rows(cfg, n_experts, 268_000, Draws(0, "w")) is None) == (n_experts > 4)
     whole = merge_tensors(method, cfg, base, experts, seed=0, progress=False, blocks=False)["w"]
     blocks = merge_tensors(method, cfg, base, experts, seed=0, progress=False)["w"]
     assert torch.equal(whole.view(torch.int32), blocks.view(torch.int32))

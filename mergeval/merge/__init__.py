@@ -14,7 +14,6 @@ memory.py     merge_tensors / merge_into_model / save_merged
 # The engine's entry points, loaded on first use: importing the package (as ``python -m mergeval.merge`` does
 # before its command module, or a test for one submodule) does not load torch and every engine module.
 _PUBLIC = {
-    "tensor_seed": "execute",
     "merge_into_model": "memory",
     "merge_tensors": "memory",
     "save_merged": "memory",

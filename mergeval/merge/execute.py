@@ -4,19 +4,19 @@ The executor is shared by the in-memory merge and the streaming merge, so both
 produce the same tensors bit for bit. At any time it holds one unit's inputs
 (the base's and each expert's tensors for one tensor or one layer) and outputs,
 which bounds memory by the largest unit times the number of inputs, whatever
-the model's size. Each unit gets its own random generator seeded from
-(run seed, unit key), so random methods are reproducible and independent of
-unit order.
+the model's size. Each unit gets its own draws keyed by (run seed, unit key)
+(methods/draws.py: counter-based, a pure function of the entry's index), so
+random methods are reproducible and independent of unit order, row blocks,
+threads and device.
 
 On another device (``merge.device=cuda``: ``Device``) each unit's inputs, or each row block's, are read on the
 CPU, moved to the device, merged there by the methods' torch definitions (the compiled kernels run on the CPU
-only) with the same CPU generator, and the result comes back to the CPU; one unit or block is on the device at
-a time, so its memory is bounded by the largest unit, not the model.
+only; the draws too are computed there, with the CPU's bits), and the result comes back to the CPU; one unit or
+block is on the device at a time, so its memory is bounded by the largest unit, not the model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import threading
@@ -52,17 +52,12 @@ def abandoned_units() -> bool:
     return any(t.name.startswith(THREAD_NAME) and t.is_alive() for t in threading.enumerate())
 
 
-def tensor_seed(seed: int, name: str) -> int:
-    """63-bit generator seed = the first 8 bytes (little-endian) of sha256("<seed>:<name>")."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
 class Device:
     """Where units are merged when not on the CPU (``merge.device``): each unit's inputs (or a row block's) are
     moved there one unit at a time (``lock``), merged, and the result moved back to the CPU.
 
-    Random methods draw from the unit's CPU generator as on the CPU and move their masks (methods/sparsify.py,
-    methods/rows.py), so the draws are the CPU's. ``torch_only``: the test hook that takes the CPU itself through
+    Random methods draw on the device itself: their draws are a function of each entry's index
+    (methods/draws.py), the same bits on any device. ``torch_only``: the test hook that takes the CPU itself through
     this path, with the compiled kernels off on the merging threads (``fused.off``): the torch definitions a GPU
     runs, on the CPU. ``peak``: the most input bytes moved to the device at once (one unit's)."""
 
@@ -218,7 +213,7 @@ def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: 
         if unit.kind == "tensor":
             numel = math.prod(base.shapes[unit.names[0]])
             if numel >= BLOCK_MIN:
-                method.rows(unit.cfg, n_experts, numel, torch.Generator())
+                method.rows(unit.cfg, n_experts, numel, fused.CompiledDraws(0, unit.key))
                 return
 
 
@@ -312,7 +307,7 @@ def _merge_unit(unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str,
     if unit.kind == "copy":  # integer buffers (e.g. position ids) are not merged
         (name,) = unit.names
         return {name: b[name].clone()}
-    gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
+    gen = fused.CompiledDraws(seed, unit.key)
     if unit.kind == "tensor":
         (name,) = unit.names
         out = {name: method.merge(b[name], [e[name] for e in es], unit.cfg, gen)}
@@ -440,7 +435,7 @@ def _blocks_of(
     small = numel < BLOCK_MIN and not fused.loaded(numel)  # smaller tensors take the kernels once loaded
     if name in rows or small or len(shape) == 0 or not base.dtypes[name].is_floating_point:
         return None
-    gen = torch.Generator().manual_seed(tensor_seed(seed, unit.key))
+    gen = fused.CompiledDraws(seed, unit.key)
     merger = method.rows(unit.cfg, len(experts), numel, gen)
     if merger is None:
         return None

@@ -39,7 +39,7 @@ def merge_tensors(
     blocks: bool = True,
     device=None,
 ) -> dict[str, torch.Tensor]:
-    """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, generator(seed, name)),
+    """merged[name] = method.merge(base[name], [e[name] for e in experts], unit cfg, Draws(seed, name)),
     or the layer's tensors from method.merge_layer for layer methods (see plan.py for units and rules).
 
     ``experts`` is a list or a mapping modelset name -> tensors; ``dirs`` (role -> checkpoint directory, "base"

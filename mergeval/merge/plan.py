@@ -116,7 +116,7 @@ def resolved_value(cfg: Any, key: str) -> Any:
 
 @dataclass(frozen=True)
 class Unit:
-    key: str  # the tensor's name, or the layer prefix; also the key of the unit's random generator
+    key: str  # the tensor's name, or the layer prefix; also the name that keys the unit's draws (methods/draws.py)
     names: tuple[str, ...]  # output tensors, in the order they are produced
     kind: str  # "tensor": method.merge; "layer": method.merge_layer; "copy": the base's tensor as is
     cfg: Any

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.select import top_k_mask
 
 MODES = ("paper", "mergekit")
@@ -169,11 +170,13 @@ def outliers(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
     return _keep(delta, torch.sort(delta.abs().reshape(-1)).indices[n_bot : n_bot + k])
 
 
-def bernoulli_keep(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor | None:
-    """Each entry kept with probability density: [u < density], one uniform per entry from gen, in order."""
+def bernoulli_keep(delta: torch.Tensor, density: float, gen: Draws, expert: int, start: int = 0) -> torch.Tensor | None:
+    """Each entry kept with probability density: [u < density], u the expert's uniform of the entry from gen
+    (mergekit's own draws are torch.bernoulli's, unseeded: the same distribution); ``start``: the flat index of
+    delta's first entry in its tensor (a row block's)."""
     if density >= 1:
         return None
-    return torch.rand(delta.shape, generator=gen, device=gen.device).to(delta.device) < density
+    return gen.keep(expert, delta.shape, density, start, delta.device)
 
 
 def where_mask(delta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -181,19 +184,19 @@ def where_mask(delta: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view_as(delta), delta, torch.zeros_like(delta))
 
 
-def bernoulli(delta: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    keep = bernoulli_keep(delta, density, gen)
+def bernoulli(delta: torch.Tensor, density: float, gen: Draws, expert: int) -> torch.Tensor:
+    keep = bernoulli_keep(delta, density, gen, expert)
     return delta if keep is None else where_mask(delta, keep)
 
 
-def magprune(delta: torch.Tensor, density: float, epsilon: float, gen: torch.Generator) -> torch.Tensor:
+def magprune(delta: torch.Tensor, density: float, epsilon: float, gen: Draws, expert: int) -> torch.Tensor:
     if density >= 1:
         return delta
     rows = delta if delta.dim() >= 2 else delta.unsqueeze(0)
     m = rows.shape[1]
     rank = torch.argsort(torch.argsort(rows.abs(), dim=1), dim=1).float()
     p = (density - epsilon) + 2 * epsilon * (rank / max(m - 1, 1))
-    u = torch.rand(rows.shape, generator=gen, device=gen.device).to(delta.device)
+    u = gen.uniform(expert, rows.shape, device=delta.device)
     return torch.where(u < p, rows, torch.zeros_like(rows)).reshape(delta.shape)
 
 

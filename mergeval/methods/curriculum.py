@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import Needs, register
 
 SCHEDULES = ("constant", "linear", "exponential")
@@ -136,7 +137,7 @@ def _validate(cfg: CmmConfig, n_experts: int) -> None:
 
 # version 2: ties at the trim cut kept by position (1: in torch.topk's order)
 @register("cmm", CmmConfig, _validate, version=2, needs=Needs(ranking=True))
-def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: torch.Generator) -> torch.Tensor:
+def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: Draws) -> torch.Tensor:
     """Curriculum merge: theta_0 = b; theta_k = (1 - c_k) theta_{k-1} + c_k e_pi(k) (interpolate),
     theta_{k-1} + c_k d_pi(k) (additive) or TIES(b; [theta_{k-1}, e_pi(k)], [1 - c_k, c_k]) (ties_step);
     result = b + lambda (theta_N - b)."""

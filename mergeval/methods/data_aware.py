@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import Needs, register_layer
 
 
@@ -94,7 +95,7 @@ def fisher_merge(experts: list[torch.Tensor], fishers: list[torch.Tensor], epsil
 
 @register_layer("fisher", FisherConfig, _validate_fisher, needs=Needs(statistics="fisher"))
 def merge_fisher(
-    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: FisherConfig, gen: torch.Generator
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: FisherConfig, gen: Draws
 ) -> dict[str, torch.Tensor]:
     """Fisher merging: ``theta = sum_i (F_i + eps) theta_i / sum_i (F_i + eps)`` per parameter entry.
 
@@ -151,7 +152,7 @@ def regmean_linear(weights: list[torch.Tensor], grams: list[torch.Tensor], alpha
 
 @register_layer("regmean", RegMeanConfig, _validate_regmean, needs=Needs(statistics="gram"))
 def merge_regmean(
-    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: RegMeanConfig, gen: torch.Generator
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: RegMeanConfig, gen: Draws
 ) -> dict[str, torch.Tensor]:
     """RegMean: per linear layer ``W = (sum_i G~_i)^-1 sum_i G~_i W_i`` (in ``x W^T`` form), else the average.
 

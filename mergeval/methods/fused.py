@@ -1,16 +1,15 @@
-"""Compiled fast paths (numba) for the row-block merges of TIES and DARE, DARE's draws and DELLA's ranks, bit for bit.
+"""Compiled fast paths (numba) for the row-block merges of TIES and DARE, the random draws and DELLA's ranks, bit for bit.
 
-The methods' definitions are the torch functions in ``task_vector.py``, ``sparsify.py`` and ``select.py``;
-this module computes the same bits in one pass per block instead of a dozen. Every torch operation there
+The methods' definitions are the torch functions in ``task_vector.py``, ``sparsify.py``, ``select.py`` and
+``draws.py``; this module computes the same bits in one pass per block instead of a dozen. Every torch operation there
 is a full pass over the block through memory, so a block's cost is its dozen passes, not its arithmetic.
 The kernel here reads each input entry once and keeps the rest in registers.
 
-* ``keep_draws(gen, n, density)``: DARE's keep mask ``torch.rand(n, generator=gen) < density``, drawn by
-  this module's Mersenne Twister from ``gen``'s own state, which it then advances exactly as torch.rand
-  would. torch's CPU generator is MT19937 and ``torch.rand`` makes each float32 from one 32-bit output,
-  ``(word & 0xFFFFFF) * 2^-24``, so ``u < d`` (compared in float32) is ``word & 0xFFFFFF < ceil(d32 * 2^24)``
-  with ``d32`` the density rounded to float32: the mask comes from the words in one pass, without the
-  float tensor and the comparison pass of ``torch.rand(n) < d``.
+* ``keep(key, start, n, threshold)`` and ``uniform(key, start, n)``: the counter-based draws of
+  ``draws.py`` (Threefry-2x32-20 of each entry's index under the tensor's and expert's key) in one pass in
+  uint32 arithmetic, which the compiler vectorizes across entries; the mask comes from the integers
+  (``draws.keep_threshold``) without the float tensor and the comparison pass. Held to the torch definition
+  bit for bit by tests/test_draws.py.
 * ``merge_rows(...)``: ``b + lambda * combine(s_1..s_N)`` for one block, where ``s_i`` is d_i = e_i - b
   kept by a DARE mask (then divided by its density) or by a TIES cut (|d_i| > tau_i, plus the first
   ``quota_i`` entries with |d_i| == tau_i), and combine is TIES' election and disjoint mean or sum
@@ -36,9 +35,10 @@ import threading
 import numpy as np
 import torch
 
+from mergeval.methods import draws
+
 MAX_EXPERTS = 16
 MIN_ENTRIES = 1 << 18  # the engine's BLOCK_MIN: the tensors merged in row blocks
-_MT_N = 624  # MT19937's state words (fused_kernels.py's too)
 _thread = threading.local()  # ``off``: this thread takes the torch code whatever the kernels' availability
 
 
@@ -92,7 +92,13 @@ def _kernels():
     from mergeval.methods import fused_kernels
 
     _load_registries()
-    return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.count_band, fused_kernels.place_by_rank
+    return (
+        fused_kernels.keep_mask,
+        fused_kernels.merge_rows,
+        fused_kernels.count_band,
+        fused_kernels.place_by_rank,
+        fused_kernels.uniforms,
+    )
 
 
 def _load_registries() -> None:
@@ -108,42 +114,39 @@ def _load_registries() -> None:
         pass
 
 
-# ---------------------------------------------------------------- DARE's draws
+# ---------------------------------------------------------------- the draws
 
 
-def _state_of(gen: torch.Generator) -> tuple[np.ndarray, np.ndarray, int]:
-    """(torch's serialized state, the 624 MT words, the position of the next word) of a CPU generator.
+class CompiledDraws(draws.Draws):
+    """``draws.Draws`` with its large draws on the CPU (``usable``) through the kernels below: the same bits
+    (tests/test_draws.py). What the engine hands the methods; the rest, and every draw on another device or on a
+    thread that is ``off``, by the torch definition."""
 
-    The serialized state (CPUGeneratorImplState) starts with the seed (u64), ``left`` (i32), ``seeded``
-    (i32), ``next`` (u64) and the 624 words, each stored as a u64; the next word is ``state[625 - left]``
-    (``left`` = 1 right after seeding: the first draw twists)."""
-    raw = gen.get_state().numpy().copy()
-    left = int(raw[8:12].view(np.int32)[0])
-    words = raw[24 : 24 + 8 * _MT_N].view(np.uint64).astype(np.uint32)
-    return raw, words, _MT_N + 1 - left
+    def uniform(self, expert, shape, start=0, device="cpu") -> torch.Tensor:
+        n = math.prod(shape)
+        if torch.device(device).type == "cpu" and usable(n):
+            return uniform(self.key(expert), start, n).view(shape)
+        return super().uniform(expert, shape, start, device)
 
-
-def _set_state(gen: torch.Generator, raw: np.ndarray, words: np.ndarray, pos: int) -> None:
-    raw[8:12].view(np.int32)[0] = _MT_N + 1 - pos
-    raw[16:24].view(np.uint64)[0] = pos
-    raw[24 : 24 + 8 * _MT_N].view(np.uint64)[:] = words
-    gen.set_state(torch.from_numpy(raw))
-
-
-def keep_threshold(density: float) -> int:
-    """T with [u < density] = [m < T] for torch's u = m * 2^-24 (m the word's low 24 bits), u compared in
-    float32: m * 2^-24 < d32 <=> m < d32 * 2^24 (exact in float64) <=> m < ceil(d32 * 2^24)."""
-    return math.ceil(float(np.float32(density)) * 2.0**24)
+    def keep(self, expert, shape, density, start=0, device="cpu") -> torch.Tensor:
+        n = math.prod(shape)
+        if torch.device(device).type == "cpu" and usable(n):
+            return keep(self.key(expert), start, n, draws.keep_threshold(density)).view(shape)
+        return super().keep(expert, shape, density, start, device)
 
 
-def keep_draws(gen: torch.Generator, n: int, density: float) -> np.ndarray:
-    """``(torch.rand(n, generator=gen) < density).numpy()``, bit for bit, and ``gen`` left where torch.rand
-    leaves it. Needs ``available()`` and a CPU generator."""
-    keep_mask = _kernels()[0]
-    raw, words, pos = _state_of(gen)
-    out = np.empty(n, dtype=np.bool_)
-    pos = keep_mask(words, pos, np.uint32(keep_threshold(density)), out)
-    _set_state(gen, raw, words, pos)
+def keep(key: tuple[int, int], start: int, n: int, threshold: int) -> torch.Tensor:
+    """``draws.keep(key, start, n, density)`` (bool, flat) with ``threshold = draws.keep_threshold(density)``, in one
+    compiled pass. Needs ``available()``."""
+    out = torch.empty(n, dtype=torch.bool)  # torch's allocator, as merge_rows' working arrays
+    _kernels()[0](key[0], key[1], start, threshold, out.numpy())
+    return out
+
+
+def uniform(key: tuple[int, int], start: int, n: int) -> torch.Tensor:
+    """``draws.uniform(key, start, n)`` (float32, flat), in one compiled pass. Needs ``available()``."""
+    out = torch.empty(n, dtype=torch.float32)
+    _kernels()[4](key[0], key[1], start, out.numpy())
     return out
 
 

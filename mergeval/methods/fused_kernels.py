@@ -1,6 +1,6 @@
 """The numba kernels behind ``fused.py`` (imported only where they run: numba's import costs about half a
 second). ``fused.py`` says what each computes and why; the definitions they reproduce bit for bit are the
-torch functions in ``task_vector.py``, ``sparsify.py`` and ``select.py``.
+torch functions in ``task_vector.py``, ``sparsify.py``, ``select.py`` and ``draws.py``.
 
 Defined at module level so numba's on-disk cache finds them again in the next process (a kernel defined
 inside a function that calls another kernel was compiled anew in every process: its cache key held the
@@ -19,47 +19,77 @@ SIGN_SAFE = np.float32(_SIGN_SAFE)  # beyond it every summation order has one si
 
 jit = njit(nogil=True, cache=True, error_model="numpy")
 
-_MT_N = 624  # MT19937's state words: the algorithm's constant (fused._state_of reads torch's state with it)
+# ---------------------------------------------------------------- the draws: Threefry-2x32-20 (methods/draws.py)
+
+U32 = np.uint32
+WORD = np.uint64(0xFFFFFFFF)
+# inlined into the loops that call them (numba's own inlining): called as functions, the loops are not vectorized
+inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
+
+
+@inline
+def _round(x0, x1, rot):
+    """One round: x0 += x1; x1 = rotl(x1, rot) ^ x0 (uint32 words)."""
+    x0 = U32(x0 + x1)
+    x1 = U32((x1 << rot) | (x1 >> (U32(32) - rot)))
+    return x0, x1 ^ x0
+
+
+@inline
+def _four_rounds(x0, x1, first):
+    """Rounds 4t .. 4t + 3, with the rotations R[0..3] (first) or R[4..7]."""
+    if first:
+        x0, x1 = _round(x0, x1, U32(13))
+        x0, x1 = _round(x0, x1, U32(15))
+        x0, x1 = _round(x0, x1, U32(26))
+        x0, x1 = _round(x0, x1, U32(6))
+    else:
+        x0, x1 = _round(x0, x1, U32(17))
+        x0, x1 = _round(x0, x1, U32(29))
+        x0, x1 = _round(x0, x1, U32(16))
+        x0, x1 = _round(x0, x1, U32(24))
+    return x0, x1
+
+
+@inline
+def first_word(k0, k1, index):
+    """x0 of Threefry-2x32-20 (key (k0, k1), counter (index mod 2^32, index >> 32)); x1 after the last round
+    is not needed, so its last key injection is left out."""
+    k2 = U32(U32(0x1BD11BDA) ^ k0 ^ k1)
+    x0 = U32(U32(index & WORD) + k0)
+    x1 = U32(U32(index >> np.uint64(32)) + k1)
+    x0, x1 = _four_rounds(x0, x1, True)
+    x0, x1 = U32(x0 + k1), U32(x1 + k2 + U32(1))
+    x0, x1 = _four_rounds(x0, x1, False)
+    x0, x1 = U32(x0 + k2), U32(x1 + k0 + U32(2))
+    x0, x1 = _four_rounds(x0, x1, True)
+    x0, x1 = U32(x0 + k0), U32(x1 + k1 + U32(3))
+    x0, x1 = _four_rounds(x0, x1, False)
+    x0, x1 = U32(x0 + k1), U32(x1 + k2 + U32(4))
+    x0, x1 = _four_rounds(x0, x1, True)
+    return U32(x0 + k2)
 
 
 @jit
-def twist(mt):
-    """MT19937's state transition (Matsumoto & Nishimura, 1998) over its 624 words, in place."""
-    upper, lower, a, one = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF), np.uint32(1)
-    for k in range(_MT_N - 397):
-        y = (mt[k] & upper) | (mt[k + 1] & lower)
-        mt[k] = mt[k + 397] ^ (y >> one) ^ ((np.uint32(0) - (y & one)) & a)
-    for k in range(_MT_N - 397, _MT_N - 1):
-        y = (mt[k] & upper) | (mt[k + 1] & lower)
-        mt[k] = mt[k + 397 - _MT_N] ^ (y >> one) ^ ((np.uint32(0) - (y & one)) & a)
-    y = (mt[_MT_N - 1] & upper) | (mt[0] & lower)
-    mt[_MT_N - 1] = mt[396] ^ (y >> one) ^ ((np.uint32(0) - (y & one)) & a)
+def keep_mask(k0, k1, start, threshold, out):
+    """out[j] = (x0 of entry start + j) >> 8 < threshold. One loop without a data-dependent branch, storing 0/1
+    bytes: the compiler vectorizes it."""
+    k0, k1, threshold = U32(k0), U32(k1), U32(threshold)
+    dst = out.view(np.uint8)
+    first = np.uint64(start)
+    for j in range(out.size):
+        m = first_word(k0, k1, first + np.uint64(j)) >> U32(8)
+        dst[j] = np.uint8(1) if m < threshold else np.uint8(0)
 
 
 @jit
-def keep_mask(mt, pos, threshold, out):
-    """out[j] = (the next tempered word & 0xFFFFFF) < threshold; returns the state's new position.
-
-    The inner loop runs over two slices and stores 0/1 bytes: the compiler then vectorizes it (indexing
-    ``mt[pos + q]`` and storing Python bools into ``out`` kept it scalar, at twice the time per entry)."""
-    j, n = 0, out.size
-    bytes_out = out.view(np.uint8)
-    while j < n:
-        if pos >= _MT_N:
-            twist(mt)
-            pos = 0
-        m = min(_MT_N - pos, n - j)
-        words, dst = mt[pos : pos + m], bytes_out[j : j + m]
-        for q in range(m):
-            y = words[q]
-            y ^= y >> np.uint32(11)
-            y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
-            y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
-            y ^= y >> np.uint32(18)
-            dst[q] = np.uint8(1) if (y & np.uint32(0xFFFFFF)) < threshold else np.uint8(0)
-        pos += m
-        j += m
-    return pos
+def uniforms(k0, k1, start, out):
+    """out[j] = ((x0 of entry start + j) >> 8) * 2^-24 (float32, exact)."""
+    k0, k1 = U32(k0), U32(k1)
+    first = np.uint64(start)
+    scale = np.float32(2.0**-24)
+    for j in range(out.size):
+        out[j] = np.float32(first_word(k0, k1, first + np.uint64(j)) >> U32(8)) * scale
 
 
 @jit

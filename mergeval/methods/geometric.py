@@ -23,6 +23,7 @@ import torch
 from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_weights
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import register
 from mergeval.methods.task_vector import _check_weights
 
@@ -163,7 +164,7 @@ def _validate_model_stock(cfg: ModelStockConfig, n_experts: int) -> None:
 
 
 @register("slerp", SlerpConfig, _validate_slerp)
-def slerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: SlerpConfig, gen: torch.Generator) -> torch.Tensor:
+def slerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: SlerpConfig, gen: Draws) -> torch.Tensor:
     """Spherical linear interpolation from the base (t=0) to the one expert (t=1), as mergekit.
 
     cos    = <b, e> / (|b| |e|),  theta = arccos(cos)      over the flattened tensors
@@ -210,9 +211,7 @@ def _rows(x: torch.Tensor, filter_wise: bool) -> torch.Tensor:
 
 
 @register("model_stock", ModelStockConfig, _validate_model_stock)
-def model_stock(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStockConfig, gen: torch.Generator
-) -> torch.Tensor:
+def model_stock(base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStockConfig, gen: Draws) -> torch.Tensor:
     """Model Stock (Jang et al., 2024), N >= 2 experts fine-tuned from the base.
 
     cos    = mean over pairs i < j of <d_i, d_j> / (|d_i| |d_j|), clamped to [0, 1]
@@ -266,9 +265,7 @@ def _model_stock_mergekit(base: torch.Tensor, experts: list[torch.Tensor], filte
 
 
 @register("nearswap", NearSwapConfig, _validate_nearswap)
-def nearswap(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: torch.Generator
-) -> torch.Tensor:
+def nearswap(base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: Draws) -> torch.Tensor:
     """NearSwap (mergekit's ``nearswap``): entry by entry, the base moves toward the one expert by at most ``t``.
 
         w      = clamp(t / max(|e - b|, 1e-6), 0, 1)
@@ -327,7 +324,7 @@ def nuslerp_pair(
 
 
 @register("nuslerp", NuSlerpConfig, _validate_nuslerp)
-def nuslerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: NuSlerpConfig, gen: torch.Generator) -> torch.Tensor:
+def nuslerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: NuSlerpConfig, gen: Draws) -> torch.Tensor:
     """NuSLERP (mergekit's ``nuslerp``): spherical interpolation of two models with weights w_1, w_2.
 
         t      = w_2 / (w_1 + w_2)         (0.5 when |w_1 + w_2| < 1e-6)
@@ -371,9 +368,7 @@ def multislerp_rows(points: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
 
 
 @register("multislerp", MultiSlerpConfig, _validate_multislerp)
-def multislerp(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpConfig, gen: torch.Generator
-) -> torch.Tensor:
+def multislerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpConfig, gen: Draws) -> torch.Tensor:
     """Multi-SLERP (mergekit's ``multislerp``): spherical interpolation of any number of models.
 
         x_i    = d_i (include_base=false) or the models b, e_1, ..., e_N (include_base=true)
@@ -452,7 +447,7 @@ def karcher_mean(points: list[torch.Tensor], max_iter: int, tol: float) -> torch
 
 
 @register("karcher", KarcherConfig, _validate_karcher)
-def karcher(base: torch.Tensor, experts: list[torch.Tensor], cfg: KarcherConfig, gen: torch.Generator) -> torch.Tensor:
+def karcher(base: torch.Tensor, experts: list[torch.Tensor], cfg: KarcherConfig, gen: Draws) -> torch.Tensor:
     """Karcher mean (mergekit's ``karcher``): the Riemannian mean of the models' directions on the unit sphere,
     scaled by their mean norm, all models weighted equally.
 

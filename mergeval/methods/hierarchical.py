@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import Needs, register_layer
 
 LAYER = re.compile(r"^(.*\.layers\.\d+\.)")
@@ -87,7 +88,7 @@ def _lerp(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
 
 
 def hierarchical_tensor(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: HierarchicalConfig, gen: torch.Generator
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: HierarchicalConfig, gen: Draws
 ) -> torch.Tensor:
     """A tensor outside the layers: theta = (1 - w) A + w B with w from this tensor's own task vectors."""
     a, b = experts
@@ -160,7 +161,7 @@ def permute_heads(
 
 @register_layer("hierarchical", HierarchicalConfig, _validate, merge=hierarchical_tensor, needs=Needs(head_counts=True))
 def hierarchical(
-    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: HierarchicalConfig, gen: torch.Generator
+    base: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], cfg: HierarchicalConfig, gen: Draws
 ) -> dict[str, torch.Tensor]:
     """One layer: align B's heads to A's, w_l from the layer's task vectors, theta_l = (1 - w_l) A_l + w_l B'_l."""
     a, b = experts

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mergeval.core.errors import UserError
 from mergeval.methods import compat
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import Needs, register, register_layer
 from mergeval.methods.select import kth_smallest
 from mergeval.methods.task_vector import sum_in_order
@@ -100,9 +101,7 @@ def tall_masks(
 
 
 @register("consensus_ta", ConsensusConfig, _validate_consensus)
-def merge_consensus(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: ConsensusConfig, gen: torch.Generator
-) -> torch.Tensor:
+def merge_consensus(base: torch.Tensor, experts: list[torch.Tensor], cfg: ConsensusConfig, gen: Draws) -> torch.Tensor:
     """Consensus TA: ``b + lambda * (sum_t m_t >= k) * tau_MTL``.
 
     TALL mask of task t (the paper's definition): ``m_t = 1{|tau_t| >= lambda_t
@@ -131,7 +130,7 @@ def top_mask(delta: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 @register("localize_stitch", LocalizeStitchConfig, _validate_stitch, needs=Needs(magnitude_cuts=True))
 def merge_localize_stitch(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: LocalizeStitchConfig, gen: torch.Generator
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: LocalizeStitchConfig, gen: Draws
 ) -> torch.Tensor:
     """Localize-and-Stitch, data-free: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t``.
 
@@ -217,7 +216,7 @@ def merge_localize_stitch_trained(
     base: dict[str, torch.Tensor],
     experts: list[dict[str, torch.Tensor]],
     cfg: LocalizeStitchTrainedConfig,
-    gen: torch.Generator,
+    gen: Draws,
 ) -> dict[str, torch.Tensor]:
     """Localize-and-Stitch, data-driven: ``b + sum_t (m_t / max(1, sum_j m_j)) * tau_t`` with trained masks.
 
@@ -339,7 +338,7 @@ def ram_sum(b: torch.Tensor, z: torch.Tensor, c: torch.Tensor, boost: torch.Tens
 
 
 @register("ram", RamConfig, _validate_ram)
-def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: torch.Generator) -> torch.Tensor:
+def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: Draws) -> torch.Tensor:
     """RAM (mergekit's ``ram``): each entry takes the mean change of the experts that changed it.
 
         a_t    = [|tau_t| > epsilon]                  the entries expert t changed
@@ -356,9 +355,7 @@ def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: to
 
 
 @register("ramplus_tl", RamPlusConfig, _validate_ramplus)
-def ramplus_tl(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig, gen: torch.Generator
-) -> torch.Tensor:
+def ramplus_tl(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig, gen: Draws) -> torch.Tensor:
     """RAM+, tensor-local (mergekit's ``ramplus_tl``): RAM, with the entries only expert t changed scaled by
     lambda_t >= 1, more for an expert that shares more of its changes with others.
 
@@ -402,9 +399,7 @@ def upper_fence(x: torch.Tensor) -> torch.Tensor:
 
 
 @register("arcee_fusion", ArceeFusionConfig, _validate_arcee_fusion)
-def arcee_fusion(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig, gen: torch.Generator
-) -> torch.Tensor:
+def arcee_fusion(base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig, gen: Draws) -> torch.Tensor:
     """Arcee Fusion (mergekit's ``arcee_fusion``): the base takes the one expert's entries whose importance is
     an upper outlier of the tensor's, and keeps its own elsewhere.
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import register
 
 
@@ -34,9 +35,7 @@ def _validate(cfg: PassthroughConfig, n_experts: int) -> None:
 
 
 @register("passthrough", PassthroughConfig, _validate)
-def passthrough(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: PassthroughConfig, gen: torch.Generator
-) -> torch.Tensor:
+def passthrough(base: torch.Tensor, experts: list[torch.Tensor], cfg: PassthroughConfig, gen: Draws) -> torch.Tensor:
     """Passthrough (mergekit's ``passthrough``): ``merged = s * b``, the one input tensor ``b`` unchanged when
     ``scale`` s = 1 (the default; returned as is, bit for bit), else multiplied by s in float32 and cast back to
     b's dtype, as mergekit multiplies by its optional per-input ``scale``. Used with ``modelset.slices``: each

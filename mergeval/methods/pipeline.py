@@ -14,8 +14,8 @@ the base or an input of the next, e.g. first recover instruction following
 Per tensor, stage s computes ``out_s = method_s(value(base_s), [value(x) for x in inputs_s])``
 and the last stage's output is the merge. Every stage is a per-tensor method,
 so a pipeline streams like any other merge. Stage s draws its random numbers
-from its own generator, seeded from the tensor's generator in stage order, so
-a pipeline is deterministic. Stages whose method needs a whole layer at a time
+from its own stream of the tensor's draws (``Draws.stream(s)``), so a pipeline
+is deterministic and its stages' draws are independent of each other. Stages whose method needs a whole layer at a time
 or a validation evaluation (CMM without given scores) are rejected up front.
 """
 
@@ -31,6 +31,7 @@ import torch
 # omegaconf (slow to import) is imported only where a stage's method is typed: the engine and the methods
 # load without it (a merge called from Python, merge_throughput.py's child); Hydra's commands import it anyway.
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import METHODS, Needs, get_method, register
 
 
@@ -134,19 +135,15 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
             )
 
 
-@register(
-    "pipeline", PipelineConfig, _validate, version=2, needs=Needs(expert_names=True)
-)  # 2: its steps' TIES sums in order
-def pipeline(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig, gen: torch.Generator
-) -> torch.Tensor:
+# version 3: a stage's draws are the tensor's counter-based stream s (draws.py); 2: its steps' TIES sums in order
+@register("pipeline", PipelineConfig, _validate, version=3, needs=Needs(expert_names=True))
+def pipeline(base: torch.Tensor, experts: list[torch.Tensor], cfg: PipelineConfig, gen: Draws) -> torch.Tensor:
     """out_s = method_s(value(base_s), [value(x) for x in inputs_s]) for each stage s; returns the last out_s."""
     names = cfg.expert_names if cfg.expert_names is not None else [f"expert{i}" for i in range(len(experts))]
     values = {"base": base, **dict(zip(names, experts))}
     out = base
     for i, stage in enumerate(cfg.stages):
         method, method_cfg = stage_method(stage, i)
-        stage_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
-        out = method.merge(values[stage.base], [values[x] for x in stage.inputs], method_cfg, stage_gen)
+        out = method.merge(values[stage.base], [values[x] for x in stage.inputs], method_cfg, gen.stream(i))
         values[stage.name] = out
     return out

@@ -3,10 +3,10 @@
 Two kinds of method:
 
 * **per tensor** (``@register(name, Config, validate)`` on ``merge``):
-  ``merge(base, experts, cfg, generator) -> tensor`` sees one tensor of the base
+  ``merge(base, experts, cfg, gen) -> tensor`` sees one tensor of the base
   and the same tensor of each expert. The engine calls it once per tensor.
 * **layer at a time** (``@register_layer(name, Config, validate)`` on ``merge_layer``):
-  ``merge_layer(base, experts, cfg, generator) -> dict`` where ``base`` is
+  ``merge_layer(base, experts, cfg, gen) -> dict`` where ``base`` is
   ``{tensor name: tensor}`` for every tensor of one decoder layer (the names
   under ``model.layers.<i>.``, full names), ``experts`` is the same dict for
   each expert, and the result must hold exactly the same names and shapes.
@@ -15,6 +15,11 @@ Two kinds of method:
   norm, lm_head) go through the method's per-tensor ``merge`` when one is given
   (``register_layer(..., merge=fn)``); otherwise, the documented fallback,
   ``merge_layer`` is called with a one-tensor group ``{name: tensor}``.
+
+``gen`` is the unit's ``draws.Draws``: a random method draws expert i's uniform of an entry with
+``gen.uniform(i, shape, start, device)`` (or its mask ``gen.keep(i, shape, density, start, device)``), a pure
+function of (run seed, unit key, i, the entry's flat index), so its output does not depend on the device, the
+row blocks or the order of the draws. Methods that draw nothing ignore it.
 
 Every method config also gets ``rules`` (per-tensor parameters; see
 ``RULES_DOC`` below), and every config with ``weights`` gets ``per_expert``
@@ -38,11 +43,10 @@ from typing import Any
 import torch
 
 from mergeval.core.errors import UserError
+from mergeval.methods.draws import Draws
 
-MergeFn = Callable[[torch.Tensor, list[torch.Tensor], Any, torch.Generator], torch.Tensor]
-LayerMergeFn = Callable[
-    [dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, torch.Generator], dict[str, torch.Tensor]
-]
+MergeFn = Callable[[torch.Tensor, list[torch.Tensor], Any, Draws], torch.Tensor]
+LayerMergeFn = Callable[[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], Any, Draws], dict[str, torch.Tensor]]
 ValidateFn = Callable[[Any, int], None]
 
 RULES_DOC = """\
@@ -95,7 +99,7 @@ class MergeMethod:
     validate: ValidateFn  # the method's own checks, then every rule's values
     doc: str
     merge_layer: LayerMergeFn | None = None  # set for methods that need a whole layer at a time
-    # (cfg, n_experts, numel, gen) -> a row-chunked merge of one tensor (methods/rows.py), or None where the
+    # (cfg, n_experts, numel, gen: Draws) -> a row-chunked merge of one tensor (methods/rows.py), or None where the
     # config needs the whole tensor at once; the engine then streams large tensors in row blocks
     rows: Callable[..., Any] | None = None
     # implementation version: raised whenever the method's output for the same inputs, config and seed

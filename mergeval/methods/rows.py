@@ -13,17 +13,17 @@ block's output equals the same rows of the method's whole-tensor result.
   the cut are kept by position (trim_to_density), so each block then knows how
   many of its own tied entries to keep, and every later step (trim, election,
   disjoint mean, cast) is elementwise.
-* DARE draws one uniform per entry per expert, expert after expert, from the
-  tensor's generator. ``DareRows.prepare`` makes those draws in the same order,
-  block by block (torch's CPU generator gives the same numbers in pieces as in
-  one call: tests/test_rows.py), and keeps each expert's keep mask (one byte per
-  entry, a quarter of the uniforms); the blocks are then merged independently.
+* DARE draws one uniform per entry per expert, a function of the entry's index
+  in the whole tensor (``draws.py``): each block draws its own keep masks at its
+  offset when it is merged, so ``DareRows`` prepares nothing and its blocks are
+  merged independently, in any order, on any thread.
 
 * compat=mergekit (``GtaRows``: ties, dare_ties, dare_linear, task_arithmetic; up to 4 experts).
   mergekit's TIES keeps the entries tied at the cut in the order of torch's
   unstable sort of the whole tensor, and its DARE rescales by whole-tensor L1
   norms, so ``prepare`` takes each expert's whole d_i in turn to make its keep
-  mask (one byte per entry) and L1 factor exactly as the whole-tensor code does;
+  mask (one byte per entry) and L1 factor as the whole-tensor code does (DARE
+  without the L1 rescale needs neither: each block draws its own masks);
   every later step (compat.gta: the weights, the election, the sums over experts
   per entry) is elementwise. Peak memory is then one expert's whole-tensor rule
   (its d_i, |d_i| and argsort) instead of every input's float32 copies at once.
@@ -33,19 +33,19 @@ whole-tensor result (paper mode with rescale=l1: whole-tensor norms).
 
 Where numba runs, each block's merge and DARE's draws go through the compiled
 kernels of ``fused.py`` (one pass per block instead of a dozen torch passes;
-the same bits, held to this torch code by tests/test_fused.py and test_rows.py);
-``fused_options`` says when they apply.
+the same bits, held to this torch code by tests/test_fused.py, test_rows.py and
+test_draws.py); ``fused_options`` says when they apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
-from mergeval.methods import compat, fused
+from mergeval.methods import compat, draws, fused
 from mergeval.methods.compat import expert_value, expert_weights
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import METHODS
 from mergeval.methods.select import Threshold, exact, keep_only_, tie_quotas, zero_dropped_
 from mergeval.methods.sparsify import _combine, _rescale, mergekit_gta_options
@@ -132,48 +132,37 @@ class TiesRows:
 
 
 class DareRows:
-    """DARE (dare_ties, dare_linear; paper mode, rescale inverse_density or none): ``prepare`` draws the
-    keep masks in the whole-tensor order, ``merge`` is ``_combine`` on a block with those masks."""
+    """DARE (dare_ties, dare_linear; paper mode, rescale inverse_density or none): ``merge`` is ``_combine`` on a
+    block with dare_drop's keep masks of that block's entries (``gen.keep`` at the block's offset)."""
 
-    def __init__(self, cfg, n_experts: int, numel: int, gen: torch.Generator, elect: bool):
-        self.cfg, self.n, self.gen, self.elect = cfg, numel, gen, elect
+    def __init__(self, cfg, n_experts: int, numel: int, gen: Draws, elect: bool):
+        self.cfg, self.gen, self.elect = cfg, gen, elect
         self.density = [expert_value(cfg, "density", i) for i in range(n_experts)]
-        self.masks: list[torch.Tensor | None] = [None] * n_experts
         self.rescale = _rescale(cfg)
         self.checks_inputs = kernel_applies(cfg, numel, n_experts, elect)  # see fused_options
 
     def prepare(self, blocks) -> None:
-        """Expert after expert, block after block: dare_drop's keep mask [u < density_i] from its draws in its
-        order (compared by NumPy, as torch compares: in float32, with the density rounded to float32)."""
-        for i, density in enumerate(self.density):
-            if density >= 1.0:  # dare_drop draws nothing for this expert
-                continue
-            if fused.usable(self.n) and self.gen.device.type == "cpu":  # the same draws in one compiled pass
-                self.masks[i] = torch.from_numpy(fused.keep_draws(self.gen, self.n, density))
-                continue
-            mask = np.empty(self.n, dtype=np.bool_)
-            start = 0
-            for n in blocks.numels():
-                np.less(torch.rand(n, generator=self.gen).numpy(), np.float32(density), out=mask[start : start + n])
-                start += n
-            self.masks[i] = torch.from_numpy(mask)
+        """Nothing: a block's draws depend on its entries' indices only, not on the blocks drawn before it."""
 
     def _sparsify(self, offset: int):
         def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
             """dare_drop's s_i, in d_i's own storage (zeroing the dropped entries is where(keep, d, 0))."""
-            if self.masks[i] is None:
+            density = self.density[i]
+            if density >= 1.0:  # dare_drop keeps d_i whole
                 return d
-            # the mask is drawn and kept on the CPU; on another device its block goes there (a no-op on the CPU)
-            keep_only_(d, self.masks[i][offset : offset + d.numel()].view_as(d).to(d.device))
-            return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
+            keep_only_(d, self.gen.keep(i, d.shape, density, start=offset, device=d.device))
+            return d if self.rescale == "none" else d.div_(density)  # kept / density
 
         return sparsify
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
         if (options := fused_options(self.cfg, base, self.checks_inputs, len(experts), self.elect)) is not None:
             n = base.numel()
-            masks = [None if m is None else m[offset : offset + n] for m in self.masks]
-            divisors = [0.0 if m is None or self.rescale == "none" else d for m, d in zip(self.masks, self.density)]
+            masks = [
+                None if d >= 1.0 else fused.keep(self.gen.key(i), offset, n, draws.keep_threshold(d))
+                for i, d in enumerate(self.density)
+            ]
+            divisors = [0.0 if d >= 1.0 or self.rescale == "none" else d for d in self.density]
             return fused.merge_rows(base, experts, masks=masks, divisors=divisors, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, self.elect, self._sparsify(offset))
 
@@ -212,32 +201,30 @@ def fused_options(cfg, base: torch.Tensor, kernel: bool, n_experts: int, elect: 
 
 class GtaRows:
     """compat.gta (compat=mergekit) in row blocks: ``prepare`` makes each expert's keep mask and L1 factor from
-    its whole d_i, expert after expert (the module docstring); ``merge`` is gta on a block with them."""
+    its whole d_i, expert after expert (the module docstring); ``merge`` is gta on a block with them. A mask that
+    depends on the entries' indices only (DARE's draws) without the L1 rescale is drawn by each block instead."""
 
-    def __init__(
-        self, cfg, n_experts: int, gen: torch.Generator, keep, apply, options: tuple, keep_reads_values: bool = True
-    ):
-        """``keep(d_i, i)``: expert i's mask over its whole d_i (flat bool, or None: d_i kept whole), drawn in
-        expert order as the whole-tensor code draws; ``apply(d, mask)``: how mergekit applies it; ``options``:
-        gta's (rescale, sign rule, normalize); ``keep_reads_values=False``: ``keep`` needs only d_i's shape
-        (DARE's draws), so without the L1 rescale no expert is read whole."""
+    def __init__(self, cfg, n_experts: int, keep, apply, options: tuple, by_index: bool = False):
+        """``keep(d, i, start)``: expert i's mask over d (bool of d's shape, or None: d kept whole), d its whole
+        d_i (start 0) as the whole-tensor code makes it; ``apply(d, mask)``: how mergekit applies it; ``options``:
+        gta's (rescale, sign rule, normalize). ``by_index``: ``keep`` reads only d's shape and ``start``, the flat
+        index of its first entry (DARE's draws), so without the L1 rescale each block's d_i gets its own mask in
+        ``merge`` and no expert is read whole."""
         self.cfg, self.keep, self.apply = cfg, keep, apply
         self.rescale, self.elect, self.normalize = options
-        self.whole_deltas = keep_reads_values or self.rescale
+        self.per_block = by_index and not self.rescale
         self.masks: list[torch.Tensor | None] = [None] * n_experts
         self.factors: list[torch.Tensor | None] = [None] * n_experts
 
     def prepare(self, blocks) -> None:
-        if self.keep is None:
+        if self.keep is None or self.per_block:
             return
         # the tensors as the whole-tensor merge gets them (``get``: an in-memory input keeps its layout, and a sum
         # over a transposed d_i adds in another order than over a contiguous copy)
-        b = blocks.base.get(blocks.name)
-        b = b.float() if self.whole_deltas else b
+        b = blocks.base.get(blocks.name).float()
         for i, expert in enumerate(blocks.experts):
-            # gta's d_i, whole; or, where only its shape counts, the base's tensor in its place
-            d = expert.get(blocks.name).float() - b if self.whole_deltas else b
-            keep = self.keep(d, i)
+            d = expert.get(blocks.name).float() - b  # gta's d_i, whole
+            keep = self.keep(d, i, 0)
             if keep is None:
                 continue
             self.masks[i] = keep.reshape(-1)
@@ -246,6 +233,9 @@ class GtaRows:
 
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
         def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
+            if self.per_block:
+                keep = self.keep(d, i, offset)
+                return d if keep is None else self.apply(d, keep)
             keep, factor = self.masks[i], self.factors[i]
             if keep is None:
                 return d
@@ -270,14 +260,13 @@ def _gta_rows(cfg, n_experts: int) -> bool:
     return compat.is_mergekit(cfg) and n_experts <= GTA_ROWS_MAX_EXPERTS
 
 
-def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows | GtaRows | None:
+def ties_rows(cfg, n_experts: int, numel: int, gen: Draws) -> TiesRows | GtaRows | None:
     """TIES in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
     if _gta_rows(cfg, n_experts):
         return GtaRows(
             cfg,
             n_experts,
-            gen,
-            lambda d, i: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
+            lambda d, i, start: compat.magnitude_keep(d, expert_value(cfg, "density", i)),
             compat.times_mask,
             mergekit_ties_options(cfg),
         )
@@ -285,17 +274,16 @@ def ties_rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> TiesRows
 
 
 def dare_rows(elect: bool):
-    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> DareRows | GtaRows | None:
+    def rows(cfg, n_experts: int, numel: int, gen: Draws) -> DareRows | GtaRows | None:
         """DARE in row blocks: paper mode without the L1 rescale, or compat=mergekit with up to 4 experts (else None)."""
         if _gta_rows(cfg, n_experts):
             return GtaRows(
                 cfg,
                 n_experts,
-                gen,
-                lambda d, i: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen),
+                lambda d, i, start: compat.bernoulli_keep(d, expert_value(cfg, "density", i), gen, i, start),
                 compat.where_mask,
                 mergekit_gta_options(cfg, elect),
-                keep_reads_values=False,
+                by_index=True,
             )
         return DareRows(cfg, n_experts, numel, gen, elect) if _chunkable(cfg) else None
 
@@ -307,7 +295,7 @@ class ElementwiseRows:
     function on that block, nothing to prepare. The whole tensor is never held (its float32 working copies
     were fresh allocations the size of the embeddings, which the kernel zeroes page by page)."""
 
-    def __init__(self, fn, cfg, gen: torch.Generator):
+    def __init__(self, fn, cfg, gen: Draws):
         self.fn, self.cfg, self.gen = fn, cfg, gen
 
     def prepare(self, blocks) -> None:
@@ -320,13 +308,13 @@ class ElementwiseRows:
 def elementwise_rows(name: str):
     fn = METHODS[name].merge
 
-    def rows(cfg, n_experts: int, numel: int, gen: torch.Generator) -> ElementwiseRows | GtaRows | None:
+    def rows(cfg, n_experts: int, numel: int, gen: Draws) -> ElementwiseRows | GtaRows | None:
         """The method in row blocks (compat=mergekit: task_arithmetic as gta with up to 4 experts; linear keeps the
         whole-tensor code)."""
         if not compat.is_mergekit(cfg):
             return ElementwiseRows(fn, cfg, gen)
         if name == "task_arithmetic" and _gta_rows(cfg, n_experts):
-            return GtaRows(cfg, n_experts, gen, None, None, (False, None, cfg.normalize))
+            return GtaRows(cfg, n_experts, None, None, (False, None, cfg.normalize))
         return None
 
     return rows

@@ -21,10 +21,10 @@ variants divide by sum_i w_i only with normalize=true. Each expert may have its
 own density, gamma and epsilon (``per_expert`` or rules with ``expert: i``).
 ``compat=mergekit`` gives mergekit 0.1.5's semantics (``compat.py``: kept
 counts floor(density n), its tie order and sign at zero, rescale l1 or none,
-rows along dim 1 for DELLA). Random methods draw all their randomness from the generator they are
-given, one uniform draw per entry per expert in expert order, so a seed fixes
-the output bit for bit; the expert order therefore changes which draws each
-expert gets (the output distribution does not depend on the order).
+rows along dim 1 for DELLA). Random methods draw all their randomness from the ``Draws`` they are
+given (``draws.py``): one uniform per entry per expert, u = U(seed, tensor, i, entry index), so a seed
+fixes the output bit for bit whatever the device or the row blocks; expert i draws from stream i, so the
+expert order changes which draws each expert gets (the output distribution does not depend on the order).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from mergeval.core.errors import UserError
 from mergeval.methods import compat, fused
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import register
 from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
 from mergeval.methods.task_vector import (
@@ -249,38 +250,25 @@ def _validate_sce(cfg: SceConfig, n_experts: int) -> None:
 # ---------------------------------------------------------------- sparsifiers (one task vector each)
 
 
-def _uniform(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """U[0, 1) per entry of ``like``, drawn from ``gen`` (on the generator's device, then moved)."""
-    return torch.rand(like.shape, generator=gen, device=gen.device).to(like.device)
-
-
 def _rescaled(delta: torch.Tensor, kept: torch.Tensor, rescale: str, keep_prob) -> torch.Tensor:
     if rescale == "l1":
         return match_l1(delta, kept)
     return kept if rescale == "none" else kept / keep_prob
 
 
-def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: torch.Generator) -> torch.Tensor:
+def dare_drop(delta: torch.Tensor, density: float, rescale: str, gen: Draws, expert: int) -> torch.Tensor:
     """DARE (Yu et al., 2024): keep each entry independently with probability density, then rescale.
 
-    m ~ Bernoulli(density) per entry (m = [u < density], u ~ U[0,1) from gen)
+    m ~ Bernoulli(density) per entry (m = [u < density], u = expert's uniform of the entry from gen)
     s = m * delta / density                     rescale="inverse_density" (the paper; E[s] = delta)
     s = m * delta * |delta|_1 / |m * delta|_1   rescale="l1" (mergekit)
     s = m * delta                               rescale="none" (mergekit's rescale=false)
-    density = 1 returns delta unchanged and draws nothing.
+    density = 1 returns delta unchanged.
     """
     if density >= 1.0:
         return delta
-    kept = torch.where(_keep_draws(delta, density, gen), delta, torch.zeros_like(delta))
+    kept = torch.where(gen.keep(expert, delta.shape, density, device=delta.device), delta, torch.zeros_like(delta))
     return _rescaled(delta, kept, rescale, density)
-
-
-def _keep_draws(like: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """[u < density] per entry of ``like``, u from ``_uniform``: by fused.keep_draws (the same draws, in one
-    compiled pass) for large tensors where it runs."""
-    if fused.usable(like.numel()) and gen.device.type == "cpu":
-        return torch.from_numpy(fused.keep_draws(gen, like.numel(), density)).view(like.shape).to(like.device)
-    return _uniform(like, gen) < density
 
 
 def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -367,18 +355,24 @@ def _placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor |
 
 
 def della_magprune(
-    delta: torch.Tensor, density: float, epsilon: float, rescale: str, gen: torch.Generator, rank_scope: str = "tensor"
+    delta: torch.Tensor,
+    density: float,
+    epsilon: float,
+    rescale: str,
+    gen: Draws,
+    expert: int,
+    rank_scope: str = "tensor",
 ) -> torch.Tensor:
     """DELLA's MAGPRUNE (Deep et al., 2024): magnitude-ranked random drop, then rescale.
 
     p = della_keep_prob(delta, rank_scope)      larger |delta| -> higher keep probability
-    m ~ Bernoulli(p) per entry (m = [u < p], u ~ U[0,1) from gen)
+    m ~ Bernoulli(p) per entry (m = [u < p], u = expert's uniform of the entry from gen)
     s = m * delta / p                           rescale="inverse_prob" (the paper; E[s] = delta)
     s = m * delta * |delta|_1 / |m * delta|_1   rescale="l1" (mergekit)
     s = m * delta                               rescale="none"
     """
     p = della_keep_prob(delta, density, epsilon, rank_scope)
-    dropped = _uniform(delta, gen) >= p  # not [u < p]: u and p are finite
+    dropped = gen.uniform(expert, delta.shape, device=delta.device) >= p  # not [u < p]: u and p are finite
     if rescale == "inverse_prob":  # delta / p where kept, +0.0 where dropped (as 0.0 / p): one temporary less
         return torch.div(delta, p).masked_fill_(dropped, 0.0)
     return _rescaled(delta, delta.masked_fill(dropped, 0.0), rescale, p)
@@ -387,7 +381,7 @@ def della_magprune(
 # ---------------------------------------------------------------- combining
 
 
-def _sparsifier(cfg, gen: torch.Generator) -> Callable[[torch.Tensor, int], torch.Tensor]:
+def _sparsifier(cfg, gen: Draws) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """Expert i's sparsifier ``(d_i, i) -> s_i`` in the config's mode (mergekit's leaves the rescale to gta)."""
     family, mk, rescale = _family(cfg), compat.is_mergekit(cfg), _rescale(cfg)
 
@@ -396,16 +390,16 @@ def _sparsifier(cfg, gen: torch.Generator) -> Callable[[torch.Tensor, int], torc
 
     if family == "dare":
         if mk:
-            return lambda d, i: compat.bernoulli(d, value("density", i), gen)
-        return lambda d, i: dare_drop(d, value("density", i), rescale, gen)
+            return lambda d, i: compat.bernoulli(d, value("density", i), gen, i)
+        return lambda d, i: dare_drop(d, value("density", i), rescale, gen, i)
     if family == "breadcrumbs":
         if mk:
             return lambda d, i: compat.outliers(d, value("density", i), value("gamma", i))
         return lambda d, i: _rescaled(d, breadcrumbs_mask(d, value("density", i), value("gamma", i)), rescale, 1.0)
     if mk:
-        return lambda d, i: compat.magprune(d, value("density", i), value("epsilon", i), gen)
+        return lambda d, i: compat.magprune(d, value("density", i), value("epsilon", i), gen, i)
     scope = compat.option(cfg, "rank_scope", "tensor", "row")
-    return lambda d, i: della_magprune(d, value("density", i), value("epsilon", i), rescale, gen, scope)
+    return lambda d, i: della_magprune(d, value("density", i), value("epsilon", i), rescale, gen, i, scope)
 
 
 MERGEKIT_NORMALIZE = {"ties": True, "della": True}  # mergekit's normalize default of each TIES variant (else false)
@@ -425,7 +419,7 @@ def _combine(
     base: torch.Tensor,
     experts: list[torch.Tensor],
     cfg,
-    gen: torch.Generator | None,
+    gen: Draws | None,
     elect: bool,
     sparsify: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -455,10 +449,9 @@ def _combine(
 # ---------------------------------------------------------------- methods
 
 
-@register("dare_linear", DareLinearConfig, _validate_dare)
-def dare_linear(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinearConfig, gen: torch.Generator
-) -> torch.Tensor:
+# version 2: counter-based draws (draws.py) instead of torch's CPU generator
+@register("dare_linear", DareLinearConfig, _validate_dare, version=2)
+def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinearConfig, gen: Draws) -> torch.Tensor:
     """DARE + task arithmetic (Yu et al., 2024).
 
     s_i    = dare_drop(d_i, density_i, rescale)   keep w.p. density_i; kept / density_i (or L1-matched, or as is)
@@ -468,11 +461,10 @@ def dare_linear(
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-# version 2: sums over 5+ experts in order (task_vector.sum_in_order)
-@register("dare_ties", DareTiesConfig, _validate_dare, version=2)
-def dare_ties(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig, gen: torch.Generator
-) -> torch.Tensor:
+# version 3: counter-based draws (draws.py) instead of torch's CPU generator; 2: sums over 5+ experts in order
+# (task_vector.sum_in_order)
+@register("dare_ties", DareTiesConfig, _validate_dare, version=3)
+def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig, gen: Draws) -> torch.Tensor:
     """DARE + TIES election (Yu et al., 2024): random drop instead of TIES' magnitude trim.
 
     s_i    = dare_drop(d_i, density_i, rescale)
@@ -485,9 +477,7 @@ def dare_ties(
 
 # version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
 @register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=3)
-def breadcrumbs(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig, gen: torch.Generator
-) -> torch.Tensor:
+def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig, gen: Draws) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
 
     s_i    = breadcrumbs_mask(d_i)   drop the floor(gamma*n) largest |d_i|, keep the next ceil(density*n)
@@ -502,7 +492,7 @@ def breadcrumbs(
 # (2: the trim cut's; 1: both in torch.topk's order)
 @register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4)
 def breadcrumbs_ties(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig, gen: torch.Generator
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig, gen: Draws
 ) -> torch.Tensor:
     """Model Breadcrumbs with TIES' election (mergekit's breadcrumbs_ties).
 
@@ -513,10 +503,9 @@ def breadcrumbs_ties(
     return _combine(base, experts, cfg, gen, elect=True)
 
 
-@register("della_linear", DellaLinearConfig, _validate_della)
-def della_linear(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLinearConfig, gen: torch.Generator
-) -> torch.Tensor:
+# version 2: counter-based draws (draws.py) instead of torch's CPU generator
+@register("della_linear", DellaLinearConfig, _validate_della, version=2)
+def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLinearConfig, gen: Draws) -> torch.Tensor:
     """DELLA's MAGPRUNE + task arithmetic (Deep et al., 2024; mergekit's della_linear).
 
     p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
@@ -527,9 +516,10 @@ def della_linear(
     return _combine(base, experts, cfg, gen, elect=False)
 
 
-# version 2: sums over 5+ experts in order (task_vector.sum_in_order)
-@register("della", DellaConfig, _validate_della, version=2)
-def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: torch.Generator) -> torch.Tensor:
+# version 3: counter-based draws (draws.py) instead of torch's CPU generator; 2: sums over 5+ experts in order
+# (task_vector.sum_in_order)
+@register("della", DellaConfig, _validate_della, version=3)
+def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: Draws) -> torch.Tensor:
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.
 
     p      = density - epsilon + 2 * epsilon * rank(|d_i|) / (n - 1)   per entry, within the tensor or row
@@ -541,7 +531,7 @@ def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen
 
 
 @register("sce", SceConfig, _validate_sce)
-def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: torch.Generator) -> torch.Tensor:
+def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: Draws) -> torch.Tensor:
     """SCE (FuseChat, Wan et al., 2024; mergekit's sce): Select, Calculate, Erase.
 
     Select:    M = the k = max(1, ceil(select_topk * n)) entries with the largest variance of

@@ -20,6 +20,7 @@ import torch
 from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
+from mergeval.methods.draws import Draws
 from mergeval.methods.registry import register
 from mergeval.methods.select import first_k_mask
 
@@ -109,7 +110,7 @@ def check_ties_options(cfg) -> None:
 
 
 @register("linear", LinearConfig, _validate_linear)
-def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, gen: torch.Generator) -> torch.Tensor:
+def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, gen: Draws) -> torch.Tensor:
     """Weighted average of the models (a model soup).
 
     merged = sum_i w_i * e_i / sum_i w_i          (normalize=true, the default)
@@ -126,7 +127,7 @@ def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, g
 
 @register("task_arithmetic", TaskArithmeticConfig, _validate_ta)
 def task_arithmetic(
-    base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskArithmeticConfig, gen: torch.Generator
+    base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskArithmeticConfig, gen: Draws
 ) -> torch.Tensor:
     """Task arithmetic (Ilharco et al., 2023).
 
@@ -183,7 +184,7 @@ def mergekit_ties_options(cfg) -> tuple[bool, str, bool]:
 # version 3: sums over 5+ experts in order (sum_in_order); 2: ties at the trim cut kept by position (1: in
 # torch.topk's order)
 @register("ties", TiesConfig, _validate_ties, version=3)
-def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: torch.Generator) -> torch.Tensor:
+def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: Draws) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
 
     t_i     = trim(d_i, density_i)                 keep the ceil(density_i n) largest |d_i| (ties by position)

@@ -9,6 +9,7 @@ result.json files written before mergeval reported other metrics hold
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MERGED = "merged"
@@ -47,7 +48,7 @@ class Outcome:
     # aggregates count it
     rows: dict[str, dict] = field(default_factory=dict)
     # task -> {num_fewshot, generates}: its part of the store key's settings (eval/settings.py, PerTask)
-    task_settings: dict[str, dict] = field(default_factory=dict)
+    task_settings: dict[str, Mapping] = field(default_factory=dict)
     # task -> model role -> {"ids", "values"}: each item's outcome in the reported metric, where the metric is
     # a mean over items (paired comparisons: metrics/paired.py)
     items: dict[str, dict[str, dict]] = field(default_factory=dict)

@@ -100,25 +100,26 @@ class TiesRows:
         for i, sel in select.items():
             found = sel.result()
             if found is None:  # the sampled bounds missed (no known input does this): one more pass, exactly
-                found, chunk_ties = self._exact(blocks, i)
+                found, chunk_ties = self._exact(blocks, i, sel.k)
             else:
                 chunk_ties = sel.chunk_ties
             tau, c_gt, _ = found
-            quotas = tie_quotas(chunk_ties, self.k[i] - c_gt) if tau != 0 else [0] * len(offsets)
+            quotas = tie_quotas(chunk_ties, sel.k - c_gt) if tau != 0 else [0] * len(offsets)
             self.cut[i] = (tau, dict(zip(offsets, quotas)))
 
-    def _exact(self, blocks, i: int):
+    def _exact(self, blocks, i: int, k: int):
         whole = torch.cat(
             [(experts[i].float() - base.float()).abs().reshape(-1) for _, base, experts in blocks.read_all()]
         )
-        tau, c_gt, c_eq = exact(whole, self.k[i])
+        tau, c_gt, c_eq = exact(whole, k)
         ties = [int((chunk == tau).sum()) for chunk in whole.split([n for n in blocks.numels()])]
         return (tau, c_gt, c_eq), ties
 
     def trim_(self, d: torch.Tensor, i: int, offset: int) -> torch.Tensor:
         """d_i trimmed in place: t_i = d_i where kept (trim_to_density's values), else 0."""
-        if self.cut[i] is not None:
-            tau, quotas = self.cut[i]
+        cut = self.cut[i]
+        if cut is not None:
+            tau, quotas = cut
             zero_dropped_(d, tau, quotas[offset])
         return d
 
@@ -161,10 +162,11 @@ class DareRows:
     def _sparsify(self, offset: int):
         def sparsify(d: torch.Tensor, i: int) -> torch.Tensor:
             """dare_drop's s_i, in d_i's own storage (zeroing the dropped entries is where(keep, d, 0))."""
-            if self.masks[i] is None:
+            mask = self.masks[i]
+            if mask is None:
                 return d
             # the mask is drawn and kept on the CPU; on another device its block goes there (a no-op on the CPU)
-            keep_only_(d, self.masks[i][offset : offset + d.numel()].view_as(d).to(d.device))
+            keep_only_(d, mask[offset : offset + d.numel()].view_as(d).to(d.device))
             return d if self.rescale == "none" else d.div_(self.density[i])  # kept / density
 
         return sparsify

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MERGED = "merged"
 OLD_METRIC = "acc,none"  # the only metric of result.json files from before per-task metrics
@@ -28,6 +29,11 @@ class ModelInfo:
     evaluated: str | None = None  # "this run", "reused from the results store" or "partly reused ..." (some tasks)
     merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
     weights: str | None = None  # models.fingerprint.fingerprint: the tensors alone (None for a merge not redone)
+
+    def directory(self) -> Path:
+        """The model's directory: every constituent has one, a merge once it is on disk."""
+        assert self.path is not None, f"{self.role} has no directory"
+        return Path(self.path)
 
 
 @dataclass

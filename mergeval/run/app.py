@@ -69,12 +69,6 @@ def check_job_dir(cfg: DictConfig, out_dir: Path) -> None:
         )
 
 
-def _dir(info: ModelInfo) -> Path:
-    """A model's directory: every constituent's, and a merge's once it is on disk."""
-    assert info.path is not None, f"{info.role} has no directory"
-    return Path(info.path)
-
-
 def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path]) -> None:
     """A run evaluates its merge in the base's architecture: vocab_policy=truncate fits it only when no expert has
     fewer vocabulary rows than the base (experts padded beyond the base: the shared rows are merged)."""
@@ -288,7 +282,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         if entries:
             if tokens:  # each model with its own tokenizer (resolve.evaluation_tokenizer; the merge its own)
                 tokenizer = load_tokenizer(
-                    _dir(info) if info.role == MERGED else evaluation_tokenizer(_dir(info), base_dir, tokens)
+                    info.directory()
+                    if info.role == MERGED
+                    else evaluation_tokenizer(info.directory(), base_dir, tokens)
                 )
             elif tokenizer is None:
                 tokenizer = load_tokenizer(base_dir)
@@ -303,7 +299,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                 assert merged_model is not None, "a merge evaluated here is one this run made"
                 model = merged_model.to(dtype)
             else:
-                model = load_model(_dir(info), None, dtype, label).to(dtype)
+                model = load_model(info.directory(), None, dtype, label).to(dtype)
             model = model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)
@@ -360,7 +356,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     if cfg.save_merged:  # the saved merge's model card gains the evaluation table
         from mergeval.merge.card import add_evaluation
 
-        add_evaluation(_dir(models[-1]) / "README.md", scores, [m.role for m in models])
+        add_evaluation(models[-1].directory() / "README.md", scores, [m.role for m in models])
     return Outcome(
         models,
         tasks,

@@ -64,6 +64,8 @@ SLOW_MODULES = (
     "test_mergekit_multi.py",
     "test_tokenizer_source.py",
     "test_slices.py",
+    # mypy over the whole package: about a minute on a fresh checkout (its cache makes a rerun take seconds)
+    "test_types.py",
 )
 
 

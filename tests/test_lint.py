@@ -1,5 +1,6 @@
 """ruff's lint rules (pyproject.toml [tool.ruff.lint]) hold on the whole code base, and its formatter has nothing
-to change: a finding fails the suite with ruff's own report (`ruff format` applies the formatting)."""
+to change: a finding fails the suite with ruff's own report (`ruff format` applies the formatting). The type
+checker (mypy) runs in tests/test_types.py, a slow module."""
 
 from __future__ import annotations
 

@@ -527,3 +527,27 @@ def test_a_search_that_cost_more_than_full_scoring_says_so():
             "s", "macro_gain", "ties", 4, ["t"], 16, 4, Scored({}, {}, value=1.0), cost=cost(fraction)
         )
         assert says in "\n".join(lines(outcome))
+
+
+def test_an_undefined_objective_is_one_line_not_a_crash():
+    """search.objective=normalized where no expert beats the base on its own task on the validation split: the
+    objective is undefined (None) for every recipe, and the default recipe's line crashed on it
+    (``signed(None)``: TypeError) after the constituents had been scored."""
+    from mergeval.core.outcome import MERGED, ModelInfo
+    from mergeval.search.trials import defined_objective, objective
+
+    def score(value):
+        return {"metric": "acc,none", "value": value, "stderr": 0.01, "n": 100}
+
+    models = [ModelInfo("base", "b", "f0"), ModelInfo("a", "a", "f1", task="t1"), ModelInfo("b", "b", "f2", task="t2")]
+    models.append(ModelInfo(MERGED, "m", "f3"))
+    constituents = {"t1": {"base": score(0.5), "a": score(0.4), "b": score(0.5)}, "t2": {"base": score(0.5)}}
+    constituents["t2"].update(a=score(0.5), b=score(0.5))
+    merged = {"t1": score(0.45), "t2": score(0.5)}
+    value, _ = objective("normalized", merged, constituents, models, "fraction")
+    assert value is None
+    with pytest.raises(UserError) as err:
+        defined_objective("normalized", value)
+    assert err.value.field == "search.objective" and "no expert beats the base" in err.value.problem
+    gain, _ = objective("macro_gain", merged, constituents, models, "fraction")
+    assert defined_objective("macro_gain", gain) == gain

@@ -408,6 +408,16 @@ def test_a_missing_name_is_located_at_the_formulas_key(tmp_path, capsys):
     assert code == 2 and "my_paper.yaml:tables.steps.derived.Mean.expr.with.s2: refers to row C," in err, err
 
 
+def test_a_derived_cell_at_a_blank_cell_is_one_line(tmp_path, capsys):
+    # derived columns and rows skip blank cells; a derived_cells entry at one was a traceback (AttributeError)
+    text = 'tables: {t: {columns: [a, s], rows: {r: "1.0 -"}, derived_cells: [{at: [r, s], expr: "a+a"}]}}\n'
+    code, _, err = verify(tmp_path, text, capsys=capsys)
+    assert code == 2 and err == (
+        f"mergeval: error: {tmp_path}/my_paper.yaml:tables.t.derived_cells[0].at: [r, s] is a blank cell; "
+        "derive a printed cell\n"
+    ), err
+
+
 def test_with_binds_a_fixed_cell_in_derived_and_derived_rows(tmp_path, capsys):
     text = """\
         tables:

@@ -348,10 +348,11 @@ def _yes(present: bool) -> str:
 def _size(size: int | None) -> str:
     if size is None:
         return "-"
+    amount = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
+        if amount < 1024 or unit == "GiB":
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
     return "-"
 
 

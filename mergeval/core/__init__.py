@@ -1,3 +1,4 @@
 """Foundations every layer shares: user errors, paths and atomic files, process ownership, run-time
-switches, the default precision, provenance and a run's outcome as plain data. Imports nothing else of mergeval.
+switches, the default precision, provenance, a run's outcome and a config node as plain data. Imports nothing
+else of mergeval.
 """

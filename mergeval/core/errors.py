@@ -101,7 +101,8 @@ def explain(ex: BaseException) -> str | None:
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
-    chain, cur = [], ex
+    chain: list[BaseException] = []
+    cur: BaseException | None = ex
     while cur is not None:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
@@ -147,9 +148,9 @@ def explain(ex: BaseException) -> str | None:
         return str(ex).splitlines()[0]
     # A submitit (Slurm) job that ended with mergeval's one-line error: submitit's report quotes its stderr.
     if type(ex).__name__ in ("UncompletedJobError", "FailedJobError"):
-        found = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
-        if found:
-            return found[-1]
+        reported = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)
+        if reported:
+            return reported[-1]
     shape = re.search(
         r"In '([^']+)': ValidationError.*?Invalid type assigned: (\w+) is not a subclass of (\w+)", str(ex), flags=re.S
     )

@@ -9,7 +9,9 @@ result.json files written before mergeval reported other metrics hold
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MERGED = "merged"
 OLD_METRIC = "acc,none"  # the only metric of result.json files from before per-task metrics
@@ -27,6 +29,11 @@ class ModelInfo:
     evaluated: str | None = None  # "this run", "reused from the results store" or "partly reused ..." (some tasks)
     merge: str | None = None  # merged model only: "this run" or "reused from the results store" (not redone)
     weights: str | None = None  # models.fingerprint.fingerprint: the tensors alone (None for a merge not redone)
+
+    def directory(self) -> Path:
+        """The model's directory: every constituent has one, a merge once it is on disk."""
+        assert self.path is not None, f"{self.role} has no directory"
+        return Path(self.path)
 
 
 @dataclass
@@ -47,7 +54,7 @@ class Outcome:
     # aggregates count it
     rows: dict[str, dict] = field(default_factory=dict)
     # task -> {num_fewshot, generates}: its part of the store key's settings (eval/settings.py, PerTask)
-    task_settings: dict[str, dict] = field(default_factory=dict)
+    task_settings: dict[str, Mapping] = field(default_factory=dict)
     # task -> model role -> {"ids", "values"}: each item's outcome in the reported metric, where the metric is
     # a mean over items (paired comparisons: metrics/paired.py)
     items: dict[str, dict[str, dict]] = field(default_factory=dict)

@@ -96,14 +96,14 @@ def one_builder(final: Path, what: str):
     except OSError:  # a read-only or full cache: no lock; the build's atomic_dir names the place if it fails
         handle = None
     with handle or nullcontext():
-        try:
-            if handle:
+        if handle:
+            try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"mergeval: waiting for another process building {what}", flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # no locks on this filesystem (some network mounts): build unlocked
-            pass
+            except BlockingIOError:
+                print(f"mergeval: waiting for another process building {what}", flush=True)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except OSError:  # no locks on this filesystem (some network mounts): build unlocked
+                pass
         yield not final.exists()
 
 
@@ -144,7 +144,7 @@ def check_creatable(final: Path) -> None:
 def remove_orphans(directory: Path) -> list[str]:
     """Remove the temporary files and directories in ``directory`` left by mergeval processes that were killed
     (SIGKILL, power loss) on this host; returns their names. Entries of live processes are never touched."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

@@ -117,7 +117,8 @@ def _cpu_info() -> tuple[str | None, set[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or None, set()
-    model, flags = None, set()
+    model: str | None = None
+    flags: set[str] = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()

@@ -140,7 +140,7 @@ def prompting(eval_cfg) -> dict:
 
 def _row_score(out: dict, name: str, metric: str, task_dict: dict) -> TaskScore:
     res = out["results"][name]
-    metrics = {}
+    metrics: dict[str, list] = {}
     for key, value in res.items():
         if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
             continue

@@ -66,7 +66,7 @@ def registry_examples(task_name: str, split: str, n: int, bench, eval_cfg, cache
             "never uses the items a model is scored on",
             f"set {field}.split=train",
         )
-    examples = []
+    examples: list[dict] = []
     for doc in task.training_docs() if split == "train" else task.validation_docs():
         if len(examples) == n:
             break

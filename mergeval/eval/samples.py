@@ -63,13 +63,15 @@ def read(path: str | Path | None) -> dict[str, list[dict]] | None:
 def read_tasks(paths: dict[str, str | None]) -> dict[str, list[dict]] | None:
     """task -> its samples, each task read from its own evaluation's file (``Store.samples_paths``);
     None when any task has none (stored without samples, or the file is gone)."""
-    out, files = {}, {}
+    out: dict[str, list[dict]] = {}
+    files: dict[str | None, dict[str, list[dict]] | None] = {}
     for task, path in paths.items():
         if path not in files:
             files[path] = read(path)
-        if files[path] is None or task not in files[path]:
+        samples = files[path]
+        if samples is None or task not in samples:
             return None
-        out[task] = files[path][task]
+        out[task] = samples[task]
     return out
 
 

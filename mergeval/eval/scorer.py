@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import cached_property
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,7 @@ class SharedPrefixLM(HFLM):
         for idx in by_task.values():
             for i, answer in zip(idx, super().loglikelihood([requests[i] for i in idx], disable_tqdm)):
                 results[i] = answer
-        return results
+        return cast(list[tuple[float, bool]], results)  # every request is in one task's batch
 
     @cached_property
     def _keeps_logits(self) -> bool:
@@ -102,9 +103,9 @@ class SharedPrefixLM(HFLM):
     ) -> list[tuple[float, bool]]:
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)  # context ids -> request indices
         too_long = []
-        for i, (_, ctx, _cont) in enumerate(requests):
-            groups[tuple(ctx)].append(i)
-        fitting = {}
+        for i, (_, context_ids, _cont) in enumerate(requests):
+            groups[tuple(context_ids)].append(i)
+        fitting: dict[tuple[int, ...], list[int]] = {}
         for ctx, idx in groups.items():
             if len(ctx) + sum(len(requests[i][2]) - 1 for i in idx) > self.max_length:
                 too_long.extend(idx)
@@ -125,7 +126,7 @@ class SharedPrefixLM(HFLM):
                 results[i] = answer
         for (request_str, _, _), answer in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request_str, answer)
-        return results
+        return cast(list[tuple[float, bool]], results)  # every request is fitting or too long
 
     def _score_rows(self, chunk: list[tuple[tuple[int, ...], list[int]]], requests: list[Request]):
         """(log-likelihood, is_greedy) for every request of the chunk's rows, in row then request order."""
@@ -165,7 +166,10 @@ class SharedPrefixLM(HFLM):
         # then the column of its own previous token. Only those positions get a float32 log-softmax (HFLM's
         # values: each position's log-softmax is computed on its own, so leaving out the others, padding
         # included, changes no bit; tests/test_scorer.py), not the [rows, kept columns, vocabulary] block.
-        at_row, at_col, targets, spans = [], [], [], []
+        at_row: list[int] = []
+        at_col: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[int, int]] = []
         for r, (_, idx) in enumerate(chunk):
             offset = 1  # kept column of this choice's first fed token
             for i in idx:

@@ -183,7 +183,7 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
     _check_data_keys(bench, manager)
     if bench.data:  # the overriding YAMLs shadow the registry's by name, so groups use them too
         manager = _manager(paths + [_write_overrides(bench, manager, cache)], others + list(bench.data), cache)
-    loaded = {"tasks": {}, "groups": {}, "group_map": {}, "members": {}}
+    loaded: dict[str, dict] = {"tasks": {}, "groups": {}, "group_map": {}, "members": {}}
     for entry in entries:
         _load_entry(manager, entry, bench, loaded, bool(eval_cfg.allow_code_execution))
     stray = [t for t in bench.data or {} if t not in loaded["tasks"]]
@@ -311,10 +311,11 @@ def _load_entry(manager, entry: str, bench, loaded: dict, allow_code: bool) -> N
 
 def _data_error(entry: str, bench, err: Exception) -> UserError:
     reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".strip().rstrip(":")[:300]
-    chain = []
-    while err is not None and len(chain) < 10:
-        chain.append(err)
-        err = err.__cause__ or err.__context__
+    chain: list[BaseException] = []
+    cause: BaseException | None = err
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
     if entry in (bench.data or {}):
         if isinstance(chain[0], KeyError):  # the task's process_docs / templates read a column the files lack
             return UserError(

@@ -41,7 +41,7 @@ def task_manager(include_path: list[str] | None, include_defaults: bool, cache: 
         module = None
     if cache is None or not include_defaults or getattr(module, "TaskIndex", None) is not TaskIndex:
         return TaskManager(include_path=include_path, include_defaults=include_defaults)
-    registry = Path(module.__file__).parent
+    registry, index_cache = Path(module.__file__).parent, cache  # index_cache: a Path (for the class below)
 
     class CachedIndex(TaskIndex):
         @staticmethod
@@ -49,7 +49,7 @@ def task_manager(include_path: list[str] | None, include_defaults: bool, cache: 
             index: dict = {}
             for root in paths:  # the same merge as TaskIndex.build: later directories shadow earlier names
                 if Path(root) == registry and resolve_includes:
-                    index.update(_registry_index(registry, cache))
+                    index.update(_registry_index(registry, index_cache))
                 else:
                     index.update(TaskIndex.build([root], resolve_includes=resolve_includes))
             return index

@@ -92,9 +92,9 @@ def add_evaluation(card_path, scores: dict[str, dict[str, dict]], roles: list[st
 def merge_config(cfg) -> dict:
     """The parts of a run config that determine a merge (for the card): method, modelset, seed, vocab_policy,
     tokenizer_source when set."""
-    from omegaconf import OmegaConf
+    from mergeval.core.plain import plain_dict
 
-    full = OmegaConf.to_container(cfg, resolve=True)
+    full = plain_dict(cfg, resolve=True)
     keys = ("method", "modelset", "seed", "vocab_policy") + (
         ("tokenizer_source",) if full.get("tokenizer_source") else ()
     )

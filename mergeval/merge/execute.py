@@ -134,7 +134,7 @@ def run_plan(
     blocks: bool = False,
     prepared: dict | None = None,
     device: Device | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
     """Yield (name, merged tensor) in plan order; ``base`` / ``experts`` are reader.py sources.
 
     WORKERS threads, each with one torch thread, read and merge units up to WINDOW ahead of the consumer (more
@@ -309,9 +309,11 @@ def _merge_unit(unit: Unit, method: MergeMethod, inputs, seed: int) -> dict[str,
         return {name: b[name].clone()}
     gen = fused.CompiledDraws(seed, unit.key)
     if unit.kind == "tensor":
+        assert method.merge is not None, "tensor units are of methods with a per-tensor merge (build_plan)"
         (name,) = unit.names
         out = {name: method.merge(b[name], [e[name] for e in es], unit.cfg, gen)}
     else:
+        assert method.merge_layer is not None, "layer units are of methods with a layer merge (build_plan)"
         out = method.merge_layer(b, es, unit.cfg, gen)
         _check_layer_output(method.name, unit, b, out)
     return {name: out.pop(name).to(b[name].dtype) for name in unit.names}

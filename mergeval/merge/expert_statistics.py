@@ -129,7 +129,7 @@ def calibration_items(cal, field: str, n_test: int, bench=None, eval_cfg=None, c
     check_calibration(cal, field, n_test)
     generated = _domain_and_task(cal.task, field)
     if generated is None:
-        if bench is None:
+        if bench is None or cache is None:  # an lm-eval task is loaded with the run's settings and cache
             raise UserError(
                 f"{field}.task",
                 f"{cal.task} is not a generated domain or task",
@@ -140,6 +140,7 @@ def calibration_items(cal, field: str, n_test: int, bench=None, eval_cfg=None, c
         return registry_examples(cal.task, cal.split, cal.n, bench, eval_cfg, cache, field)
     domain, name = generated
     if cal.split == "train":
+        assert domain is not None, "check_calibration refuses the train split of a task without a training domain"
         from mergeval.models.zoo.domains import split_items
         from mergeval.models.zoo.experts import EVAL_POOL
 
@@ -220,6 +221,7 @@ def compute(kind: str, model_dir: Path, items: list[dict], point: dict | None = 
     model = load_model(model_dir, dtype=torch.float32)
     examples = [_example(tokenizer, item) for item in items]
     if kind == "localize":
+        assert point is not None, "a localize statistic is taken at a point"
         return localize_gradient(model, Path(point["base_dir"]), point["cut"], point["sigmoid_bias"], examples)
     return fisher(model, examples) if kind == "fisher" else gram(model, examples)
 
@@ -382,7 +384,7 @@ def fill_statistics(cfg, method_name: str, kind: str, method_cfg, models, cache:
     import dataclasses
 
     details = {}
-    paths = []
+    paths: list[str] = []
     for info in models:
         if info.role == "base":
             continue

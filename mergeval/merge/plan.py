@@ -136,7 +136,7 @@ def build_plan(
 
     def unit(key: str, members: tuple[str, ...], kind: str) -> Unit:
         layer = layer_of(key + ".") if layer_t else None
-        t = layer_t[layer[1]] if layer else depth(key, n_layers, after)
+        t = layer_t[layer[1]] if layer_t and layer else depth(key, n_layers, after)
         resolved, source = resolve(cfg, key, t) if kind != "copy" else (cfg, {})
         return Unit(key, members, kind, resolved, t, tuple(sorted(source.items())))
 

@@ -166,7 +166,9 @@ class SlicedSource:
 
 
 def _renamed(name: str, layer: int) -> str:
-    prefix, _ = layer_of(name)
+    of = layer_of(name)
+    assert of is not None, "only a layer's tensors are renamed"
+    prefix = of[0]
     return f"{prefix.rsplit('.', 1)[0]}.{layer}{name[len(prefix) :]}"
 
 
@@ -177,9 +179,9 @@ def views(slices: list[list[Source]], sources: Mapping[str, Any]) -> tuple[list[
     by_layer: dict[str, dict[int, list[str]]] = {}
     for m, src in sources.items():
         for name in src.shapes:
-            layer = layer_of(name)
-            if layer is not None:
-                by_layer.setdefault(m, {}).setdefault(layer[1], []).append(name)
+            of = layer_of(name)
+            if of is not None:
+                by_layer.setdefault(m, {}).setdefault(of[1], []).append(name)
     layers = output_layers(slices)
     positions = []
     for p in range(len(slices[0])):

@@ -91,7 +91,9 @@ def merge_to_disk(
         tokenizer_role, out_vocab = f"tokenizer_source={tokenizer_source}", vocab.size
     card = card or {}
     config = card.get("config") or {
-        "method": dataclasses.asdict(method_cfg) if dataclasses.is_dataclass(method_cfg) else dict(method_cfg),
+        "method": dataclasses.asdict(method_cfg)
+        if dataclasses.is_dataclass(method_cfg) and not isinstance(method_cfg, type)
+        else dict(method_cfg),
         "seed": seed,
         "vocab_policy": vocab_policy,
         **({"tokenizer_source": tokenizer_source} if tokenizer_source else {}),

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def _token_ids(tokenizer, rows: int) -> dict[str, int]:
     return {tok: i for tok, i in tokenizer.get_vocab().items() if i < rows}
 
 
-def _union(base_tokenizer, others: list) -> object:
+def _union(base_tokenizer, others: list) -> Any:
     """The base's tokenizer (a fresh copy) with every token of ``others`` it lacks added: ordinary tokens first,
     then added tokens (their first settings), as mergekit's union orders them."""
     from transformers import AutoTokenizer
@@ -92,7 +93,8 @@ def _union(base_tokenizer, others: list) -> object:
         base_tokenizer.save_pretrained(tmp)
         out = AutoTokenizer.from_pretrained(tmp, use_fast=True)
     have = set(out.get_vocab())
-    plain, added = [], {}
+    plain: list[str] = []
+    added: dict[str, Any] = {}  # token -> its AddedToken
     for tokenizer, rows in others:
         special = {info.content: info for i, info in tokenizer.added_tokens_decoder.items() if i < rows}
         for tok, _ in sorted(_token_ids(tokenizer, rows).items(), key=lambda kv: kv[1]):
@@ -122,11 +124,12 @@ class Vocabulary:
                 f"'{dirs['base']}' has no tokenizer, which tokenizer_source needs",
                 "give the base its tokenizer files",
             )
-        tokenizers, rows = {}, {}
+        found: dict[str, Any] = {}  # role -> its tokenizer, None where it has none
+        rows: dict[str, int | None] = {}
         for role, path in dirs.items():
-            tokenizers[role] = _load(path, labels[role]) if _has_tokenizer(path) else None
+            found[role] = _load(path, labels[role]) if _has_tokenizer(path) else None
             rows[role] = vocab_size(read_config(path, labels[role]))
-        tokenizers = {role: tok or tokenizers["base"] for role, tok in tokenizers.items()}
+        tokenizers = {role: tok or found["base"] for role, tok in found.items()}
         self.source_dir: Path | None = None  # a directory whose tokenizer files are the output's, or None
         if source == "union":
             self.tokenizer = _union(
@@ -145,11 +148,11 @@ class Vocabulary:
                 "choose a tokenizer whose ids have no gaps",
             )
         for role in {"base", "base" if source in POLICIES else source}:  # kept whole: every id needs a row
-            have = len(tokenizers[role].get_vocab())
-            if rows[role] is not None and have > rows[role]:
+            have, embedding_rows = len(tokenizers[role].get_vocab()), rows[role]
+            if embedding_rows is not None and have > embedding_rows:
                 raise UserError(
                     labels[role],
-                    f"its tokenizer has {have} tokens but only {rows[role]} embedding rows",
+                    f"its tokenizer has {have} tokens but only {embedding_rows} embedding rows",
                     "give it a tokenizer without the tokens beyond its vocab_size",
                 )
         self.rows = {}

@@ -21,6 +21,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -53,7 +54,8 @@ def assign_shards(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], shar
 
 
 def _header(names: list[str], specs) -> bytes:
-    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name in names:
         shape, dtype = specs[name]
         end = offset + nbytes(shape, dtype)
@@ -83,7 +85,7 @@ class ShardWriter:
         )
         self._order = [(k, name) for k, names in enumerate(self.shards) for name in names]
         self._next = 0
-        self._file = None
+        self._file: BinaryIO | None = None
 
     def write(self, name: str, tensor) -> None:
         """Append the next tensor: a torch.Tensor, an iterable of its row blocks in order, or an execute.Blocks,
@@ -93,27 +95,28 @@ class ShardWriter:
         if self._file is None:
             self._file = open(self.out_dir / self.files[shard], "wb")
             self._file.write(_header(self.shards[shard], self.specs))
+        file = self._file
         if hasattr(tensor, "written"):
-            rows = self._write_in_place(name, tensor, expected, shape, dtype, self.out_dir / self.files[shard])
+            rows = self._write_in_place(file, name, tensor, expected, shape, dtype, self.out_dir / self.files[shard])
         else:
             rows = 0
             for block in [tensor] if isinstance(tensor, torch.Tensor) else tensor:
-                rows += self._append(name, block, expected, shape, dtype, isinstance(tensor, torch.Tensor))
+                rows += self._append(file, name, block, expected, shape, dtype, isinstance(tensor, torch.Tensor))
         if (rows if shape else 1) != (shape[0] if shape else 1):
             raise ValueError(f"writer expected {expected} with {shape[0]} rows, got {rows}")
         self._next += 1
         if self._next == len(self._order) or self._order[self._next][0] != shard:
-            self._file.close()
+            file.close()
             self._file = None
 
-    def _append(self, name: str, block: torch.Tensor, expected: str, shape, dtype, whole: bool) -> int:
+    def _append(self, file: BinaryIO, name: str, block: torch.Tensor, expected: str, shape, dtype, whole: bool) -> int:
         """Write one block's bytes after checking it against the spec; its number of rows."""
         _check_block(name, block, expected, shape, dtype, whole)
         if block.numel():
-            self._file.write(_bytes_of(block))
+            file.write(_bytes_of(block))
         return block.shape[0] if block.dim() else 1
 
-    def _write_in_place(self, name: str, blocks, expected: str, shape, dtype, path: Path) -> int:
+    def _write_in_place(self, file: BinaryIO, name: str, blocks, expected: str, shape, dtype, path: Path) -> int:
         """Write a tensor's row blocks (an execute.Blocks) at their offsets in the shard, each by the thread that
         merged it (``os.pwrite``), as they are merged; the number of rows written.
 
@@ -124,8 +127,8 @@ class ShardWriter:
         write opens the shard by its path: a thread still finishing a block after the merge stopped (an
         interruption, an error) can only write into that shard, never into a file opened later under a
         reused descriptor; the shard is removed with the merge's temporary directory."""
-        self._file.flush()
-        start = self._file.tell()
+        file.flush()
+        start = file.tell()
         row_bytes = nbytes(shape[1:], dtype)
 
         def write_block(first_row: int, block: torch.Tensor) -> None:
@@ -140,7 +143,7 @@ class ShardWriter:
                 os.close(fd)
 
         rows = sum(blocks.written(write_block))
-        self._file.seek(start + rows * row_bytes)
+        file.seek(start + rows * row_bytes)
         return rows
 
     def finish(self) -> None:
@@ -179,7 +182,7 @@ def _write_at(fd: int, data: memoryview, at: int) -> int:
 
 
 def _bytes_of(block: torch.Tensor) -> memoryview:
-    return memoryview(block.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return block.detach().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 def output_specs(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], out_dtype: str | None) -> dict:

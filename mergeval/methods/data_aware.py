@@ -70,7 +70,8 @@ def _validate_regmean(cfg: RegMeanConfig, n_experts: int) -> None:
     _check_statistics(cfg, n_experts)
 
 
-def _stats(cfg, name: str, method: str) -> list[torch.Tensor | None]:
+def _stats(cfg, name: str, method: str) -> list[tuple[str, torch.Tensor | None]]:
+    """Each expert's statistics directory and its statistic for tensor ``name`` (None where it has none)."""
     from mergeval.methods.statistics import read_stat
 
     if cfg.statistics is None:
@@ -79,7 +80,7 @@ def _stats(cfg, name: str, method: str) -> list[torch.Tensor | None]:
             f"{method} needs each expert's calibration statistics",
             "set modelset.experts.<name>.calibration for every expert (filled in before merging)",
         )
-    return [read_stat(d, name) for d in cfg.statistics]
+    return [(d, read_stat(d, name)) for d in cfg.statistics]
 
 
 def fisher_merge(experts: list[torch.Tensor], fishers: list[torch.Tensor], epsilon: float) -> torch.Tensor:
@@ -109,14 +110,15 @@ def merge_fisher(
     """
     out = {}
     for name in base:
-        fishers = _stats(cfg, name, "fisher")
-        for i, f in enumerate(fishers):
+        fishers = []
+        for i, (directory, f) in enumerate(_stats(cfg, name, "fisher")):
             if f is None or f.shape != experts[i][name].shape:
                 raise UserError(
                     "method.statistics",
-                    f"expert {i}'s Fisher statistics lack tensor {name} ({cfg.statistics[i]})",
+                    f"expert {i}'s Fisher statistics lack tensor {name} ({directory})",
                     "recompute them: remove that directory",
                 )
+            fishers.append(f)
         out[name] = fisher_merge([e[name] for e in experts], fishers, cfg.epsilon)
     return out
 
@@ -168,17 +170,19 @@ def merge_regmean(
     out = {}
     for name in base:
         ws = [e[name] for e in experts]
-        grams = _stats(cfg, name, "regmean") if ws[0].dim() == 2 else [None]
-        if all(g is None for g in grams):
+        stats = _stats(cfg, name, "regmean") if ws[0].dim() == 2 else []
+        if all(g is None for _, g in stats):
             out[name] = torch.stack([w.double() for w in ws]).mean(0)
             continue
-        for i, g in enumerate(grams):
+        grams = []
+        for i, (directory, g) in enumerate(stats):
             if g is None or g.shape != (ws[0].shape[1],) * 2:
                 raise UserError(
                     "method.statistics",
                     f"expert {i}'s Gram matrix for {name} is "
-                    f"{'missing' if g is None else list(g.shape)}, expected {[ws[0].shape[1]] * 2} ({cfg.statistics[i]})",
+                    f"{'missing' if g is None else list(g.shape)}, expected {[ws[0].shape[1]] * 2} ({directory})",
                     "recompute it: remove that directory",
                 )
+            grams.append(g)
         out[name] = regmean_linear(ws, grams, cfg.alpha)
     return out

@@ -166,11 +166,14 @@ def hierarchical(
     """One layer: align B's heads to A's, w_l from the layer's task vectors, theta_l = (1 - w_l) A_l + w_l B'_l."""
     a, b = experts
     names = sorted(n for n in base if base[n].is_floating_point())
-    prefix = LAYER.match(names[0]).group(1) if names and LAYER.match(names[0]) else ""
+    layer = LAYER.match(names[0]) if names else None
+    prefix = layer.group(1) if layer else ""
     if cfg.align == "heads" and f"{prefix}self_attn.q_proj.weight" in base:
-        perm = head_permutation(a, b, prefix, cfg.num_attention_heads, cfg.num_key_value_heads)
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        assert heads is not None and kv is not None, "fill_head_counts reads the head counts from the base"
+        perm = head_permutation(a, b, prefix, heads, kv)
         if perm != sorted(perm):
-            b = permute_heads(b, prefix, perm, cfg.num_attention_heads, cfg.num_key_value_heads)
+            b = permute_heads(b, prefix, perm, heads, kv)
     w = cosine_weight(
         [a[n].float() - base[n].float() for n in names], [b[n].float() - base[n].float() for n in names], cfg.t_max
     )
@@ -191,7 +194,7 @@ def fill_head_counts(cfg: HierarchicalConfig, model_config: dict) -> Hierarchica
             )
     heads = cfg.num_attention_heads or model_config.get("num_attention_heads")
     kv = cfg.num_key_value_heads or model_config.get("num_key_value_heads") or heads
-    if cfg.align == "heads" and (heads is None or heads % kv):
+    if cfg.align == "heads" and (heads is None or kv is None or heads % kv):
         raise UserError(
             "method.num_attention_heads",
             "cannot tell the attention head counts",

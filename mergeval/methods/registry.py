@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import types
 import typing
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -200,7 +201,8 @@ def with_rules(config: type) -> type:
     extra = [("per_expert", list[dict[str, float]] | None, dataclasses.field(default=None))] if own else []
     derived = dataclasses.make_dataclass(
         f"{stem}ConfigWithRules",
-        [("rules", list[rule], dataclasses.field(default_factory=list)), *extra],
+        # list[rule], spelt so for a type checker: rule is a class made at run time
+        [("rules", types.GenericAlias(list, (rule,)), dataclasses.field(default_factory=list)), *extra],
         bases=(config,),
     )
     module = sys.modules[__name__]

@@ -100,25 +100,26 @@ class TiesRows:
         for i, sel in select.items():
             found = sel.result()
             if found is None:  # the sampled bounds missed (no known input does this): one more pass, exactly
-                found, chunk_ties = self._exact(blocks, i)
+                found, chunk_ties = self._exact(blocks, i, sel.k)
             else:
                 chunk_ties = sel.chunk_ties
             tau, c_gt, _ = found
-            quotas = tie_quotas(chunk_ties, self.k[i] - c_gt) if tau != 0 else [0] * len(offsets)
+            quotas = tie_quotas(chunk_ties, sel.k - c_gt) if tau != 0 else [0] * len(offsets)
             self.cut[i] = (tau, dict(zip(offsets, quotas)))
 
-    def _exact(self, blocks, i: int):
+    def _exact(self, blocks, i: int, k: int):
         whole = torch.cat(
             [(experts[i].float() - base.float()).abs().reshape(-1) for _, base, experts in blocks.read_all()]
         )
-        tau, c_gt, c_eq = exact(whole, self.k[i])
+        tau, c_gt, c_eq = exact(whole, k)
         ties = [int((chunk == tau).sum()) for chunk in whole.split([n for n in blocks.numels()])]
         return (tau, c_gt, c_eq), ties
 
     def trim_(self, d: torch.Tensor, i: int, offset: int) -> torch.Tensor:
         """d_i trimmed in place: t_i = d_i where kept (trim_to_density's values), else 0."""
-        if self.cut[i] is not None:
-            tau, quotas = self.cut[i]
+        cut = self.cut[i]
+        if cut is not None:
+            tau, quotas = cut
             zero_dropped_(d, tau, quotas[offset])
         return d
 

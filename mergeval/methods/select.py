@@ -56,7 +56,8 @@ class Threshold:
         self.n, self.k = n, k
         self.stride = max(1, n // SAMPLE)
         self._samples: list[torch.Tensor] = []
-        self.lo = self.hi = None
+        self.lo: float | None = None
+        self.hi: float | None = None
         self.above = 0
         self._cands: list[torch.Tensor] = []
         self.chunk_ties: list[int] = []  # after result(): #{a == tau} in each counted chunk, in order
@@ -76,7 +77,7 @@ class Threshold:
         flat = a.reshape(-1)
         self.add_sample(flat[self.positions(flat.numel())])
 
-    def bounds(self) -> None:
+    def bounds(self) -> tuple[float, float]:
         """lo/hi: sample ranks k/n of the way down, widened by 6 standard deviations of the rank (+8)."""
         s = torch.cat(self._samples)
         self._samples = []
@@ -87,13 +88,15 @@ class Threshold:
         def descending(rank: int) -> float:  # s sorted descending, at 0-based rank (two selections, no sort)
             return kth_smallest(s, m - rank)
 
-        self.hi = descending(max(0, int(centre - margin))) if centre - margin >= 1 else float("inf")
-        self.lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
+        hi = descending(max(0, int(centre - margin))) if centre - margin >= 1 else float("inf")
+        lo = descending(min(m - 1, int(centre + margin))) if centre + margin < m - 1 else float("-inf")
+        self.lo, self.hi = lo, hi
+        return lo, hi
 
     def bounds_for_count(self) -> tuple[float, float]:
         """(lo, hi) for pass 2, from the samples the first time."""
-        if self.hi is None:
-            self.bounds()
+        if self.lo is None or self.hi is None:
+            return self.bounds()
         return self.lo, self.hi
 
     def add_counted(self, above: int, candidates: torch.Tensor) -> None:
@@ -103,32 +106,32 @@ class Threshold:
 
     def count(self, a: torch.Tensor) -> None:
         """Pass 2: count the values above hi and keep those in [lo, hi] (in order)."""
-        self.bounds_for_count()
+        lo, hi = self.bounds_for_count()
         flat = a.reshape(-1)
-        if self.lo != float("-inf") and _plain_cpu_float32(flat):
-            self._count_numpy(flat)
+        if lo != float("-inf") and _plain_cpu_float32(flat):
+            self._count_numpy(flat, lo, hi)
             return
         # one pass over all values (>= lo), the rest over those alone: about k/n of them. A copy either way: the
         # candidates outlive ``a``, which a caller may reuse as a buffer
-        upper = flat[flat >= self.lo] if self.lo != float("-inf") else flat.clone()
-        if self.hi == float("inf"):
+        upper = flat[flat >= lo] if lo != float("-inf") else flat.clone()
+        if hi == float("inf"):
             self._cands.append(upper)
             return
-        below = upper <= self.hi
+        below = upper <= hi
         self.above += upper.numel() - int(below.sum())
         self._cands.append(upper[below])
 
-    def _count_numpy(self, flat: torch.Tensor) -> None:
+    def _count_numpy(self, flat: torch.Tensor, lo: float, hi: float) -> None:
         """``count`` with NumPy's comparisons (exact, and several times faster than torch's on one thread,
         whose mask work was a sizeable share of a TIES merge); the candidates are still taken by torch's
         indexing with that mask: kept arrays that NumPy made (or filled) between its temporaries left glibc's
         heap fragmented in the engine's threads, raising a TIES merge's peak RSS by free heap, and torch's
         indexing does not (at a small cost per block)."""
         v = flat.numpy()
-        upper = np.greater_equal(v, self.lo)
+        upper = np.greater_equal(v, lo)
         band = upper
-        if self.hi != float("inf"):
-            band = np.less_equal(v, self.hi)
+        if hi != float("inf"):
+            band = np.less_equal(v, hi)
             band &= upper
         kept = flat[torch.from_numpy(band)]  # a copy: ``a`` may be a buffer its caller reuses
         if band is not upper:
@@ -216,8 +219,9 @@ def first_k_mask(a: torch.Tensor, k: int) -> torch.Tensor:
     """Mask of the k largest of ``a`` (non-negative), ties at the cut by position: the first k of a stable
     descending sort, without the sort."""
     tau, c_gt, c_eq = kth_largest(a, k)
-    if tau == 0 or c_gt + c_eq == k:  # tied zeros: kept or dropped, every value is the same (as keep_rule)
-        return keep_mask(a, tau, keep_rule(tau, c_gt, c_eq, k))
+    rule = keep_rule(tau, c_gt, c_eq, k)
+    if rule is not None:  # tied zeros, or every tied entry kept: kept or dropped, every value is the same
+        return keep_mask(a, tau, rule)
     return first_ties_mask(a, tau, k - c_gt)
 
 

@@ -425,7 +425,9 @@ def _combine(
 ) -> torch.Tensor:
     """Sparsify each task vector, then the TIES election (elect) or the weighted sum, scaled by lambda.
     ``sparsify``: the config's own sparsifier unless given (rows.DareRows: masks drawn beforehand)."""
-    sparsify = sparsify or _sparsifier(cfg, gen)
+    if sparsify is None:
+        assert gen is not None, "the config's own sparsifier draws from gen"
+        sparsify = _sparsifier(cfg, gen)
     if compat.is_mergekit(cfg):
         return compat.gta(base, experts, cfg, sparsify, *mergekit_gta_options(cfg, elect))
     b = base.float()
@@ -559,8 +561,8 @@ def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: Dr
         variance = ordered.var(0, unbiased=False).flatten()
         # the first k of a stable descending sort, without the sort; tied zero variances by position too
         # (an entry every expert moved alike has variance 0 and a non-zero delta: keeping it matters)
-        tau, c_gt, _ = kth_largest(variance, k)
-        keep = first_ties_mask(variance, tau, k - c_gt).view_as(b)
+        cut, c_gt, _ = kth_largest(variance, k)
+        keep = first_ties_mask(variance, cut, k - c_gt).view_as(b)
         deltas = deltas * keep
         ordered = ordered * keep
     energy = [float(d.double().square().mean()) for d in deltas]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -86,7 +87,7 @@ def _validate_linear(cfg: LinearConfig, n_experts: int) -> None:
         )
 
 
-def _validate_ta(cfg: TaskArithmeticConfig, n_experts: int) -> None:
+def _validate_ta(cfg: TaskArithmeticConfig | TiesConfig, n_experts: int) -> None:
     compat.check_compat(cfg)
     _check_lambda(cfg.lambda_)
     _check_weights(cfg.weights, n_experts)
@@ -119,7 +120,7 @@ def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, g
     """
     models = ([base] if cfg.include_base else []) + experts
     w = expert_weights(cfg, len(models))
-    total = sum(wi * m.float() for wi, m in zip(w, models))
+    total = cast(torch.Tensor, sum(wi * m.float() for wi, m in zip(w, models)))  # models: at least one
     if cfg.normalize:
         total = total / sum(w)
     return total.to(base.dtype)
@@ -245,7 +246,7 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     mass = sum_in_order(agree if unit else wt * agree) if normalize else None
     # A_i w_i s_i in agree's own storage (x * y == y * x exactly): no N-sized temporary per product
     tau = sum_in_order(agree.mul_(weighted))
-    if not normalize:
+    if mass is None:
         return tau
     return tau.div_(mass.masked_fill_(mass == 0, 1.0))
 
@@ -286,5 +287,6 @@ def sign_of_sum(voters: torch.Tensor) -> torch.Tensor:
     gamma = torch.sign(total)
     if bool(close.any()):
         at = close.nonzero(as_tuple=True)
-        gamma[at] = torch.sign(_sorted_sum(voters[(slice(None), *at)]))
+        columns: tuple[slice | torch.Tensor, ...] = (slice(None), *at)
+        gamma[at] = torch.sign(_sorted_sum(voters[columns]))
     return gamma

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -71,14 +72,14 @@ def _hash_tensor(h: blake3, name: str, t: torch.Tensor) -> None:
     t = t.detach().contiguous().cpu()
     h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
     if t.numel():
-        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        h.update(t.view(-1).view(torch.uint8).numpy().data)
 
 
 def _digest(h: blake3) -> str:
     return h.hexdigest(length=16)
 
 
-def fingerprint_state_dict(state: dict[str, torch.Tensor]) -> str:
+def fingerprint_state_dict(state: Mapping[str, torch.Tensor]) -> str:
     """The fingerprint a checkpoint of ``state`` would have (for merges kept in memory)."""
     h = _hasher()
     for name in sorted(state):

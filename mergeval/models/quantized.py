@@ -70,7 +70,6 @@ def dequantized(model_dir: Path, quant: dict, cache: Path, field: str) -> Path:
     from mergeval.models.fingerprint import fingerprint
     from mergeval.models.safetensors_io import cached_build_usable
 
-    block = quant.get("weight_block_size")
     if not can_dequantize(quant):
         raise UserError(
             field,
@@ -80,6 +79,7 @@ def dequantized(model_dir: Path, quant: dict, cache: Path, field: str) -> Path:
             "dequantize it where its kernels run: AutoModelForCausalLM.from_pretrained(DIR)"
             ".dequantize().save_pretrained(OUT), then point the source at OUT",
         )
+    block = quant["weight_block_size"]  # [rows, columns] (can_dequantize)
     key = f"{fingerprint(model_dir)}-{DEQUANTIZED_VERSION}"
     target = cache / "dequantized" / f"{model_dir.name}-{key[:16]}"
     if cached_build_usable(target, field):

@@ -72,11 +72,12 @@ def _parsed_once():
             readers[key] = reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    # gguf's own functions replaced for the conversion (GGUFReader is a class there, a function here)
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]
 
 
 def _convert(gguf: Path, target: Path) -> None:

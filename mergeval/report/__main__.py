@@ -50,7 +50,7 @@ def build_report(results: list[dict], out_dir: Path, source: str, tasks: list[st
     else:
         files.append(plots.plot_pareto(trade, out_dir / "pareto.png"))
         images["pareto"] = "pareto.png"
-    if swept is None:
+    if swept is None or series is None:  # series: None exactly when swept is
         notes.append("score_vs_param.png skipped: no numeric hyperparameter varies across the runs; pass "
                      "--param NAME")
     else:

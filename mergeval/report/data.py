@@ -12,6 +12,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import TypeGuard
 
 from mergeval.core.errors import UserError
 from mergeval.metrics.tradeoff import pareto_front, synergy_area
@@ -191,11 +192,12 @@ def pareto(results: list[dict], task_x: str, task_y: str, labels: list[str]) -> 
                     "(each must beat the other on its own task)")
     else:
         note = "undefined: no expert owns " + " and ".join(short(t) for t in (task_x, task_y) if t not in owner)
+    metrics = metric_names(results, [task_x, task_y])
     return Pareto(task_x, task_y, labels, points, pareto_front(points), refs, diagonal, area, note,
-                  [r["run_id"] for r in results], tuple(metric_names(results, [task_x, task_y]).values()))
+                  [r["run_id"] for r in results], (metrics[task_x], metrics[task_y]))
 
 
-def _numeric(value) -> bool:
+def _numeric(value) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -219,7 +221,7 @@ def sweep_param(results: list[dict], requested: str | None) -> str | None:
         return requested
     rank = {k: (0 if len(vs) > 1 else 1, PREFERRED_PARAMS.index(k) if k in PREFERRED_PARAMS else 2, k)
             for k, vs in values.items()}
-    best = min(rank, key=rank.get, default=None)
+    best = min(rank, key=lambda k: rank[k], default=None)
     return None if best is None or rank[best][0] == 1 else best
 
 

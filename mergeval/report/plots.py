@@ -86,7 +86,7 @@ def plot_normalized(tasks: list[str], table: dict[str, dict[str, float | None]],
     width = 0.8 / max(1, len(table))
     for k, (label, values) in enumerate(table.items()):
         xs = [i - 0.4 + width * (k + 0.5) for i in range(len(tasks))]
-        heights = [math.nan if values[t] is None else values[t] for t in tasks]
+        heights = [math.nan if v is None else v for v in (values[t] for t in tasks)]
         bars = ax.bar(xs, heights, width=width, label=label)
         color = bars.patches[0].get_facecolor() if bars.patches else None
         for x, h in zip(xs, heights):

@@ -125,10 +125,10 @@ def export_run(store, run_id: str, out_dir: Path, rebuild: bool = True) -> list[
     run = _finished_run(store, run_id)
     cfg = OmegaConf.create(run["config"])
     suite = _rebuilt_suite(cfg) if rebuild else None
-    settings = eval_settings(cfg)
-    settings["lm_eval"] = (run.get("versions") or {}).get("lm_eval") or settings["lm_eval"]
+    run_settings = eval_settings(cfg)
+    run_settings["lm_eval"] = (run.get("versions") or {}).get("lm_eval") or run_settings["lm_eval"]
     # each task's scores under the key the run stored them with (runs before per-task keys: the run's settings)
-    settings = PerTask(settings, run["result"].get("task_settings") or {})
+    settings = PerTask(run_settings, run["result"].get("task_settings") or {})
     digests = run["result"]["task_digests"]
     _refuse_other_runs_files(out_dir, run["run_id"])
     make_dirs(out_dir)

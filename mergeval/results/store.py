@@ -132,7 +132,11 @@ def method_version(name: str | None) -> int:
 
 def _as_mapping(config) -> dict:
     """A method config as a plain dict: its typed dataclass (as the app holds it) or a mapping."""
-    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    return (
+        dataclasses.asdict(config)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type)
+        else dict(config)
+    )
 
 
 ARCHITECTURE_KEYS = (
@@ -616,7 +620,7 @@ class Store:
         since: float | None = None,
     ) -> list[dict]:
         """Runs, oldest first, filtered by modelset (experiment), method, status and start time (epoch s)."""
-        filters = [
+        filters: list[tuple[str, object]] = [
             (f"{col}=?", val)
             for col, val in (("experiment", experiment), ("method", method), ("status", status))
             if val is not None
@@ -873,7 +877,7 @@ def default_store_path() -> Path:
 def open_existing(path: str | None) -> Store:
     """The store at ``path`` (default: the cache's), which must exist: listing never creates one. A
     ``postgresql://`` URL opens the server's store (mergeval/results/backends)."""
-    if is_server_url(path):
+    if path is not None and is_server_url(path):
         return Store(path, field="--store")
     where = sqlite_path(path) if path else default_store_path()
     if not where.exists():

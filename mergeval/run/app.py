@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from mergeval.core import gpus
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo, Outcome, result_text
 from mergeval.core.paths import atomic_write_text, cache_root
+from mergeval.core.plain import plain_dict
 from mergeval.core.provenance import git_commit, hardware, package_versions
 from mergeval.core.runtime import (
     Laps,
@@ -113,7 +115,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
         run_id,
         experiment=cfg.modelset.name,
         method=cfg.method.name,
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=plain_dict(cfg, resolve=True),
         versions=versions,
         git=git,
         job_dir=str(out_dir),
@@ -181,7 +183,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     # similarity needs the merged tensors, which a merge reused from the store does not have
     fresh = cfg.eval.force or cfg.save_merged or cfg.metric.similarity
     done = None if fresh else store.evaluated_merge(key, digests, settings, metrics)
-    merged_model = merged = None
+    merged_model = None
+    merged: Mapping[str, torch.Tensor] | None = None
     if done:  # merged and scored before with these inputs, method config and seed: do neither again
         models.append(ModelInfo(MERGED, f"{method.name}", done, merge="reused from the results store"))
     elif tokens:  # another vocabulary: streamed to disk (merged_model), loaded with its own tokenizer
@@ -279,7 +282,9 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
         if entries:
             if tokens:  # each model with its own tokenizer (resolve.evaluation_tokenizer; the merge its own)
                 tokenizer = load_tokenizer(
-                    Path(info.path) if info.role == MERGED else evaluation_tokenizer(Path(info.path), base_dir, tokens)
+                    info.directory()
+                    if info.role == MERGED
+                    else evaluation_tokenizer(info.directory(), base_dir, tokens)
                 )
             elif tokenizer is None:
                 tokenizer = load_tokenizer(base_dir)
@@ -290,7 +295,11 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
                 harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
             harness = harnesses[tuple(entries)]
             label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
-            model = (merged_model if info.role == MERGED else load_model(Path(info.path), None, dtype, label)).to(dtype)
+            if info.role == MERGED:
+                assert merged_model is not None, "a merge evaluated here is one this run made"
+                model = merged_model.to(dtype)
+            else:
+                model = load_model(info.directory(), None, dtype, label).to(dtype)
             model = model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
             with library_bars(cfg.verbose):
                 result = harness.score(model, tokenizer)
@@ -337,17 +346,17 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     if cfg.metric.calibration or cfg.metric.consistency:  # both from the per-choice log-likelihoods kept
         from mergeval.metrics.composed import calibration, consistency
 
-        kept = {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models}
+        logged = {m.role: samples.read_tasks(store.samples_paths(m.fingerprint, digests, settings)) for m in models}
         if cfg.metric.calibration:
-            aggregates["calibration"] = calibration(kept)
+            aggregates["calibration"] = calibration(logged)
         if cfg.metric.consistency:  # the same items asked in two formats
-            aggregates["consistency"] = consistency(kept, [list(pair) for pair in cfg.metric.consistency])
+            aggregates["consistency"] = consistency(logged, [list(pair) for pair in cfg.metric.consistency])
     if similarity_stats is not None:
         aggregates["similarity"] = similarity_stats
     if cfg.save_merged:  # the saved merge's model card gains the evaluation table
         from mergeval.merge.card import add_evaluation
 
-        add_evaluation(Path(models[-1].path) / "README.md", scores, [m.role for m in models])
+        add_evaluation(models[-1].directory() / "README.md", scores, [m.role for m in models])
     return Outcome(
         models,
         tasks,
@@ -368,13 +377,14 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
     If either step fails the run is marked failed and no result.json is left behind.
     """
     store = open_store(cfg, cache_root(cfg.cache_dir))
+    models = [vars(m) for m in outcome.models]
     result = {
         "run_id": outcome.run_id,
         "status": "finished",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": plain_dict(cfg, resolve=True),
         "seeds": {"run": cfg.seed, "train": cfg.modelset.train.seed, "eval_data": 0},
-        "models": [vars(m) for m in outcome.models],
+        "models": models,
         "tasks": outcome.tasks,
         "task_digests": outcome.task_digests,
         # what keys each task's scores in the results store beside the config (eval/settings.py, PerTask)
@@ -401,7 +411,7 @@ def write_result(cfg: DictConfig, outcome: Outcome, out_dir: Path) -> Path:
             result_path=str(path),
             aggregates=outcome.aggregates,
             timings=outcome.timings,
-            models=result["models"],
+            models=models,
             scores=outcome.scores,
         )
     except BaseException as err:

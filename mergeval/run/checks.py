@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import difflib
 import functools
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.core.errors import UTF8_FIX, UserError, is_utf8, shown  # noqa: F401  (checks' callers import them here)
 from mergeval.core.gpus import compute_device
+from mergeval.core.plain import plain_dict
 from mergeval.eval.harness import check_backend
 from mergeval.eval.tasks import GENERATED, LETTERED, PREFIX, check_tasks, items_of, same_items
 from mergeval.methods import get_method
@@ -140,7 +142,7 @@ def check_known_keys(cfg: DictConfig, schema=None) -> None:
     method it names. Reads the config unresolved, so a bad interpolation is reported by its own check."""
     from mergeval.run.config import RunConfig
 
-    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain = plain_dict(cfg, resolve=False)
     plain.pop("hydra", None)
     _check_keys(plain, schema or RunConfig, "")
 
@@ -185,7 +187,7 @@ def _schema_of(kind) -> tuple[type | None, bool]:
 
     union = typing.get_origin(kind) in (typing.Union, types.UnionType)
     for option in [a for a in typing.get_args(kind) if a is not type(None)] if union else [kind]:
-        if dataclasses.is_dataclass(option):
+        if isinstance(option, type) and dataclasses.is_dataclass(option):
             return option, False
         if typing.get_origin(option) is dict and dataclasses.is_dataclass(typing.get_args(option)[1]):
             return typing.get_args(option)[1], True
@@ -277,7 +279,7 @@ def validate(cfg: DictConfig, schema=None):
     mergekit_multi.apply(cfg)
     method = get_method(cfg.method.name)
     check_known_keys(cfg, schema)
-    method_cfg = OmegaConf.to_object(cfg.method)
+    method_cfg: Any = OmegaConf.to_object(cfg.method)  # the method's config dataclass
     generated = [t for t in cfg.benchmark.tasks if t in GENERATED]
     unknown = [t for t in cfg.benchmark.tasks if t.startswith(PREFIX) and t not in GENERATED]
     if unknown:  # registry names are checked when the benchmark is loaded; ours need no index

@@ -97,6 +97,7 @@ def _start_resending() -> None:
     import threading
 
     main = threading.main_thread().ident
+    assert main is not None, "the main thread has started"
 
     def resend() -> None:
         while True:
@@ -340,8 +341,9 @@ def _run_cli(hydra_main, entry: str, summary: str, sections: dict | None) -> Non
             print(known.line(), file=sys.stderr)
             _exit_after_error()
         line = None if full_error else explain(ex)
-        if line is not None and hydra_job_dir(ex.__traceback__)[0] is not None:  # Hydra failed setting a job up
-            discard_job_dir(hydra_job_dir(ex.__traceback__)[0])
+        job_dir = hydra_job_dir(ex.__traceback__)[0] if line is not None else None
+        if job_dir is not None:  # Hydra failed setting a job up
+            discard_job_dir(job_dir)
         if line is None:  # unexpected: its traceback, as Python reports it, and status 1
             if _merge_abandoned():
                 sys.excepthook(type(ex), ex, ex.__traceback__)
@@ -369,7 +371,9 @@ def _in_job_dir(ex: BaseException, known: UserError) -> UserError:
     truncated hydra.yaml is worse than none). Hydra has reset its HydraConfig by then; the directory is read
     from the frame of Hydra's ``run_job`` (its public function; ``output_dir`` is the directory it made)."""
     os_error = os_error_in(ex)
-    job_dir, swept = hydra_job_dir(ex.__traceback__) if os_error is not None else (None, False)
+    if os_error is None:
+        return known
+    job_dir, swept = hydra_job_dir(ex.__traceback__)
     if job_dir is None:
         return known
     discard_job_dir(job_dir)

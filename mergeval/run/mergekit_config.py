@@ -472,6 +472,7 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
     from mergeval.merge.slices import parse
 
     order = parse(out_slices, list(names.values()), field)  # the sources of each slice, the base's first
+    assert order is not None, "out_slices has a slice for each of the file's"
     name = doc.get("merge_method")
     if name == "passthrough":
         notes = _notes(doc, where)
@@ -655,7 +656,9 @@ def to_mergekit(
                 target[key] = entries[: cut + 1]  # entries after an unfiltered one are never reached
     include_base = getattr(method_cfg, "include_base", False)
     paths = ([base] if include_base and name != "karcher" else []) + list(experts)
-    models = [{"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)]
+    models: list[dict[str, Any]] = [
+        {"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)
+    ]
     doc: dict[str, Any] = {"merge_method": name}
     if name in ("slerp", "nearswap", "arcee_fusion"):  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
@@ -690,9 +693,10 @@ def sliced_to_mergekit(
             doc["parameters"] = {"scale": method_cfg.scale}
         own: dict[int, dict] = {}
     else:  # the method's configuration over placeholders for the input positions, then those put in slices
-        doc = to_mergekit(method_cfg, "@0", [f"@{p}" for p in range(1, n)], out_dtype)
-        if doc is None:
+        converted = to_mergekit(method_cfg, "@0", [f"@{p}" for p in range(1, n)], out_dtype)
+        if converted is None:
             return None
+        doc = converted
         own = {int(m["model"][1:]): m.get("parameters") or {} for m in doc.pop("models")}
         if "base_model" in doc:
             doc["base_model"] = paths["base"]
@@ -749,8 +753,9 @@ def write_for_run(path: Path, cfg, models) -> Path | None:
     from mergeval.merge.slices import parse
 
     paths = {m.role: m.path for m in models}
-    experts = [paths.get(name) for name in cfg.modelset.experts]
-    if paths.get("base") is None or None in experts:
+    base = paths.get("base")
+    experts = [e for name in cfg.modelset.experts if (e := paths.get(name)) is not None]
+    if base is None or len(experts) != len(cfg.modelset.experts):
         return None
     tok = cfg.get("tokenizer_source")
     tok = tok if tok in (None, "base", "union") else paths.get(tok)
@@ -758,5 +763,5 @@ def write_for_run(path: Path, cfg, models) -> Path | None:
     slices = parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts])
     if slices:
         doc = sliced_to_mergekit(method_cfg, paths, slices, cfg.get("out_dtype"))
-        return None if doc is None else write(path, method_cfg, paths["base"], experts, doc=doc)
-    return write(path, method_cfg, paths["base"], experts, cfg.get("out_dtype"), tok)
+        return None if doc is None else write(path, method_cfg, base, experts, doc=doc)
+    return write(path, method_cfg, base, experts, cfg.get("out_dtype"), tok)

@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergeval.core.errors import UserError
+from mergeval.core.plain import plain_list
 
 STAGES_DIR = "mergekit_stages"
 KEY_FORMAT = "mergekit-stage-1"  # raise when what a stage's key covers changes: every stage is merged anew
@@ -239,7 +240,7 @@ def stage_key(cfg: DictConfig, models) -> str:
 
     names = ["base", *cfg.modelset.experts]
     tok = cfg.get("tokenizer_source")
-    slices = OmegaConf.to_container(cfg.modelset.slices) if cfg.modelset.get("slices") else None
+    slices = plain_list(cfg.modelset.slices) if cfg.modelset.get("slices") else None
     for s in slices or []:  # by input position: the names a file gives do not change the merge
         for src in s["sources"]:
             src["model"] = names.index(src["model"])

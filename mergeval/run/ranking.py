@@ -89,10 +89,12 @@ def score_stderr(stderrs: dict[str, float | None], rank_by: str, own_task: str |
     """The stderr of ``expert_score``: sqrt(sum_t se_t^2) / T for the mean over T tasks (tasks independent),
     se_{own task} for rank_by=own_task; None where a task reports none."""
     if rank_by == "own_task":
+        assert own_task is not None, "expert_score refuses rank_by=own_task without the expert's task"
         return stderrs[own_task]
-    if any(se is None for se in stderrs.values()):
+    known = [se for se in stderrs.values() if se is not None]
+    if len(known) < len(stderrs):
         return None
-    return math.sqrt(sum(se * se for se in stderrs.values())) / len(stderrs)
+    return math.sqrt(sum(se * se for se in known)) / len(stderrs)
 
 
 def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]) -> list[dict]:
@@ -103,9 +105,10 @@ def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]
     ranked = sorted(range(len(names)), key=lambda i: (scores[i], i))
     out = []
     for a, b in zip(ranked, ranked[1:]):
-        if stderrs[a] is None or stderrs[b] is None:  # no stderr: nothing to compare the gap with
+        se_a, se_b = stderrs[a], stderrs[b]
+        if se_a is None or se_b is None:  # no stderr: nothing to compare the gap with
             continue
-        se = math.hypot(stderrs[a], stderrs[b])
+        se = math.hypot(se_a, se_b)
         gap = scores[b] - scores[a]
         if gap < se or se == 0 and gap == 0:
             out.append(

@@ -31,11 +31,13 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mergeval.core.gpus import kind
 from mergeval.core.outcome import ModelInfo, Outcome
+from mergeval.core.plain import plain_dict
 
 # Fields of the run config that do not change what a run computes, and why; dots reach into a group.
 IGNORED = {
@@ -56,10 +58,10 @@ RESULT_PACKAGES = ("mergeval", "torch", "transformers", "lm_eval")
 def hashed_config(cfg: DictConfig) -> dict:
     """What ``config_hash`` hashes: the resolved config less ``IGNORED``, a mergekit file by its content, the
     versions of ``RESULT_PACKAGES`` and the method's implementation version when above 1."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = plain_dict(cfg, resolve=True)
     for dotted in IGNORED:
         *parents, leaf = dotted.split(".")
-        node = config
+        node: Any = config
         for key in parents:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import TYPE_CHECKING
 
 from mergeval.core.errors import UserError
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 # Each checked job's composed config, by its overrides: the sweep's progress (progress.py) hashes them.
-COMPOSED: dict[tuple[str, ...], object] = {}
+COMPOSED: dict[tuple[str, ...], DictConfig] = {}
 # Flags that change the primary config; with them the sweep is left to Hydra's own checks.
 _CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name")
 # A directory of the user's configs (their experiments), added to the search path: composed here as Hydra does.
@@ -225,9 +229,10 @@ def check_sweep(argv: list[str]) -> list[str]:
             except UserError as err:
                 line = str(err)
             except Exception as ex:  # noqa: BLE001  a composition error: explain() words it, else Hydra will
-                line = explain(ex)
-                if line is None:
+                explained = explain(ex)
+                if explained is None:
                     continue
+                line = explained
             else:
                 continue
             label = job_label(job, swept)

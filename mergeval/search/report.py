@@ -33,13 +33,15 @@ def lines(outcome: SearchOutcome) -> list[str]:
     ]
     out.append(f"validation split ({o.validation_items} items per task, disjoint from the test items):")
     out.append(
-        f"  default          {o.objective} {signed(o.baseline.value)}   {_scores_line(o.baseline.scores, o.tasks)}"
+        f"  default          {o.objective} {signed(o.baseline.completed_value())}   {_scores_line(o.baseline.scores, o.tasks)}"
     )
     if o.best is None:
         out.append("  no trial completed: nothing to report on the test split")
     else:
         label = f"best (trial #{o.best_number})"
-        out.append(f"  {label:<16} {o.objective} {signed(o.best.value)}   {_scores_line(o.best.scores, o.tasks)}")
+        out.append(
+            f"  {label:<16} {o.objective} {signed(o.best.completed_value())}   {_scores_line(o.best.scores, o.tasks)}"
+        )
         out.append(
             f"  best recipe: {describe(o.best.params)}"
             + (" (the seeded default: no sampled trial beat it)" if o.best_is_default else "")

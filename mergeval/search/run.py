@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergeval.core import proc
 from mergeval.core.errors import UserError
+from mergeval.core.plain import plain_dict
 from mergeval.eval.tasks import GENERATED, check_tasks
-from mergeval.methods import get_method
+from mergeval.methods import MergeMethod, get_method
 from mergeval.run.checks import refuse_slices, validate
 from mergeval.search import study as studies
 from mergeval.search.monitor import Progress, signed
@@ -62,7 +63,7 @@ class SearchOutcome:
     timings: dict = field(default_factory=dict)
 
 
-def prepare(cfg: DictConfig) -> tuple[object, Space]:
+def prepare(cfg: DictConfig) -> tuple[MergeMethod, Space]:
     """Every check that needs no model: the run config, the search section, the space. Returns (method, space)."""
     from mergeval.search.schema import SearchRunConfig
 
@@ -93,7 +94,7 @@ def prepare(cfg: DictConfig) -> tuple[object, Space]:
             "search.validation_items", err.problem, "lower search.validation_items or benchmark.n_items"
         ) from None
     n_experts = len(cfg.modelset.experts)
-    return method, parse_space(OmegaConf.to_container(s.space, resolve=True), method, cfg.method, n_experts)
+    return method, parse_space(plain_dict(s.space, resolve=True), method, cfg.method, n_experts)
 
 
 def run_search(cfg: DictConfig) -> SearchOutcome:
@@ -133,6 +134,8 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         trained = {e.domain for e in cfg.modelset.experts.values() if e.domain is not None}
         heldout = heldout_items(list(owners), s.heldout_items, cfg.benchmark.n_items, trained, cfg.modelset.train)
         suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=n_val)
+        task_dir = suite.generated_dir
+        assert task_dir is not None, "a search's tasks are generated ones (its validation split)"
         base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -157,7 +160,7 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
             reference,
             validation,
             constituent_scores(validation, constituents, models),
-            choices_per_item(suite.generated_dir, tasks, n_val),
+            choices_per_item(task_dir, tasks, n_val),
             n_val,
             min(n_val - 1, stage2_limit(s.stage2_fraction, n_val)),
             cache,
@@ -174,7 +177,7 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         outcome = SearchOutcome(
             name, s.objective, method.name, s.n_trials, tasks, n_val, stages.n_stage2, baseline, orphans=orphans
         )
-        print(f"search: default {s.objective} {signed(baseline.value)} on the validation split", flush=True)
+        print(f"search: default {s.objective} {signed(baseline.completed_value())} on the validation split", flush=True)
         if s.start_from_default:
             _seed_default(study, space, baseline)
         lap("baseline")
@@ -212,7 +215,7 @@ def _seed_default(study, space: Space, baseline: Scored) -> None:
     if baseline.stage2 is not None:
         stage_values[1] = baseline.stage2
     attrs = {**_attrs(baseline), "cost": dataclasses.asdict(Cost()), "ran": 0}
-    if studies.seed_default(study, space.distributions(), params, baseline.value, stage_values, attrs):
+    if studies.seed_default(study, space.distributions(), params, baseline.completed_value(), stage_values, attrs):
         print(f"search: the default ({describe(params)}) seeded as a trial the sampler starts from", flush=True)
 
 
@@ -244,7 +247,7 @@ def _tune(study, space: Space, stages: Stages, outcome: SearchOutcome) -> None:
             ended = f"pruned at {res.reason}"
         else:
             study.tell(trial, res.value)
-            ended = f"{s.objective} {signed(res.value)}"
+            ended = f"{s.objective} {signed(res.completed_value())}"
         print(
             progress.line(
                 trial.number, f"{ended} ({res.seconds:.1f} s; {describe(trial.params)})", _best_line(study, s.objective)
@@ -324,7 +327,8 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
     bench = Bench(cfg, suite, list(cfg.benchmark.tasks), suite.digests, store, tokenizer)
     constituents = constituent_scores(bench, stages.constituents, models)
-    out = {"constituents": constituents}
+    out: dict[str, dict] = {"constituents": constituents}
+    assert outcome.best is not None, "the test split scores the best recipe"
     for label, recipe in (("default", outcome.baseline), ("best", outcome.best)):
 
         def make_model(config=recipe.config, label=label):

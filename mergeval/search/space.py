@@ -145,7 +145,7 @@ def parse_space(space: dict, method: MergeMethod, base, n_experts: int) -> Space
 
 
 def _entry(key: str, spec: dict, hint, method: MergeMethod, n_experts: int, where: str) -> Entry:
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+    from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
     per_expert, depth = bool(spec.get("per_expert", False)), spec.get("depth")
     if "choices" in spec:
@@ -155,7 +155,7 @@ def _entry(key: str, spec: dict, hint, method: MergeMethod, n_experts: int, wher
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:
             raise UserError(f"{where}.choices", f"must be a non-empty list, got {choices!r}", HINT)
-        distribution = CategoricalDistribution(choices)
+        distribution: BaseDistribution = CategoricalDistribution(choices)
     else:
         for s in ("low", "high"):
             if not _is_number(spec.get(s)):

@@ -30,7 +30,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo
+from mergeval.core.plain import plain_dict
+from mergeval.methods import MergeMethod
 from mergeval.metrics.perplexity import degradation, mean_log_ratio
 from mergeval.run.ranking import prepare_method
 from mergeval.run.summary import aggregate
@@ -47,7 +50,7 @@ class Stages:
     """What every trial's evaluation shares, built once per search."""
 
     cfg: DictConfig
-    method: object  # MergeMethod
+    method: MergeMethod
     n_experts: int
     models: Models
     constituents: list[ModelInfo]
@@ -87,6 +90,11 @@ class Scored:
     ran: int = 0  # forward passes actually run in this process (benchmark requests + perplexity texts)
     seconds: float = 0.0
 
+    def completed_value(self) -> float:
+        """``value`` of a recipe that went through every stage (not pruned)."""
+        assert self.value is not None, f"a recipe {self.state} at stage {self.stage} has no objective value"
+        return self.value
+
 
 def recipe_config(stages: Stages, overrides: dict):
     """The run's method config with a trial's fields set, validated, then prepared as a run prepares it
@@ -100,12 +108,13 @@ def recipe_config(stages: Stages, overrides: dict):
 
 def objective(
     kind: str, scores: dict, constituent_scores: dict, constituents: list[ModelInfo], metric
-) -> tuple[float, dict]:
+) -> tuple[float | None, dict]:
     """(the objective's value, the aggregates) of a merge's scores (task -> {value, ...}) against the constituents'
     on the same items.
 
     mean_accuracy = (1/T) sum_t acc_t(merged); macro_gain, macro_og and normalized (the mean normalized score
-    over the expert tasks) as ``summary.aggregate`` computes them for a run.
+    over the expert tasks) as ``summary.aggregate`` computes them for a run. normalized is None (undefined) where
+    no expert beats the base on its own task.
     """
     tasks = list(scores)
     table = {t: {**constituent_scores[t], MERGED: scores[t]} for t in tasks}
@@ -117,6 +126,19 @@ def objective(
         "normalized": aggregates["normalized_mean"],
     }[kind]
     return value, aggregates
+
+
+def defined_objective(kind: str, value: float | None) -> float:
+    """The objective's value on the validation split, which the search maximizes: refused with one line where it
+    is undefined (normalized, when no expert beats the base on its own task there: the same for every recipe,
+    as only the constituents' scores decide it)."""
+    if value is None:
+        raise UserError(
+            "search.objective",
+            f"{kind} is undefined on the validation split: no expert beats the base on its own task there",
+            "choose search.objective=macro_gain, macro_og or mean_accuracy",
+        )
+    return value
 
 
 def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
@@ -169,9 +191,10 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
     out.ran += ran
     out.cost += benchmark_cost(stages.choices, stages.n_stage2, stages.n_items)
     out.scores = {t: combine(first[t], rest[t]) for t in stages.validation.tasks}
-    out.value, out.aggregates = objective(
+    value, out.aggregates = objective(
         s.objective, out.scores, stages.constituent_scores, stages.constituents, stages.cfg.metric
     )
+    out.value = defined_objective(s.objective, value)
     out.stage = 3
     return _done(out, started)
 
@@ -193,4 +216,4 @@ def _finite(x: float) -> float:
 def _plain(config) -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(config))
+    return plain_dict(OmegaConf.structured(config))

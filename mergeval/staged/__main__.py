@@ -41,8 +41,8 @@ def pick_command(pick) -> str:
     """The staged pick as a plain run: its method and every field of its config that the plain run's
     composition of that method (this command's other overrides, ``method=<name>``) would set otherwise."""
     from hydra import compose
-    from omegaconf import OmegaConf
 
+    from mergeval.core.plain import plain_dict
     from mergeval.run.config import open_mappings
     from mergeval.run.rerun import changed_fields, kept, run_command
 
@@ -50,7 +50,7 @@ def pick_command(pick) -> str:
     plain = [*kept(overrides, ("staged",), pick.method), f"method={pick.method}"]
     composed = compose("config", overrides=open_mappings(plain))  # as the plain run will compose it
     return run_command(
-        overrides, ("staged",), changed_fields(pick.config, OmegaConf.to_container(composed.method)), method=pick.method
+        overrides, ("staged",), changed_fields(pick.config, plain_dict(composed.method)), method=pick.method
     )
 
 

@@ -14,11 +14,13 @@ fields, set as in ``python -m mergeval.staged``.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergeval.core.errors import UserError
+from mergeval.core.plain import plain_dict
 from mergeval.methods import get_method
 from mergeval.run.config import StagedConfig
 from mergeval.staged.plan import build_candidate
@@ -39,10 +41,10 @@ def _differing_key(a: Any, b: Any, prefix: str = "") -> str | None:
     return None if a == b else prefix.rstrip(".") or "(config)"
 
 
-def candidate_spec(method: dict, swept: set[str] = frozenset()) -> dict:
+def candidate_spec(method: dict, swept: Collection[str] = frozenset()) -> dict:
     """``{name, field: value}``: the method's fields that differ from its defaults or are ``swept`` (what labels
     a candidate: a swept lambda_=1.0 is named even where 1.0 is the default)."""
-    defaults = OmegaConf.to_container(OmegaConf.structured(get_method(method["name"]).config))
+    defaults = plain_dict(OmegaConf.structured(get_method(method["name"]).config))
     return {
         "name": method["name"],
         **{k: v for k, v in method.items() if k != "name" and (k in swept or defaults.get(k) != v)},
@@ -64,7 +66,7 @@ def staged_config(jobs: list[DictConfig], labels: list[str]) -> DictConfig:
     first, so a bad swept value is named as the user wrote it (``method.density``)."""
     if not jobs:
         raise UserError(SWEEPER, "the sweep has no jobs", "sweep the method, e.g. -m method.lambda_=0.5,1.0")
-    plain = [OmegaConf.to_container(job, resolve=True) for job in jobs]
+    plain = [plain_dict(job, resolve=True) for job in jobs]
     rest = [{k: v for k, v in job.items() if k != "method"} for job in plain]
     for label, other in zip(labels[1:], rest[1:]):
         key = _differing_key(rest[0], other)
@@ -83,7 +85,9 @@ def staged_config(jobs: list[DictConfig], labels: list[str]) -> DictConfig:
             "drop staged.grid and staged.candidates (or run python -m mergeval.staged without -m)",
         )
     n_experts = len(rest[0]["modelset"]["experts"])
-    specs, swept, seen = [], swept_fields([job["method"] for job in plain]), {}
+    specs: list[dict] = []
+    swept = swept_fields([job["method"] for job in plain])
+    seen: dict[str, str] = {}  # each candidate's config as JSON -> its job's label
     for label, job in zip(labels, plain):
         spec = candidate_spec(job["method"], swept[job["method"]["name"]])
         try:

@@ -32,12 +32,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo
 from mergeval.core.paths import cache_root
+from mergeval.core.plain import plain_dict
 from mergeval.core.runtime import Laps, apply_offline, library_bars, quiet_transformers
 from mergeval.eval.settings import eval_settings
 from mergeval.eval.suite import build_suite
@@ -53,6 +55,11 @@ from mergeval.staged.kept import KeptMerges, available_memory
 from mergeval.staged.nll import Spent, answer_sequences, token_nlls
 from mergeval.staged.plan import Candidate, Plan, make_plan, stage2_limit
 from mergeval.staged.selection import best_first, combine, mean_accuracy, promote
+
+if TYPE_CHECKING:
+    import torch
+
+    from mergeval.eval.harness import Harness
 
 THIS_RUN, REUSED = "this run", "reused from the results store"
 CONSTITUENTS_IN_MEMORY = 0.5  # share of the free memory the base's and experts' tensors may take (else read lazily)
@@ -78,6 +85,12 @@ class CandidateResult:
     def mean(self, stage: str) -> float | None:
         scores = getattr(self, stage)
         return None if scores is None else mean_accuracy(scores)
+
+    def scored_mean(self, stage: str) -> float:
+        """``mean`` of a stage this candidate was scored in."""
+        value = self.mean(stage)
+        assert value is not None, f"{self.label} has no {stage} scores"
+        return value
 
 
 @dataclass
@@ -113,7 +126,7 @@ class Bench:
         self.cfg, self.suite, self.tasks, self.digests = cfg, suite, tasks, digests
         self.store, self.tokenizer = store, tokenizer
         self.settings = suite.per_task(eval_settings(cfg))
-        self.harnesses: dict[int | None, object] = {}
+        self.harnesses: dict[tuple[int | None, tuple[str, ...]], Harness] = {}
 
     def _harness(self, limit: int | None, entries: list[str]):
         from mergeval.eval.harness import Harness
@@ -238,7 +251,7 @@ class Models:
             MemorySource(load_tensors(d, label), label, d) if self.in_memory else CheckpointReader(d, label)
             for label, d in labelled.items()
         ]
-        self._live = None
+        self._live: torch.nn.Module | None = None
         self._names: list[str] = []  # the tensor names every merge carries
         self.kept = KeptMerges(0, 0)
         self.merges_run = 0
@@ -282,6 +295,7 @@ class Models:
 
     def keep(self, label: str, key: float) -> None:
         """Offer the live model's current weights (the candidate ``label`` just loaded) to ``kept``."""
+        assert self._live is not None, "the candidate was just loaded into the live model"
         state = self._live.state_dict()
         size = sum(state[k].numel() * state[k].element_size() for k in self._names)
         self.kept.offer(label, key, size, lambda: {k: state[k].detach().to("cpu", copy=True) for k in self._names})
@@ -331,6 +345,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     heldout = heldout_items(list(owners), plan.heldout_items, n_items, trained, cfg.modelset.train)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)  # staged runs hold only generated tasks (prepare)
     task_dir = suite.generated_dir
+    assert task_dir is not None, "a staged sweep's tasks are generated ones (prepare)"
     base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
     _data_aware(cfg, plan, base_dir, constituents, cache)
@@ -427,7 +442,7 @@ def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], mo
             cand.label,
             cand.method.name,
             cand.params,
-            OmegaConf.to_container(OmegaConf.structured(cand.config)),
+            plain_dict(OmegaConf.structured(cand.config)),
             models.identity(tensors),
         )
         res.perplexity = scorer.perplexities(models.live(tensors))
@@ -479,8 +494,9 @@ def constituent_scores(bench: Bench, constituents: list[ModelInfo], models: Mode
     and settings, via the store); each ModelInfo's ``evaluated`` says whether this call ran it."""
     scores: dict[str, dict[str, dict]] = {t: {} for t in bench.tasks}
     for info in constituents:
+        model_dir = info.directory()
 
-        def load(path=Path(info.path), role=info.role):
+        def load(path=model_dir, role=info.role):
             print(f"mergeval: evaluating {role} on {len(bench.tasks)} tasks", flush=True)
             return models.saved(path)
 
@@ -512,24 +528,29 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
             res.fingerprint, lambda c=by_label[label]: model_of(c), (0, n2)
         )
         outcome.ran["stage2"] += ran
-    keys = {label: outcome.result(label).mean("stage2") for label in outcome.stage2}
+    keys = {label: outcome.result(label).scored_mean("stage2") for label in outcome.stage2}
     outcome.stage3 = promote(keys, outcome.stage2, plan.stage3_keep, higher_is_better=True)
     print(f"mergeval: stage 3: {len(outcome.stage3)} candidates on items [{n2}, {n}) of each task", flush=True)
     outcome.ran["stage3"] = 0
     for label in outcome.stage3:
         res = outcome.result(label)
+        stage2 = res.stage2
+        assert stage2 is not None, "a stage 3 candidate was promoted from stage 2"
         if n2 < n:
             rest, res.evaluated["stage3"], ran = bench.scores(
                 res.fingerprint, lambda c=by_label[label]: model_of(c), (n2, n)
             )
             outcome.ran["stage3"] += ran
-            res.stage3 = {t: combine(res.stage2[t], rest[t]) for t in outcome.tasks}
+            stage3 = {t: combine(stage2[t], rest[t]) for t in outcome.tasks}
         else:  # stage 2 already covered every item
-            res.stage3 = res.stage2
-        scores = {t: dict(outcome.constituent_scores[t], **{MERGED: res.stage3[t]}) for t in outcome.tasks}
+            stage3 = stage2
+        res.stage3 = stage3
+        scores = {t: dict(outcome.constituent_scores[t], **{MERGED: stage3[t]}) for t in outcome.tasks}
         res.aggregates = aggregate(scores, outcome.tasks, outcome.constituents, bench.cfg.metric.scale)
     outcome.stage3 = best_first(
-        {label: outcome.result(label).mean("stage3") for label in outcome.stage3}, outcome.stage3, higher_is_better=True
+        {label: outcome.result(label).scored_mean("stage3") for label in outcome.stage3},
+        outcome.stage3,
+        higher_is_better=True,
     )
     outcome.pick = outcome.stage3[0]
 
@@ -562,5 +583,5 @@ def _full(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
         res = outcome.result(label)
         res.full, res.evaluated["full"] = scores, evaluated
         outcome.ran["full"] += ran
-    means = {c.label: c.mean("full") for c in outcome.candidates}
+    means = {c.label: c.scored_mean("full") for c in outcome.candidates}
     outcome.comparison = compare(outcome.pick, means, [c.label for c in outcome.candidates])

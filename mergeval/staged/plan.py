@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from mergeval.core.errors import UserError
+from mergeval.core.plain import plain_dict, plain_list
 from mergeval.methods import MergeMethod, get_method
 
 
@@ -54,7 +55,7 @@ def stage2_limit(fraction: float, n: int) -> int:
 def _specs(staged) -> list[tuple[str, dict]]:
     """(declaration path, {name, field: value}) per candidate: the grid's products, then the explicit list."""
     specs = []
-    grid = OmegaConf.to_container(staged.grid)
+    grid = plain_dict(staged.grid)
     for name, fields in grid.items():
         for key, values in fields.items():
             if not values:
@@ -62,7 +63,7 @@ def _specs(staged) -> list[tuple[str, dict]]:
         keys = list(fields)
         for values in itertools.product(*(fields[k] for k in keys)):
             specs.append((f"staged.grid.{name}", {"name": name, **dict(zip(keys, values))}))
-    for i, spec in enumerate(OmegaConf.to_container(staged.candidates)):
+    for i, spec in enumerate(plain_list(staged.candidates)):
         if "name" not in spec:
             raise UserError(f"staged.candidates[{i}].name", "missing", "name the merge method, e.g. name: ties")
         specs.append((f"staged.candidates[{i}]", spec))
@@ -96,7 +97,7 @@ def typed_config(path: str, method: MergeMethod, params: dict, n_experts: int, b
         try:
             node = OmegaConf.merge(node, {key: value})
         except ConfigKeyError:
-            fields = [f for f in node if f != "name"]
+            fields = [str(f) for f in node if f != "name"]
             raise UserError(
                 f"{path}.{key}", f"no such field of method {method.name}", f"use one of: {', '.join(fields)}"
             ) from None
@@ -118,7 +119,8 @@ def make_plan(staged, n_experts: int) -> Plan:
             "no staged section in the config",
             "use an experiment that defines one, e.g. +experiment=quickstart_staged",
         )
-    candidates, seen = [], {}
+    candidates: list[Candidate] = []
+    seen: dict[str, str] = {}  # each candidate's config as JSON -> its label
     for path, spec in _specs(staged):
         cand = build_candidate(path, spec, n_experts)
         key = json.dumps(OmegaConf.to_container(OmegaConf.structured(cand.config)), sort_keys=True)

@@ -147,9 +147,10 @@ def render(outcome: StagedOutcome, title: str, console: Console | None = None) -
     elif outcome.pick is not None:
         pick = outcome.result(outcome.pick)
         agg = pick.aggregates
+        assert agg is not None, "the pick is a finalist"
         mean = agg["normalized_mean"]
         console.print(
-            f"pick: [bold]{pick.label}[/bold]   mean acc {pick.mean('stage3'):.3f}   "
+            f"pick: [bold]{pick.label}[/bold]   mean acc {pick.scored_mean('stage3'):.3f}   "
             f"Macro-Gain {agg['macro_gain']:+.2f}   normalized "
             f"{'undefined' if mean is None else f'{mean:.2f}'} ({agg['normalized_band']})"
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def mean_accuracy(scores: Mapping[str, Mapping[str, float]]) -> float:
@@ -37,7 +38,7 @@ def promote(
     return [c for c in best_first(keys, labels, higher_is_better) if c not in excluded][:k]
 
 
-def combine(first: Mapping[str, float], rest: Mapping[str, float]) -> dict[str, float]:
+def combine(first: Mapping[str, Any], rest: Mapping[str, Any]) -> dict[str, Any]:
     """Accuracy over two disjoint item sets from each one's ``{acc, n}``: ``(c_1 + c_2) / (n_1 + n_2)``.
 
     ``c_i = round(acc_i · n_i)`` is the number of items answered correctly

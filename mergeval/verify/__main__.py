@@ -249,7 +249,7 @@ def report(
                 [[str(r.index), r.label, str(r.config.get("modelset", {}).get("name", "?")), r.path] for r in runs],
             )
         )
-    source = f"{len(runs)} run(s)" if runs_given else "no --run given"
+    source = f"{len(runs)} run(s)" if runs is not None else "no --run given"
     out.append(f"\nclaims: {len(results)} checks ({source})")
     if results:
         margins = any(r.margin is not None for r in results)

@@ -91,7 +91,7 @@ import itertools
 import math
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -516,26 +516,31 @@ def _check_expanded_cells(claim: Claim, field: str, tables: Mapping[str, Table])
         return
     for values in itertools.product(*static.values()) if static else [()]:
         binding = dict(zip(static, values))
+
+        def filled(s: str, binding: Mapping[str, Any] = binding) -> str:
+            return str(_fill(s, binding))
+
         for op in claim.operands:
             if op.kind == "cell":
+                assert op.ref is not None, "a cell operand has its reference"
                 find_cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), field)
             elif op.line is not None:
-                members(op.line.fill(lambda s, binding=binding: str(_fill(s, binding))), tables, f"{field}.{op.kind}")
+                members(op.line.fill(filled), tables, f"{field}.{op.kind}")
         if claim.rank is not None:
-            _rank_members(claim, binding, tables, field)
+            _rank_members(claim, claim.rank, binding, tables, field)
 
 
-def _rank_members(claim: Claim, binding: Mapping[str, Any], tables: Mapping[str, Table], field: str):
+def _rank_members(claim: Claim, rank: Rank, binding: Mapping[str, Any], tables: Mapping[str, Table], field: str):
     """The ranked line's cells and the (place, who) to check, names matched; UserError for an unknown who."""
-    cells = members(claim.rank.line.fill(lambda s: str(_fill(s, binding))), tables, f"{field}.{claim.op}")
+    cells = members(rank.line.fill(lambda s: str(_fill(s, binding))), tables, f"{field}.{claim.op}")
     places = []
-    for place, who in claim.rank.places:
+    for place, who in rank.places:
         name = match_name([c[0] for c in cells], str(_fill(who, binding)))
         if name is None:
             key = "is" if claim.op != "rank" else place
             raise UserError(
                 f"{field}.{key}",
-                f"{who!r} is not in {claim.rank.line.describe()}",
+                f"{who!r} is not in {rank.line.describe()}",
                 f"use one of {[c[0] for c in cells]} (rows of derived_rows and columns of derived are "
                 "summaries, not ranked)",
             )
@@ -608,20 +613,20 @@ def _reduce(how: str, measured: list[Measured]) -> Measured:
     values = [m.value for m in measured]
     low = min(measured, key=lambda m: m.value)
     high = max(measured, key=lambda m: m.value)
-    forms = [m.form for m in measured]
+    forms = [m.form for m in measured if m.form is not None]
     if how in ("min", "max"):
         return low if how == "min" else high
     if how == "std":
         return Measured(statistics.stdev(values))
     value = math.fsum(values) / len(values) if how == "mean" else high.value - low.value
-    if any(f is None for f in forms):  # no combination to pair: the runs taken as scored independently
+    if len(forms) < len(measured):  # no combination to pair: the runs taken as scored independently
         se = (
             math.sqrt(math.fsum(m.stderr**2 for m in measured)) / len(values)
             if how == "mean"
             else math.hypot(high.stderr, low.stderr)
         )
         return Measured(value, se)
-    return Measured.linear(value, total(forms) * (1.0 / len(forms)) if how == "mean" else high.form - low.form)
+    return Measured.linear(value, total(forms) * (1.0 / len(forms)) if how == "mean" else high.run_form - low.run_form)
 
 
 def _select(runs: list[Run], where: dict) -> list[Run]:
@@ -642,12 +647,15 @@ def _operand_value(
     metrics: Mapping[str, RunMetric],
 ) -> Measured:
     if op.kind == "number":
+        assert op.number is not None, "a number operand has its value"
         return Measured(op.number)
     if op.kind == "cell":
+        assert op.ref is not None, "a cell operand has its reference"
         ref, printed = find_cell(tables, tuple(str(_fill(s, binding)) for s in op.ref), f"claims.{claim.id}")
         lo, hi = cell_interval(tables, ref)
         return Measured(printed.value, text=printed.text, lo=lo, hi=hi)
     if op.kind in ("max", "min"):
+        assert op.line is not None, "a max or min operand has its line"
         return extreme(op.kind, members(op.line.fill(lambda s: str(_fill(s, binding))), tables, f"claims.{claim.id}"))
     where = _bind_where(_effective_where(op, claim), binding)
     if op.over_runs is None:
@@ -758,7 +766,7 @@ def _over_instances(claim, parts, runs, binding, tables, metrics) -> list[ClaimR
     per_run = _per_run(claim)
     wheres = [_bind_where(_effective_where(op, claim), binding) for op in per_run]
     if not per_run:
-        instances: list[Run | None] = [None]
+        instances: Sequence[Run | None] = [None]
     elif all(w == wheres[0] for w in wheres):
         instances = _select(runs, wheres[0])
         if not instances:
@@ -854,7 +862,8 @@ def _judge_rank(
     claim: Claim, parts: list[str], binding: Mapping[str, Any], tables: Mapping[str, Table]
 ) -> list[ClaimResult]:
     """One result per stated place: the named row (column) is first / last of the line (quantified.rank_verdict)."""
-    cells, places = _rank_members(claim, binding, tables, f"claims.{claim.id}")
+    assert claim.rank is not None, "a ranking claim"
+    cells, places = _rank_members(claim, claim.rank, binding, tables, f"claims.{claim.id}")
     results = []
     for place, who in places:
         status, detail, mine, rival = rank_verdict(cells, who, place, claim.rank.best)

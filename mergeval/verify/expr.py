@@ -93,7 +93,7 @@ def _allowed(node: ast.AST, text: str) -> None:
             isinstance(node.func, ast.Name)
             and node.func.id in _FUNCTIONS
             and not node.keywords
-            and node.args
+            and bool(node.args)
             and not any(isinstance(a, ast.Starred) for a in node.args)
             and (node.func.id != "abs" or len(node.args) == 1)
         )
@@ -117,6 +117,7 @@ def evaluate(expr: Expr, env: Mapping[str, Interval]) -> Interval:
 
     def ev(node: ast.expr) -> Interval:
         if isinstance(node, ast.Constant):
+            assert isinstance(node.value, (int, float)), "_allowed admits numbers only"
             return float(node.value), float(node.value)
         if isinstance(node, ast.Name):
             return env[expr.placeholders.get(node.id, node.id)]
@@ -125,6 +126,7 @@ def evaluate(expr: Expr, env: Mapping[str, Interval]) -> Interval:
             return (-hi, -lo) if isinstance(node.op, ast.USub) else (lo, hi)
         if isinstance(node, ast.BinOp):
             return _BINARY[type(node.op)](ev(node.left), ev(node.right), node)
+        assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name), "_allowed admits no other node"
         args = [ev(a) for a in node.args]
         return _CALLS[node.func.id](args)
 
@@ -158,6 +160,11 @@ def _sum(args: list[Interval]) -> Interval:
     return math.fsum(a[0] for a in args), math.fsum(a[1] for a in args)
 
 
+def _mean(args: list[Interval]) -> Interval:
+    lo, hi = _sum(args)
+    return lo / len(args), hi / len(args)
+
+
 _BINARY: dict[type, Callable[[Interval, Interval, ast.BinOp], Interval]] = {
     ast.Add: lambda a, b, _: (a[0] + b[0], a[1] + b[1]),
     ast.Sub: lambda a, b, _: (a[0] - b[1], a[1] - b[0]),
@@ -166,7 +173,7 @@ _BINARY: dict[type, Callable[[Interval, Interval, ast.BinOp], Interval]] = {
 }
 _CALLS: dict[str, Callable[[list[Interval]], Interval]] = {
     "sum": _sum,
-    "mean": lambda args: tuple(x / len(args) for x in _sum(args)),
+    "mean": _mean,
     "min": lambda args: (min(a[0] for a in args), min(a[1] for a in args)),
     "max": lambda args: (max(a[0] for a in args), max(a[1] for a in args)),
     "abs": _abs,

@@ -21,7 +21,7 @@ is bounded by interval arithmetic (exact when each name occurs once).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +108,7 @@ def _refs(raw: Any, field: str, resolve) -> list[Ref]:
     return [resolve(r, f"{field}[{i}]") for i, r in enumerate(raw)]
 
 
-def _keys(body: Any, field: str, required: set[str], optional: set[str] = frozenset()) -> Mapping:
+def _keys(body: Any, field: str, required: set[str], optional: Collection[str] = frozenset()) -> Mapping:
     if not isinstance(body, Mapping):
         raise UserError(field, "must be a mapping", f"give the keys {sorted(required)}")
     missing, extra = required - set(body), set(body) - required - set(optional)

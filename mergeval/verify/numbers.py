@@ -95,7 +95,7 @@ def interval(printed: Printed, decimals: int | None = None, bounds: Interval | N
     return lo, hi
 
 
-def corner_range(f: Callable[[Sequence[float]], float], boxes: Sequence[Interval]) -> Interval:
+def corner_range(f: Callable[[Sequence[float]], float | None], boxes: Sequence[Interval]) -> Interval:
     """(min, max) of f over the corners of the box  prod_i [lo_i, hi_i].
 
     Inputs with lo_i = hi_i are exact and stay fixed. Exact for f monotone in

@@ -103,12 +103,12 @@ def members(spec: Line, tables: Mapping[str, Table], field: str) -> list[tuple[s
         raise UserError(field, f"refers to unknown table '{spec.table}'", f"use one of {sorted(tables)}")
     table = tables[spec.table]
     along, across = (table.columns, table.rows) if spec.col is not None else (table.rows, table.columns)
-    fixed = match_name(along, spec.col if spec.col is not None else spec.row)
+    name = spec.col if spec.col is not None else spec.row
+    assert name is not None, "a line is down a column or across a row (parse_line)"
+    fixed = match_name(along, name)
     if fixed is None:
         what = "column" if spec.col is not None else "row"
-        raise UserError(
-            field, f"table '{table.name}' has no {what} {show(spec.col or spec.row)}", f"use one of {along}"
-        )
+        raise UserError(field, f"table '{table.name}' has no {what} {show(name)}", f"use one of {along}")
     without = []
     for name in spec.without:
         known = match_name(across, name)

@@ -69,6 +69,12 @@ class Measured:
         return cls(value, paired_stderr(form), form=form)
 
     @property
+    def run_form(self) -> Linear:
+        """``form`` of a run's value (``Run.score``, a run metric): a published cell or a number has none."""
+        assert self.form is not None, "a run's value is a combination of its items"
+        return self.form
+
+    @property
     def bounds(self) -> tuple[float, float]:
         return (self.value if self.lo is None else self.lo, self.value if self.hi is None else self.hi)
 
@@ -132,8 +138,8 @@ class Run:
         if name == "macro_og":
             roles = [max(roles, key=lambda r: sum(self.score(t, r).value for t in tasks))]
         weight = 1.0 / len(roles)
-        merged = total([self.score(t, "merged").form for t in tasks])
-        constituents = total([self.score(t, r).form for r in roles for t in tasks])
+        merged = total([self.score(t, "merged").run_form for t in tasks])
+        constituents = total([self.score(t, r).run_form for r in roles for t in tasks])
         return (merged - constituents * weight) * factor
 
     def aggregate_stderr(self, name: str) -> float:
@@ -224,7 +230,9 @@ class RunMetric:
             return self._forgetting(run, role)
         if self.kind == "mean":
             tasks = self.body.get("tasks") or list(run.scores)
-            groups, scale, weighting, weights = {"all": tasks}, {"all": self.body.get("scale", 1.0)}, "tasks", None
+            groups: dict = {"all": tasks}
+            scale: dict | None = {"all": self.body.get("scale", 1.0)}
+            weighting, weights = "tasks", None
         else:
             groups, scale = self.body["groups"], self.body.get("scale")
             weighting, weights = self.body.get("weighting", "tasks"), self.body.get("weights")
@@ -239,7 +247,7 @@ class RunMetric:
         # group_mean is linear in the scores: its weight on task t is f(e_t) - f(0)
         zero = f(dict.fromkeys(tasks, 0.0))
         weight = {t: f({u: float(u == t) for u in tasks}) - zero for t in tasks}
-        return Measured.linear(value, total([got[t].form * weight[t] for t in dict.fromkeys(tasks)]))
+        return Measured.linear(value, total([got[t].run_form * weight[t] for t in dict.fromkeys(tasks)]))
 
     def _forgetting(self, run: Run, role: str) -> Measured:
         own = {task for _, task in run.experts()}
@@ -250,7 +258,7 @@ class RunMetric:
         other = {t: run.score(t, role) for t in tasks}
         scale = float(self.body.get("scale", 1.0))
         drop = forgetting({t: m.value for t, m in base.items()}, {t: m.value for t, m in other.items()})["mean"]
-        form = total([base[t].form - other[t].form for t in base]) * (scale / len(base))
+        form = total([base[t].run_form - other[t].run_form for t in base]) * (scale / len(base))
         return Measured.linear(scale * drop, form)
 
     def label(self, run: Run) -> str:

@@ -128,17 +128,24 @@ class Table:
     discrepancies: dict[tuple[str, str], Discrepancy] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    def printed(self, row: str, col: str) -> Printed:
+        """The printed cell [row, col]. Blank cells are never read: a reference to one is refused (``find_cell``,
+        derived_cells), derived columns and rows skip them, and so does ``line``."""
+        printed = self.cells[row, col]
+        assert printed is not None, f"cell [{row}, {col}] of table {self.name} is blank"
+        return printed
+
     def interval(self, row: str, col: str) -> Interval:
         """The true values the printed cell [row, col] stands for, under its column's format."""
         fmt = self.formats.get(col, Format())
-        printed = self.cells[row, col]
+        printed = self.printed(row, col)
         if fmt.exact:
             printed = Printed(printed.text, printed.value, printed.decimals, True)
         return interval(printed, fmt.decimals, fmt.bounds)
 
     def decimals(self, row: str, col: str) -> int:
         """The precision of the printed cell: max(printed decimals, its column's declared decimals)."""
-        return max(self.cells[row, col].decimals, self.formats.get(col, Format()).decimals or 0)
+        return max(self.printed(row, col).decimals, self.formats.get(col, Format()).decimals or 0)
 
     def derived(self, axis: str) -> set[str]:
         """The rows (axis "rows") that ``derived_rows`` computes, or the columns ("columns") that ``derived`` does:
@@ -274,7 +281,7 @@ def _format(raw: Any, field: str, base: Format = Format()) -> Format:
 
 
 def _names(raw: Any, field: str, what: str) -> list[str]:
-    names = [name_text(n) if name_text(n) is not None else str(n) for n in raw] if isinstance(raw, list) else []
+    names = [_text(n) for n in raw] if isinstance(raw, list) else []
     if not names:
         raise UserError(field, f"needs a non-empty list of distinct {what} names", f"list the {what}s")
     twice = [n for i, n in enumerate(names) if n in names[:i]]
@@ -372,6 +379,8 @@ def _parse_derived(table: Table, body: Mapping, field: str) -> None:
         if not isinstance(entry, Mapping) or "at" not in entry:
             raise UserError(where, "needs at: [row, col] and one derivation", "write {at: [r, c], mean: [..]}")
         at = _resolver(table)(entry["at"], f"{where}.at")
+        if (at[1], at[2]) in table.cells and table.cells[at[1], at[2]] is None:
+            raise UserError(f"{where}.at", f"[{at[1]}, {at[2]}] is a blank cell", "derive a printed cell")
         formula = {k: v for k, v in entry.items() if k != "at"}
         # a bare name is a column of the cell's own row, as in ``derived``
         parsed = parse_formula(formula, where, _resolver(table, row=at[1]))
@@ -434,7 +443,8 @@ def _resolver(table: Table, row: str | None = None, col: str | None = None):
 
 
 def _text(raw: Any) -> str:
-    return name_text(raw) if name_text(raw) is not None else str(raw)
+    text = name_text(raw)
+    return text if text is not None else str(raw)
 
 
 def find_cell(tables: Mapping[str, Table], ref: Sequence[Any], field: str) -> tuple[Ref, Printed]:
@@ -475,12 +485,13 @@ def line(
     blanks skipped: (name, printed, interval) in table order."""
     if col is not None:
         return [
-            (r, table.cells[r, col], table.interval(r, col))
+            (r, table.printed(r, col), table.interval(r, col))
             for r in table.rows
             if r not in without and table.cells[r, col] is not None
         ]
+    assert row is not None, "a line is a column or a row"
     return [
-        (c, table.cells[row, c], table.interval(row, c))
+        (c, table.printed(row, c), table.interval(row, c))
         for c in table.columns
         if c not in without and table.cells[row, c] is not None
     ]
@@ -534,7 +545,7 @@ def _verdict(derivation: Derivation, table: Table, recomputed: float, lo: float,
     """
     at, kind = derivation.at, derivation.formula.text
     check = partial(CellCheck, at, kind, origin=derivation.origin)
-    printed = table.cells[at[1], at[2]]
+    printed = table.printed(at[1], at[2])
     p_lo, p_hi = table.interval(at[1], at[2])
     ok = meets((p_lo, p_hi), (lo, hi))
     off = printed.value - recomputed

@@ -51,18 +51,19 @@ ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("mergeval", "conf", "specs", "tests", "benchmarks", "docs", "pyproject.toml", "README.md")
 PYTEST = ("-q", "-x", "-p", "no:cacheprovider")
 
+# The merge methods' tests, one file per module of mergeval/methods (test_registry.py: every method at once).
 METHODS = (
-    "tests/test_methods.py",
-    "tests/test_methods_more.py",
-    "tests/test_methods_exact.py",
-    "tests/test_methods_lowp.py",
+    "tests/test_task_vector.py",
+    "tests/test_sparsify.py",
+    "tests/test_geometric.py",
+    "tests/test_registry.py",
 )
-SPARSE = ("tests/test_methods_more.py", "tests/test_methods_exact.py", "tests/test_methods_lowp.py")
+SPARSE = ("tests/test_sparsify.py", "tests/test_task_vector.py", "tests/test_geometric.py", "tests/test_registry.py")
 METRICS = ("tests/test_metrics_properties.py", "tests/test_metrics_more.py", "tests/test_metrics_exact.py")
 VERIFY = ("tests/test_verify.py", "tests/test_spec_language.py", "tests/test_verify_exact.py")
 PAIRED = ("tests/test_paired.py", "tests/test_paired_claims.py")
-HIERARCHICAL = ("tests/test_hierarchical.py", "tests/test_methods_exact.py")
-CURRICULUM = ("tests/test_curriculum_pipeline.py", "tests/test_methods_exact.py")
+HIERARCHICAL = ("tests/test_hierarchical.py",)
+CURRICULUM = ("tests/test_curriculum_pipeline.py",)
 AGGREGATION = (
     "tests/test_aggregation.py",
     "tests/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores",
@@ -332,7 +333,7 @@ MUTANTS = [
         "mergeval/methods/task_vector.py",
         'voters = weighted if compat.option(cfg, "weights_before_election", False, True) else sparse',
         "voters = sparse",
-        METHODS + SPARSE[:1],
+        METHODS,
         "the TIES variants ignore weights_before_election",
     ),
     Mutant(

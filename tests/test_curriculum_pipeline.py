@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergeval.core.errors import UserError
-from mergeval.methods import get_method
+from mergeval.methods import METHODS, get_method
 from mergeval.methods.curriculum import CmmConfig, merge_order, schedule
 from mergeval.methods.draws import Draws
 from mergeval.methods.pipeline import PipelineConfig, StageConfig
 from mergeval.methods.task_vector import TaskArithmeticConfig, TiesConfig
 from mergeval.run.ranking import near_ties, score_stderr
+from tests.strategies import merge, t
 
 GEN = Draws(0, "w")
 cmm = get_method("cmm")
@@ -292,3 +293,57 @@ def test_near_ties_follow_the_merge_order_and_each_gap_is_under_one_stderr(exper
         assert order.index(b) == order.index(a) + 1  # neighbours in the curriculum, weakest first
         if tie["gap_in_stderrs"] is not None:
             assert 0 <= tie["gap_in_stderrs"] < 1
+
+
+def test_cmm_schedules_by_hand():
+    assert schedule("linear", 0.3, 0.6, 3) == pytest.approx([0.3, 0.45, 0.6])
+    assert schedule("linear", 0.3, 0.6, 1) == pytest.approx([0.3])
+    assert schedule("exponential", 0.2, 0.8, 3) == pytest.approx([0.2, 0.4, 0.8])
+    assert schedule("constant", 0.4, 0.9, 2) == pytest.approx([0.4, 0.4])
+
+
+def test_cmm_interpolate_steps_by_hand():
+    # coefficients 0.5, 0.5 in the given order: theta_1 = 0.5 * 1 = 0.5; theta_2 = 0.5 * 0.5 + 0.5 * 2 = 1.25
+    out = merge("cmm", t(0.0), [t(1.0), t(2.0)], order="given", schedule="constant", start=0.5, end=0.5)
+    assert out.item() == pytest.approx(1.25)
+    # lambda scales theta_N - b: 2 * 1.25; ranked by the scores, expert 1 (0.2) first: 0.5 * 2 = 1, 0.5 + 0.5 = 1
+    out = merge(
+        "cmm",
+        t(0.0),
+        [t(1.0), t(2.0)],
+        order="ranked",
+        validation_scores=[0.9, 0.2],
+        schedule="constant",
+        start=0.5,
+        end=0.5,
+        lambda_=2.0,
+    )
+    assert out.item() == pytest.approx(2.0)
+
+
+def test_cmm_ties_step_weights_the_model_so_far_by_one_minus_c():
+    # step 1 (c = 0.25): TIES of [b, e1] with weights [0.75, 0.25]: only e1 moves: 0.25 * 4 / 0.25 = 4
+    # step 2 (c = 0.75): deltas 4 (weight 0.25) and 8 (weight 0.75): (1 + 6) / 1 = 7
+    out = merge(
+        "cmm",
+        t(0.0),
+        [t(4.0), t(8.0)],
+        order="given",
+        update="ties_step",
+        schedule="linear",
+        start=0.25,
+        end=0.75,
+        density=1.0,
+    )
+    assert out.item() == pytest.approx(7.0)
+
+
+def test_a_pipeline_stage_merges_around_its_own_base():
+    # half = 0 + 0.5 * (2 - 0) = 1; final around half: 1 + 0.5 * (4 - 1) = 2.5 (around the modelset's base: 2)
+    stages = [
+        StageConfig(name="half", base="base", inputs=["a"], method={"name": "task_arithmetic", "lambda_": 0.5}),
+        StageConfig(name="final", base="half", inputs=["c"], method={"name": "task_arithmetic", "lambda_": 0.5}),
+    ]
+    cfg = PipelineConfig(stages=stages, expert_names=["a", "c"])
+    METHODS["pipeline"].validate(cfg, 2)
+    assert METHODS["pipeline"].merge(t(0.0), [t(2.0), t(4.0)], cfg, Draws(0, "w")).item() == pytest.approx(2.5)

@@ -1,8 +1,10 @@
 """mergeval/methods/geometric.py: the definitions and invariants of NearSwap and of mergekit's spherical methods
-(NuSLERP, Multi-SLERP, the Karcher mean); SLERP's and Model Stock's tests are in test_methods_exact.py and
-test_methods_more.py, the parity of all of them with mergekit 0.1.5 in test_mergekit_parity.py."""
+(NuSLERP, Multi-SLERP, the Karcher mean), and SLERP's and Model Stock's invariants and hand-worked merges; the
+parity of all of them with mergekit 0.1.5 is in test_mergekit_parity.py."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from hypothesis import strategies as st
 from mergeval.core.errors import UserError
 from mergeval.methods import get_method
 from mergeval.methods.draws import Draws
+from tests.strategies import t, tensors
+
+SETTINGS = settings(max_examples=40, deadline=None)
 
 NEARSWAP = get_method("nearswap")
 
@@ -296,3 +301,95 @@ def test_weights_summing_to_zero_without_normalising_are_allowed():
     torch.testing.assert_close(
         nu.merge(b, [x, y], nu.config(weights=[1.0, -1.0]), Draws(0, "w")), torch.tensor([2**-0.5, 2**-0.5])
     )
+
+
+@SETTINGS
+@given(tensors(max_experts=1))
+def test_slerp_endpoints(data):
+    base, experts = data
+    assert torch.equal(merge("slerp", base, experts, t=0.0), base)
+    assert torch.equal(merge("slerp", base, experts, t=1.0), experts[0])
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.floats(0.1, 3.0), st.floats(0.0, 1.0))
+def test_slerp_of_colinear_tensors_is_lerp(data, scale, t):
+    base, _ = data
+    expert = scale * base
+    assert torch.allclose(merge("slerp", base, [expert], t=t), (1 - t) * base + t * expert, atol=1e-6)
+
+
+@SETTINGS
+@given(tensors(max_experts=1, shapes=((16,), (4, 8))), st.floats(0.0, 1.0))
+def test_slerp_keeps_the_norm_of_equal_norm_tensors(data, t):
+    base, _ = data
+    other = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
+    expert = other * (base.norm() / other.norm())
+    out = merge("slerp", base, [expert], t=t)
+    assert out.norm().item() == pytest.approx(base.norm().item(), rel=1e-5)
+
+
+def test_slerp_by_hand():
+    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=0.5)
+    assert torch.allclose(out, torch.tensor([math.sqrt(0.5), math.sqrt(0.5)]))
+    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=1 / 3)
+    assert torch.allclose(out, torch.tensor([math.cos(math.pi / 6), math.sin(math.pi / 6)]))
+
+
+@SETTINGS
+@given(tensors(max_experts=1), st.integers(2, 4), st.booleans())
+def test_model_stock_of_identical_experts_returns_the_expert(data, copies, filter_wise):
+    base, (expert,) = data
+    assert torch.allclose(merge("model_stock", base, [expert] * copies, filter_wise=filter_wise), expert, atol=1e-6)
+
+
+def test_model_stock_by_hand():
+    base = torch.zeros(2)
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.5, math.sqrt(3) / 2])  # cos 0.5 -> t = 1 / 1.5
+    assert torch.allclose(merge("model_stock", base, [e1, e2]), (2 / 3) * (e1 + e2) / 2)
+    base = torch.ones(2)
+    out = merge("model_stock", base, [base + e1, base - e1])  # cos -1, clamped to 0 -> t = 0
+    assert torch.equal(out, base)
+
+
+@SETTINGS
+@given(tensors(min_experts=2), st.booleans(), st.randoms())
+def test_model_stock_does_not_depend_on_expert_order(data, filter_wise, rnd):
+    base, experts = data
+    shuffled = experts[:]
+    rnd.shuffle(shuffled)
+    assert torch.allclose(
+        merge("model_stock", base, experts, filter_wise=filter_wise),
+        merge("model_stock", base, shuffled, filter_wise=filter_wise),
+        atol=1e-6,
+    )
+
+
+def test_slerp_off_the_midpoint_weights_the_base_by_sin_of_the_remaining_angle():
+    # orthogonal unit vectors, theta = pi/2: t = 0.25 gives sin(3pi/8) * base + sin(pi/8) * expert
+    out = merge("slerp", t(1.0, 0.0), [t(0.0, 1.0)], t=0.25)
+    torch.testing.assert_close(out, t(math.sin(3 * math.pi / 8), math.sin(math.pi / 8)))
+    # colinear: plain lerp, 0.75 * 1 + 0.25 * 3
+    torch.testing.assert_close(merge("slerp", t(1.0, 1.0), [t(3.0, 3.0)], t=0.25), t(1.5, 1.5))
+    # opposite (cos = -1, sin(theta) = 0) and nearly opposite: lerp too, never a division by sin(theta) ~ 0
+    torch.testing.assert_close(merge("slerp", t(1.0, 2.0), [t(-1.0, -2.0)], t=0.25), t(0.5, 1.0))
+    near = merge("slerp", t(1.0, 0.0), [t(-1.0, 0.01)], t=0.5)  # cos = -0.99995
+    torch.testing.assert_close(near, t(0.0, 0.005))
+
+
+def test_model_stock_with_three_experts():
+    # d = (1,0,0), (0,1,0), (1,1,0): pair cosines 0, 1/sqrt2, 1/sqrt2 -> cos = sqrt2 / 3
+    # t = 3 cos / (1 + 2 cos); merged = t * mean(e) + (1 - t) * base, mean(e) = (2/3, 2/3, 0)
+    base = t(0.0, 0.0, 0.0)
+    experts = [t(1.0, 0.0, 0.0), t(0.0, 1.0, 0.0), t(1.0, 1.0, 0.0)]
+    cos = math.sqrt(2) / 3
+    w = 3 * cos / (1 + 2 * cos)
+    torch.testing.assert_close(merge("model_stock", base, experts), t(w * 2 / 3, w * 2 / 3, 0.0))
+
+
+def test_model_stock_filter_wise_takes_one_angle_per_row():
+    # row 0: d = (1, 0), (0, 1) -> cos 0 -> t 0 -> the base row; row 1: parallel deltas -> t 1 -> mean row
+    base = torch.zeros(2, 2)
+    e1, e2 = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[0.0, 1.0], [3.0, 3.0]])
+    out = merge("model_stock", base, [e1, e2], filter_wise=True)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0], [2.0, 2.0]]))

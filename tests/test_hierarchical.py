@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -17,8 +18,10 @@ from mergeval.methods.hierarchical import (
     cosine_weight,
     fill_head_counts,
     head_permutation,
+    hierarchical_tensor,
     permute_heads,
 )
+from tests.strategies import t
 
 HEADS, KV = 4, 2
 method = get_method("hierarchical")
@@ -169,3 +172,10 @@ def test_cosine_weight_at_an_intermediate_angle_by_hand():
     assert cosine_weight([a], [b], 0.6) == pytest.approx(0.3)
     parts_a, parts_b = [torch.tensor([3.0]), torch.tensor([4.0])], [torch.tensor([4.0]), torch.tensor([3.0])]
     assert cosine_weight(parts_a, parts_b, 1.0) == pytest.approx(24 / 25)
+
+
+def test_hierarchical_non_layer_tensor_interpolates_from_the_anchor():
+    # d_A = (1, 0), d_B = (1, 1): cos = 1/sqrt2 = w; merged = (1 - w) A + w B = (1, w)
+    base, a, b = t(0.0, 0.0), t(1.0, 0.0), t(1.0, 1.0)
+    out = hierarchical_tensor(base, [a, b], HierarchicalConfig(align="none"), Draws(0, "w"))
+    torch.testing.assert_close(out, t(1.0, 1 / math.sqrt(2)))

@@ -1,4 +1,5 @@
-"""Invariants of the sparsifying (DARE, Breadcrumbs, DELLA, SCE) and geometric (SLERP, Model Stock) methods."""
+"""The sparsifying methods (mergeval/methods/sparsify.py: DARE, Breadcrumbs, DELLA, SCE): invariants
+(hypothesis) and hand-worked merges."""
 
 from __future__ import annotations
 
@@ -9,35 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeval.core.errors import UserError
-from mergeval.methods import METHODS, get_method
 from mergeval.methods.draws import Draws
 from mergeval.methods.sparsify import breadcrumbs_mask, dare_drop, della_keep_prob, della_magprune
+from tests.strategies import merge, t, tensors
 
 SETTINGS = settings(max_examples=40, deadline=None)
 LAMBDA_METHODS = ["dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce"]
 RANDOM_METHODS = ["dare_linear", "dare_ties", "della", "della_linear"]
-
-
-@st.composite
-def tensors(draw, min_experts: int = 1, max_experts: int = 4, shapes=((7,), (3, 5), (4, 4, 2))):
-    """(base, experts) of one random shape, from a drawn seed."""
-    seed = draw(st.integers(0, 2**31 - 1))
-    n = draw(st.integers(min_experts, max_experts))
-    shape = draw(st.sampled_from(list(shapes)))
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(shape, generator=g)
-    return base, [base + 0.1 * torch.randn(shape, generator=g) for _ in range(n)]
-
-
-def merge(name: str, base, experts, seed: int = 0, **params):
-    method = METHODS[name]
-    cfg = method.config(**params)
-    method.validate(cfg, len(experts))
-    return method.merge(base, experts, cfg, Draws(seed, "w"))
-
-
-# ---------------------------------------------------------------- shared invariants
+SEEDS = 400
 
 
 @SETTINGS
@@ -83,9 +63,6 @@ def test_one_expert_kept_whole_with_weight_one_returns_it(data, name):
     assert torch.allclose(merge(name, base, experts, **params), experts[0], atol=1e-6)
 
 
-# ---------------------------------------------------------------- DARE
-
-
 @SETTINGS
 @given(tensors(), st.sampled_from(["inverse_density", "l1"]), st.floats(-2.0, 2.0), st.data())
 def test_dare_with_density_one_is_task_arithmetic_and_ties(data, rescale, lam, draw):
@@ -118,9 +95,6 @@ def test_a_seed_fixes_the_output_and_another_seed_changes_it(data, name, density
     # >= 256 entries, each kept with probability in [0.05, 0.95]: two seeds agree on every draw
     # with probability <= 0.905 ** 256 < 1e-11.
     assert not torch.equal(a, merge(name, base, experts, seed=seed + 1, **params))
-
-
-SEEDS = 400
 
 
 @settings(max_examples=20, deadline=None)
@@ -156,9 +130,6 @@ def test_dare_l1_rescale_keeps_the_l1_norm(data, density, seed):
     if (out != 0).any():
         assert torch.allclose(out.abs().sum(), delta.abs().sum(), rtol=1e-5)
         assert torch.equal(out != 0, (out / delta) > 0)  # kept entries keep their sign, others are 0
-
-
-# ---------------------------------------------------------------- Breadcrumbs
 
 
 def test_breadcrumbs_keeps_exactly_the_intended_entries():
@@ -229,9 +200,6 @@ def test_breadcrumbs_ties_without_outliers_is_ties(data, density):
         merge("ties", base, experts, density=density),
         atol=1e-6,
     )
-
-
-# ---------------------------------------------------------------- DELLA
 
 
 @SETTINGS
@@ -354,9 +322,6 @@ def test_della_without_epsilon_is_dare(data, density, seed, sign_rule):
     )
 
 
-# ---------------------------------------------------------------- SCE
-
-
 def test_sce_by_hand():
     base = torch.zeros(4)
     a = torch.tensor([1.0, -2.0, 3.0, 0.0])
@@ -386,152 +351,28 @@ def test_sce_selects_the_first_of_a_stable_variance_sort(pairs, fraction):
     assert torch.equal(merge("sce", base, [a, b], select_topk=fraction), selected)
 
 
-# ---------------------------------------------------------------- SLERP
+def test_dare_keeps_each_entry_whole_or_drops_it_then_divides_by_density():
+    delta = torch.linspace(-1.0, 1.0, 64)
+    out = dare_drop(delta, 0.25, "inverse_density", Draws(3, "w"), 0)
+    kept = out != 0
+    assert 0 < int(kept.sum()) < 64
+    torch.testing.assert_close(out[kept], delta[kept] * 4.0)
+    l1 = dare_drop(delta, 0.25, "l1", Draws(3, "w"), 0)
+    assert torch.equal(l1 != 0, kept)  # the same draws
+    assert l1.abs().sum().item() == pytest.approx(delta.abs().sum().item(), rel=1e-5)
 
 
-@SETTINGS
-@given(tensors(max_experts=1))
-def test_slerp_endpoints(data):
-    base, experts = data
-    assert torch.equal(merge("slerp", base, experts, t=0.0), base)
-    assert torch.equal(merge("slerp", base, experts, t=1.0), experts[0])
-
-
-@SETTINGS
-@given(tensors(max_experts=1), st.floats(0.1, 3.0), st.floats(0.0, 1.0))
-def test_slerp_of_colinear_tensors_is_lerp(data, scale, t):
-    base, _ = data
-    expert = scale * base
-    assert torch.allclose(merge("slerp", base, [expert], t=t), (1 - t) * base + t * expert, atol=1e-6)
-
-
-@SETTINGS
-@given(tensors(max_experts=1, shapes=((16,), (4, 8))), st.floats(0.0, 1.0))
-def test_slerp_keeps_the_norm_of_equal_norm_tensors(data, t):
-    base, _ = data
-    other = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
-    expert = other * (base.norm() / other.norm())
-    out = merge("slerp", base, [expert], t=t)
-    assert out.norm().item() == pytest.approx(base.norm().item(), rel=1e-5)
-
-
-def test_slerp_by_hand():
-    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=0.5)
-    assert torch.allclose(out, torch.tensor([math.sqrt(0.5), math.sqrt(0.5)]))
-    out = merge("slerp", torch.tensor([1.0, 0.0]), [torch.tensor([0.0, 1.0])], t=1 / 3)
-    assert torch.allclose(out, torch.tensor([math.cos(math.pi / 6), math.sin(math.pi / 6)]))
-
-
-# ---------------------------------------------------------------- Model Stock
-
-
-@SETTINGS
-@given(tensors(max_experts=1), st.integers(2, 4), st.booleans())
-def test_model_stock_of_identical_experts_returns_the_expert(data, copies, filter_wise):
-    base, (expert,) = data
-    assert torch.allclose(merge("model_stock", base, [expert] * copies, filter_wise=filter_wise), expert, atol=1e-6)
-
-
-def test_model_stock_by_hand():
-    base = torch.zeros(2)
-    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.5, math.sqrt(3) / 2])  # cos 0.5 -> t = 1 / 1.5
-    assert torch.allclose(merge("model_stock", base, [e1, e2]), (2 / 3) * (e1 + e2) / 2)
-    base = torch.ones(2)
-    out = merge("model_stock", base, [base + e1, base - e1])  # cos -1, clamped to 0 -> t = 0
-    assert torch.equal(out, base)
-
-
-@SETTINGS
-@given(tensors(min_experts=2), st.booleans(), st.randoms())
-def test_model_stock_does_not_depend_on_expert_order(data, filter_wise, rnd):
-    base, experts = data
-    shuffled = experts[:]
-    rnd.shuffle(shuffled)
-    assert torch.allclose(
-        merge("model_stock", base, experts, filter_wise=filter_wise),
-        merge("model_stock", base, shuffled, filter_wise=filter_wise),
-        atol=1e-6,
-    )
-
-
-# ---------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize(
-    "name,params,n_experts,field",
-    [
-        ("dare_linear", {"density": 0.0}, 2, "method.density"),
-        ("dare_ties", {"density": 1.5}, 2, "method.density"),
-        ("dare_linear", {"rescale": "l2"}, 2, "method.rescale"),
-        ("dare_ties", {"sign_rule": "vote"}, 2, "method.sign_rule"),
-        ("dare_linear", {"lambda_": float("inf")}, 2, "method.lambda_"),
-        ("dare_ties", {"weights": [1.0]}, 2, "method.weights"),
-        ("breadcrumbs", {"density": -0.1}, 2, "method.density"),
-        ("breadcrumbs", {"gamma": 1.0}, 2, "method.gamma"),
-        ("breadcrumbs_ties", {"gamma": -0.01}, 2, "method.gamma"),
-        ("breadcrumbs", {"density": 0.95, "gamma": 0.1}, 2, "method.gamma"),
-        ("breadcrumbs_ties", {"weights": [1.0, 2.0, 3.0]}, 2, "method.weights"),
-        ("della", {"density": 0.5, "epsilon": 0.5}, 2, "method.epsilon"),
-        ("della_linear", {"density": 0.9, "epsilon": 0.2}, 2, "method.epsilon"),
-        ("della", {"epsilon": -0.1}, 2, "method.epsilon"),
-        ("della_linear", {"density": 2.0}, 2, "method.density"),
-        ("della", {"rescale": "inverse_density"}, 2, "method.rescale"),
-        ("della", {"sign_rule": "max"}, 2, "method.sign_rule"),
-        ("sce", {"select_topk": 0.0}, 2, "method.select_topk"),
-        ("sce", {"select_topk": 1.2}, 2, "method.select_topk"),
-        ("sce", {"select_topk": 0.5}, 1, "modelset.experts"),
-        ("sce", {"lambda_": float("nan")}, 2, "method.lambda_"),
-        ("slerp", {"t": -0.1}, 1, "method.t"),
-        ("slerp", {"t": 1.5}, 1, "method.t"),
-        ("slerp", {}, 2, "modelset.experts"),
-        ("model_stock", {}, 1, "modelset.experts"),
-    ],
-)
-def test_invalid_hyperparameters_name_the_field(name, params, n_experts, field):
-    method = get_method(name)
-    with pytest.raises(UserError) as err:
-        method.validate(method.config(**params), n_experts)
-    assert err.value.field == field
-    assert "\n" not in str(err.value) and field in str(err.value)
-
-
-def test_defaults_are_valid():
-    for name in [
-        "dare_linear",
-        "dare_ties",
-        "breadcrumbs",
-        "breadcrumbs_ties",
-        "della",
-        "della_linear",
-        "sce",
-        "model_stock",
-    ]:
-        method = get_method(name)
-        method.validate(method.config(), 2)
-        assert method.config().name == name
-    get_method("slerp").validate(get_method("slerp").config(), 1)
-
-
-# ---------------------------------------------------------------- TIES' sign vote
-
-
-@SETTINGS
-@given(
-    st.integers(3, 6),
-    st.lists(
-        st.sampled_from([0.0, 1.0, -1.0, 3.0, -3.0, 1e-7, -1e-7, 1e8, -1e8, 0.1, -0.1, 0.3, -0.2]),
-        min_size=6,
-        max_size=240,
-    ),
-    st.randoms(use_true_random=False),
-)
-def test_the_sign_vote_is_the_sorted_sums_sign_without_sorting_everything(n, values, rng):
-    """sign_of_sum sorts only where a rounding-level sum could flip: it must equal the sign of the sorted
-    sum everywhere, on values built to cancel (x, -x, big + tiny) and in every expert order."""
-    from mergeval.methods.task_vector import _sorted_sum, sign_of_sum
-
-    voters = torch.tensor(values[: len(values) // n * n] or [0.0] * n, dtype=torch.float32).view(n, -1)
-    order = list(range(n))
-    rng.shuffle(order)
-    for v in (voters, voters[order]):
-        assert torch.equal(sign_of_sum(v), torch.sign(_sorted_sum(voters)))
+def test_della_keep_probabilities_and_rescale_by_hand():
+    delta = t(5.0, 1.0, 3.0, 2.0, 4.0)
+    # ranks 4 0 2 1 3 of 4: p = 0.3 + 0.4 * r / 4
+    torch.testing.assert_close(della_keep_prob(delta, 0.5, 0.2), t(0.7, 0.3, 0.5, 0.4, 0.6))
+    # equal magnitudes rank by position
+    torch.testing.assert_close(della_keep_prob(t(1.0, -1.0, 2.0), 0.5, 0.1), t(0.4, 0.5, 0.6))
+    # rows: each row ranked on its own
+    rows = della_keep_prob(torch.tensor([[1.0, 2.0], [4.0, 3.0]]), 0.5, 0.1, "row")
+    torch.testing.assert_close(rows, torch.tensor([[0.4, 0.6], [0.6, 0.4]]))
+    out = della_magprune(delta, 0.5, 0.2, "inverse_prob", Draws(5, "w"), 0)
+    p = t(0.7, 0.3, 0.5, 0.4, 0.6)
+    kept = out != 0
+    assert kept.any()
+    torch.testing.assert_close(out[kept], delta[kept] / p[kept])  # each entry by its own keep probability

@@ -444,8 +444,8 @@ MUTANTS = [
     Mutant(
         "forgetting_stderr_sqrt_t",
         "mergeval/verify/runs.py",
-        "form = total([base[t].form - other[t].form for t in base]) * (scale / len(base))",
-        "form = total([base[t].form - other[t].form for t in base]) * (scale / math.sqrt(len(base)))",
+        "form = total([base[t].run_form - other[t].run_form for t in base]) * (scale / len(base))",
+        "form = total([base[t].run_form - other[t].run_form for t in base]) * (scale / math.sqrt(len(base)))",
         VERIFY,
         "the forgetting metric's stderr divided by sqrt(T), not T",
     ),

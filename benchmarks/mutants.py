@@ -59,7 +59,16 @@ METHODS = (
     "tests/test_registry.py",
 )
 SPARSE = ("tests/test_sparsify.py", "tests/test_task_vector.py", "tests/test_geometric.py", "tests/test_registry.py")
-METRICS = ("tests/test_metrics_properties.py", "tests/test_metrics_more.py", "tests/test_metrics_exact.py")
+# The metric functions' tests, one file per module of mergeval/metrics.
+METRICS = (
+    "tests/test_aggregates.py",
+    "tests/test_calibration.py",
+    "tests/test_groups.py",
+    "tests/test_perplexity.py",
+    "tests/test_similarity.py",
+    "tests/test_tradeoff.py",
+    "tests/test_uncertainty.py",
+)
 VERIFY = ("tests/test_verify.py", "tests/test_spec_language.py", "tests/test_verify_exact.py")
 PAIRED = ("tests/test_paired.py", "tests/test_paired_claims.py")
 HIERARCHICAL = ("tests/test_hierarchical.py",)
@@ -176,7 +185,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "per_task[t] = b - m",
         "per_task[t] = m - b",
-        METRICS + ("tests/test_metrics_composed.py",),
+        METRICS + ("tests/test_composed.py",),
         "forgetting with the wrong sign",
     ),
     Mutant(
@@ -184,7 +193,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "return math.fsum(rescaled_all) / len(rescaled_all)",
         "return math.fsum(sums[g] / len(groups[g]) for g in groups) / len(groups)",
-        METRICS + ("tests/test_metrics_composed.py",),
+        METRICS + ("tests/test_composed.py",),
         "weighting=tasks as the plain mean of group means",
     ),
     Mutant(
@@ -192,7 +201,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total",
         "math.fsum(w[g] * sums[g] for g in groups) / total",
-        METRICS + ("tests/test_metrics_composed.py",),
+        METRICS + ("tests/test_composed.py",),
         "weighted group mean of group sums, not means",
     ),
     Mutant(
@@ -267,7 +276,7 @@ MUTANTS = [
         (
             "tests/test_staged.py::test_perplexity_weights_tokens_not_texts",
             "tests/test_staged.py::test_perplexity_is_exp_of_the_token_mean",
-            "tests/test_metrics_exact.py",
+            "tests/test_perplexity.py",
         ),
         "perplexity averages texts, not tokens",
     ),
@@ -559,7 +568,7 @@ MUTANTS = [
         "mergeval/metrics/perplexity.py",
         "math.log(candidate[t] / reference[t])",
         "math.log(reference[t] / candidate[t])",
-        ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_metrics_exact.py"),
+        ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_perplexity.py"),
         "the stage-1 key's log ratio inverted",
     ),
     Mutant(
@@ -751,7 +760,7 @@ MUTANTS = [
         "mergeval/metrics/composed.py",
         'return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"]',
         'return forgetting({t: scores[t][merged]["value"] for t in tasks}, {t: scores[t]["base"]["value"]',
-        AGGREGATION + ("tests/test_metrics_composed.py",),
+        AGGREGATION + ("tests/test_composed.py",),
         "the run's forgetting is merged minus base",
     ),
     # ------------------------------------------------ the run's aggregation
@@ -792,7 +801,7 @@ MUTANTS = [
         "mergeval/metrics/composed.py",
         "scale = {name: g.scale for name, g in metric.groups.items()}",
         "scale = None",
-        AGGREGATION + ("tests/test_metrics_composed.py",),
+        AGGREGATION + ("tests/test_composed.py",),
         "group means ignore each group's scale",
     ),
     Mutant(
@@ -1348,7 +1357,7 @@ def main(argv: list[str] | None = None) -> int:
             copy = Path(tmp)
             copy_checkout(args.root, copy)
             env = copy_env(copy)
-            check_copy_is_tested(copy, env, ("tests/test_metrics_properties.py",), args.timeout)
+            check_copy_is_tested(copy, env, ("tests/test_aggregates.py",), args.timeout)
             print(f"copy in {copy}; import mergeval -> {imported_from(copy, env)} (canary reached pytest)")
             if not args.no_baseline:
                 code, output = pytest_run(copy, env, baseline_tests(mutants), args.timeout)

@@ -1,5 +1,5 @@
 """Helpers and hypothesis strategies shared by the merge methods' tests (test_task_vector.py, test_sparsify.py,
-test_geometric.py, test_registry.py, ...)."""
+test_geometric.py, test_registry.py, ...) and the metrics' (test_calibration.py, test_tradeoff.py, ...)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,8 @@ def low_precision_models(draw, min_experts: int = 1, max_experts: int = 4):
             units = draw(st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.5, 1.0]), min_size=size, max_size=size))
             deltas.append(step * torch.tensor(units, dtype=torch.float64))
     return base.to(dtype), [(base + d).to(dtype) for d in deltas], dtype
+
+
+# ---------------------------------------------------------------- metrics
+
+unit = st.floats(min_value=0.0, max_value=1.0, allow_nan=False, allow_infinity=False)

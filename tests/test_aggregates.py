@@ -1,4 +1,5 @@
-"""Property and example tests for mergeval.metrics.aggregates."""
+"""mergeval/metrics/aggregates.py: Macro-Gain, Macro-OG, normalized scores, bands and accuracy stderr
+(hypothesis invariants and hand-worked values)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from mergeval.metrics.aggregates import (
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
+
 score = st.floats(min_value=0.0, max_value=1.0, allow_nan=False, allow_infinity=False)
 
 
@@ -33,7 +35,28 @@ def models(draw, min_constituents: int = 1, max_constituents: int = 5):
     return merged, constituents
 
 
-# --- Macro-Gain / Macro-OG -------------------------------------------------
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+def test_accuracy_stderr_by_hand():
+    assert accuracy_stderr(0.5, 5) == pytest.approx(0.25)  # sqrt(0.25 / 4)
+    assert accuracy_stderr(0.0, 10) == 0.0
+    with pytest.raises(ValueError):
+        accuracy_stderr(0.5, 1)
+
+
+def test_macro_gain_averages_tasks_before_constituents():
+    merged = [0.5, 0.7]
+    constituents = [[0.2, 0.6], [0.9, 0.3], [0.4, 0.4]]  # averages 0.4, 0.6, 0.4
+    assert macro_gain(merged, constituents) == pytest.approx(0.6 - 1.4 / 3)
+    assert macro_og(merged, constituents, scale="percent") == pytest.approx(0.0, abs=1e-12)
+
+
+def test_normalized_score_beyond_the_expert_and_below_the_base():
+    assert normalized_score(0.9, 0.5, 0.7) == pytest.approx(2.0)
+    assert normalized_score(0.4, 0.5, 0.7) == pytest.approx(-0.5)
+    assert normalized_score(0.4, 0.5, 0.3) == pytest.approx(0.5)  # an expert below the base: still (m-b)/(e-b)
+    assert [band(x) for x in (2.0, 0.5, 0.4999, None)] == ["good", "moderate", "failing", "undefined"]
 
 
 @SETTINGS
@@ -131,12 +154,6 @@ def test_macro_example_three_constituents():
     assert macro_gain(merged, cs, scale="percent") == pytest.approx(20.0)
 
 
-# --- normalized score / band ----------------------------------------------
-
-
-finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
-
-
 @SETTINGS
 @given(finite, finite)
 def test_normalized_endpoints(base, expert):
@@ -176,9 +193,6 @@ def test_normalized_example_and_mean():
 )
 def test_band_boundaries(x, expected):
     assert band(x) == expected
-
-
-# --- accuracy stderr -------------------------------------------------------
 
 
 def test_accuracy_stderr():

@@ -10,7 +10,6 @@ sequences the steps; each step lives in the module of its layer.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -27,7 +26,6 @@ from mergeval.core.provenance import git_commit, hardware, package_versions
 from mergeval.core.runtime import (
     Laps,
     apply_offline,
-    library_bars,
     peak_device_memory,
     quiet_transformers,
     release_memory,
@@ -37,12 +35,13 @@ from mergeval.eval import samples
 from mergeval.eval.settings import eval_settings
 from mergeval.models.checkpoint import load_tensors, load_tokenizer
 from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
-from mergeval.results.store import merge_key, open_store, record_models, settings_hash
+from mergeval.results.store import merge_key, open_store, record_models
 from mergeval.run import mergekit_config
 from mergeval.run.checks import check_rows, model_slices, validate
 from mergeval.run.merging import merge_device
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
+from mergeval.run.scoring import REUSED, Scoring
 from mergeval.run.summary import aggregable, aggregate
 
 
@@ -135,7 +134,6 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
 def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
 
-    from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
     from mergeval.merge.memory import merge_live
     from mergeval.models.checkpoint import load_model
@@ -252,81 +250,46 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     # name would keep the old ones alive through its evaluation (a whole CPU copy of the model on a GPU run).
     merged = None
 
-    harnesses: dict[tuple[str, ...], Harness] = {}  # one per set of entries to evaluate (usually all of them)
     dtype = getattr(torch, cfg.eval.dtype)
+    scoring = Scoring(cfg, suite, store, cache, settings=settings, tokenizer=tokenizer, tokenizer_dir=base_dir)
     scores: dict[str, dict[str, dict]] = {t: {} for t in tasks}
     items: dict[str, dict[str, dict]] = {}  # task -> role -> per-item outcomes (Outcome.items)
     # The merge first, so it is released before each constituent is loaded: one model in memory at a time.
+    live = {MERGED: merged_model} if merged_model is not None else {}  # taken by its evaluation, or dropped
+    merged_model = None
     for number, info in enumerate([models[-1], *models[:-1]], start=1):
-        # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel
-        # sweep jobs wait for the one evaluating a shared constituent.
-        got = (
-            {}
-            if cfg.eval.force
-            else store.claim_or_scores(
-                info.fingerprint,
-                digests,
-                settings,
-                lambda role=info.role: print(f"mergeval: waiting for another job evaluating {role}", flush=True),
-                metrics=metrics,
-            )
-        )
-        entries = [e for e in suite.entries if any(t not in got for t in suite.rows_of([e]))]
-        info.evaluated = (
-            "reused from the results store"
-            if not entries
-            else "this run"
-            if not got
-            else "partly reused from the results store"
-        )
-        if entries:
-            if tokens:  # each model with its own tokenizer (resolve.evaluation_tokenizer; the merge its own)
-                tokenizer = load_tokenizer(
-                    info.directory()
-                    if info.role == MERGED
-                    else evaluation_tokenizer(info.directory(), base_dir, tokens)
-                )
-            elif tokenizer is None:
-                tokenizer = load_tokenizer(base_dir)
-            step = f"mergeval: [{number}/{len(models)}] {info.role}"
-            print(f"{step}: evaluating on {len(entries)} of {len(suite.entries)} tasks", flush=True)
-            began = time.perf_counter()
-            if tuple(entries) not in harnesses:
-                harnesses[tuple(entries)] = Harness.for_run(cfg, suite, entries, cfg.benchmark.limit)
-            harness = harnesses[tuple(entries)]
-            label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
+
+        def load(info=info):
             if info.role == MERGED:
-                assert merged_model is not None, "a merge evaluated here is one this run made"
-                model = merged_model.to(dtype)
+                assert MERGED in live, "a merge evaluated here is one this run made"
+                model = live.pop(MERGED).to(dtype)
             else:
+                label = "modelset.base" if info.role == "base" else f"modelset.experts.{info.role}"
                 model = load_model(info.directory(), None, dtype, label).to(dtype)
-            model = model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
-            with library_bars(cfg.verbose):
-                result = harness.score(model, tokenizer)
-            print(
-                f"{step}: {sum(harness.requests.values())} requests in {time.perf_counter() - began:.1f} s", flush=True
+            return model.to(gpus.select(cfg.eval.device)).eval()  # a parallel sweep's job: its own GPU
+
+        def own_tokenizer(info=info):  # tokenizer_source: each model its own (resolve.evaluation_tokenizer)
+            return load_tokenizer(
+                info.directory() if info.role == MERGED else evaluation_tokenizer(info.directory(), base_dir, tokens)
             )
-            evaluated = {t: digests[t] for t in result}
-            kept = samples.write(
-                samples.path_for(cache, info.fingerprint, settings_hash(settings.run), evaluated), harness.samples
-            )
-            store.put_scores(
-                info.fingerprint,
-                evaluated,
-                settings,
-                {t: s.stored() for t, s in result.items()},
-                samples_path=str(kept),
-            )
-            got = {**got, **{t: s.as_dict() for t, s in result.items()}}
-            del model
-        if info.role == MERGED:
-            merged_model = None  # released before the constituents are loaded
-        if entries or info.role == MERGED:  # a model was built or released (a full gc.collect is not free)
+
+        # Each task is evaluated once per model and settings, whatever other tasks the run has; parallel sweep
+        # jobs wait for the one evaluating a shared constituent.
+        got = scoring.scores(
+            info.fingerprint,
+            load,
+            label=f"mergeval: [{number}/{len(models)}] {info.role}",
+            tokenizer=own_tokenizer if tokens else None,
+            claim=True,
+        )
+        info.evaluated = got.evaluated
+        live.clear()  # the merge is released before the constituents are loaded
+        if got.evaluated != REUSED or info.role == MERGED:  # a model was built or released (gc.collect is not free)
             release_memory()
         for task in tasks:
-            score = dict(got[task])
+            score = dict(got.scores[task])
             if score.pop("items", None) is not None:
-                items.setdefault(task, {})[info.role] = got[task]["items"]
+                items.setdefault(task, {})[info.role] = got.scores[task]["items"]
             scores[task][info.role] = score
     lap("evaluate")
 

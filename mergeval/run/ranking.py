@@ -125,36 +125,36 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
     """Fill method_cfg.validation_scores from validation evaluations; returns (new cfg, details for result.json)."""
     import torch
 
-    from mergeval.core.runtime import library_bars
-    from mergeval.eval.harness import Harness
     from mergeval.eval.settings import eval_settings
     from mergeval.eval.suite import build_suite
-    from mergeval.models.checkpoint import load_model, load_tokenizer
+    from mergeval.models.checkpoint import load_model
     from mergeval.results.store import open_store
+    from mergeval.run.scoring import Scoring
 
     suite = build_suite(cfg.benchmark, cfg.eval, cache, split="validation", n_validation=method_cfg.validation_items)
     tasks = suite.counted()
-    digests = {t: suite.digests[t] for t in tasks}
-    metrics = {t: suite.rows[t].metric for t in tasks}
-    settings = suite.per_task({**eval_settings(cfg), "limit": None})  # validation always uses its whole split
-    store = open_store(cfg, cache)
-    harness, tokenizer = None, None
+    # validation always uses its whole split; each expert is evaluated with the base's tokenizer, as a run evaluates
+    # every model (part of each model's identity: resolve.py)
+    scoring = Scoring(
+        cfg,
+        suite,
+        open_store(cfg, cache),
+        cache,
+        tasks=tasks,
+        limit=None,
+        settings=suite.per_task({**eval_settings(cfg), "limit": None}),
+        tokenizer_dir=Path(models[0].path),
+    )
     scores, stderrs, per_task = [], [], {}
     for info in models:
         if info.role == "base":
             continue
-        got = None if cfg.eval.force else store.get_scores(info.fingerprint, digests, settings, metrics)
-        if got is None:
+
+        def load(info=info):
             print(f"mergeval: ranking: evaluating {info.role} on the validation split", flush=True)
-            harness = harness or Harness.for_run(cfg, suite, suite.entries, None)
-            # the base's tokenizer, as a run evaluates every model: part of each model's identity (resolve.py)
-            tokenizer = tokenizer or load_tokenizer(Path(models[0].path))
-            model = load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
-            with library_bars(cfg.verbose):
-                fresh = harness.score(model, tokenizer)
-            got = {t: fresh[t].as_dict() for t in tasks}
-            store.put_scores(info.fingerprint, digests, settings, {t: fresh[t].stored() for t in tasks})
-            del model
+            return load_model(Path(info.path), None, getattr(torch, cfg.eval.dtype)).to(cfg.eval.device)
+
+        got = scoring.scores(info.fingerprint, load).scores
         per_task[info.role] = got
         scores.append(
             expert_score(
@@ -174,7 +174,7 @@ def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
         )
     details = {
         "validation_items": method_cfg.validation_items,
-        "validation_digests": digests,
+        "validation_digests": scoring.digests,
         "validation_scores": dict(zip(names, scores)),
         "validation_stderrs": dict(zip(names, stderrs)),
         "validation_near_ties": ties,

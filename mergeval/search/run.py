@@ -32,6 +32,7 @@ from mergeval.core.plain import plain_dict
 from mergeval.eval.tasks import GENERATED, check_tasks
 from mergeval.methods import MergeMethod, get_method
 from mergeval.run.checks import refuse_slices, validate
+from mergeval.run.scoring import Scoring
 from mergeval.search import study as studies
 from mergeval.search.monitor import Progress, signed
 from mergeval.search.space import Space, describe, parse_space
@@ -110,7 +111,6 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
     from mergeval.staged.heldout import heldout_items
     from mergeval.staged.nll import answer_sequences
     from mergeval.staged.pipeline import (
-        Bench,
         HeldOut,
         Models,
         choices_per_item,
@@ -149,7 +149,7 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         lap("models")
         reference = {t: r["perplexity"] for t, r in reference_perplexities(models, owners, scorer).items()}
         store = open_store(cfg, cache)
-        validation = Bench(validation_cfg, suite, tasks, suite.digests, store, tokenizer)
+        validation = Scoring(validation_cfg, suite, store, cache, tasks=tasks, tokenizer=tokenizer)
         stages = Stages(
             cfg,
             method,
@@ -321,11 +321,11 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
     """The best recipe and the default on the test split, with the constituents, as ``python -m mergeval`` scores
     them (the same store keys: a default already run is not evaluated again)."""
     from mergeval.eval.suite import build_suite
-    from mergeval.staged.pipeline import Bench, constituent_scores
+    from mergeval.staged.pipeline import constituent_scores
 
     print("search: tuning done; scoring the best recipe and the default on the test split", flush=True)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)
-    bench = Bench(cfg, suite, list(cfg.benchmark.tasks), suite.digests, store, tokenizer)
+    bench = Scoring(cfg, suite, store, cache, tasks=list(cfg.benchmark.tasks), tokenizer=tokenizer)
     constituents = constituent_scores(bench, stages.constituents, models)
     out: dict[str, dict] = {"constituents": constituents}
     assert outcome.best is not None, "the test split scores the best recipe"
@@ -337,7 +337,8 @@ def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages
             typed = OmegaConf.to_object(OmegaConf.merge(stages.method.config, config))
             return models.candidate(Candidate(label, stages.method, typed, {}, "search"))
 
-        scores, where, _ = bench.scores(recipe.fingerprint, make_model)
+        got = bench.scores(recipe.fingerprint, make_model)
+        scores, where = got.scores, got.evaluated
         value, aggregates = objective(cfg.search.objective, scores, constituents, stages.constituents, cfg.metric)
         out[label] = {
             "fingerprint": recipe.fingerprint,

@@ -14,7 +14,7 @@ through the stages of ``mergeval/staged``, each reported to Optuna as one step:
 - stage 3: the remaining validation items ``[L, V)``, combined with stage 2's
   into scores on all ``V`` items, and the objective (``search.objective``) over them.
 
-Every evaluation goes through the results store (``staged.pipeline.Bench``),
+Every evaluation goes through the results store (``run/scoring.py``),
 keyed by the merge's fingerprint, the *validation* task digests and the item
 selection, so a recipe seen before (a repeated trial, a resumed study) costs
 a lookup. Costs are counted from the data as ``staged.cost`` counts them:
@@ -36,9 +36,10 @@ from mergeval.core.plain import plain_dict
 from mergeval.methods import MergeMethod
 from mergeval.metrics.perplexity import degradation, mean_log_ratio
 from mergeval.run.ranking import prepare_method
+from mergeval.run.scoring import Scoring
 from mergeval.run.summary import aggregate
 from mergeval.staged.cost import Cost, benchmark_cost, perplexity_cost
-from mergeval.staged.pipeline import Bench, HeldOut, Models
+from mergeval.staged.pipeline import HeldOut, Models
 from mergeval.staged.plan import Candidate, typed_config
 from mergeval.staged.selection import combine, mean_accuracy
 
@@ -56,7 +57,7 @@ class Stages:
     constituents: list[ModelInfo]
     scorer: HeldOut  # stage 1
     reference: dict[str, float]  # task -> its expert's held-out perplexity
-    validation: Bench  # the validation split's tasks (no test item is ever in it)
+    validation: Scoring  # the validation split's tasks (no test item is ever in it)
     constituent_scores: dict[str, dict[str, dict]]  # validation: task -> role -> {value, stderr, n}
     choices: dict[str, list[int]]  # validation: task -> answer choices per item
     n_items: int  # V
@@ -180,15 +181,17 @@ def score(stages: Stages, params: dict, overrides: dict, trial=None) -> Scored:
     if halt(0, stage1_value(out), why):
         return _done(out, started)
 
-    first, _, ran = stages.validation.scores(out.fingerprint, lambda: model, (0, stages.n_stage2))
-    out.ran += ran
+    got = stages.validation.scores(out.fingerprint, lambda: model, items=(0, stages.n_stage2))
+    first = got.scores
+    out.ran += got.requests
     out.cost += benchmark_cost(stages.choices, 0, stages.n_stage2)
     out.stage2, out.stage = mean_accuracy(first), 2
     if halt(1, out.stage2, ""):
         return _done(out, started)
 
-    rest, _, ran = stages.validation.scores(out.fingerprint, lambda: model, (stages.n_stage2, stages.n_items))
-    out.ran += ran
+    got = stages.validation.scores(out.fingerprint, lambda: model, items=(stages.n_stage2, stages.n_items))
+    rest = got.scores
+    out.ran += got.requests
     out.cost += benchmark_cost(stages.choices, stages.n_stage2, stages.n_items)
     out.scores = {t: combine(first[t], rest[t]) for t in stages.validation.tasks}
     value, out.aggregates = objective(

@@ -40,14 +40,14 @@ from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo
 from mergeval.core.paths import cache_root
 from mergeval.core.plain import plain_dict
-from mergeval.core.runtime import Laps, apply_offline, library_bars, quiet_transformers
-from mergeval.eval.settings import eval_settings
+from mergeval.core.runtime import Laps, apply_offline, quiet_transformers
 from mergeval.eval.suite import build_suite
 from mergeval.eval.tasks import GENERATED
 from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.zoo.resolve import resolve_models
 from mergeval.results.store import open_store
 from mergeval.run.checks import refuse_slices, validate
+from mergeval.run.scoring import Scoring
 from mergeval.run.summary import aggregate
 from mergeval.staged.cost import Cost, cost_table
 from mergeval.staged.heldout import heldout_items
@@ -59,9 +59,7 @@ from mergeval.staged.selection import best_first, combine, mean_accuracy, promot
 if TYPE_CHECKING:
     import torch
 
-    from mergeval.eval.harness import Harness
 
-THIS_RUN, REUSED = "this run", "reused from the results store"
 CONSTITUENTS_IN_MEMORY = 0.5  # share of the free memory the base's and experts' tensors may take (else read lazily)
 
 
@@ -117,52 +115,6 @@ class StagedOutcome:
 
     def result(self, label: str) -> CandidateResult:
         return next(c for c in self.candidates if c.label == label)
-
-
-class Bench:
-    """The benchmark side of a sweep: one harness per item selection, results-store reuse, requests run."""
-
-    def __init__(self, cfg: DictConfig, suite, tasks: list[str], digests: dict[str, str], store, tokenizer):
-        self.cfg, self.suite, self.tasks, self.digests = cfg, suite, tasks, digests
-        self.store, self.tokenizer = store, tokenizer
-        self.settings = suite.per_task(eval_settings(cfg))
-        self.harnesses: dict[tuple[int | None, tuple[str, ...]], Harness] = {}
-
-    def _harness(self, limit: int | None, entries: list[str]):
-        from mergeval.eval.harness import Harness
-
-        key = (limit, tuple(entries))
-        if key not in self.harnesses:
-            self.harnesses[key] = Harness.for_run(self.cfg, self.suite, entries, limit)
-        return self.harnesses[key]
-
-    def scores(self, fingerprint: str, make_model, items: tuple[int, int] | None = None) -> tuple[dict, str, int]:
-        """(task -> {acc, stderr, n}, where it came from, requests run) for the full benchmark, or items [lo, hi).
-
-        ``items=(0, L)`` is the same selection as ``benchmark.limit=L`` and shares its store key.
-        """
-        if items is None:
-            settings, limit, samples = self.settings, self.cfg.benchmark.limit, None
-        elif items[0] == 0:
-            settings, limit, samples = self.settings.replace(limit=items[1]), items[1], None
-        else:
-            settings, limit = self.settings.replace(limit=None, items=list(items)), None
-            samples = {t: list(range(*items)) for t in self.tasks}
-        got = {} if self.cfg.eval.force else self.store.stored_scores(fingerprint, self.digests, settings)
-        # only the entries with a task not stored (a task whose own settings changed, one added to the benchmark)
-        missing = [e for e in self.suite.entries if any(t not in got for t in self.suite.rows_of([e]))]
-        if not missing:
-            return got, REUSED, 0
-        harness = self._harness(limit, missing)
-        if samples is not None:
-            samples = {t: items for t, items in samples.items() if t in harness.task_dict["tasks"]}
-        model = make_model()
-        with library_bars(self.cfg.verbose):
-            fresh = harness.score(model, self.tokenizer, samples=samples)
-        self.store.put_scores(
-            fingerprint, {t: self.digests[t] for t in fresh}, settings, {t: s.stored() for t, s in fresh.items()}
-        )
-        return {**got, **{t: s.as_dict() for t, s in fresh.items()}}, THIS_RUN, sum(harness.requests.values())
 
 
 def choices_per_item(task_dir: Path, tasks: list[str], n: int) -> dict[str, list[int]]:
@@ -382,7 +334,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     outcome.merges["kept_between_stages"] = len(models.kept)
     lap("stage1")
     if outcome.early_stop is None or plan.full:
-        bench = Bench(cfg, suite, tasks, digests, open_store(cfg, cache), tokenizer)
+        bench = Scoring(cfg, suite, open_store(cfg, cache), cache, tasks=tasks, tokenizer=tokenizer)
         _constituents(bench, outcome, models)
         lap("constituents")
     if outcome.early_stop is None:
@@ -489,7 +441,7 @@ def reference_perplexities(models: Models, owners: dict[str, list[str]], scorer:
     return reference
 
 
-def constituent_scores(bench: Bench, constituents: list[ModelInfo], models: Models) -> dict[str, dict[str, dict]]:
+def constituent_scores(bench: Scoring, constituents: list[ModelInfo], models: Models) -> dict[str, dict[str, dict]]:
     """The base's and experts' scores on ``bench`` as ``{task: {role: {value, stderr, n}}}`` (once per fingerprint
     and settings, via the store); each ModelInfo's ``evaluated`` says whether this call ran it."""
     scores: dict[str, dict[str, dict]] = {t: {} for t in bench.tasks}
@@ -500,19 +452,20 @@ def constituent_scores(bench: Bench, constituents: list[ModelInfo], models: Mode
             print(f"mergeval: evaluating {role} on {len(bench.tasks)} tasks", flush=True)
             return models.saved(path)
 
-        got, info.evaluated, _ = bench.scores(info.fingerprint, load)
+        got = bench.scores(info.fingerprint, load)
+        info.evaluated = got.evaluated
         for task in bench.tasks:
-            scores[task][info.role] = got[task]
+            scores[task][info.role] = got.scores[task]
     return scores
 
 
-def _constituents(bench: Bench, outcome: StagedOutcome, models: Models) -> None:
+def _constituents(bench: Scoring, outcome: StagedOutcome, models: Models) -> None:
     """The base's and experts' full benchmark scores (once per fingerprint and settings, via the store)."""
     for task, by_role in constituent_scores(bench, outcome.constituents, models).items():
         outcome.constituent_scores[task].update(by_role)
 
 
-def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
+def _stage2_and_3(bench: Scoring, outcome: StagedOutcome, plan: Plan, model_of) -> None:
     by_label = {c.label: c for c in plan.candidates}
     n2, n = outcome.stage2_items, outcome.n_full
     kept = outcome.merges.get("kept_between_stages", 0)
@@ -524,10 +477,9 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     outcome.ran["stage2"] = 0
     for label in outcome.stage2:
         res = outcome.result(label)
-        res.stage2, res.evaluated["stage2"], ran = bench.scores(
-            res.fingerprint, lambda c=by_label[label]: model_of(c), (0, n2)
-        )
-        outcome.ran["stage2"] += ran
+        got = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c), items=(0, n2))
+        res.stage2, res.evaluated["stage2"] = got.scores, got.evaluated
+        outcome.ran["stage2"] += got.requests
     keys = {label: outcome.result(label).scored_mean("stage2") for label in outcome.stage2}
     outcome.stage3 = promote(keys, outcome.stage2, plan.stage3_keep, higher_is_better=True)
     print(f"mergeval: stage 3: {len(outcome.stage3)} candidates on items [{n2}, {n}) of each task", flush=True)
@@ -537,11 +489,10 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
         stage2 = res.stage2
         assert stage2 is not None, "a stage 3 candidate was promoted from stage 2"
         if n2 < n:
-            rest, res.evaluated["stage3"], ran = bench.scores(
-                res.fingerprint, lambda c=by_label[label]: model_of(c), (n2, n)
-            )
-            outcome.ran["stage3"] += ran
-            stage3 = {t: combine(stage2[t], rest[t]) for t in outcome.tasks}
+            got = bench.scores(res.fingerprint, lambda c=by_label[label]: model_of(c), items=(n2, n))
+            res.evaluated["stage3"] = got.evaluated
+            outcome.ran["stage3"] += got.requests
+            stage3 = {t: combine(stage2[t], got.scores[t]) for t in outcome.tasks}
         else:  # stage 2 already covered every item
             stage3 = stage2
         res.stage3 = stage3
@@ -555,8 +506,9 @@ def _stage2_and_3(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) ->
     outcome.pick = outcome.stage3[0]
 
 
-def full_evaluation(bench: Bench, candidates: list[Candidate], fingerprints: dict[str, str], model_of) -> dict:
-    """The full benchmark on every candidate: label -> (task -> {acc, stderr, n}, where it came from, requests run)."""
+def full_evaluation(bench: Scoring, candidates: list[Candidate], fingerprints: dict[str, str], model_of) -> dict:
+    """The full benchmark on every candidate: label -> its ``ModelScores`` (task -> {acc, stderr, n}, where it came from,
+    requests run)."""
     out = {}
     for cand in candidates:
         print(f"mergeval: full benchmark on {cand.label}", flush=True)
@@ -575,13 +527,13 @@ def compare(staged_pick: str | None, full_means: dict[str, float], order: list[s
     return {"full_pick": full_pick, "staged_pick": staged_pick, "same_pick": staged_pick == full_pick, "regret": regret}
 
 
-def _full(bench: Bench, outcome: StagedOutcome, plan: Plan, model_of) -> None:
+def _full(bench: Scoring, outcome: StagedOutcome, plan: Plan, model_of) -> None:
     fingerprints = {c.label: c.fingerprint for c in outcome.candidates}
     done = full_evaluation(bench, plan.candidates, fingerprints, model_of)
     outcome.ran["full"] = 0
-    for label, (scores, evaluated, ran) in done.items():
+    for label, got in done.items():
         res = outcome.result(label)
-        res.full, res.evaluated["full"] = scores, evaluated
-        outcome.ran["full"] += ran
+        res.full, res.evaluated["full"] = got.scores, got.evaluated
+        outcome.ran["full"] += got.requests
     means = {c.label: c.scored_mean("full") for c in outcome.candidates}
     outcome.comparison = compare(outcome.pick, means, [c.label for c in outcome.candidates])

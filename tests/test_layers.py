@@ -71,7 +71,10 @@ def test_what_a_method_needs_is_declared_where_it_is_registered():
         "localize_stitch_trained": "localize",
     }
     assert all(m.needs.statistics in (None, *KINDS) for m in METHODS.values())
-    assert {n for n, m in METHODS.items() if m.needs.at_run_time()} == {"cmm", "hierarchical", "pipeline"}
+    prepared_from_models = {
+        n for n, m in METHODS.items() if m.needs.head_counts or m.needs.ranking or m.needs.expert_names
+    }
+    assert prepared_from_models == {"cmm", "hierarchical", "pipeline"}
     names = "|".join(sorted(METHODS, key=len, reverse=True))
     by_name = re.compile(
         rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})"""

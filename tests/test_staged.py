@@ -270,7 +270,7 @@ def compose_staged(*overrides: str, experiment: str = "tiny_staged"):
 
 def test_the_staged_experiments_compose_into_their_grids():
     quick = compose_staged(experiment="quickstart_staged")
-    plan = make_plan(quick.staged, 2)
+    plan = make_plan(quick.staged, ["a", "b"])
     assert len(plan.candidates) == 8 and plan.stage2_fraction == 0.15 and plan.stage3_keep == 3
     assert plan.candidates[0].label == "task_arithmetic(lambda_=0.5)" and plan.candidates[0].config.lambda_ == 0.5
     assert {c.method.name for c in plan.candidates} == {"task_arithmetic", "ties"}
@@ -295,7 +295,7 @@ def test_the_staged_experiments_compose_into_their_grids():
 def test_bad_candidates_and_stage_sizes_are_one_user_error(overrides, field):
     cfg = compose_staged(*overrides)
     with pytest.raises(UserError) as err:
-        make_plan(cfg.staged, 2)
+        make_plan(cfg.staged, ["a", "b"])
     assert str(err.value).startswith(field), str(err.value)
 
 
@@ -445,7 +445,7 @@ def test_a_bad_candidate_is_one_line_and_exit_2(override, line, cache, tmp_path)
 
 def test_a_config_without_a_staged_section_says_which_experiment_to_use():
     with pytest.raises(UserError, match="^staged: no staged section.*quickstart_staged"):
-        make_plan(None, 2)
+        make_plan(None, ["a", "b"])
 
 
 # ---- a plain -m sweep evaluated in stages (hydra/sweeper=staged) ------------------------------------------
@@ -466,7 +466,7 @@ def test_each_job_of_a_sweep_is_one_candidate_named_by_what_was_swept():
         ["method=ties", "method.lambda_=1.0", "method.density=0.3"],
     ]
     cfg = staged_config(sweep_configs(*jobs), ["a", "b", "c"])
-    plan = make_plan(cfg.staged, 2)
+    plan = make_plan(cfg.staged, ["a", "b"])
     # lambda_=1.0 is the default, but it was swept, so it names the candidate; density differs from ties' default
     assert [c.label for c in plan.candidates] == [
         "task_arithmetic(lambda_=1.0)",
@@ -489,7 +489,7 @@ def test_a_sweep_that_is_not_a_set_of_merges_is_one_user_error(jobs, line):
     from mergeval.staged.from_sweep import staged_config
 
     with pytest.raises(UserError) as err:
-        make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][: len(jobs)]).staged, 2)
+        make_plan(staged_config(sweep_configs(*jobs), ["a", "b"][: len(jobs)]).staged, ["a", "b"])
     assert str(err.value).startswith(line), str(err.value)
 
 
@@ -559,3 +559,41 @@ def test_a_bad_swept_value_under_the_staged_sweeper_is_one_line_and_exit_2(cache
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mergeval: error: method.density:"), run.stderr
     assert "method.density=1.5" in lines[0] and not list(tmp_path.rglob("staged.json"))
+
+
+def test_candidates_get_what_their_method_needs_from_the_models_as_a_run_does(cache):
+    """A staged sweep prepares each candidate with the run's own step (``ranking.prepare_method``): CMM's ranking of
+    the experts on the validation split, hierarchical's head counts from the base's config.json, a pipeline's expert
+    names. The CMM candidate merges with the very validation scores a run of method=cmm ranks by."""
+    from omegaconf import open_dict
+
+    from mergeval.models.checkpoint import read_config
+    from mergeval.models.zoo.resolve import resolve_models
+    from mergeval.run.checks import validate
+    from mergeval.run.ranking import prepare_method
+    from mergeval.staged.pipeline import run_staged
+
+    cfg = compose_staged(f"cache_dir={cache}", "~staged.grid.task_arithmetic", "~staged.grid.ties", "staged.full=true")
+    stages = [
+        {"name": "half", "base": "base", "inputs": ["chem"], "method": {"name": "task_arithmetic", "lambda_": 0.5}},
+        {"name": "final", "base": "base", "inputs": ["half", "units"], "method": {"name": "linear"}},
+    ]
+    with open_dict(cfg):
+        cfg.staged.candidates = [
+            {"name": "cmm", "validation_items": 8},
+            {"name": "hierarchical"},
+            {"name": "pipeline", "stages": stages},
+        ]
+    out = run_staged(cfg)
+    cmm, hierarchical, pipeline = out.candidates
+    assert [c.method for c in out.candidates] == ["cmm", "hierarchical", "pipeline"]
+    assert all(c.full is not None for c in out.candidates)  # each was merged and scored
+
+    run_cfg = compose_staged(f"cache_dir={cache}", "method=cmm", "method.validation_items=8")
+    method, method_cfg = validate(run_cfg)
+    base_dir, _, models = resolve_models(run_cfg, cache)
+    ranked, details = prepare_method(run_cfg, method, method_cfg, models, base_dir, cache, can_evaluate=True)
+    assert cmm.config["validation_scores"] == ranked.validation_scores and len(ranked.validation_scores) == 2
+    heads = read_config(base_dir)
+    assert hierarchical.config["num_attention_heads"] == heads["num_attention_heads"]
+    assert pipeline.config["expert_names"] == ["chem", "units"]

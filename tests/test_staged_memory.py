@@ -55,7 +55,7 @@ def test_a_kept_candidate_is_the_same_model_bit_for_bit_as_merging_it_again(cach
     from mergeval.staged.plan import make_plan
 
     cfg = compose_staged(f"cache_dir={cache}")
-    plan = make_plan(cfg.staged, len(cfg.modelset.experts))
+    plan = make_plan(cfg.staged, list(cfg.modelset.experts))
     base_dir, expert_dirs, _ = resolve_models(cfg, cache_root(cfg.cache_dir))
     models = Models(cfg, base_dir, expert_dirs, torch.bfloat16)
     models.kept = KeptMerges(4, 2**40)
@@ -85,7 +85,7 @@ def test_constituents_read_from_their_files_merge_to_the_same_bits(cache, monkey
     monkeypatch.setattr(execute, "BLOCK_MIN", 2)  # every matrix in row blocks of about 300 entries, too
     monkeypatch.setattr(execute, "BLOCK_ENTRIES", 300)
     cfg = compose_staged(f"cache_dir={cache}")
-    plan = make_plan(cfg.staged, len(cfg.modelset.experts))
+    plan = make_plan(cfg.staged, list(cfg.modelset.experts))
     base_dir, expert_dirs, _ = resolve_models(cfg, cache_root(cfg.cache_dir))
     loaded = pipeline.Models(cfg, base_dir, expert_dirs, torch.float32)
     monkeypatch.setattr(pipeline, "CONSTITUENTS_IN_MEMORY", 0.0)

@@ -87,10 +87,6 @@ class Needs:
     ranking: bool = False
     expert_names: bool = False
 
-    def at_run_time(self) -> bool:
-        """Whether only a full run can prepare it (staged sweeps merge candidates as they are)."""
-        return self.head_counts or self.ranking or self.expert_names
-
 
 @dataclass(frozen=True)
 class MergeMethod:

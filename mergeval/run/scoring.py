@@ -57,7 +57,7 @@ class Scoring:
         self.tasks = list(suite.names if tasks is None else tasks)
         self.digests = {t: suite.digests[t] for t in self.tasks}
         self.metrics = {t: suite.rows[t].metric for t in self.tasks}
-        self.limit = cfg.benchmark.limit if limit == "benchmark" else limit
+        self.limit: int | None = cfg.benchmark.limit if isinstance(limit, str) else limit
         self.settings = settings if settings is not None else suite.per_task(eval_settings(cfg))
         self._tokenizer, self._tokenizer_dir = tokenizer, tokenizer_dir
         self._harnesses: dict[tuple, Any] = {}
@@ -99,7 +99,7 @@ class Scoring:
     def scores(
         self,
         fingerprint: str,
-        load: Callable[[], Any],
+        load: Callable[..., Any],
         *,
         items: tuple[int, int] | None = None,
         label: str | None = None,

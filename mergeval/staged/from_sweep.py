@@ -84,14 +84,14 @@ def staged_config(jobs: list[DictConfig], labels: list[str]) -> DictConfig:
             f"with {SWEEPER} the sweep's jobs are the candidates",
             "drop staged.grid and staged.candidates (or run python -m mergeval.staged without -m)",
         )
-    n_experts = len(rest[0]["modelset"]["experts"])
+    experts = list(rest[0]["modelset"]["experts"])
     specs: list[dict] = []
     swept = swept_fields([job["method"] for job in plain])
     seen: dict[str, str] = {}  # each candidate's config as JSON -> its job's label
     for label, job in zip(labels, plain):
         spec = candidate_spec(job["method"], swept[job["method"]["name"]])
         try:
-            candidate = build_candidate("method", spec, n_experts)
+            candidate = build_candidate("method", spec, experts)
         except UserError as err:
             raise UserError(err.field, f"{err.problem} (sweep job {label})", err.fix) from None
         key = json.dumps(OmegaConf.to_container(OmegaConf.structured(candidate.config)), sort_keys=True)

@@ -171,7 +171,7 @@ def prepare(cfg: DictConfig) -> Plan:
             f"staged evaluation splits mergeval's generated tasks into stages; {other[0]} is not one",
             "run registry tasks with python -m mergeval",
         )
-    plan = make_plan(cfg.staged, len(cfg.modelset.experts))
+    plan = make_plan(cfg.staged, list(cfg.modelset.experts))
     stage1_tasks(cfg)
     return plan
 
@@ -300,7 +300,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     assert task_dir is not None, "a staged sweep's tasks are generated ones (prepare)"
     base_dir, expert_dirs, constituents = resolve_models(cfg, cache)
     lap("resolve_models")
-    _data_aware(cfg, plan, base_dir, constituents, cache)
+    _prepare(cfg, plan, base_dir, constituents, cache)
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -361,17 +361,17 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     return outcome
 
 
-def _data_aware(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
-    """Candidates that need calibration statistics (fisher, regmean) or localize_stitch's magnitude cuts get
-    them as a run does (``ranking.prepare_method``; computed once per model and data, then cached)."""
+def _prepare(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
+    """Each candidate gets what its method needs from the models as a run's method does (``ranking.prepare_method``:
+    head counts, calibration statistics, magnitude cuts, CMM's ranking of the experts on the validation split; each
+    computed once per model and data, then reused)."""
     import dataclasses
 
     from mergeval.run.ranking import prepare_method
 
     for i, cand in enumerate(plan.candidates):
-        if cand.method.needs.statistics or cand.method.needs.magnitude_cuts:
-            config, _ = prepare_method(cfg, cand.method, cand.config, constituents, base_dir, cache, can_evaluate=False)
-            plan.candidates[i] = dataclasses.replace(cand, config=config)
+        config, _ = prepare_method(cfg, cand.method, cand.config, constituents, base_dir, cache, can_evaluate=True)
+        plan.candidates[i] = dataclasses.replace(cand, config=config)
 
 
 def _stage1(outcome: StagedOutcome, plan: Plan, owners: dict[str, list[str]], models: Models, scorer: HeldOut) -> None:

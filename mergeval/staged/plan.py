@@ -70,21 +70,18 @@ def _specs(staged) -> list[tuple[str, dict]]:
     return specs
 
 
-def build_candidate(path: str, spec: dict, n_experts: int) -> Candidate:
-    """The method's structured config with ``spec`` merged in, validated; errors name ``path``."""
+def build_candidate(path: str, spec: dict, experts: list[str]) -> Candidate:
+    """The method's structured config with ``spec`` merged in, validated against the modelset's ``experts`` (their
+    names, in order); errors name ``path``. What the method needs from the models is prepared later, when they are
+    resolved (``run.ranking.prepare_method``, as for a run)."""
     name_path = path if path.startswith("staged.grid.") else f"{path}.name"  # a grid's key is the method name
     try:
         method = get_method(spec["name"])
     except UserError as err:
         raise UserError(name_path, err.problem, err.fix) from None
-    if method.needs.at_run_time():  # python -m mergeval prepares those; a staged sweep merges candidates as they are
-        raise UserError(
-            name_path,
-            f"{method.name} needs run-time preparation that staged sweeps do not do",
-            "sweep it with python -m mergeval -m instead",
-        )
     params = {k: v for k, v in spec.items() if k != "name"}
-    config = typed_config(path, method, params, n_experts)
+    names = {"expert_names": list(experts)} if method.needs.expert_names else {}  # a pipeline's stages name experts
+    config = typed_config(path, method, {**params, **names}, len(experts))
     label = method.name + "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
     return Candidate(label, method, config, params, path)
 
@@ -112,7 +109,7 @@ def typed_config(path: str, method: MergeMethod, params: dict, n_experts: int, b
     return config
 
 
-def make_plan(staged, n_experts: int) -> Plan:
+def make_plan(staged, experts: list[str]) -> Plan:
     if staged is None:
         raise UserError(
             "staged",
@@ -122,7 +119,7 @@ def make_plan(staged, n_experts: int) -> Plan:
     candidates: list[Candidate] = []
     seen: dict[str, str] = {}  # each candidate's config as JSON -> its label
     for path, spec in _specs(staged):
-        cand = build_candidate(path, spec, n_experts)
+        cand = build_candidate(path, spec, experts)
         key = json.dumps(OmegaConf.to_container(OmegaConf.structured(cand.config)), sort_keys=True)
         if key in seen:
             raise UserError(

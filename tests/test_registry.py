@@ -243,3 +243,18 @@ def test_registering_a_method_whose_config_lacks_what_it_declares_is_refused_nam
             register("newcomer", NewConfig, lambda cfg, n: None, needs=needs, mergekit=mergekit)(lambda *a: a[0])
     assert "newcomer" not in METHODS
 
+
+def test_every_method_has_its_yaml_and_every_top_level_method_yaml_is_a_method():
+    """One YAML per method, ``conf/method/<name>.yaml`` extending ``<name>_schema``; a paper's presets live in
+    the paper's own folder (``conf/method/<paper>/``, a spec of ``specs/``), never beside the methods."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    conf = root / "conf" / "method"
+    assert {p.stem for p in conf.glob("*.yaml")} == set(METHODS)
+    for name in METHODS:
+        assert f"{name}_schema" in yaml.safe_load((conf / f"{name}.yaml").read_text())["defaults"], name
+    folders = [p.name for p in conf.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert folders and all((root / "specs" / f"{f}.yaml").is_file() for f in folders), folders

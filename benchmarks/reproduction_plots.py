@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 
 def load(sweep: Path) -> list[dict]:
     """Each job's result.json in job order, with ``choice``: the method option the sweep chose (its
-    ``.hydra/hydra.yaml``; e.g. cmm_reverse, mergebench_soup), else the method's name."""
+    ``.hydra/hydra.yaml``; e.g. cmm_chem/reverse, mergebench/soup), else the method's name."""
     import yaml
 
     from mergeval.core.paths import result_files_below

@@ -176,33 +176,37 @@ def yaml_comment(path: Path) -> str:
     return " ".join(out)
 
 
-def schema_of(path: Path) -> str | None:
-    """The ``*_schema`` a config YAML's defaults list extends, directly or through another file of its group
-    (``cmm_reverse.yaml`` extends ``cmm.yaml``, which extends ``cmm_schema``)."""
+def _extended(path: Path) -> list[tuple[str, Path]]:
+    """The configs a config YAML's defaults list names (``_self_`` left out): (the entry's config name, where
+    its file would be). An entry is relative to the file's folder, or absolute from ``conf/`` when it starts with
+    ``/`` (a paper's preset, ``conf/method/<paper>/<name>.yaml``, extends ``/method/<method>@_here_``)."""
     import yaml
 
     data = yaml.safe_load(path.read_text()) or {}
+    out = []
     for entry in data.get("defaults", []) if isinstance(data, dict) else []:
-        if isinstance(entry, str) and entry.endswith("_schema"):
-            return entry
-        if isinstance(entry, str) and entry != "_self_" and (path.parent / f"{entry}.yaml").is_file():
-            return schema_of(path.parent / f"{entry}.yaml")
+        if not isinstance(entry, str) or entry == "_self_":
+            continue
+        name = entry.split("@")[0]
+        where = (ROOT / "conf" / name.lstrip("/")) if name.startswith("/") else (path.parent / name)
+        out.append((name.rpartition("/")[2], where.with_name(where.name + ".yaml")))
+    return out
+
+
+def schema_of(path: Path) -> str | None:
+    """The ``*_schema`` a config YAML's defaults list extends, directly or through another config file
+    (``cmm_chem/reverse.yaml`` extends ``cmm.yaml``, which extends ``cmm_schema``)."""
+    for name, file in _extended(path):
+        if name.endswith("_schema"):
+            return name
+        if file.is_file():
+            return schema_of(file)
     return None
 
 
 def based_on(path: Path) -> str | None:
-    """The file of its group a config YAML extends, if any."""
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    return next(
-        (
-            e
-            for e in data.get("defaults", [])
-            if isinstance(e, str) and e != "_self_" and (path.parent / f"{e}.yaml").is_file()
-        ),
-        None,
-    )
+    """The config file a config YAML extends, if any, as its option name (``cmm``)."""
+    return next((name for name, file in _extended(path) if file.is_file()), None)
 
 
 # ---------------------------------------------------------------- merge methods
@@ -220,7 +224,7 @@ def methods_page() -> str:
         )
     conf = ROOT / "conf" / "method"
     presets: dict[str, list[Path]] = {}
-    for path in sorted(conf.glob("*.yaml")):
+    for path in sorted(conf.rglob("*.yaml"), key=lambda p: (len(p.relative_to(conf).parts), p)):
         schema = schema_of(path)
         if schema:
             presets.setdefault(schema.removesuffix("_schema"), []).append(path)
@@ -230,8 +234,9 @@ def methods_page() -> str:
         "",
         "Generated from the method registry (`mergeval/methods/`) and each method's config schema at every "
         "build of this site: what you read here is what the code does. Choose a method with "
-        "`method=<name>` and set a parameter with `method.<field>=<value>`; the presets in "
-        "`conf/method/` are named configurations of these methods. How methods are chosen and combined is "
+        "`method=<name>` and set a parameter with `method.<field>=<value>`; the other files of "
+        "`conf/method/` are named configurations of these methods, a paper's in its own folder "
+        "(`method=<paper>/<name>`). How methods are chosen and combined is "
         "under [Concepts: method](../concepts/method.md).",
         "",
         "Notation in the formulas: base `b`, expert `e_i`, task vector `d_i = e_i - b`, weights `w_i`, "
@@ -264,6 +269,8 @@ def methods_page() -> str:
         if m.rows is not None:
             facts.append("large tensors merged in row blocks")
         out += ["; ".join(facts) + ".", ""]
+        out += ["Declared at registration (`needs`, `mergekit`):", ""]
+        out += [f"- {cell(line)}" for line in m.requirements()] + [""]
         doc = own_docstring(m.config.__mro__[1]) if len(m.config.__mro__) > 1 else ""
         if doc:
             out += [doc_block(doc), ""]
@@ -279,7 +286,7 @@ def methods_page() -> str:
             out.append(f"| `{f.name}` | {fmt_type(hints[f.name])} | {fmt_default(default_of(f))} | {cell(meaning)} |")
         out.append("")
         if presets.get(name):
-            out += ["Its files in `conf/method/` (`method=<file name>`):", ""]
+            out += ["Its files in `conf/method/` (`method=<path without .yaml>`):", ""]
             for path in presets[name]:
                 import yaml
 
@@ -287,7 +294,8 @@ def methods_page() -> str:
                 shown = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in values.items())
                 parent = based_on(path)
                 shown = (f"`{parent}` with " if parent else "") + (shown or "the defaults")
-                out.append(f"- `{path.stem}`: {cell(yaml_comment(path)) or 'no comment'} ({shown})")
+                option = path.relative_to(conf).with_suffix("").as_posix()
+                out.append(f"- `{option}`: {cell(yaml_comment(path)) or 'no comment'} ({shown})")
             out.append("")
     return "\n".join(out)
 
@@ -418,9 +426,10 @@ def config_page() -> str:
         "",
     ]
     for group in CONFIG_GROUPS:
-        paths = sorted(p for p in (ROOT / "conf" / group).glob("*.yaml") if not p.stem.endswith("_schema"))
+        folder = ROOT / "conf" / group
+        paths = sorted(p for p in folder.rglob("*.yaml") if not p.stem.endswith("_schema"))
         out += [f"### `{group}`", "", "| option | what it is |", "|---|---|"]
-        out += [f"| `{p.stem}` | {cell(yaml_comment(p))} |" for p in paths]
+        out += [f"| `{p.relative_to(folder).with_suffix('').as_posix()}` | {cell(yaml_comment(p))} |" for p in paths]
         out.append("")
     return "\n".join(out)
 

@@ -94,14 +94,18 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
 @pytest.mark.parametrize(
     "preset,name,values",
     [
-        ("medical_dare_ties", "dare_ties", {"density": 0.6}),
-        ("medical_della", "della", {"density": 0.6, "epsilon": 0.05}),
-        ("medical_breadcrumbs", "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
-        ("mergebench_soup", "task_arithmetic", {"lambda_": 0.2}),
-        ("mergebench_task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
-        ("mergebench_ties", "ties", {"density": 0.3, "lambda_": 0.4}),
-        ("mergebench_dare", "dare_linear", {"density": 0.1, "lambda_": 0.4, "rescale": "inverse_density"}),
-        ("mergebench_consensus_ta", "consensus_ta", {"lambda_": 0.4, "k": 2, "tall_lambda": 0.2, "strict": True}),
+        ("medical_hier/dare_ties", "dare_ties", {"density": 0.6}),
+        ("medical_hier/della", "della", {"density": 0.6, "epsilon": 0.05}),
+        ("medical_hier/breadcrumbs", "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
+        ("mergebench/soup", "task_arithmetic", {"lambda_": 0.2}),
+        ("mergebench/task_arithmetic", "task_arithmetic", {"lambda_": 0.4}),
+        ("mergebench/ties", "ties", {"density": 0.3, "lambda_": 0.4}),
+        ("mergebench/dare", "dare_linear", {"density": 0.1, "lambda_": 0.4, "rescale": "inverse_density"}),
+        ("mergebench/consensus_ta", "consensus_ta", {"lambda_": 0.4, "k": 2, "tall_lambda": 0.2, "strict": True}),
+        ("medical_hier/dare_ties_high", "dare_ties", {"density": 0.9}),
+        ("cmm_chem/reverse", "cmm", {"order": "reverse", "schedule": "linear", "start": 0.3, "end": 0.6}),
+        ("cmm_chem/constant", "cmm", {"order": "ranked", "schedule": "constant", "start": 0.45, "end": 0.45}),
+        ("cmm_chem/task_arithmetic", "cmm", {"order": "ranked", "update": "additive", "start": 0.3, "end": 0.6}),
         ("regmean", "regmean", {"alpha": 0.5}),
         ("fisher", "fisher", {"epsilon": 1e-10}),
         ("localize_stitch", "localize_stitch", {"sparsity": 0.1}),
@@ -110,13 +114,41 @@ def test_metric_group_naming_an_unknown_task_is_one_line(tmp_path, tiny_dir):
 )
 def test_a_papers_baseline_presets_carry_its_stated_hyperparameters(preset, name, values):
     from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
 
+    from mergeval.methods import get_method
     from mergeval.run.config import register_configs
 
     register_configs()
     with initialize_config_module("mergeval.run.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"method={preset}"])
     assert cfg.method.name == name and {k: cfg.method[k] for k in values} == values
+    assert isinstance(OmegaConf.to_object(cfg.method), get_method(name).config)  # the method's schema, typed
+
+
+def test_a_papers_presets_live_in_its_folder_and_its_experiments_sweep_them():
+    """A paper's presets are ``conf/method/<paper>/<name>.yaml`` (``method=<paper>/<name>``), beside no method:
+    each experiment that sweeps a paper's presets composes every job with the values its preset file sets."""
+    import yaml
+    from hydra import compose, initialize_config_module
+
+    from mergeval.run.config import register_configs
+    from mergeval.run.sweep_check import sweep_jobs
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[1] / "conf" / "method"
+    papers = [("cmm_mini", "cmm_chem"), ("medical_hier_mini", "medical_hier"), ("mergebench_mini", "mergebench")]
+    for experiment, paper in papers:
+        chosen = [o.removeprefix("method=") for job in sweep_jobs([f"+experiment={experiment}"]) for o in job]
+        presets = [c for c in chosen if "/" in c]
+        assert presets and all(c.startswith(f"{paper}/") for c in presets), chosen
+        with initialize_config_module("mergeval.run.conf", version_base="1.3"):
+            for preset in presets:
+                method = compose("config", overrides=[f"+experiment={experiment}", f"method={preset}"]).method
+                sets = {
+                    k: v for k, v in yaml.safe_load((conf / f"{preset}.yaml").read_text()).items() if k != "defaults"
+                }
+                assert sets and {k: method[k] for k in sets} == sets, (experiment, preset)
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,7 @@ def test_random_stages_are_deterministic():
         ([stage("x", "base", ["a"], name="ties", density=2.0)], "method.density"),
         ([stage("x", "base", ["a"], name="ties", densty=0.5)], "method.stages[0].method.densty"),
         ([stage("x", "base", ["a"], name="cmm")], "method.stages[0].method.validation_scores"),
+        ([stage("x", "base", ["a", "b"], name="localize_stitch")], "method.stages[0].method.scope"),
         ([stage("x", "base", ["a"], name="linear"), stage("y", "base", ["b"], name="linear")], "method.stages"),
         (
             [stage("x", "base", ["a"], name="ties", rules=[{"match": "*", "density": 0.3}])],
@@ -196,6 +197,29 @@ def test_pipeline_bad_config(stages, field):
     with pytest.raises(UserError) as err:
         pipeline.validate(PipelineConfig(stages=stages, expert_names=["a", "b"]), 2)
     assert err.value.field == field
+
+
+def test_a_stage_whose_method_still_needs_measuring_is_refused_by_its_declared_needs():
+    """A stage merges values computed per tensor: what its method declared it needs from whole models
+    (CMM's ranking, localize_stitch's whole-model cuts) is refused unless the stage's config gives it,
+    the fix naming the stage's own fields."""
+
+    def validate(one: StageConfig) -> None:
+        pipeline.validate(PipelineConfig(stages=[one], expert_names=["a", "b"]), 2)
+
+    with pytest.raises(UserError) as err:
+        validate(stage("x", "base", ["a", "b"], name="cmm"))
+    assert err.value.problem == "cmm in a pipeline cannot rank by evaluation"
+    assert err.value.fix == (
+        "give method.stages[0].method.validation_scores or set method.stages[0].method.order=given"
+    )
+    with pytest.raises(UserError) as err:
+        validate(stage("x", "base", ["a", "b"], name="localize_stitch"))
+    assert err.value.fix == "set method.stages[0].method.scope=tensor"
+    validate(stage("x", "base", ["a", "b"], name="cmm", validation_scores=[0.2, 0.1]))
+    validate(stage("x", "base", ["a", "b"], name="cmm", order="given"))
+    validate(stage("x", "base", ["a", "b"], name="localize_stitch", scope="tensor"))
+    validate(stage("x", "base", ["a", "b"], name="localize_stitch", thresholds=[0.1, 0.2]))
 
 
 @settings(max_examples=30)

@@ -161,9 +161,14 @@ def test_the_methods_page_lists_every_registered_method_with_every_parameter_and
                 and not isinstance(f.default, bool)
             ):
                 assert f"`{f.default}`" in row, (name, f.name, row)
-    # every conf/method file shows under the method whose schema it extends
-    for path in (ROOT / "conf" / "method").glob("*.yaml"):
-        assert f"- `{path.stem}`:" in page, path.name
+    # every conf/method file shows under the method whose schema it extends, a paper's presets by their option
+    # (method=<paper>/<name>); and what each method declared at registration
+    conf = ROOT / "conf" / "method"
+    for path in conf.rglob("*.yaml"):
+        option = path.relative_to(conf).with_suffix("").as_posix()
+        assert f"- `{option}`:" in page, option
+    cmm = section(page, "cmm")
+    assert "- `cmm_chem/reverse`: " in cmm and "method.order=given" in cmm
 
 
 def test_the_config_page_lists_every_field_of_every_registered_schema_and_every_group_option():
@@ -188,7 +193,8 @@ def test_the_config_page_lists_every_field_of_every_registered_schema_and_every_
     assert fields - {"method"} <= listed, sorted(fields - listed)
     assert "eval.dtype" in fields and "modelset.experts.<name>.source" in fields and "search.n_trials" in fields
     for group in ("experiment", "method", "modelset", "benchmark", "metric", "search", "hydra/launcher"):
-        options = [p.stem for p in (ROOT / "conf" / group).glob("*.yaml")]
+        folder = ROOT / "conf" / group
+        options = [p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml")]
         assert options, group
         block = page.split(f"### `{group}`", 1)[1].split("\n### ", 1)[0]
         for option in options:

@@ -56,12 +56,57 @@ def test_a_method_reaching_evaluation_is_caught(tmp_path):
     assert out.returncode != 0 and "are pure" in out.stdout and "BROKEN" in out.stdout, out.stdout[-3000:]
 
 
-def test_what_a_method_needs_is_declared_where_it_is_registered():
-    """The run, merge-only, staged and search paths read ``MergeMethod.needs``; no module outside the methods
-    tests a method's name to decide what to prepare (mergekit's configuration mapping, run/mergekit_config.py, names
-    mergekit's own methods)."""
-    import re
+# Comparisons with a method's name that are about something else: (the expression, what it is about)
+NOT_A_METHOD = {"kind == 'fisher'": "a calibration statistic's kind (expert_statistics.KINDS)"}
 
+
+def method_name_tests(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, expression) of each place in ``source`` that tests a method's name: a comparison (==, !=, in,
+    not in) with a registered method's name as a string literal or among a literal tuple, list, set or dict,
+    a ``match`` case on one, a ``startswith``/``endswith`` with one, and any literal collection holding two or
+    more method names (a hand-kept list of methods)."""
+    import ast
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    def members(node) -> list:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return list(node.elts)
+        return [k for k in node.keys if k is not None] if isinstance(node, ast.Dict) else []
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            hit = any(named(o) or any(named(e) for e in members(o)) for o in (node.left, *node.comparators))
+        elif isinstance(node, ast.MatchValue):
+            hit = named(node.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            hit = node.func.attr in ("startswith", "endswith") and any(named(a) for a in node.args)
+        else:
+            hit = sum(named(e) for e in members(node)) >= 2
+        if hit and ast.unparse(node) not in NOT_A_METHOD:
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_method_name_tests_are_found():
+    names = {"cmm", "ties", "linear", "fisher"}
+    planted = (
+        "if method.name == 'cmm': pass\n"
+        "x = name in ('ties', 'other')\n"
+        "ok = kind == 'fisher'\n"
+        "if name != 'nope': pass\n"
+        "OWN = ['linear', 'ties']\n"
+        "match m:\n    case 'linear': pass\n"
+        "s.startswith('cmm')\n"
+    )
+    assert [line for line, _ in method_name_tests(planted, names)] == [1, 2, 5, 7, 8]
+
+
+def test_what_a_method_needs_is_declared_where_it_is_registered():
+    """The run, merge-only, staged, search and mergekit paths read what a method declared at registration
+    (``MergeMethod.needs``, ``.mergekit``, ``.details``); no module outside the methods tests a method's name."""
     from mergeval.merge.expert_statistics import KINDS
     from mergeval.methods import METHODS
 
@@ -72,18 +117,13 @@ def test_what_a_method_needs_is_declared_where_it_is_registered():
     }
     assert all(m.needs.statistics in (None, *KINDS) for m in METHODS.values())
     prepared_from_models = {
-        n for n, m in METHODS.items() if m.needs.head_counts or m.needs.ranking or m.needs.expert_names
+        n for n, m in METHODS.items() if m.needs.head_counts or m.needs.ranking is not None or m.needs.expert_names
     }
     assert prepared_from_models == {"cmm", "hierarchical", "pipeline"}
-    names = "|".join(sorted(METHODS, key=len, reverse=True))
-    by_name = re.compile(
-        rf"""(method\.name|\bname)\s*(==|!=|in)\s*["'({{]?["']?({names})\b|startswith\(["']({names})"""
-    )
     found = [
-        f"{p.relative_to(ROOT)}:{i}"
+        f"{p.relative_to(ROOT)}:{line}: {text}"
         for p in sorted((ROOT / "mergeval").rglob("*.py"))
-        if "methods" not in p.parts and p.name != "mergekit_config.py"
-        for i, line in enumerate(p.read_text().splitlines(), start=1)
-        if by_name.search(line)
+        if "methods" not in p.relative_to(ROOT).parts
+        for line, text in method_name_tests(p.read_text(), set(METHODS))
     ]
     assert not found, found

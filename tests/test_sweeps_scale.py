@@ -335,13 +335,13 @@ def test_the_jobs_of_an_experiment_that_sets_multirun_are_found_without_dash_m()
     from mergeval.run.sweep_check import sweep_jobs
 
     register_configs()
-    methods = ["cmm", "cmm_reverse", "cmm_constant", "cmm_task_arithmetic"]
+    methods = ["cmm", "cmm_chem/reverse", "cmm_chem/constant", "cmm_chem/task_arithmetic"]
     jobs = sweep_jobs(["+experiment=cmm_mini", "benchmark.n_items=20"])
     assert jobs == [[f"method={m}", "+experiment=cmm_mini", "benchmark.n_items=20"] for m in methods]
     assert sweep_jobs(["-m", "+experiment=cmm_mini", "benchmark.n_items=20"]) == jobs
-    assert sweep_jobs(["+experiment=cmm_mini", "method=cmm,cmm_reverse"]) == [
+    assert sweep_jobs(["+experiment=cmm_mini", "method=cmm,cmm_chem/reverse"]) == [
         ["method=cmm", "+experiment=cmm_mini"],
-        ["method=cmm_reverse", "+experiment=cmm_mini"],
+        ["method=cmm_chem/reverse", "+experiment=cmm_mini"],
     ]
     cpt = sweep_jobs(["+experiment=cpt_finance_mini", "method.lambda_=0.5,1.5", "hydra.sweep.dir=/x"])
     assert len(cpt) == 4 * 2 * 2 and cpt[0][-1] == "+experiment=cpt_finance_mini"

@@ -718,6 +718,28 @@ def test_no_spec_calls_a_registered_method_missing():
                     assert entry["mergeval"] in METHODS, f"{name}: {label} -> {entry['mergeval']} is not registered"
 
 
+def test_every_preset_a_spec_names_is_a_method_option_of_that_method_in_the_papers_folder():
+    """A spec's ``preset:`` is the ``method=`` option a sweep chooses: a file of ``conf/method/<spec>/`` (the
+    paper's hyperparameters live with its experiments) whose method is the entry's ``mergeval``."""
+    from hydra import compose, initialize_config_module
+
+    from mergeval.run.config import register_configs
+    from mergeval.verify import available, load_spec
+
+    register_configs()
+    seen = 0
+    with initialize_config_module("mergeval.run.conf", version_base="1.3"):
+        for name in available():
+            for setup in load_spec(name).setups.values():
+                for label, entry in (setup.get("methods") or {}).items():
+                    if isinstance(entry, dict) and entry.get("preset"):
+                        assert entry["preset"].startswith(f"{name}/"), (name, label, entry["preset"])
+                        method = compose("config", overrides=[f"method={entry['preset']}"]).method
+                        assert method.name == entry["mergeval"], (name, label)
+                        seen += 1
+    assert seen >= 10
+
+
 def test_verify_lists_each_papers_baselines_as_mergeval_runs_them(capsys):
     code, out, _ = run_cli(capsys, "medical_hier")
     assert code == 0
@@ -725,9 +747,9 @@ def test_verify_lists_each_papers_baselines_as_mergeval_runs_them(capsys):
         "hierarchical -> hierarchical",
         "Linear -> linear",
         "TA -> task_arithmetic",
-        "DARE-TIES -> medical_dare_ties",
-        "DELLA -> medical_della",
-        "Breadcrumbs -> medical_breadcrumbs",
+        "DARE-TIES -> medical_hier/dare_ties",
+        "DELLA -> medical_hier/della",
+        "Breadcrumbs -> medical_hier/breadcrumbs",
     ):
         assert shown in out, shown
     _, out, _ = run_cli(capsys, "cpt_finance")

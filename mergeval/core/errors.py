@@ -95,6 +95,24 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def nested_options(message: str, group: str) -> list[str]:
+    """The options in subfolders of ``group`` (``method=mergebench/ties``: a paper's presets) on the config search
+    path a Hydra message lists (``pkg://`` and ``file://`` entries); Hydra lists only the group's own files."""
+    import importlib.resources
+    from pathlib import Path
+
+    found = []
+    for kind, where in re.findall(r"provider=[^,]+, path=(pkg|file)://(\S+)", message):
+        try:
+            root = Path(str(importlib.resources.files(where))) if kind == "pkg" else Path(where)
+        except (ImportError, TypeError, ValueError):  # a search path entry that is not there: nothing to list
+            continue
+        folder = root / group
+        if folder.is_dir():
+            found += [p.relative_to(folder).with_suffix("").as_posix() for p in folder.glob("*/**/*.yaml")]
+    return found
+
+
 def explain(ex: BaseException) -> str | None:
     """One line for a Hydra/OmegaConf composition error, or None if it is not one."""
     import yaml
@@ -139,13 +157,20 @@ def explain(ex: BaseException) -> str | None:
         problem = getattr(bad_yaml, "problem", None) or str(bad_yaml).splitlines()[0]
         return f"{where}: not valid YAML ({problem}); fix the file's syntax there"
     if isinstance(ex, MissingConfigException):
-        found = re.search(r"Could not find '([^']+)/([^/']+)'", str(ex))
-        options = re.findall(r"^\t(\S+)$", str(ex), flags=re.M)
-        options = [o for o in options if not o.endswith("_schema")]
-        if found:
+        text = str(ex)
+        found = re.search(r"Could not find '([^']+)/([^/']+)'", text)
+        listed = re.search(r"Available options in '([^']+)'", text)
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path:")[0], flags=re.M)
+        if found and listed and found.group(1).startswith(listed.group(1)):  # method=<paper>/<preset> too
+            group = listed.group(1)
+            name = f"{found.group(1)}/{found.group(2)}".removeprefix(group + "/")
+            options = sorted(set(options) | set(nested_options(text, group)))
+        elif found:
             group, name = found.groups()
-            return f"{group}: unknown option '{name}'; choose one of: {', '.join(options) or '(none)'}"
-        return str(ex).splitlines()[0]
+        else:
+            return text.splitlines()[0]
+        options = [o for o in options if not o.endswith("_schema")]
+        return f"{group}: unknown option '{name}'; choose one of: {', '.join(options) or '(none)'}"
     # A submitit (Slurm) job that ended with mergeval's one-line error: submitit's report quotes its stderr.
     if type(ex).__name__ in ("UncompletedJobError", "FailedJobError"):
         reported = re.findall(r"^mergeval: error: (.*)$", str(ex), flags=re.M)

@@ -54,7 +54,7 @@ import torch
 
 from mergeval.core.errors import UserError
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import Needs, register
+from mergeval.methods.registry import Needs, Ranking, register
 
 SCHEDULES = ("constant", "linear", "exponential")
 ORDERS = ("ranked", "reverse", "given")
@@ -135,8 +135,29 @@ def _validate(cfg: CmmConfig, n_experts: int) -> None:
         )
 
 
+def _ranking_pending(cfg: CmmConfig) -> bool:
+    """An order by validation score whose scores are not given must measure them first."""
+    return cfg.order != "given" and cfg.validation_scores is None
+
+
+def details(cfg: CmmConfig, expert_names: list[str]) -> dict:
+    """The merge order (expert names) and step coefficients this config gives, for result.json."""
+    order = merge_order(cfg.order, cfg.validation_scores, len(expert_names))
+    return {
+        "order": [expert_names[i] for i in order],
+        "coefficients": schedule(cfg.schedule, cfg.start, cfg.end, len(expert_names)),
+    }
+
+
 # version 2: ties at the trim cut kept by position (1: in torch.topk's order)
-@register("cmm", CmmConfig, _validate, version=2, needs=Needs(ranking=True))
+@register(
+    "cmm",
+    CmmConfig,
+    _validate,
+    version=2,
+    needs=Needs(ranking=Ranking(_ranking_pending, "give {at}validation_scores or set {at}order=given")),
+    details=details,
+)
 def cmm(base: torch.Tensor, experts: list[torch.Tensor], cfg: CmmConfig, gen: Draws) -> torch.Tensor:
     """Curriculum merge: theta_0 = b; theta_k = (1 - c_k) theta_{k-1} + c_k e_pi(k) (interpolate),
     theta_{k-1} + c_k d_pi(k) (additive) or TIES(b; [theta_{k-1}, e_pi(k)], [1 - c_k, c_k]) (ties_step);

@@ -24,7 +24,7 @@ from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_weights
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import register
+from mergeval.methods.registry import Mergekit, register
 from mergeval.methods.task_vector import _check_weights
 
 # |cos(b, e)| above this counts as colinear and slerp falls back to lerp (mergekit's DOT_THRESHOLD):
@@ -163,7 +163,7 @@ def _validate_model_stock(cfg: ModelStockConfig, n_experts: int) -> None:
         )
 
 
-@register("slerp", SlerpConfig, _validate_slerp)
+@register("slerp", SlerpConfig, _validate_slerp, mergekit=Mergekit("slerp", base="listed"))
 def slerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: SlerpConfig, gen: Draws) -> torch.Tensor:
     """Spherical linear interpolation from the base (t=0) to the one expert (t=1), as mergekit.
 
@@ -210,7 +210,7 @@ def _rows(x: torch.Tensor, filter_wise: bool) -> torch.Tensor:
     return x.reshape(1, -1)
 
 
-@register("model_stock", ModelStockConfig, _validate_model_stock)
+@register("model_stock", ModelStockConfig, _validate_model_stock, mergekit=Mergekit("model_stock"))
 def model_stock(base: torch.Tensor, experts: list[torch.Tensor], cfg: ModelStockConfig, gen: Draws) -> torch.Tensor:
     """Model Stock (Jang et al., 2024), N >= 2 experts fine-tuned from the base.
 
@@ -264,7 +264,7 @@ def _model_stock_mergekit(base: torch.Tensor, experts: list[torch.Tensor], filte
     return (t * mean + (1 - t) * b).reshape(base.shape).to(base.dtype)
 
 
-@register("nearswap", NearSwapConfig, _validate_nearswap)
+@register("nearswap", NearSwapConfig, _validate_nearswap, mergekit=Mergekit("nearswap", own=True, base="listed"))
 def nearswap(base: torch.Tensor, experts: list[torch.Tensor], cfg: NearSwapConfig, gen: Draws) -> torch.Tensor:
     """NearSwap (mergekit's ``nearswap``): entry by entry, the base moves toward the one expert by at most ``t``.
 
@@ -323,7 +323,7 @@ def nuslerp_pair(
     return out.reshape(shape)
 
 
-@register("nuslerp", NuSlerpConfig, _validate_nuslerp)
+@register("nuslerp", NuSlerpConfig, _validate_nuslerp, mergekit=Mergekit("nuslerp", own=True, base="optional"))
 def nuslerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: NuSlerpConfig, gen: Draws) -> torch.Tensor:
     """NuSLERP (mergekit's ``nuslerp``): spherical interpolation of two models with weights w_1, w_2.
 
@@ -367,7 +367,9 @@ def multislerp_rows(points: torch.Tensor, w: torch.Tensor, eps: float) -> torch.
     return (mu * torch.cos(r) + tangent * (torch.sin(r) / r)) * (norms.squeeze(-1) * w).sum()
 
 
-@register("multislerp", MultiSlerpConfig, _validate_multislerp)
+@register(
+    "multislerp", MultiSlerpConfig, _validate_multislerp, mergekit=Mergekit("multislerp", own=True, base="optional")
+)
 def multislerp(base: torch.Tensor, experts: list[torch.Tensor], cfg: MultiSlerpConfig, gen: Draws) -> torch.Tensor:
     """Multi-SLERP (mergekit's ``multislerp``): spherical interpolation of any number of models.
 
@@ -446,7 +448,7 @@ def karcher_mean(points: list[torch.Tensor], max_iter: int, tol: float) -> torch
     return sum((1.0 / n) * r for r in norms) * mu
 
 
-@register("karcher", KarcherConfig, _validate_karcher)
+@register("karcher", KarcherConfig, _validate_karcher, mergekit=Mergekit("karcher", own=True, base="averaged"))
 def karcher(base: torch.Tensor, experts: list[torch.Tensor], cfg: KarcherConfig, gen: Draws) -> torch.Tensor:
     """Karcher mean (mergekit's ``karcher``): the Riemannian mean of the models' directions on the unit sphere,
     scaled by their mean norm, all models weighted equally.

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import Needs, register, register_layer
+from mergeval.methods.registry import Mergekit, Needs, register, register_layer
 from mergeval.methods.select import kth_smallest
 from mergeval.methods.task_vector import sum_in_order
 
@@ -337,7 +337,7 @@ def ram_sum(b: torch.Tensor, z: torch.Tensor, c: torch.Tensor, boost: torch.Tens
     return b + sum_in_order(terms).view_as(b)
 
 
-@register("ram", RamConfig, _validate_ram)
+@register("ram", RamConfig, _validate_ram, mergekit=Mergekit("ram", own=True))
 def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: Draws) -> torch.Tensor:
     """RAM (mergekit's ``ram``): each entry takes the mean change of the experts that changed it.
 
@@ -354,7 +354,7 @@ def ram(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamConfig, gen: Dr
     return ram_sum(b, z, c).to(base.dtype)
 
 
-@register("ramplus_tl", RamPlusConfig, _validate_ramplus)
+@register("ramplus_tl", RamPlusConfig, _validate_ramplus, mergekit=Mergekit("ramplus_tl", own=True))
 def ramplus_tl(base: torch.Tensor, experts: list[torch.Tensor], cfg: RamPlusConfig, gen: Draws) -> torch.Tensor:
     """RAM+, tensor-local (mergekit's ``ramplus_tl``): RAM, with the entries only expert t changed scaled by
     lambda_t >= 1, more for an expert that shares more of its changes with others.
@@ -398,7 +398,12 @@ def upper_fence(x: torch.Tensor) -> torch.Tensor:
     return median + 1.5 * (q3 - q1)
 
 
-@register("arcee_fusion", ArceeFusionConfig, _validate_arcee_fusion)
+@register(
+    "arcee_fusion",
+    ArceeFusionConfig,
+    _validate_arcee_fusion,
+    mergekit=Mergekit("arcee_fusion", own=True, base="listed"),
+)
 def arcee_fusion(base: torch.Tensor, experts: list[torch.Tensor], cfg: ArceeFusionConfig, gen: Draws) -> torch.Tensor:
     """Arcee Fusion (mergekit's ``arcee_fusion``): the base takes the one expert's entries whose importance is
     an upper outlier of the tensor's, and keeps its own elsewhere.

@@ -13,7 +13,7 @@ import torch
 
 from mergeval.core.errors import UserError
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import register
+from mergeval.methods.registry import Mergekit, register
 
 
 @dataclass
@@ -34,7 +34,7 @@ def _validate(cfg: PassthroughConfig, n_experts: int) -> None:
         raise UserError("method.scale", f"must be a number, got {cfg.scale!r}", "set scale: 1.0 (unchanged)")
 
 
-@register("passthrough", PassthroughConfig, _validate)
+@register("passthrough", PassthroughConfig, _validate, mergekit=Mergekit("passthrough", own=True, slices_only=True))
 def passthrough(base: torch.Tensor, experts: list[torch.Tensor], cfg: PassthroughConfig, gen: Draws) -> torch.Tensor:
     """Passthrough (mergekit's ``passthrough``): ``merged = s * b``, the one input tensor ``b`` unchanged when
     ``scale`` s = 1 (the default; returned as is, bit for bit), else multiplied by s in float32 and cast back to

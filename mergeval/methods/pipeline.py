@@ -16,7 +16,8 @@ and the last stage's output is the merge. Every stage is a per-tensor method,
 so a pipeline streams like any other merge. Stage s draws its random numbers
 from its own stream of the tensor's draws (``Draws.stream(s)``), so a pipeline
 is deterministic and its stages' draws are independent of each other. Stages whose method needs a whole layer at a time
-or a validation evaluation (CMM without given scores) are rejected up front.
+or anything measured from the models before merging (its registered ``needs``: CMM's ranking without given scores,
+localize_stitch's whole-model cuts) are rejected up front.
 """
 
 from __future__ import annotations
@@ -79,6 +80,37 @@ def stage_method(stage: StageConfig, index: int):
     return _typed(json.dumps(method_dict, sort_keys=True), f"method.stages[{index}].method")
 
 
+def _check_stage_needs(method, method_cfg, where: str) -> None:
+    """A stage merges values computed per tensor, never whole checkpoints: a stage whose method still needs
+    something measured from the models before merging (its declared ``needs``) is refused."""
+    needs = method.needs
+    if needs.ranking is not None and needs.ranking.pending(method_cfg):
+        raise UserError(
+            f"{where}.method.validation_scores",
+            f"{method.name} in a pipeline cannot rank by evaluation",
+            needs.ranking.fix(f"{where}.method."),
+        )
+    if needs.cuts_pending(method_cfg):
+        scoped = hasattr(method_cfg, "scope")
+        raise UserError(
+            f"{where}.method.{'scope' if scoped else 'thresholds'}",
+            "a stage's inputs are not checkpoints whose whole-model magnitude cut can be measured before merging",
+            f"set {where}.method.scope=tensor" if scoped else f"give {where}.method.thresholds",
+        )
+    if needs.statistics_pending(method_cfg):
+        raise UserError(
+            f"{where}.method.statistics",
+            f"a stage's inputs have no calibration statistics ('{needs.statistics}') measured before merging",
+            f"give {where}.method.statistics, or use a method that needs no calibration data in the stage",
+        )
+    if needs.head_counts or needs.expert_names:
+        raise UserError(
+            f"{where}.method.name",
+            f"{method.name} needs run-time preparation that pipeline stages do not get",
+            "use another method in the stage",
+        )
+
+
 def _validate(cfg: PipelineConfig, n_experts: int) -> None:
     if not cfg.stages:
         raise UserError("method.stages", "a pipeline needs at least one stage", "list stages under method.stages")
@@ -111,18 +143,7 @@ def _validate(cfg: PipelineConfig, n_experts: int) -> None:
                 f"{method.name} merges whole layers and cannot be a stage",
                 "use a per-tensor method in pipeline stages",
             )
-        if method.name == "cmm" and method_cfg.order != "given" and method_cfg.validation_scores is None:
-            raise UserError(
-                f"{where}.method.validation_scores",
-                "CMM in a pipeline cannot rank by evaluation",
-                "give validation_scores or set order=given",
-            )
-        if method.name == "localize_stitch" and method_cfg.scope == "model" and method_cfg.thresholds is None:
-            raise UserError(
-                f"{where}.method.scope",
-                "a stage's inputs are not checkpoints whose whole-model magnitude cut can be measured before merging",
-                "set scope=tensor in the stage",
-            )
+        _check_stage_needs(method, method_cfg, where)
         method.validate(method_cfg, len(stage.inputs))
         used.update((stage.base, *stage.inputs))
         known.add(stage.name)

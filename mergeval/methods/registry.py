@@ -69,6 +69,25 @@ parameters beat its global ones)."""
 
 
 @dataclass(frozen=True)
+class Ranking:
+    """A method that merges by the experts' ranking on a validation split (CMM's curriculum). Its config has
+    ``validation_scores`` (one per expert in the modelset's order; null: measured by the run, which evaluates each
+    expert on ``validation_items`` items per task and scores it by ``rank_by``: ``ranking.rank_experts``).
+
+    pending: given the method's config, whether the scores must still be measured (False: the config gives them
+        or does not use them);
+    skip: how a config does without the evaluation, one clause naming its fields with ``{at}`` where their
+        prefix goes (``method.``, a pipeline stage's ``method.stages[0].method.``)."""
+
+    pending: Callable[[Any], bool]
+    skip: str = "give {at}validation_scores"
+
+    def fix(self, at: str = "method.") -> str:
+        """``skip`` for fields under ``at``."""
+        return self.skip.format(at=at)
+
+
+@dataclass(frozen=True)
 class Needs:
     """What a method needs prepared from the models before it merges, beyond its config; the run, merge-only,
     staged and search paths read it here (``ranking.prepare_method`` does the preparing), never a method's name.
@@ -78,14 +97,78 @@ class Needs:
     magnitude_cuts: each expert's k-th largest ``|tau|`` over the whole model, filled into ``method.thresholds``
         (where the config has a ``scope``, only for ``scope=model``);
     head_counts: the base's attention head counts, from its config.json;
-    ranking: the experts ranked by evaluations on a validation split (a caller that cannot evaluate refuses it);
+    ranking: the experts ranked by evaluations on a validation split (``Ranking``; a caller that cannot evaluate
+        refuses a config whose ranking is pending);
     expert_names: the modelset's expert names (a pipeline's stages name experts)."""
 
     statistics: str | None = None
     magnitude_cuts: bool = False
     head_counts: bool = False
-    ranking: bool = False
+    ranking: Ranking | None = None
     expert_names: bool = False
+
+    def ranking_pending(self, cfg: Any) -> bool:
+        """Whether ``cfg`` (the method's config) still needs the experts ranked by evaluation."""
+        return self.ranking is not None and bool(self.ranking.pending(cfg))
+
+    def cuts_pending(self, cfg: Any) -> bool:
+        """Whether ``cfg`` still needs each expert's whole-model magnitude cut measured (``magnitude_cuts``)."""
+        return (
+            self.magnitude_cuts
+            and getattr(cfg, "scope", "model") == "model"
+            and getattr(cfg, "thresholds", None) is None
+        )
+
+    def statistics_pending(self, cfg: Any) -> bool:
+        """Whether ``cfg`` still needs each expert's calibration statistic computed (``statistics``)."""
+        return self.statistics is not None and getattr(cfg, "statistics", None) is None
+
+
+# Mergekit.base: where mergekit's configuration holds the base -> how the methods reference says it
+MERGEKIT_BASES = {
+    "base_model": "the base is base_model",
+    "listed": "the base is base_model and the first model",
+    "optional": "the base is base_model, or without it the first model, merged as a model",
+    "model": "the base is merged as one of the models",
+    "averaged": "the base is averaged with the models, after them",
+}
+
+
+@dataclass(frozen=True)
+class Mergekit:
+    """How a method relates to mergekit 0.1.5's (``run/mergekit_config.py`` reads and writes configurations by it).
+
+    name: mergekit's ``merge_method``;
+    own: a method mergekit introduced, implemented only as mergekit computes it (one mode: ``compat`` changes
+        nothing);
+    same_in_both_modes: ``compat=paper`` gives mergekit's tensors too, so either mode's config is written out
+        (implied by ``own``);
+    base: where mergekit's configuration holds the base: ``base_model`` (base_model, not among the models: the
+        task vectors are taken against it), ``listed`` (base_model, and listed first among the models, which the
+        method interpolates from it: slerp), ``optional`` (as base_model, which may be left out: the first
+        model is then the base, merged as a model), ``model`` (mergekit's method has no base: the base is one
+        of the models where listed, and without base_model the first model is) or ``averaged`` (every model is
+        averaged, base_model too, which mergekit adds after the models; without it the last model is the base);
+    slices_only: the method runs only over layer slices (``slices:``), never over whole models."""
+
+    name: str
+    own: bool = False
+    same_in_both_modes: bool = False
+    base: str = "base_model"
+    slices_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.base not in MERGEKIT_BASES:
+            raise ValueError(f"Mergekit.base must be one of {', '.join(MERGEKIT_BASES)}, got {self.base!r}")
+
+    def written_in_both_modes(self) -> bool:
+        """Whether a config of either ``compat`` mode gives mergekit's tensors (own or the same in both)."""
+        return self.own or self.same_in_both_modes
+
+
+# what a method decided beyond its config, for result.json: (its config with the needs prepared, the modelset's
+# expert names in order) -> a JSON-able dict (CMM: the merge order and step coefficients)
+DetailsFn = Callable[[Any, list[str]], dict]
 
 
 @dataclass(frozen=True)
@@ -103,6 +186,45 @@ class MergeMethod:
     # changes, so a merge stored under an earlier version is not taken for this one's (store.merge_key)
     version: int = 1
     needs: Needs = Needs()
+    mergekit: Mergekit | None = None  # mergekit's counterpart; None where mergekit has none
+    details: DetailsFn | None = None  # what it decided beyond its config, for result.json (None: nothing)
+
+    def requirements(self) -> list[str]:
+        """What the method declared at registration, one line each (the methods reference shows them): what a run
+        prepares before merging (``needs``), then its mergekit counterpart."""
+        needs, out = self.needs, []
+        if needs.statistics:
+            out.append(
+                f"calibration statistic '{needs.statistics}' of every expert (modelset.experts.<name>.calibration), "
+                "filled into method.statistics"
+            )
+        if needs.magnitude_cuts:
+            out.append("each expert's whole-model magnitude cut, filled into method.thresholds (scope=model)")
+        if needs.head_counts:
+            out.append("the base's attention head counts, read from its config.json")
+        if needs.ranking is not None:
+            out.append(
+                "the experts ranked on a validation split (mergeval's generated tasks), filled into "
+                f"method.validation_scores; to do without: {needs.ranking.fix()}"
+            )
+        if needs.expert_names:
+            out.append("the modelset's expert names, filled into method.expert_names")
+        if not out:
+            out.append("nothing prepared before merging: its config is all it needs")
+        if self.mergekit is None:
+            out.append("no mergekit counterpart")
+        else:
+            mk = self.mergekit
+            mode = (
+                "mergekit's own method"
+                if mk.own
+                else "the same tensors in both modes"
+                if mk.same_in_both_modes
+                else "mergekit's tensors with method.compat=mergekit"
+            )
+            where = "over layer slices only" if mk.slices_only else MERGEKIT_BASES[mk.base]
+            out.append(f"mergekit: merge_method {mk.name} ({mode}; {where})")
+        return out
 
 
 PER_EXPERT = ("density", "gamma", "epsilon")  # besides weight: the per-model parameters mergekit also has
@@ -110,11 +232,21 @@ METHODS: dict[str, MergeMethod] = {}
 _DERIVED: dict[type, type] = {}  # method config -> its schema with rules (shared configs derive once)
 
 
-def register(name: str, config: type, validate: ValidateFn, version: int = 1, needs: Needs = Needs()):
+def register(
+    name: str,
+    config: type,
+    validate: ValidateFn,
+    version: int = 1,
+    needs: Needs = Needs(),
+    mergekit: Mergekit | None = None,
+    details: DetailsFn | None = None,
+):
     """Register a per-tensor method: ``@register(name, Config, validate)`` on ``merge(base, experts, cfg, gen)``;
-    ``version``: the implementation version (``MergeMethod.version``); ``needs``: what it needs prepared."""
+    ``version``: the implementation version (``MergeMethod.version``); ``needs``: what it needs prepared;
+    ``mergekit``: its mergekit counterpart; ``details``: what it decided beyond its config, for result.json."""
 
     def wrap(fn: MergeFn) -> MergeFn:
+        _fields_declared(name, config, needs, mergekit)
         METHODS[name] = MergeMethod(
             name,
             with_rules(config),
@@ -123,20 +255,31 @@ def register(name: str, config: type, validate: ValidateFn, version: int = 1, ne
             (fn.__doc__ or "").strip(),
             version=version,
             needs=needs,
+            mergekit=mergekit,
+            details=details,
         )
         return fn
 
     return wrap
 
 
-def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn | None = None, needs: Needs = Needs()):
+def register_layer(
+    name: str,
+    config: type,
+    validate: ValidateFn,
+    merge: MergeFn | None = None,
+    needs: Needs = Needs(),
+    mergekit: Mergekit | None = None,
+    details: DetailsFn | None = None,
+):
     """Register a layer-at-a-time method: ``@register_layer(name, Config, validate)`` on
     ``merge_layer(base: dict[str, Tensor], experts: list[dict[str, Tensor]], cfg, gen) -> dict[str, Tensor]``.
 
     ``merge`` optionally handles the tensors outside the decoder layers one at a time
-    (else ``merge_layer`` gets them as one-tensor groups)."""
+    (else ``merge_layer`` gets them as one-tensor groups); ``needs``, ``mergekit``, ``details``: as ``register``."""
 
     def wrap(fn: LayerMergeFn) -> LayerMergeFn:
+        _fields_declared(name, config, needs, mergekit)
         METHODS[name] = MergeMethod(
             name,
             with_rules(config),
@@ -145,10 +288,39 @@ def register_layer(name: str, config: type, validate: ValidateFn, merge: MergeFn
             (fn.__doc__ or "").strip(),
             merge_layer=fn,
             needs=needs,
+            mergekit=mergekit,
+            details=details,
         )
         return fn
 
     return wrap
+
+
+def _fields_declared(name: str, config: type, needs: Needs, mergekit: Mergekit | None) -> None:
+    """What a method declares needs fields of its config that the run fills or reads; a config without them is
+    refused when the method is registered (at import), naming the fields to add. A programming error, not a
+    user's: TypeError."""
+    wanted: list[tuple[str, tuple[str, ...]]] = []
+    if needs.statistics:
+        wanted.append(("needs.statistics", ("statistics",)))
+    if needs.magnitude_cuts:
+        wanted.append(("needs.magnitude_cuts", ("thresholds",)))
+    if needs.head_counts:
+        wanted.append(("needs.head_counts", ("num_attention_heads", "num_key_value_heads")))
+    if needs.ranking is not None:
+        wanted.append(("needs.ranking", ("validation_scores", "validation_items", "rank_by")))
+    if needs.expert_names:
+        wanted.append(("needs.expert_names", ("expert_names",)))
+    if mergekit is not None and not mergekit.slices_only:  # a mergekit file's method is read with compat=mergekit
+        wanted.append(("mergekit", ("compat",)))
+    have = {f.name for f in dataclasses.fields(config)}
+    for declared, fields in wanted:
+        missing = [f for f in fields if f not in have]
+        if missing:
+            raise TypeError(
+                f"merge method {name} declares {declared}: add the field(s) {', '.join(missing)} to "
+                f"{config.__name__}: the run fills or reads them (mergeval/methods/registry.py: Needs, Mergekit)"
+            )
 
 
 def get_method(name: str) -> MergeMethod:

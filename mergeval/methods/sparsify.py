@@ -40,7 +40,7 @@ from mergeval.core.errors import UserError
 from mergeval.methods import compat, fused
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import register
+from mergeval.methods.registry import Mergekit, register
 from mergeval.methods.select import first_k_mask, first_ties_mask, kth_largest
 from mergeval.methods.task_vector import (
     _check_lambda,
@@ -452,7 +452,7 @@ def _combine(
 
 
 # version 2: counter-based draws (draws.py) instead of torch's CPU generator
-@register("dare_linear", DareLinearConfig, _validate_dare, version=2)
+@register("dare_linear", DareLinearConfig, _validate_dare, version=2, mergekit=Mergekit("dare_linear"))
 def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinearConfig, gen: Draws) -> torch.Tensor:
     """DARE + task arithmetic (Yu et al., 2024).
 
@@ -465,7 +465,7 @@ def dare_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareLinear
 
 # version 3: counter-based draws (draws.py) instead of torch's CPU generator; 2: sums over 5+ experts in order
 # (task_vector.sum_in_order)
-@register("dare_ties", DareTiesConfig, _validate_dare, version=3)
+@register("dare_ties", DareTiesConfig, _validate_dare, version=3, mergekit=Mergekit("dare_ties"))
 def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConfig, gen: Draws) -> torch.Tensor:
     """DARE + TIES election (Yu et al., 2024): random drop instead of TIES' magnitude trim.
 
@@ -478,7 +478,7 @@ def dare_ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: DareTiesConf
 
 
 # version 3: the outliers' ties by position too (2: the trim cut's; 1: both in torch.topk's order)
-@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=3)
+@register("breadcrumbs", BreadcrumbsConfig, _validate_breadcrumbs, version=3, mergekit=Mergekit("breadcrumbs"))
 def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsConfig, gen: Draws) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky, 2023).
 
@@ -492,7 +492,9 @@ def breadcrumbs(base: torch.Tensor, experts: list[torch.Tensor], cfg: Breadcrumb
 
 # version 4: sums over 5+ experts in order (task_vector.sum_in_order); 3: the outliers' ties by position too
 # (2: the trim cut's; 1: both in torch.topk's order)
-@register("breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4)
+@register(
+    "breadcrumbs_ties", BreadcrumbsTiesConfig, _validate_breadcrumbs, version=4, mergekit=Mergekit("breadcrumbs_ties")
+)
 def breadcrumbs_ties(
     base: torch.Tensor, experts: list[torch.Tensor], cfg: BreadcrumbsTiesConfig, gen: Draws
 ) -> torch.Tensor:
@@ -506,7 +508,7 @@ def breadcrumbs_ties(
 
 
 # version 2: counter-based draws (draws.py) instead of torch's CPU generator
-@register("della_linear", DellaLinearConfig, _validate_della, version=2)
+@register("della_linear", DellaLinearConfig, _validate_della, version=2, mergekit=Mergekit("della_linear"))
 def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLinearConfig, gen: Draws) -> torch.Tensor:
     """DELLA's MAGPRUNE + task arithmetic (Deep et al., 2024; mergekit's della_linear).
 
@@ -520,7 +522,7 @@ def della_linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaLine
 
 # version 3: counter-based draws (draws.py) instead of torch's CPU generator; 2: sums over 5+ experts in order
 # (task_vector.sum_in_order)
-@register("della", DellaConfig, _validate_della, version=3)
+@register("della", DellaConfig, _validate_della, version=3, mergekit=Mergekit("della"))
 def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen: Draws) -> torch.Tensor:
     """DELLA-Merging (Deep et al., 2024): MAGPRUNE, TIES' election, disjoint mean, scale.
 
@@ -532,7 +534,7 @@ def della(base: torch.Tensor, experts: list[torch.Tensor], cfg: DellaConfig, gen
     return _combine(base, experts, cfg, gen, elect=True)
 
 
-@register("sce", SceConfig, _validate_sce)
+@register("sce", SceConfig, _validate_sce, mergekit=Mergekit("sce"))
 def sce(base: torch.Tensor, experts: list[torch.Tensor], cfg: SceConfig, gen: Draws) -> torch.Tensor:
     """SCE (FuseChat, Wan et al., 2024; mergekit's sce): Select, Calculate, Erase.
 

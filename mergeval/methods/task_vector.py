@@ -22,7 +22,7 @@ from mergeval.core.errors import UserError
 from mergeval.methods import compat
 from mergeval.methods.compat import expert_value, expert_weights, match_l1
 from mergeval.methods.draws import Draws
-from mergeval.methods.registry import register
+from mergeval.methods.registry import Mergekit, register
 from mergeval.methods.select import first_k_mask
 
 
@@ -110,7 +110,7 @@ def check_ties_options(cfg) -> None:
     compat.option(cfg, "normalize", True, True, (True, False))
 
 
-@register("linear", LinearConfig, _validate_linear)
+@register("linear", LinearConfig, _validate_linear, mergekit=Mergekit("linear", same_in_both_modes=True, base="model"))
 def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, gen: Draws) -> torch.Tensor:
     """Weighted average of the models (a model soup).
 
@@ -126,7 +126,9 @@ def linear(base: torch.Tensor, experts: list[torch.Tensor], cfg: LinearConfig, g
     return total.to(base.dtype)
 
 
-@register("task_arithmetic", TaskArithmeticConfig, _validate_ta)
+@register(
+    "task_arithmetic", TaskArithmeticConfig, _validate_ta, mergekit=Mergekit("task_arithmetic", same_in_both_modes=True)
+)
 def task_arithmetic(
     base: torch.Tensor, experts: list[torch.Tensor], cfg: TaskArithmeticConfig, gen: Draws
 ) -> torch.Tensor:
@@ -184,7 +186,7 @@ def mergekit_ties_options(cfg) -> tuple[bool, str, bool]:
 
 # version 3: sums over 5+ experts in order (sum_in_order); 2: ties at the trim cut kept by position (1: in
 # torch.topk's order)
-@register("ties", TiesConfig, _validate_ties, version=3)
+@register("ties", TiesConfig, _validate_ties, version=3, mergekit=Mergekit("ties"))
 def ties(base: torch.Tensor, experts: list[torch.Tensor], cfg: TiesConfig, gen: Draws) -> torch.Tensor:
     """TIES-Merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
 

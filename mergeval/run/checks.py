@@ -343,12 +343,13 @@ def validate(cfg: DictConfig, schema=None):
                 f"method {method.name} needs calibration data for every expert",
                 f"set {field}={{task: {experts[missing[0]].domain or '<generated domain>'}, split: train, n: 64}}",
             )
-    if method.needs.ranking and method_cfg.order != "given" and method_cfg.validation_scores is None:
+    ranking = method.needs.ranking
+    if ranking is not None and ranking.pending(method_cfg):
         if not generated:
             raise UserError(
                 "method.order",
                 "ranking experts needs a validation split, which only mergeval's generated tasks have",
-                "give method.validation_scores or set method.order=given",
+                ranking.fix(),
             )
         check_tasks(generated, cfg.benchmark.n_items, method_cfg.validation_items)
     if cfg.benchmark.limit is not None and cfg.benchmark.limit < 1:

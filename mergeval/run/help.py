@@ -13,6 +13,7 @@ GROUPS = ("experiment", "method", "modelset", "benchmark", "metric")
 
 OVERRIDES = """\
   method.lambda_=0.5 method.density=0.3    a method's hyperparameters (conf/method/<name>.yaml lists them)
+  method=mergebench/ties                   a paper's preset: conf/method/<paper>/<name>.yaml
   benchmark.tasks=[hellaswag,gsm8k]        lm-eval task/group names, include_path tasks, mergeval_* tasks
   benchmark.limit=50                       only the first 50 items of each task
   '+benchmark.metrics.gsm8k="exact_match,strict-match"'   the metric a task reports
@@ -42,8 +43,16 @@ ENTRY_POINTS = """\
 
 
 def choices(conf: Path) -> dict[str, list[str]]:
-    """Each group's options: its YAML files, without Hydra's schema entries."""
-    return {g: sorted(p.stem for p in (conf / g).glob("*.yaml") if not p.stem.endswith("_schema")) for g in GROUPS}
+    """Each group's options: its YAML files, those in its subfolders as ``<folder>/<name>`` (a paper's method
+    presets: ``method=mergebench/ties``), without Hydra's schema entries."""
+    return {
+        g: sorted(
+            p.relative_to(conf / g).with_suffix("").as_posix()
+            for p in (conf / g).rglob("*.yaml")
+            if not p.stem.endswith("_schema")
+        )
+        for g in GROUPS
+    }
 
 
 def help_text(entry: str, summary: str) -> str:

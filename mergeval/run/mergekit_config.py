@@ -42,8 +42,11 @@ UserError naming the key.
 
 Out: ``to_mergekit`` writes the mergekit configuration of a merge when mergekit can express it
 exactly: compat=mergekit (or a method the same in both modes: linear, task_arithmetic and mergekit's
-own nearswap, nuslerp, multislerp, karcher) and rules whose
+own nearswap, nuslerp, multislerp, karcher...) and rules whose
 globs are '*' or '*<substring>*'; else it returns None.
+
+Which mergekit method a mergeval method is, and how mergekit's configuration holds its base, each method
+declares where it is registered (``MergeMethod.mergekit``, ``methods.registry.Mergekit``); this module names none.
 """
 
 from __future__ import annotations
@@ -59,32 +62,20 @@ import yaml
 from mergeval.core.errors import UserError
 from mergeval.models.zoo.sources import looks_like_path
 
-OWN = (
-    "nearswap",
-    "nuslerp",
-    "multislerp",
-    "karcher",
-    "ram",
-    "ramplus_tl",
-    "arcee_fusion",
-)  # mergekit's own methods: one mode, mergekit's
-METHODS = (
-    "linear",
-    "task_arithmetic",
-    "ties",
-    "dare_ties",
-    "dare_linear",
-    "breadcrumbs",
-    "breadcrumbs_ties",
-    "della",
-    "della_linear",
-    "slerp",
-    "model_stock",
-    "sce",
-    *OWN,
-)
-SAME_IN_BOTH_MODES = ("linear", "task_arithmetic", *OWN)
-BASE_AS_MODEL = ("linear", "nuslerp", "multislerp")  # without base_model, the first model is the base and merged
+
+def counterparts() -> dict[str, Any]:
+    """mergekit's ``merge_method`` -> the mergeval method (``MergeMethod``) that declares it at registration
+    (``Mergekit``), in registration order."""
+    from mergeval.methods import METHODS
+
+    return {m.mergekit.name: m for m in METHODS.values() if m.mergekit is not None}
+
+
+def whole_model_methods() -> list[str]:
+    """The mergekit methods mergeval runs over whole models (``models:``), in registration order."""
+    return [name for name, m in counterparts().items() if not m.mergekit.slices_only]
+
+
 SHARED = (
     "lambda_",
     "t",
@@ -212,7 +203,6 @@ def _scalar_or_gradient(value: Any, field: str) -> Any:
 
 def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[str]]:
     """(method config dict, modelset dict, notes) for a mergekit configuration (module docstring)."""
-    from mergeval.methods import get_method
     from mergeval.methods.registry import expert_params
 
     for key, (what, fix) in UNSUPPORTED_TOP.items():
@@ -242,16 +232,20 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     if doc.get("slices") is not None:
         return _from_slices(doc, where)
     name = doc.get("merge_method")
-    if name == "passthrough":
+    method = counterparts().get(name) if isinstance(name, str) else None
+    if method is None:
         raise UserError(
             f"{where}.merge_method",
-            "passthrough passes one model on: mergeval runs it over slices",
+            f"'{name}' has no mergeval counterpart",
+            f"mergeval runs: {', '.join(whole_model_methods())}",
+        )
+    if method.mergekit.slices_only:
+        raise UserError(
+            f"{where}.merge_method",
+            f"{name} passes one model on: mergeval runs it over slices",
             "list the layer ranges under slices: (one source each)",
         )
-    if name not in METHODS:
-        raise UserError(
-            f"{where}.merge_method", f"'{name}' has no mergeval counterpart", f"mergeval runs: {', '.join(METHODS)}"
-        )
+    base_kind = method.mergekit.base
     models = doc.get("models") or []
     if not isinstance(models, list) or not models:
         raise UserError(f"{where}.models", "lists no models", "list the models to merge under models:")
@@ -267,7 +261,7 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     notes = _notes(doc, where)
 
     include_base = False
-    if name == "karcher":  # every model is averaged, base_model too (added last where it is not listed)
+    if base_kind == "averaged":  # every model is averaged, base_model too (added last where it is not listed)
         refs = [ref for ref, _, _ in entries]
         if base_ref in refs[:-1]:
             notes.append(
@@ -275,11 +269,11 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
                 "tensors differ from mergekit's by float32 rounding (list it last for the same bits)"
             )
         base_ref, include_base = base_ref or refs[-1], True
-    elif name in BASE_AS_MODEL and base_ref is None:
+    elif base_kind in ("optional", "model") and base_ref is None:  # the first model is the base, merged
         base_ref, include_base = entries[0][0], True
     elif base_ref is None:
         raise UserError(f"{where}.base_model", f"{name} needs a base model", "set base_model")
-    elif name == "linear":
+    elif base_kind == "model":  # the base is merged where the file lists it among the models
         include_base = any(ref == base_ref for ref, _, _ in entries)
     if include_base:  # the base is averaged as a model: its parameters (weight) come first
         base_entry = next((e for e in entries if e[0] == base_ref), None)  # karcher's base_model may be unlisted
@@ -290,10 +284,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
     if not experts:
         raise UserError(f"{where}.models", "lists no model besides the base", "add the models to merge")
 
-    method = get_method(name)
     names = {f.name for f in fields(method.config)}
     kinds = typing.get_type_hints(method.config)
-    cfg: dict[str, Any] = {"name": name, "compat": "mergekit"}
+    cfg: dict[str, Any] = {"name": method.name, "compat": "mergekit"}
     if include_base:
         cfg["include_base"] = True
     rules: list[dict] = []  # global ones first, then per-model ones: later rules win, so a model's own value does
@@ -474,12 +467,13 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
     order = parse(out_slices, list(names.values()), field)  # the sources of each slice, the base's first
     assert order is not None, "out_slices has a slice for each of the file's"
     name = doc.get("merge_method")
-    if name == "passthrough":
+    method = counterparts().get(name) if isinstance(name, str) else None
+    if method is not None and method.mergekit.slices_only:
         notes = _notes(doc, where)
-        cfg: dict[str, Any] = {"name": name}
+        cfg: dict[str, Any] = {"name": method.name}
         for key, value in (doc.get("parameters") or {}).items():
             if key != "scale":
-                raise _not_a_parameter(f"{where}.parameters.{key}", key, name, ["scale"])
+                raise _not_a_parameter(f"{where}.parameters.{key}", key, method.mergekit.name, ["scale"])
             for glob, v in _setting(value, f"{where}.parameters.{key}"):
                 if glob == "*" and not isinstance(v, list):
                     cfg["scale"] = float(v)
@@ -490,7 +484,11 @@ def _from_slices(doc: dict, where: str) -> tuple[dict, dict, list[str]]:
         models = [{"model": by_name[x.model]} for x in order[0]]
         cfg, _, notes = from_mergekit(
             {k: v for k, v in doc.items() if k != "slices"}
-            | {"models": models, "base_model": doc.get("base_model") or (None if name == "linear" else base_ref)},
+            | {
+                "models": models,
+                "base_model": doc.get("base_model")
+                or (None if method and method.mergekit.base == "model" else base_ref),
+            },
             where,
         )
     experts = {names[r]: {"source": _source(r, f"{f}.model")} for r, f in others}
@@ -592,10 +590,13 @@ def to_mergekit(
     """The mergekit configuration of this merge, or None when mergekit cannot give the same tensors.
     ``out_dtype``: the dtype the merge is written in (None: the inputs'). ``tokenizer_source``: base, union or
     the path of the model whose tokenizer the merge gets."""
+    from mergeval.methods import get_method
     from mergeval.methods.registry import rule_items
 
-    name = method_cfg.name
-    if name not in METHODS or (getattr(method_cfg, "compat", "paper") != "mergekit" and name not in SAME_IN_BOTH_MODES):
+    mk = get_method(method_cfg.name).mergekit
+    if mk is None or mk.slices_only:
+        return None
+    if getattr(method_cfg, "compat", "paper") != "mergekit" and not mk.written_in_both_modes():
         return None
     if getattr(method_cfg, "sign_rule", "sum") != "sum":
         return None
@@ -655,18 +656,19 @@ def to_mergekit(
                 cut = next((j for j, e in enumerate(entries) if "filter" not in e), len(entries) - 1)
                 target[key] = entries[: cut + 1]  # entries after an unfiltered one are never reached
     include_base = getattr(method_cfg, "include_base", False)
-    paths = ([base] if include_base and name != "karcher" else []) + list(experts)
+    paths = ([base] if include_base and mk.base != "averaged" else []) + list(experts)
     models: list[dict[str, Any]] = [
         {"model": p, **({"parameters": own[i]} if own[i] else {})} for i, p in enumerate(paths)
     ]
-    doc: dict[str, Any] = {"merge_method": name}
-    if name in ("slerp", "nearswap", "arcee_fusion"):  # mergekit lists the base among the models it interpolates
+    doc: dict[str, Any] = {"merge_method": mk.name}
+    if mk.base == "listed":  # mergekit lists the base among the models it interpolates
         models = [{"model": base}] + models
-    # linear and, with include_base, nuslerp and multislerp list the base as a model; karcher averages
-    # base_model (which mergekit adds after the models, where mergeval puts the base) only with include_base
-    wants_base = {"linear": False, "karcher": include_base}.get(name, not include_base)
+    # base "model" (linear) and, with include_base, "optional" (nuslerp, multislerp) list the base as a model;
+    # "averaged" (karcher) averages base_model (which mergekit adds after the models, where mergeval puts the base)
+    # only with include_base
+    wants_base = {"model": False, "averaged": include_base}.get(mk.base, not include_base)
     if tokenizer_source is not None and not wants_base:
-        if not (name == "linear" and include_base):
+        if not (mk.base == "model" and include_base):
             return None  # mergekit's tokenizer needs a base_model, which this method would then merge as a model
         wants_base = True
     if wants_base:
@@ -684,11 +686,14 @@ def sliced_to_mergekit(
 ) -> dict | None:
     """The mergekit configuration of a merge over layer slices (``merge.slices.parse``'s, in input order;
     ``paths``: modelset name -> model path), or None when mergekit cannot give the same tensors."""
+    from mergeval.methods import get_method
+
     n = len(slices[0])
-    if method_cfg.name == "passthrough":
+    mk = get_method(method_cfg.name).mergekit
+    if mk is not None and mk.slices_only:
         if getattr(method_cfg, "rules", None):
             return None
-        doc: dict[str, Any] = {"merge_method": "passthrough", "base_model": paths["base"]}
+        doc: dict[str, Any] = {"merge_method": mk.name, "base_model": paths["base"]}
         if method_cfg.scale != 1.0:
             doc["parameters"] = {"scale": method_cfg.scale}
         own: dict[int, dict] = {}

@@ -53,27 +53,27 @@ def prepare_method(
 
 
 def refuse_ranking(method, method_cfg) -> None:
-    """For callers that cannot evaluate (merge-only): a method that must rank experts first is an error."""
-    if "needs_ranking" in merge_details(method.name, method_cfg, []):
+    """For callers that cannot evaluate (merge-only): a config whose ranking is pending is an error."""
+    ranking = method.needs.ranking
+    if ranking is not None and ranking.pending(method_cfg):
         raise UserError(
             "method.order",
             "ranking the experts needs an evaluation, which a merge-only run does not do",
-            "give method.validation_scores, set method.order=given, or run python -m mergeval",
+            f"{ranking.fix()}, or run python -m mergeval",
         )
 
 
 def merge_details(method_name: str, method_cfg, models: list[ModelInfo]) -> dict:
-    """What a method decided beyond its config (CMM: the merge order and coefficients), for result.json."""
-    if method_name != "cmm":
-        return {}
-    from mergeval.methods.curriculum import merge_order, schedule
+    """What a method decided beyond its config, for result.json: its registered ``details`` over the experts'
+    names (CMM: the merge order and coefficients); ``{"needs_ranking": True}`` while its ranking is pending."""
+    from mergeval.methods import get_method
 
-    names = [m.role for m in models if m.role != "base"]
-    if method_cfg.order != "given" and method_cfg.validation_scores is None:
+    method = get_method(method_name)
+    if method.needs.ranking_pending(method_cfg):
         return {"needs_ranking": True}
-    order = merge_order(method_cfg.order, method_cfg.validation_scores, len(names))
-    coeffs = schedule(method_cfg.schedule, method_cfg.start, method_cfg.end, len(names))
-    return {"order": [names[i] for i in order], "coefficients": coeffs}
+    if method.details is None:
+        return {}
+    return method.details(method_cfg, [m.role for m in models if m.role != "base"])
 
 
 def expert_score(accuracies: dict[str, float], rank_by: str, own_task: str | None, where: str) -> float:

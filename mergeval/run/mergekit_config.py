@@ -231,8 +231,9 @@ def from_mergekit(doc: dict, where: str = "mergekit") -> tuple[dict, dict, list[
             )
     if doc.get("slices") is not None:
         return _from_slices(doc, where)
-    name = doc.get("merge_method")
-    method = counterparts().get(name) if isinstance(name, str) else None
+    found = doc.get("merge_method")
+    name = found if isinstance(found, str) else str(found)
+    method = counterparts().get(name) if isinstance(found, str) else None
     if method is None:
         raise UserError(
             f"{where}.merge_method",

@@ -53,29 +53,34 @@ PYTEST = ("-q", "-x", "-p", "no:cacheprovider")
 
 # The merge methods' tests, one file per module of mergeval/methods (test_registry.py: every method at once).
 METHODS = (
-    "tests/test_task_vector.py",
-    "tests/test_sparsify.py",
-    "tests/test_geometric.py",
-    "tests/test_registry.py",
+    "tests/methods/test_task_vector.py",
+    "tests/methods/test_sparsify.py",
+    "tests/methods/test_geometric.py",
+    "tests/methods/test_registry.py",
 )
-SPARSE = ("tests/test_sparsify.py", "tests/test_task_vector.py", "tests/test_geometric.py", "tests/test_registry.py")
+SPARSE = (
+    "tests/methods/test_sparsify.py",
+    "tests/methods/test_task_vector.py",
+    "tests/methods/test_geometric.py",
+    "tests/methods/test_registry.py",
+)
 # The metric functions' tests, one file per module of mergeval/metrics.
 METRICS = (
-    "tests/test_aggregates.py",
-    "tests/test_calibration.py",
-    "tests/test_groups.py",
-    "tests/test_perplexity.py",
-    "tests/test_similarity.py",
-    "tests/test_tradeoff.py",
-    "tests/test_uncertainty.py",
+    "tests/metrics/test_aggregates.py",
+    "tests/metrics/test_calibration.py",
+    "tests/metrics/test_groups.py",
+    "tests/metrics/test_perplexity.py",
+    "tests/metrics/test_similarity.py",
+    "tests/metrics/test_tradeoff.py",
+    "tests/metrics/test_uncertainty.py",
 )
-VERIFY = ("tests/test_verify.py", "tests/test_spec_language.py", "tests/test_verify_exact.py")
-PAIRED = ("tests/test_paired.py", "tests/test_paired_claims.py")
-HIERARCHICAL = ("tests/test_hierarchical.py",)
-CURRICULUM = ("tests/test_curriculum_pipeline.py",)
+VERIFY = ("tests/verify/test_verify.py", "tests/verify/test_spec_language.py", "tests/verify/test_verify_exact.py")
+PAIRED = ("tests/metrics/test_paired.py", "tests/verify/test_paired_claims.py")
+HIERARCHICAL = ("tests/methods/test_hierarchical.py",)
+CURRICULUM = ("tests/methods/test_curriculum_pipeline.py",)
 AGGREGATION = (
-    "tests/test_aggregation.py",
-    "tests/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores",
+    "tests/run/test_aggregation.py",
+    "tests/run/test_cli_methods.py::test_every_aggregate_recomputes_from_the_result_files_scores",
 )
 
 
@@ -161,7 +166,7 @@ MUTANTS = [
         "mergeval/metrics/aggregates.py",
         "if x > 0.8:",
         "if x >= 0.8:",
-        METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
+        METRICS + ("tests/run/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
         "band: 0.8 counted as good",
     ),
     Mutant(
@@ -185,7 +190,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "per_task[t] = b - m",
         "per_task[t] = m - b",
-        METRICS + ("tests/test_composed.py",),
+        METRICS + ("tests/metrics/test_composed.py",),
         "forgetting with the wrong sign",
     ),
     Mutant(
@@ -193,7 +198,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "return math.fsum(rescaled_all) / len(rescaled_all)",
         "return math.fsum(sums[g] / len(groups[g]) for g in groups) / len(groups)",
-        METRICS + ("tests/test_composed.py",),
+        METRICS + ("tests/metrics/test_composed.py",),
         "weighting=tasks as the plain mean of group means",
     ),
     Mutant(
@@ -201,7 +206,7 @@ MUTANTS = [
         "mergeval/metrics/groups.py",
         "math.fsum(w[g] * sums[g] / len(groups[g]) for g in groups) / total",
         "math.fsum(w[g] * sums[g] for g in groups) / total",
-        METRICS + ("tests/test_composed.py",),
+        METRICS + ("tests/metrics/test_composed.py",),
         "weighted group mean of group sums, not means",
     ),
     Mutant(
@@ -274,9 +279,9 @@ MUTANTS = [
         "values = [float(v) for text in nlls for v in text]",
         "values = [math.fsum(map(float, text)) / len(text) for text in nlls if len(text)]",
         (
-            "tests/test_staged.py::test_perplexity_weights_tokens_not_texts",
-            "tests/test_staged.py::test_perplexity_is_exp_of_the_token_mean",
-            "tests/test_perplexity.py",
+            "tests/staged/test_staged.py::test_perplexity_weights_tokens_not_texts",
+            "tests/staged/test_staged.py::test_perplexity_is_exp_of_the_token_mean",
+            "tests/metrics/test_perplexity.py",
         ),
         "perplexity averages texts, not tokens",
     ),
@@ -552,7 +557,7 @@ MUTANTS = [
         "mergeval/metrics/calibration.py",
         "sum(p == q == g for p, q, g in",
         "sum(p == q for p, q, g in",
-        METRICS + ("tests/test_consistency.py",),
+        METRICS + ("tests/metrics/test_consistency.py",),
         "both-correct counts agreeing answers, right or wrong",
     ),
     Mutant(
@@ -568,7 +573,10 @@ MUTANTS = [
         "mergeval/metrics/perplexity.py",
         "math.log(candidate[t] / reference[t])",
         "math.log(reference[t] / candidate[t])",
-        ("tests/test_staged.py::test_the_reference_shifts_every_stage1_key_alike", "tests/test_perplexity.py"),
+        (
+            "tests/staged/test_staged.py::test_the_reference_shifts_every_stage1_key_alike",
+            "tests/metrics/test_perplexity.py",
+        ),
         "the stage-1 key's log ratio inverted",
     ),
     Mutant(
@@ -584,7 +592,7 @@ MUTANTS = [
         "mergeval/metrics/aggregates.py",
         "x = round(normalized, 9)",
         "x = normalized",
-        METRICS + ("tests/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
+        METRICS + ("tests/run/test_first_hour.py::test_a_score_shown_as_the_band_edge_gets_that_band",),
         "a mean a rounding error below 0.5 is failing",
     ),
     Mutant(
@@ -624,7 +632,7 @@ MUTANTS = [
         "mergeval/methods/fused_kernels.py",
         "    for p in range(n):\n        k = x[p] & mag\n        d = k",
         "    for p in range(n - 1, -1, -1):\n        k = x[p] & mag\n        d = k",
-        ("tests/test_fused.py",) + SPARSE,
+        ("tests/methods/test_fused.py",) + SPARSE,
         "DELLA's compiled ranks order tied magnitudes last position first",
     ),
     Mutant(
@@ -632,7 +640,7 @@ MUTANTS = [
         "mergeval/methods/fused_kernels.py",
         "        i = p // row_len",
         "        i = j // row_len",
-        ("tests/test_fused.py",) + SPARSE,
+        ("tests/methods/test_fused.py",) + SPARSE,
         "DELLA's compiled ranks assign rows by sorted position, not entry",
     ),
     Mutant(
@@ -640,7 +648,7 @@ MUTANTS = [
         "mergeval/methods/fused_kernels.py",
         "x0, x1 = _round(x0, x1, U32(29))",
         "x0, x1 = _round(x0, x1, U32(28))",
-        ("tests/test_fused.py",),
+        ("tests/methods/test_fused.py",),
         "the compiled draws rotate by a wrong constant in one of Threefry's rounds",
     ),
     Mutant(
@@ -648,7 +656,7 @@ MUTANTS = [
         "mergeval/methods/draws.py",
         "x1.add_(ks[(s + 1) % 3] + s).bitwise_and_(MASK)",
         "x1.add_(ks[(s + 1) % 3]).bitwise_and_(MASK)",
-        ("tests/test_draws.py",),
+        ("tests/methods/test_draws.py",),
         "Threefry's key injection leaves out the injection count",
     ),
     Mutant(
@@ -656,7 +664,7 @@ MUTANTS = [
         "mergeval/methods/rows.py",
         "keep_only_(d, self.gen.keep(i, d.shape, density, start=offset, device=d.device))",
         "keep_only_(d, self.gen.keep(i, d.shape, density, start=0, device=d.device))",
-        ("tests/test_rows.py",),
+        ("tests/merge/test_rows.py",),
         "DARE's row blocks draw the first entries' uniforms instead of their own",
     ),
     Mutant(
@@ -760,7 +768,7 @@ MUTANTS = [
         "mergeval/metrics/composed.py",
         'return forgetting({t: scores[t]["base"]["value"] for t in tasks}, {t: scores[t][merged]["value"]',
         'return forgetting({t: scores[t][merged]["value"] for t in tasks}, {t: scores[t]["base"]["value"]',
-        AGGREGATION + ("tests/test_composed.py",),
+        AGGREGATION + ("tests/metrics/test_composed.py",),
         "the run's forgetting is merged minus base",
     ),
     # ------------------------------------------------ the run's aggregation
@@ -801,7 +809,7 @@ MUTANTS = [
         "mergeval/metrics/composed.py",
         "scale = {name: g.scale for name, g in metric.groups.items()}",
         "scale = None",
-        AGGREGATION + ("tests/test_composed.py",),
+        AGGREGATION + ("tests/metrics/test_composed.py",),
         "group means ignore each group's scale",
     ),
     Mutant(
@@ -809,7 +817,7 @@ MUTANTS = [
         "mergeval/core/outcome.py",
         'return text if stderr is None or stderr != stderr else f"{text} ± {stderr:.{digits}f}"',
         "return text",
-        AGGREGATION + ("tests/test_report.py",),
+        AGGREGATION + ("tests/report/test_report.py",),
         "the score table drops the stderr",
     ),
 ]
@@ -1357,7 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
             copy = Path(tmp)
             copy_checkout(args.root, copy)
             env = copy_env(copy)
-            check_copy_is_tested(copy, env, ("tests/test_aggregates.py",), args.timeout)
+            check_copy_is_tested(copy, env, ("tests/metrics/test_aggregates.py",), args.timeout)
             print(f"copy in {copy}; import mergeval -> {imported_from(copy, env)} (canary reached pytest)")
             if not args.no_baseline:
                 code, output = pytest_run(copy, env, baseline_tests(mutants), args.timeout)

@@ -20,7 +20,7 @@ def test_cuda_scores_equal_cpu_scores_in_float32(tiny_dir, cache):
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
-    from tests.test_registry_tasks import bench, eval_cfg
+    from tests.eval.test_registry_tasks import bench, eval_cfg
 
     suite = build_suite(bench(tasks=["hellaswag", "gsm8k", "wikitext"]), eval_cfg(), cache)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
@@ -70,7 +70,7 @@ def test_vllm_backend_serves_generation(tiny_dir, cache):
     from mergeval.eval.harness import Harness
     from mergeval.eval.suite import build_suite
     from mergeval.models.checkpoint import load_model
-    from tests.test_registry_tasks import bench, eval_cfg
+    from tests.eval.test_registry_tasks import bench, eval_cfg
 
     suite = build_suite(bench(tasks=["gsm8k"]), eval_cfg(), cache)
     model = load_model(tiny_dir, None, torch.float32)
@@ -99,7 +99,7 @@ ONE_EXPERT = {"slerp", "nearswap", "arcee_fusion"}
 
 
 def _gpu_inputs(tiny_dir, tmp_path):
-    from tests.test_engine import make_expert
+    from tests.merge.test_engine import make_expert
 
     return [make_expert(tiny_dir, tmp_path / f"e{i}", seed=i + 3, scale=0.02) for i in range(2)]
 
@@ -114,7 +114,7 @@ def test_a_gpu_merge_has_the_cpus_bits_for_elementwise_and_random_methods_and_ro
     from mergeval.methods import METHODS, get_method
     from mergeval.methods.registry import Needs
     from mergeval.models.checkpoint import load_model
-    from tests.test_engine import read_dir
+    from tests.merge.test_engine import read_dir
 
     inputs = _gpu_inputs(tiny_dir, tmp_path)
     for name in sorted(n for n, m in METHODS.items() if m.needs == Needs() and n != "passthrough"):

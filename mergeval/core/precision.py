@@ -59,9 +59,9 @@ def auto_dtype(device: str = "cpu") -> str:
 
 def auto_backend(dtype: str) -> str:
     """The default scorer for a precision: the shared-prefix scorer in float32, where it gives lm-eval's answers
-    (each choice's log-likelihood within 1e-4 of HFLM's: tests/test_scorer.py), and lm-eval's own HFLM in any
+    (each choice's log-likelihood within 1e-4 of HFLM's: tests/eval/test_scorer.py), and lm-eval's own HFLM in any
     other precision, where the two round differently and move a few percent of answers
-    (tests/test_scorer_bf16.py): the default numbers are always the ``lm_eval`` command line's."""
+    (tests/eval/test_scorer_bf16.py): the default numbers are always the ``lm_eval`` command line's."""
     return "shared_prefix" if dtype == "float32" else "hflm"
 
 

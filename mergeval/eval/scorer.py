@@ -20,7 +20,7 @@ Everything else is lm-eval's: tokenization (``_encode_pair``, so the token ids
 are HFLM's), task loading, few-shot contexts, metrics and aggregation. The
 forward passes differ only in the shape of the matrix products, so scores agree
 with ``HFLM`` up to floating-point rounding: in float32 within ``LL_TOLERANCE``
-per choice with the same answers (tests/test_scorer.py; SmolLM2-135M too); in
+per choice with the same answers (tests/eval/test_scorer.py; SmolLM2-135M too); in
 bfloat16 each rounds its own way, on a real model as much as bfloat16 moves
 answers from float32 (a few percent of items; see ``ACCURACY_TOLERANCE``);
 ``eval.backend=hflm`` runs lm-eval's own ``HFLM``. The log-softmax is taken in
@@ -55,7 +55,7 @@ Request = tuple[tuple[str, str], list[int], list[int]]  # ((context, continuatio
 # changes and accuracies are equal.
 # bfloat16: the two backends multiply in different shapes, so each rounds its own way, and the rounding
 # grows with depth. LL_TOLERANCE["bfloat16"] bounds the tiny zoo model (2 layers, no answer changed) in
-# tests/test_scorer_bf16.py, not real models: on a deeper one (SmolLM2-135M's 30 layers) a choice can differ
+# tests/eval/test_scorer_bf16.py, not real models: on a deeper one (SmolLM2-135M's 30 layers) a choice can differ
 # by a large fraction of a nat and some answers flip. bfloat16 itself moves about as many answers from float32
 # in either backend: two bfloat16 evaluations agree only that far. ACCURACY_TOLERANCE["bfloat16"] is that
 # effect per task, 0.06 (a 1% bound holds on the tiny model but not on SmolLM2); use float32 for an exact
@@ -165,7 +165,7 @@ class SharedPrefixLM(HFLM):
         # Each choice token is predicted from one (row, kept column): 0 (the context's end) for its first token,
         # then the column of its own previous token. Only those positions get a float32 log-softmax (HFLM's
         # values: each position's log-softmax is computed on its own, so leaving out the others, padding
-        # included, changes no bit; tests/test_scorer.py), not the [rows, kept columns, vocabulary] block.
+        # included, changes no bit; tests/eval/test_scorer.py), not the [rows, kept columns, vocabulary] block.
         at_row: list[int] = []
         at_col: list[int] = []
         targets: list[int] = []

@@ -74,7 +74,7 @@ def merge_sources(
     plan = keep_base_rows(plan, rows, vocab_policy)
     out = {}
     # large tensors in row blocks, as a run's and merge_to_disk's merges take them (the same bits as the whole
-    # tensor: tests/test_rows.py), so they get the compiled kernels and every core; merged whole, a large tensor
+    # tensor: tests/merge/test_rows.py), so they get the compiled kernels and every core; merged whole, a large tensor
     # runs on one worker while the others idle
     for name, merged in run_plan(
         plan, method, b, es, seed, rows, progress, blocks=blocks, prepared=prepared, device=placement(device)

@@ -13,7 +13,7 @@ merge order ``pi`` (a permutation of the experts) and step coefficients
   (1 - c_j) d_{pi(k)}`` is still a weighted sum of all task vectors.
 - ``update="additive"``: ``theta_k = theta_{k-1} + c_k d_{pi(k)}``, so the result
   ``b + lambda * sum_k c_k d_{pi(k)}`` *is* task arithmetic with each expert
-  weighted by its step's coefficient (tests/test_curriculum_pipeline.py).
+  weighted by its step's coefficient (tests/methods/test_curriculum_pipeline.py).
 - ``update="ties_step"``: each step merges the model so far and the next expert
   with TIES around the base, ``theta_k = TIES(b; [theta_{k-1}, e_{pi(k)}],
   weights [1 - c_k, c_k], density)`` (trim, elect sign, disjoint mean;

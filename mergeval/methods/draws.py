@@ -24,7 +24,7 @@ Python float p is rounded to float32 first: torch compares a float32 tensor with
 The torch functions here (``threefry2x32``, ``uniform``, ``keep``; int64 tensors holding 32-bit words, so any
 torch device computes the same bits) are the definition; ``Draws`` hands a method its tensor's draws by them.
 The engine hands the methods ``fused.CompiledDraws``, which computes the same bits through numba kernels for
-large draws on the CPU (tests/test_draws.py holds them to this definition).
+large draws on the CPU (tests/methods/test_draws.py holds them to this definition).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The kernel here reads each input entry once and keeps the rest in registers.
   ``draws.py`` (Threefry-2x32-20 of each entry's index under the tensor's and expert's key) in one pass in
   uint32 arithmetic, which the compiler vectorizes across entries; the mask comes from the integers
   (``draws.keep_threshold``) without the float tensor and the comparison pass. Held to the torch definition
-  bit for bit by tests/test_draws.py.
+  bit for bit by tests/methods/test_draws.py.
 * ``merge_rows(...)``: ``b + lambda * combine(s_1..s_N)`` for one block, where ``s_i`` is d_i = e_i - b
   kept by a DARE mask (then divided by its density) or by a TIES cut (|d_i| > tau_i, plus the first
   ``quota_i`` entries with |d_i| == tau_i), and combine is TIES' election and disjoint mean or sum
@@ -119,7 +119,7 @@ def _load_registries() -> None:
 
 class CompiledDraws(draws.Draws):
     """``draws.Draws`` with its large draws on the CPU (``usable``) through the kernels below: the same bits
-    (tests/test_draws.py). What the engine hands the methods; the rest, and every draw on another device or on a
+    (tests/methods/test_draws.py). What the engine hands the methods; the rest, and every draw on another device or on a
     thread that is ``off``, by the torch definition."""
 
     def uniform(self, expert, shape, start=0, device="cpu") -> torch.Tensor:

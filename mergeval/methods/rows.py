@@ -33,7 +33,7 @@ whole-tensor result (paper mode with rescale=l1: whole-tensor norms).
 
 Where numba runs, each block's merge and DARE's draws go through the compiled
 kernels of ``fused.py`` (one pass per block instead of a dozen torch passes;
-the same bits, held to this torch code by tests/test_fused.py, test_rows.py and
+the same bits, held to this torch code by tests/methods/test_fused.py, test_rows.py and
 test_draws.py); ``fused_options`` says when they apply.
 """
 

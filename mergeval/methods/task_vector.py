@@ -253,7 +253,7 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     return tau.div_(mass.masked_fill_(mass == 0, 1.0))
 
 
-# torch's sum over dim 0 adds up to this many rows in order from +0.0 (tests/test_fused.py); with more, its order
+# torch's sum over dim 0 adds up to this many rows in order from +0.0 (tests/methods/test_fused.py); with more, its order
 # depends on the column's position and on the CPU's vector width (AVX2: columns in 32-wide chunks in order, the
 # rest with four interleaved accumulators), so a merge of five experts differed between CPUs
 TORCH_ROWS_IN_ORDER = 4

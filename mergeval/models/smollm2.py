@@ -59,7 +59,7 @@ def _parsed_once():
     transformers parses the whole GGUF file for the config, the tokenizer and the weights (three slow parses:
     the 49,152-token vocabulary field by field) and rebuilds gguf's tensor-name table for every module of the
     model, the conversion's largest costs. Both are pure functions of their arguments and their results are only read,
-    so sharing them gives the same tensors and tokenizer (tests/test_models.py pins the converted weights'
+    so sharing them gives the same tensors and tokenizer (tests/models/test_models.py pins the converted weights'
     fingerprint)."""
     import gguf
 

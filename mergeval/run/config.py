@@ -136,7 +136,7 @@ class EvalConfig:
     # "shared_prefix": each question's context computed once for all choices (eval/scorer.py);
     # "hflm": lm-eval's HFLM as is (one sequence per choice), as the lm_eval CLI runs it. In float32 the same
     # answers up to float rounding; in bfloat16 HFLM takes the log-softmax in bfloat16 (shared_prefix: float32),
-    # which flips near-tied answers (tests/test_scorer_bf16.py).
+    # which flips near-tied answers (tests/eval/test_scorer_bf16.py).
     # "vllm": lm-eval's vLLM backend (GPU; the model written once to a temporary directory).
     # By default the lm_eval CLI's answers in the run's precision: shared_prefix in float32, hflm otherwise
     # (precision.auto_backend); resolved when the config is read, so result.json holds the one that ran.

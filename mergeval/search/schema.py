@@ -5,7 +5,7 @@
 (``+experiment=``, ``method=``, ``eval.*``) works unchanged and a misspelt
 ``search.*`` key fails at compose time. The schema comes after ``config``
 because OmegaConf merges only a subclass onto a structured config; it sets no
-value of the run config (``tests/test_search.py`` checks the two compose alike).
+value of the run config (``tests/search/test_search.py`` checks the two compose alike).
 """
 
 from __future__ import annotations

@@ -4,13 +4,17 @@ dict and a sequence node (a ListConfig) a list."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 from omegaconf import OmegaConf
 
 
 def plain_dict(node: Any, *, resolve: bool = False, throw_on_missing: bool = False) -> dict[str, Any]:
-    """``OmegaConf.to_container(node, ...)`` of a mapping node."""
+    """``OmegaConf.to_container(node, ...)`` of a mapping node; a config already typed (a schema dataclass instance,
+    ``run.config.typed``: every interpolation resolved when it was made) as ``dataclasses.asdict``."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.asdict(node)
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=resolve, throw_on_missing=throw_on_missing))
 
 

@@ -165,7 +165,7 @@ def build_suite(bench, eval_cfg, cache: Path, split: str = "test", n_validation:
         )
     given = [resolve_path(p, f"benchmark.include_path[{i}]", want_dir=True) for i, p in enumerate(bench.include_path)]
     for i, (spec, path) in enumerate(zip(bench.include_path, given)):
-        if not spec.startswith(SHIPPED_PREFIX) and not bench.get("allow_task_code", False):
+        if not spec.startswith(SHIPPED_PREFIX) and not getattr(bench, "allow_task_code", False):
             check_no_task_code(path, f"benchmark.include_path[{i}]")
     paths += given
     _quiet_lm_eval()

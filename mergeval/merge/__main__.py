@@ -38,6 +38,7 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
     A mergekit-multi file (mergekit=FILE): its earlier stages are merged or reused first (run/mergekit_multi.py)."""
     from mergeval.core.paths import cache_root, check_creatable
     from mergeval.run.checks import check_resolves, validate
+    from mergeval.run.config import typed
     from mergeval.run.merging import merge_resolved
     from mergeval.run.ranking import refuse_ranking
 
@@ -55,7 +56,7 @@ def merge(cfg: DictConfig, job_dir: Path) -> Path:
         ) from None
     method, method_cfg = validate(cfg)
     refuse_ranking(method, method_cfg)  # before minutes of building experts
-    return merge_resolved(cfg, method, method_cfg, target, cache_root(cfg.cache_dir))
+    return merge_resolved(typed(cfg), method, method_cfg, target, cache_root(cfg.cache_dir))
 
 
 def cli() -> None:

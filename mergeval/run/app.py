@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,6 +39,7 @@ from mergeval.models.zoo.resolve import evaluation_tokenizer, resolve_models
 from mergeval.results.store import merge_key, open_store, record_models
 from mergeval.run import mergekit_config
 from mergeval.run.checks import check_rows, model_slices, validate
+from mergeval.run.config import RunConfig, typed
 from mergeval.run.merging import merge_device
 from mergeval.run.ranking import prepare_method
 from mergeval.run.resume import config_hash
@@ -89,7 +91,7 @@ def _check_truncation(policy: str, base_dir: Path, expert_dirs: dict[str, Path])
 
 
 def _merge_tokens(
-    cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs: dict[str, Path], models: list, out_dir: Path
+    cfg: RunConfig, method, method_cfg, base_dir: Path, expert_dirs: dict[str, Path], models: list, out_dir: Path
 ) -> Path:
     """The merge with the vocabularies aligned by token (tokenizer_source), written to ``<job dir>/merged_model``
     with its tokenizer: it cannot stream into a model of the base's vocabulary."""
@@ -131,7 +133,7 @@ def run(cfg: DictConfig, out_dir: Path) -> Outcome:
     return outcome
 
 
-def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
+def _execute(composed: DictConfig, out_dir: Path, store) -> Outcome:
     import torch
 
     from mergeval.eval.suite import build_suite
@@ -139,11 +141,12 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     from mergeval.models.checkpoint import load_model
     from mergeval.models.fingerprint import fingerprint, fingerprint_state_dict, model_identity
 
-    quiet_transformers(cfg.verbose)
+    quiet_transformers(composed.verbose)
     lap = Laps()
     timings = lap.timings
 
-    method, method_cfg = validate(cfg)
+    method, method_cfg = validate(composed)
+    cfg = typed(composed)  # checked and completed: the schema's dataclasses from here on
     cache = cache_root(cfg.cache_dir)
     suite = build_suite(cfg.benchmark, cfg.eval, cache)  # loads every task's data: missing data fails here
     check_rows(cfg, suite.rows)
@@ -151,7 +154,7 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     lap("load_tasks")
     base_dir, expert_dirs, models = resolve_models(cfg, cache)
     _check_truncation(cfg.vocab_policy, base_dir, expert_dirs)
-    if cfg.get("tokenizer_source") and cfg.metric.similarity:
+    if cfg.tokenizer_source and cfg.metric.similarity:
         raise UserError(
             "metric.similarity",
             "compares the models' tensors row by row, and tokenizer_source gives the merge other vocabulary rows",
@@ -167,8 +170,8 @@ def _execute(cfg: DictConfig, out_dir: Path, store) -> Outcome:
     digests, metrics = suite.digests, {t: r.metric for t, r in suite.rows.items()}
     settings = suite.per_task(eval_settings(cfg))  # each task keyed by what can change its scores
     inputs = [m.fingerprint for m in models]  # base first, then the experts in modelset order
-    options = {"vocab_policy": cfg.get("vocab_policy")}  # changes the output beyond the method config
-    tokens = cfg.get("tokenizer_source")  # vocabularies aligned by token: each model has its own tokenizer
+    options: dict[str, Any] = {"vocab_policy": cfg.vocab_policy}  # changes the output beyond the method config
+    tokens = cfg.tokenizer_source  # vocabularies aligned by token: each model has its own tokenizer
     if tokens:
         options["tokenizer_source"] = tokens
     slices = model_slices(cfg)

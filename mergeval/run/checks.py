@@ -17,6 +17,7 @@ from mergeval.methods import get_method
 from mergeval.metrics.aggregates import NUMBERS, TABLES
 from mergeval.models.checkpoint import check_vocab_policy
 from mergeval.models.zoo.domains import DOMAINS
+from mergeval.run.config import RunCfg
 
 
 def check_metric_config(metric, tasks: list[str]) -> None:
@@ -245,16 +246,16 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
             )
 
 
-def model_slices(cfg: DictConfig) -> list | None:
+def model_slices(cfg: RunCfg) -> list | None:
     """The modelset's layer slices checked and in input order (mergeval/merge/slices.py), or None."""
     from mergeval.merge.slices import parse
 
-    return parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts])
+    return parse(getattr(cfg.modelset, "slices", None), ["base", *cfg.modelset.experts])
 
 
-def refuse_slices(cfg: DictConfig, what: str) -> None:
+def refuse_slices(cfg: RunCfg, what: str) -> None:
     """A UserError when the modelset has layer slices, which ``what`` does not merge."""
-    if cfg.modelset.get("slices"):
+    if getattr(cfg.modelset, "slices", None):
         raise UserError(
             "modelset.slices",
             f"{what} merges whole models, not layer slices",
@@ -440,7 +441,7 @@ def check_constituents(choice, experts: list[str]) -> None:
         )
 
 
-def check_rows(cfg: DictConfig, rows: dict) -> None:
+def check_rows(cfg: RunCfg, rows: dict) -> None:
     """Checks that need the loaded benchmark (``Suite.rows``): every task an aggregate names must report a
     higher-is-better metric (Macro-Gain, normalized scores, group means and forgetting assume one)."""
     uses = [(f"modelset.experts.{n}.task", e.task) for n, e in cfg.modelset.experts.items() if e.task is not None]

@@ -12,10 +12,10 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from mergeval.core.precision import register_resolver
 from mergeval.methods import METHODS
@@ -228,6 +228,21 @@ class RunConfig:
     staged: StagedConfig | None = field(default_factory=StagedConfig)
     verbose: bool = False  # also show lm-eval's and transformers' own progress bars and warnings
     mergekit: str | None = None  # a mergekit YAML: its method and models replace method and modelset (interop/)
+
+
+# A run config below the command line: as Hydra composed it (a DictConfig of the schema), or typed (``typed``). Both
+# answer the same attribute reads; what runs after ``checks.validate`` gets the typed one.
+RunCfg = RunConfig | DictConfig
+
+
+def typed(cfg: Any) -> RunConfig:
+    """The composed run config as its schema's dataclasses (``RunConfig``, or a command's subclass; the method as its
+    own config class), every interpolation resolved: what a command's run sequence works on once ``checks.validate``
+    has checked and completed the composed config. Code below the command line reads fields by attribute, which a
+    composed ``DictConfig`` answers the same way."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    return cast(RunConfig, OmegaConf.to_object(cfg))
 
 
 def register_configs() -> None:

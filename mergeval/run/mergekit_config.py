@@ -754,20 +754,19 @@ def write(
 
 def write_for_run(path: Path, cfg, models) -> Path | None:
     """``write`` for a run: the method of ``cfg`` over its models (``ModelInfo``: role base, the experts by name)."""
-    from omegaconf import OmegaConf
-
     from mergeval.merge.slices import parse
+    from mergeval.run.config import typed
 
+    cfg = typed(cfg)
     paths = {m.role: m.path for m in models}
     base = paths.get("base")
     experts = [e for name in cfg.modelset.experts if (e := paths.get(name)) is not None]
     if base is None or len(experts) != len(cfg.modelset.experts):
         return None
-    tok = cfg.get("tokenizer_source")
+    tok = cfg.tokenizer_source
     tok = tok if tok in (None, "base", "union") else paths.get(tok)
-    method_cfg = OmegaConf.to_object(cfg.method)
-    slices = parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts])
+    slices = parse(cfg.modelset.slices, ["base", *cfg.modelset.experts])
     if slices:
-        doc = sliced_to_mergekit(method_cfg, paths, slices, cfg.get("out_dtype"))
-        return None if doc is None else write(path, method_cfg, base, experts, doc=doc)
-    return write(path, method_cfg, base, experts, cfg.get("out_dtype"), tok)
+        doc = sliced_to_mergekit(cfg.method, paths, slices, cfg.out_dtype)
+        return None if doc is None else write(path, cfg.method, base, experts, doc=doc)
+    return write(path, cfg.method, base, experts, cfg.out_dtype, tok)

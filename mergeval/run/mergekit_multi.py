@@ -260,6 +260,7 @@ def build_stage(cfg: DictConfig, doc: dict, where: str, names: dict[str, str], n
     from mergeval.core.paths import one_builder
     from mergeval.methods import get_method
     from mergeval.models.zoo.resolve import resolve_models
+    from mergeval.run.config import typed
     from mergeval.run.mergekit_config import apply_doc
     from mergeval.run.merging import merge_resolved
 
@@ -276,5 +277,5 @@ def build_stage(cfg: DictConfig, doc: dict, where: str, names: dict[str, str], n
             print(f"mergekit stage '{name}': reused {target} (same configuration and inputs)", flush=True)
             return target
         print(f"mergekit stage '{name}': merging into {target}", flush=True)
-        merge_resolved(stage, method, method_cfg, target, cache, resolved)
+        merge_resolved(typed(stage), method, method_cfg, target, cache, resolved)
     return target

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from mergeval.run.config import RunCfg, RunConfig
 
 
-def merge_resolved(cfg: DictConfig, method, method_cfg, target: Path, cache: Path, resolved=None) -> Path:
+def merge_resolved(cfg: RunConfig, method, method_cfg, target: Path, cache: Path, resolved=None) -> Path:
     """Resolve the modelset (fine-tuning zoo experts on first use) unless ``resolved`` (resolve_models' answer)
     is given, prepare the method, merge to ``target`` with the streaming engine and write mergekit.yaml there
     when mergekit can express the merge; the output dir."""
@@ -22,7 +22,7 @@ def merge_resolved(cfg: DictConfig, method, method_cfg, target: Path, cache: Pat
     return out
 
 
-def write_merge(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs, models, target: Path) -> Path:
+def write_merge(cfg: RunConfig, method, method_cfg, base_dir: Path, expert_dirs, models, target: Path) -> Path:
     """The streaming engine's merge of the resolved models into ``target`` with the run's settings (seed,
     vocab_policy, out_dtype, tokenizer_source, slices, merge.device) and a model card naming the inputs."""
     from mergeval.merge import merge_to_disk
@@ -41,16 +41,16 @@ def write_merge(cfg: DictConfig, method, method_cfg, base_dir: Path, expert_dirs
         card={"config": merge_config(cfg), "inputs": inputs},
         progress=True,
         out_dtype=cfg.out_dtype,
-        tokenizer_source=cfg.get("tokenizer_source"),
-        slices=parse(cfg.modelset.get("slices"), ["base", *cfg.modelset.experts]),
+        tokenizer_source=getattr(cfg, "tokenizer_source", None),
+        slices=parse(getattr(cfg.modelset, "slices", None), ["base", *cfg.modelset.experts]),
         device=merge_device(cfg),
     )
 
 
-def merge_device(cfg: DictConfig) -> str:
+def merge_device(cfg: RunCfg) -> str:
     """The device ``merge.device`` names (the evaluation's by default; ``auto`` resolved as ``eval.device``)."""
-    node = cfg.get("merge")
-    device = str(node.get("device") or "cpu") if node is not None else "cpu"
+    node = getattr(cfg, "merge", None)  # configs recorded before merge.device have none
+    device = str(getattr(node, "device", None) or "cpu")
     if device == "auto":
         from mergeval.core.precision import auto_device
 

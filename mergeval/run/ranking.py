@@ -16,14 +16,13 @@ import dataclasses
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import ModelInfo
+from mergeval.run.config import RunCfg
 
 
 def prepare_method(
-    cfg: DictConfig, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path, can_evaluate: bool
+    cfg: RunCfg, method, method_cfg, models: list[ModelInfo], base_dir: Path, cache: Path, can_evaluate: bool
 ):
     """What a method needs from the models before merging: hierarchical's head counts (the base's config.json),
     CMM's validation ranking (evaluations; refused when the caller cannot evaluate). Returns (cfg, merge_info)."""
@@ -121,7 +120,7 @@ def near_ties(names: list[str], scores: list[float], stderrs: list[float | None]
     return out
 
 
-def rank_experts(cfg: DictConfig, method_cfg, models, cache: Path):
+def rank_experts(cfg: RunCfg, method_cfg, models, cache: Path):
     """Fill method_cfg.validation_scores from validation evaluations; returns (new cfg, details for result.json)."""
     import torch
 

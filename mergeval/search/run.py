@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,9 +33,11 @@ from mergeval.core.plain import plain_dict
 from mergeval.eval.tasks import GENERATED, check_tasks
 from mergeval.methods import MergeMethod, get_method
 from mergeval.run.checks import refuse_slices, validate
+from mergeval.run.config import typed
 from mergeval.run.scoring import Scoring
 from mergeval.search import study as studies
 from mergeval.search.monitor import Progress, signed
+from mergeval.search.schema import SearchRunConfig
 from mergeval.search.space import Space, describe, parse_space
 from mergeval.search.trials import COMPLETE, PRUNED, Scored, Stages, objective, score, stage1_value
 from mergeval.staged.cost import Cost
@@ -66,8 +69,6 @@ class SearchOutcome:
 
 def prepare(cfg: DictConfig) -> tuple[MergeMethod, Space]:
     """Every check that needs no model: the run config, the search section, the space. Returns (method, space)."""
-    from mergeval.search.schema import SearchRunConfig
-
     validate(cfg, SearchRunConfig)
     refuse_slices(cfg, "a search")
     s = cfg.search
@@ -98,7 +99,7 @@ def prepare(cfg: DictConfig) -> tuple[MergeMethod, Space]:
     return method, parse_space(plain_dict(s.space, resolve=True), method, cfg.method, n_experts)
 
 
-def run_search(cfg: DictConfig) -> SearchOutcome:
+def run_search(composed: DictConfig) -> SearchOutcome:
     import torch
     from transformers import AutoTokenizer
 
@@ -119,10 +120,11 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         stage1_tasks,
     )
 
-    quiet_transformers(cfg.verbose)
-    apply_offline(cfg.offline)
+    quiet_transformers(composed.verbose)
+    apply_offline(composed.offline)
     lap = Laps()
-    method, space = prepare(cfg)
+    method, space = prepare(composed)
+    cfg = cast(SearchRunConfig, typed(composed))  # checked and completed: the schema's dataclasses from here on
     s, cache = cfg.search, cache_root(cfg.cache_dir)
     validation_cfg = _validation_config(cfg)
     name = studies.study_name(cfg, space.digest(), eval_settings(validation_cfg))
@@ -192,17 +194,16 @@ def run_search(cfg: DictConfig) -> SearchOutcome:
         return outcome
 
 
-def _validation_config(cfg: DictConfig) -> DictConfig:
+def _validation_config(cfg: SearchRunConfig) -> SearchRunConfig:
     """The run config as the validation split is scored: every validation item (``benchmark.limit`` applies to the
     test split only), as CMM's expert ranking scores it (their stored evaluations are shared)."""
-    out = cfg.copy()
-    out.benchmark.limit = None
-    return out
+    return dataclasses.replace(cfg, benchmark=dataclasses.replace(cfg.benchmark, limit=None))
 
 
-def _searched(cfg: DictConfig, space: Space) -> dict:
+def _searched(cfg: SearchRunConfig, space: Space) -> dict:
     """The default recipe's values of the searched fields."""
-    return {e.key: OmegaConf.select(cfg.method, e.key) for e in space.entries}
+    method = OmegaConf.structured(cfg.method)
+    return {e.key: OmegaConf.select(method, e.key) for e in space.entries}
 
 
 def _seed_default(study, space: Space, baseline: Scored) -> None:
@@ -317,7 +318,7 @@ def _cost(study, stages: Stages, reference_texts: int) -> dict:
     }
 
 
-def _test(cfg: DictConfig, cache: Path, store, tokenizer, models, stages: Stages, outcome: SearchOutcome) -> dict:
+def _test(cfg: SearchRunConfig, cache: Path, store, tokenizer, models, stages: Stages, outcome: SearchOutcome) -> dict:
     """The best recipe and the default on the test split, with the constituents, as ``python -m mergeval`` scores
     them (the same store keys: a default already run is not evaluated again)."""
     from mergeval.eval.suite import build_suite

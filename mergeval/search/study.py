@@ -19,18 +19,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
-from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
 from mergeval.core import proc
 from mergeval.core.errors import UserError
-from mergeval.search.schema import OBJECTIVES, PRUNERS, SAMPLERS
+from mergeval.core.plain import plain_dict
+from mergeval.search.schema import OBJECTIVES, PRUNERS, SAMPLERS, SearchRunConfig
 from mergeval.staged.nll import NLL_VERSION
 
 DONE_STATES = ("COMPLETE", "PRUNED")  # trials that count towards search.n_trials
 
 
-def storage_url(cfg: DictConfig, cache: Path) -> str:
+def storage_url(cfg: SearchRunConfig, cache: Path) -> str:
     """SQLAlchemy URL of the results store's database, SQLite file or server (opening the store creates or
     migrates it first)."""
     from mergeval.results.store import open_store
@@ -38,7 +38,7 @@ def storage_url(cfg: DictConfig, cache: Path) -> str:
     return open_store(cfg, cache).sqlalchemy_url()
 
 
-def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:
+def study_name(cfg: SearchRunConfig, space_digest: str, settings: dict) -> str:
     """``search.study``, or ``<method>-<modelset>-<benchmark>-<objective>-<hash of the rest>``."""
     if cfg.search.study:
         return str(cfg.search.study)
@@ -52,7 +52,7 @@ def study_name(cfg: DictConfig, space_digest: str, settings: dict) -> str:
         "n_items": cfg.benchmark.n_items,
         "seed": cfg.seed,
         "sampler": s.sampler,
-        "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "method": plain_dict(cfg.method, resolve=True),
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{cfg.method.name}-{cfg.modelset.name}-{cfg.benchmark.name}-{s.objective}-{digest}"
@@ -102,7 +102,7 @@ def sampler(s, offset: int = 0):
 
 
 @contextmanager
-def opened_study(cfg: DictConfig, cache: Path, name: str, space_digest: str):
+def opened_study(cfg: SearchRunConfig, cache: Path, name: str, space_digest: str):
     """Inside the block: (the study ``name``, created or loaded, maximised; the numbers of its trials found
     orphaned and failed). A study that searched another space or objective is refused. The storage's
     connections are closed when the block ends."""

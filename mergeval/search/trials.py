@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import MERGED, ModelInfo
 from mergeval.core.plain import plain_dict
@@ -38,6 +36,7 @@ from mergeval.metrics.perplexity import degradation, mean_log_ratio
 from mergeval.run.ranking import prepare_method
 from mergeval.run.scoring import Scoring
 from mergeval.run.summary import aggregate
+from mergeval.search.schema import SearchRunConfig
 from mergeval.staged.cost import Cost, benchmark_cost, perplexity_cost
 from mergeval.staged.pipeline import HeldOut, Models
 from mergeval.staged.plan import Candidate, typed_config
@@ -50,7 +49,7 @@ COMPLETE, PRUNED = "COMPLETE", "PRUNED"
 class Stages:
     """What every trial's evaluation shares, built once per search."""
 
-    cfg: DictConfig
+    cfg: SearchRunConfig
     method: MergeMethod
     n_experts: int
     models: Models

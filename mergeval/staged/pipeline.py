@@ -47,6 +47,7 @@ from mergeval.metrics.perplexity import degradation, mean_log_ratio, perplexity
 from mergeval.models.zoo.resolve import resolve_models
 from mergeval.results.store import open_store
 from mergeval.run.checks import refuse_slices, validate
+from mergeval.run.config import RunCfg, typed
 from mergeval.run.scoring import Scoring
 from mergeval.run.summary import aggregate
 from mergeval.staged.cost import Cost, cost_table
@@ -131,7 +132,7 @@ def _finite_or_inf(x: float) -> float:
     return x if math.isfinite(x) else math.inf
 
 
-def stage1_tasks(cfg: DictConfig) -> dict[str, list[str]]:
+def stage1_tasks(cfg: RunCfg) -> dict[str, list[str]]:
     """The tasks stage 1 scores: each expert's own task (benchmark order), with the experts it belongs to.
 
     Only the experts' tasks: the guide ranks by perplexity on each task's held-out
@@ -187,7 +188,7 @@ class Models:
     fresh load does.
     """
 
-    def __init__(self, cfg: DictConfig, base_dir: Path, expert_dirs: dict[str, Path], dtype):
+    def __init__(self, cfg: RunCfg, base_dir: Path, expert_dirs: dict[str, Path], dtype):
         from mergeval.merge.reader import CheckpointReader, MemorySource
         from mergeval.models.checkpoint import load_tensors
         from mergeval.models.fingerprint import safetensors_files
@@ -278,16 +279,17 @@ class HeldOut:
         }
 
 
-def run_staged(cfg: DictConfig) -> StagedOutcome:
+def run_staged(composed: DictConfig) -> StagedOutcome:
     import torch
     from transformers import AutoTokenizer
 
-    quiet_transformers(cfg.verbose)
-    apply_offline(cfg.offline)
+    quiet_transformers(composed.verbose)
+    apply_offline(composed.offline)
     lap = Laps()
     timings = lap.timings
 
-    plan = prepare(cfg)
+    plan = prepare(composed)
+    cfg = typed(composed)  # checked and completed: the schema's dataclasses from here on
     cache = cache_root(cfg.cache_dir)
     tasks = list(cfg.benchmark.tasks)
     n_items = cfg.benchmark.n_items
@@ -361,7 +363,7 @@ def run_staged(cfg: DictConfig) -> StagedOutcome:
     return outcome
 
 
-def _prepare(cfg: DictConfig, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
+def _prepare(cfg: RunCfg, plan: Plan, base_dir: Path, constituents, cache: Path) -> None:
     """Each candidate gets what its method needs from the models as a run's method does (``ranking.prepare_method``:
     head counts, calibration statistics, magnitude cuts, CMM's ranking of the experts on the validation split; each
     computed once per model and data, then reused)."""

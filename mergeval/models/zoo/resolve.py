@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import Any
 
 from mergeval.core.errors import UserError
 from mergeval.core.outcome import ModelInfo
@@ -15,8 +14,9 @@ from mergeval.models.quantized import dequantized, quantization_of
 from mergeval.models.zoo.sources import resolve_source
 
 
-def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
-    """The base's directory, each expert's directory (zoo experts built here) and their ModelInfo rows.
+def resolve_models(cfg: Any, cache: Path) -> tuple[Path, dict[str, Path], list[ModelInfo]]:
+    """The base's directory, each expert's directory (zoo experts built here) and their ModelInfo rows. ``cfg``: the
+    run config, as composed or typed (``run.config.typed``); only its fields are read.
 
     Given models are checked for shape compatibility before any expert is fine-tuned
     (cheap checks before minutes of work).
@@ -25,7 +25,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
 
     fp_cache = cache / "fingerprints.json"
     # layer slices may take models of other layer counts: the merge checks those (merge/slices.py)
-    check = check_compatible if not cfg.modelset.get("slices") else (lambda *args: None)
+    check = check_compatible if not getattr(cfg.modelset, "slices", None) else (lambda *args: None)
     given = {
         name: resolve_source(e.source, f"modelset.experts.{name}.source", cache, cfg.offline)
         for name, e in cfg.modelset.experts.items()
@@ -48,7 +48,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
             given[name] = applied_adapter(
                 path, base_dir, models[0].fingerprint, cfg.modelset.base, cache, f"modelset.experts.{name}.source"
             )
-    policy = compat_policy(cfg.vocab_policy, cfg.get("tokenizer_source"))
+    policy = compat_policy(cfg.vocab_policy, getattr(cfg, "tokenizer_source", None))
     check(base_dir, given, policy)  # before spending minutes on building experts
     expert_dirs: dict[str, Path] = {}
     for name, expert in cfg.modelset.experts.items():
@@ -70,7 +70,7 @@ def resolve_models(cfg: DictConfig, cache: Path) -> tuple[Path, dict[str, Path],
                 name,
                 source,
                 path,
-                evaluation_tokenizer(path, base_dir, cfg.get("tokenizer_source")),
+                evaluation_tokenizer(path, base_dir, getattr(cfg, "tokenizer_source", None)),
                 fp_cache,
                 expert.task,
                 f"modelset.experts.{name}",

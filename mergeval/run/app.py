@@ -282,6 +282,7 @@ def _execute(composed: DictConfig, out_dir: Path, store) -> Outcome:
             info.fingerprint,
             load,
             label=f"mergeval: [{number}/{len(models)}] {info.role}",
+            name=info.role,
             tokenizer=own_tokenizer if tokens else None,
             claim=True,
         )

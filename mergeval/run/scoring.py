@@ -103,13 +103,15 @@ class Scoring:
         *,
         items: tuple[int, int] | None = None,
         label: str | None = None,
+        name: str | None = None,
         tokenizer: Callable[[], Any] | None = None,
         claim: bool = False,
     ) -> ModelScores:
         """Every task's scores for the model ``fingerprint``: those stored are reused, the entries with a task
         missing are evaluated on ``load()`` (called only then; the model is released on return) and stored.
 
-        ``label``: the progress lines' prefix (none printed without it); ``tokenizer``: loads this model's own (only when it is
+        ``label``: the progress lines' prefix (none printed without it); ``name``: the model as the
+        line while waiting for another job names it; ``tokenizer``: loads this model's own (only when it is
         evaluated), instead of the Scoring's; ``claim``: parallel sweep jobs share constituents, so the first to ask claims the missing
         tasks and the others wait for its scores (``Store.claim_or_scores``; the claim ends when the scores are
         stored, or with ``store.release_claims()`` when the caller fails)."""
@@ -121,7 +123,7 @@ class Scoring:
                 fingerprint,
                 self.digests,
                 settings,
-                lambda: print(f"mergeval: waiting for another job evaluating {label or fingerprint[:12]}", flush=True),
+                lambda: print(f"mergeval: waiting for another job evaluating {name or fingerprint[:12]}", flush=True),
                 metrics=self.metrics,
             )
         else:

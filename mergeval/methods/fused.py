@@ -1,4 +1,4 @@
-"""Compiled fast paths (numba) for the row-block merges of TIES and DARE, the random draws and DELLA's ranks, bit for bit.
+"""Compiled fast paths (numba) for DARE's row-block merges, the random draws and DELLA's ranks, bit for bit.
 
 The methods' definitions are the torch functions in ``task_vector.py``, ``sparsify.py``, ``select.py`` and
 ``draws.py``; this module computes the same bits in one pass per block instead of a dozen. Every torch operation there
@@ -10,10 +10,11 @@ The kernel here reads each input entry once and keeps the rest in registers.
   uint32 arithmetic, which the compiler vectorizes across entries; the mask comes from the integers
   (``draws.keep_threshold``) without the float tensor and the comparison pass. Held to the torch definition
   bit for bit by tests/methods/test_draws.py.
-* ``merge_rows(...)``: ``b + lambda * combine(s_1..s_N)`` for one block, where ``s_i`` is d_i = e_i - b
-  kept by a DARE mask (then divided by its density) or by a TIES cut (|d_i| > tau_i, plus the first
-  ``quota_i`` entries with |d_i| == tau_i), and combine is TIES' election and disjoint mean or sum
-  (``disjoint_merge``, sign_rule sum) or the weighted sum (``weighted_sum``). The operations and their
+* ``merge_rows(...)``: ``b + lambda * combine(s_1..s_N)`` for one block of DARE (dare_ties, dare_linear),
+  where ``s_i`` is d_i = e_i - b kept by its keep mask (then divided by its density), and combine is TIES'
+  election and disjoint mean or sum (``disjoint_merge``, sign_rule sum) or the weighted sum
+  (``weighted_sum``). TIES itself runs its torch definition: a compiled trim and count gained it less than
+  the 2x a fast path must pay for (benchmarks/RESULTS.md). The operations and their
   order are the torch code's, in float32 without fused multiply-adds; in particular the sums over the
   experts' axis add the rows in order from +0.0 (``task_vector.sum_in_order``). The kernel takes up to
   ``MAX_EXPERTS`` experts (its working stack holds a block of each); the callers run the torch code beyond.
@@ -92,13 +93,7 @@ def _kernels():
     from mergeval.methods import fused_kernels
 
     _load_registries()
-    return (
-        fused_kernels.keep_mask,
-        fused_kernels.merge_rows,
-        fused_kernels.count_band,
-        fused_kernels.place_by_rank,
-        fused_kernels.uniforms,
-    )
+    return fused_kernels.keep_mask, fused_kernels.merge_rows, fused_kernels.place_by_rank, fused_kernels.uniforms
 
 
 def _load_registries() -> None:
@@ -146,7 +141,7 @@ def keep(key: tuple[int, int], start: int, n: int, threshold: int) -> torch.Tens
 def uniform(key: tuple[int, int], start: int, n: int) -> torch.Tensor:
     """``draws.uniform(key, start, n)`` (float32, flat), in one compiled pass. Needs ``available()``."""
     out = torch.empty(n, dtype=torch.float32)
-    _kernels()[4](key[0], key[1], start, out.numpy())
+    _kernels()[3](key[0], key[1], start, out.numpy())
     return out
 
 
@@ -175,7 +170,6 @@ def merge_rows(
     lambda_: float,
     masks: list[torch.Tensor | None] | None = None,
     divisors: list[float] | None = None,
-    cuts: list[tuple[float, int] | None] | None = None,
     vote_weighted: bool = False,
     normalize: bool = True,
     divide_by: float = 0.0,
@@ -184,8 +178,7 @@ def merge_rows(
     """The block ``b + lambda * combine(s_1..s_N)`` cast to the base's dtype (see the module's docstring).
 
     masks: per expert DARE's keep mask over the block (a bool tensor of its size) or None; divisors: per
-    expert, divide its kept entries by this (0: do not); cuts: per expert TIES' (tau, quota) or None;
-    refuse_nonfinite: raise NonFinite when an input entry is NaN or Inf (the kernel counts them as it reads)."""
+    expert, divide its kept entries by this (0: do not); refuse_nonfinite: raise NonFinite when an input entry is NaN or Inf (the kernel counts them as it reads)."""
     kernel = _kernels()[1]
     n_exp, n = len(experts), base.numel()
     # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block
@@ -196,28 +189,21 @@ def merge_rows(
         e = torch.empty((n_exp, n), dtype=torch.float32)
         for i, x in enumerate(experts):
             e[i].copy_(x.reshape(-1))  # cast to float32 on the way
-    kinds = np.zeros(n_exp, dtype=np.int8)
-    # rows of experts without a mask are never read (kinds[i] != 1)
+    masked = np.zeros(n_exp, dtype=np.bool_)
+    # rows of experts without a mask are never read (masked[i] false)
     keep = torch.empty((n_exp, n if masks and any(m is not None for m in masks) else 1), dtype=torch.bool)
     for i, m in enumerate(masks or []):
         if m is not None:
-            kinds[i] = 1
+            masked[i] = True
             keep[i].copy_(m.reshape(-1))
-    taus = np.zeros(n_exp, dtype=np.float32)
-    quotas = np.zeros(n_exp, dtype=np.int64)
-    for i, c in enumerate(cuts or []):
-        if c is not None:
-            kinds[i], taus[i], quotas[i] = 2, c[0], c[1]
     out = torch.empty(n, dtype=torch.float32)
     nonfinite = np.zeros(n_exp + 1, dtype=np.int64)
     kernel(
         base.reshape(-1).float().numpy(),
         e.numpy(),
-        kinds,
+        masked,
         keep.numpy(),
         np.asarray(divisors or [0.0] * n_exp, np.float32),
-        taus,
-        quotas,
         np.asarray(weights, np.float32),
         all(x == 1.0 for x in weights),
         vote_weighted,
@@ -231,25 +217,6 @@ def merge_rows(
     if refuse_nonfinite and nonfinite.any():
         raise NonFinite("an input of the block holds NaN or Inf")
     return out.view(base.shape).to(base.dtype)
-
-
-# ---------------------------------------------------------------- TIES' counting pass
-
-
-def count_band(threshold, base: torch.Tensor, expert: torch.Tensor, buffer: torch.Tensor) -> None:
-    """``threshold.count((expert.float() - base).abs())`` in one pass (base float32, buffer a float32 tensor
-    of the block's size that the kernel may overwrite): the same count above hi and the same candidates in
-    [lo, hi], in order. For a finite lower bound (Threshold's NumPy path's condition)."""
-    lo, hi = threshold.bounds_for_count()
-    e = expert.reshape(-1)
-    above, k = _kernels()[2](
-        base.reshape(-1).numpy(),
-        (e if e.dtype == torch.float32 else e.float()).numpy(),
-        np.float32(lo),
-        np.float32(hi),
-        buffer.reshape(-1).numpy(),
-    )
-    threshold.add_counted(above, buffer.reshape(-1)[:k].clone())
 
 
 # ---------------------------------------------------------------- DELLA's ranks
@@ -268,6 +235,6 @@ def placed_by_rank(rows: torch.Tensor, by_rank: torch.Tensor) -> torch.Tensor | 
     pa, pb = torch.empty(r * n, dtype=index), torch.empty(r * n, dtype=index)
     out = torch.empty((r, n), dtype=torch.float32)
     bits = rows.contiguous().view(torch.int32).numpy().reshape(-1).view(np.uint32)
-    if not _kernels()[3](bits, n, by_rank.numpy(), pa.numpy(), pb.numpy(), out.numpy().reshape(-1)):
+    if not _kernels()[2](bits, n, by_rank.numpy(), pa.numpy(), pb.numpy(), out.numpy().reshape(-1)):
         return None
     return out

@@ -93,16 +93,13 @@ def uniforms(k0, k1, start, out):
 
 
 @jit
-def merge_rows(
-    b, e, kinds, masks, divisors, cuts, quotas, w, unit, vote_weighted, elect, normalize, divide_by, lam, out, nonfinite
-):
+def merge_rows(b, e, masked, masks, divisors, w, unit, vote_weighted, elect, normalize, divide_by, lam, out, nonfinite):
     """One block: out = b + lam * combine(s), s_i = sparsified e_i - b (see the module's docstring).
     nonfinite[0] (the base) and nonfinite[1 + i] (expert i) count the NaN and Inf entries of every input
     (x - x is 0 for a finite x and NaN for NaN or Inf): the reader's own pass over the block is left out.
 
-    kinds[i]: 0 keeps all of d_i, 1 keeps d_i where masks[i] (DARE; +0.0 elsewhere), 2 keeps |d_i| >
-    cuts[i] and the first quotas[i] entries with |d_i| == cuts[i] (TIES' zero_dropped_; quotas counted
-    down in place). s_i = kept d_i / divisors[i] where divisors[i] > 0. elect: TIES' disjoint mean
+    masked[i]: keep d_i where masks[i] (DARE; +0.0 elsewhere), else all of it. s_i = kept d_i / divisors[i]
+    where divisors[i] > 0. elect: TIES' disjoint mean
     (normalize) or sum; else the weighted sum, divided by divide_by unless it is 0. w: the weights,
     unit: all of them 1, vote_weighted: the election votes with w_i s_i.
 
@@ -131,20 +128,10 @@ def merge_rows(
             for j in range(m):
                 bad += 1 if ei[j] - ei[j] != zero else 0
             nonfinite[1 + i] += bad
-            if kinds[i] == 1:
+            if masked[i]:
                 mi = masks[i, start : start + m]
                 for j in range(m):
                     si[j] = ei[j] - bi[j] if mi[j] else zero
-            elif kinds[i] == 2:
-                cut = cuts[i]
-                for j in range(m):
-                    d = ei[j] - bi[j]
-                    mag = abs(d)
-                    si[j] = d if (mag > cut or np.isnan(mag)) else zero  # NaN kept: NaN <= tau is false
-                for j in range(m):  # the tied entries, kept in order while the quota lasts (rare)
-                    if abs(ei[j] - bi[j]) == cut and quotas[i] > 0:
-                        si[j] = ei[j] - bi[j]
-                        quotas[i] -= 1
             else:
                 for j in range(m):
                     si[j] = ei[j] - bi[j]
@@ -199,20 +186,6 @@ def merge_rows(
         oi = out[start : start + m]  # a slice: indexing out[start + j] kept this loop scalar (not vectorized)
         for j in range(m):
             oi[j] = tau[j] * lam + bi[j]
-
-
-@jit
-def count_band(b, e, lo, hi, out):
-    """TIES' counting pass (select.Threshold.count) on a = |e - b|: returns (#{a > hi}, k) with the k values in
-    [lo, hi] written to out[:k] in order; NaN is neither (every comparison with it is false). Branch-free:
-    each value is written and the count advanced by 0 or 1."""
-    above, k = 0, 0
-    for j in range(b.size):
-        a = abs(e[j] - b[j])
-        out[k] = a
-        k += 1 if (a >= lo) & (a <= hi) else 0
-        above += 1 if a > hi else 0
-    return above, k
 
 
 LOW_BITS, HIGH_BITS = 16, 15  # the two digits of a float32's magnitude bits (31): two counting passes

@@ -31,10 +31,10 @@ block's output equals the same rows of the method's whole-tensor result.
 The ``rows`` hooks return None where the chunked form could differ from the
 whole-tensor result (paper mode with rescale=l1: whole-tensor norms).
 
-Where numba runs, each block's merge and DARE's draws go through the compiled
+Where numba runs, DARE's draws and each DARE block's merge go through the compiled
 kernels of ``fused.py`` (one pass per block instead of a dozen torch passes;
 the same bits, held to this torch code by tests/methods/test_fused.py, test_rows.py and
-test_draws.py); ``fused_options`` says when they apply.
+test_draws.py); ``fused_options`` says when they apply. TIES runs this torch code.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class TiesRows:
         # the cut depends on the inputs and the kept counts only, not on lambda or weights: run_plan's
         # ``prepared`` reuses it for every candidate of a sweep with the same densities
         self.prepared_key = ("ties", numel, tuple(self.k))
-        self.checks_inputs = kernel_applies(cfg, numel, n_experts, elect=True)  # see fused_options
 
     def prepared(self) -> list:
         return self.cut
@@ -85,17 +84,11 @@ class TiesRows:
             for i, sel in select.items():
                 at = sel.positions(b.numel())
                 sel.add_sample((experts[i].reshape(-1)[at].float() - b[at].float()).abs())
-        compiled = fused.usable(self.n)
         for offset, base, experts in blocks.read_all():
             b = base.float()
-            # |d_i| of this block, one expert after another; contiguous whatever b's layout: the compiled
-            # kernel writes through a flat view of it
-            work = torch.empty(b.shape, dtype=b.dtype)
+            work = torch.empty_like(b)  # |d_i| of this block, one expert after another
             for i, sel in select.items():
-                if compiled and sel.bounds_for_count()[0] != float("-inf"):
-                    fused.count_band(sel, b, experts[i], work)  # the same count and candidates, one pass
-                else:
-                    sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
+                sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
             offsets.append(offset)
         for i, sel in select.items():
             found = sel.result()
@@ -126,9 +119,6 @@ class TiesRows:
     def merge(self, offset: int, base: torch.Tensor, experts: list[torch.Tensor]) -> torch.Tensor:
         """b + lambda * disjoint_merge(t_1..t_N), cast to the base's dtype (as ties()): ``_combine`` with this
         block's trim, done in place in each t_i's row of its stack."""
-        if (options := fused_options(self.cfg, base, self.checks_inputs, len(experts), elect=True)) is not None:
-            cuts = [None if c is None else (c[0], c[1][offset]) for c in self.cut]
-            return fused.merge_rows(base, experts, cuts=cuts, refuse_nonfinite=True, **options)
         return _combine(base, experts, self.cfg, None, True, lambda d, i: self.trim_(d, i, offset))
 
 

@@ -250,7 +250,10 @@ def disjoint_merge(sparse: torch.Tensor, cfg) -> torch.Tensor:
     tau = sum_in_order(agree.mul_(weighted))
     if mass is None:
         return tau
-    return tau.div_(mass.masked_fill_(mass == 0, 1.0))
+    # divide by 1 where no one agrees, branch-free (masked_fill_'s writes at scattered entries mispredict): with
+    # unit weights the mass counts the agreeing experts, so clamping it at 1 is exact; else mass + [mass == 0]
+    # (x + 0.0 == x for x != 0)
+    return tau.div_(mass.clamp_min_(1.0) if unit else mass.add_(mass == 0))
 
 
 # torch's sum over dim 0 adds up to this many rows in order from +0.0 (tests/methods/test_fused.py); with more, its order

@@ -144,7 +144,7 @@ def test_row_blocks_are_written_in_place_by_the_threads_that_merge_them(tiny_dir
 
 
 @pytest.mark.skipif(not fused.available(), reason="numba is not installed")
-@pytest.mark.parametrize("name", ["dare_ties", "ties"])
+@pytest.mark.parametrize("name", ["dare_ties", "dare_linear"])
 def test_the_kernel_takes_the_experts_rows_read_into_one_stack(name, tiny_dir, experts, tmp_path, monkeypatch):
     """Blocks merged by the compiled kernel read the experts' float32 rows straight into one stack, which
     fused.merge_rows takes as it is (no copy per expert per block): the same bytes as the whole-tensor merge."""

@@ -77,7 +77,7 @@ def test_the_torch_only_hook_really_leaves_the_kernels_out(tiny_dir, inputs, tmp
     if not fused.available():
         pytest.skip("numba does not run here: every path is the torch code")
     called = []
-    for kernel in ("merge_rows", "keep", "uniform", "placed_by_rank", "count_band"):
+    for kernel in ("merge_rows", "keep", "uniform", "placed_by_rank"):
         original = getattr(fused, kernel)
         monkeypatch.setattr(fused, kernel, lambda *a, _k=kernel, _f=original, **kw: called.append(_k) or _f(*a, **kw))
     for name in ("ties", "dare_ties", "della"):
@@ -87,7 +87,14 @@ def test_the_torch_only_hook_really_leaves_the_kernels_out(tiny_dir, inputs, tmp
             method, cfg, tiny_dir, inputs, tmp_path / f"d-{name}", seed=1, device=Device("cpu", torch_only=True)
         )
     assert called == []
-    merge_to_disk(get_method("ties"), get_method("ties").config(density=0.3), tiny_dir, inputs, tmp_path / "c", seed=1)
+    merge_to_disk(
+        get_method("dare_ties"),
+        get_method("dare_ties").config(**CONFIGS["dare_ties"]),
+        tiny_dir,
+        inputs,
+        tmp_path / "c",
+        seed=1,
+    )
     assert called  # while the CPU path takes them
 
 

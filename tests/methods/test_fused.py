@@ -1,8 +1,8 @@
 """The compiled kernels (mergeval/methods/fused.py) give the torch code's bits.
 
 ``keep`` and ``uniform`` (the counter-based draws) against the torch definition in ``draws.py``, at any
-offset, beyond 2^32 included; ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifiers it replaces (DARE's
-``keep_only_`` and divide, TIES' ``zero_dropped_``), on values chosen to catch an order, rounding or
+offset, beyond 2^32 included; ``merge_rows`` against ``sparsify._combine`` with the row-block sparsifier it replaces (DARE's
+``keep_only_`` and divide), with TIES' election or the weighted sum, on values chosen to catch an order, rounding or
 sign-of-zero change: -0.0, subnormals, infinities, NaN, huge values, deltas that cancel, weights of 1 and
 not 1, bfloat16 inputs, up to eight experts. And what ``task_vector.sum_in_order`` relies on: torch's sum over
 the experts' axis adds the rows in order from +0.0 for up to TORCH_ROWS_IN_ORDER rows.
@@ -10,7 +10,6 @@ the experts' axis adds the rows in order from +0.0 for up to TORCH_ROWS_IN_ORDER
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergeval.methods import draws, fused, get_method
-from mergeval.methods.select import Threshold, keep_only_, zero_dropped_
+from mergeval.methods.select import keep_only_
 from mergeval.methods.sparsify import _combine
 from mergeval.methods.task_vector import TORCH_ROWS_IN_ORDER, sum_in_order
 
@@ -167,26 +166,6 @@ def test_a_dare_block_is_combine_with_keep_only_and_the_divide(data, block, elec
     assert same_bits(got, expected)
 
 
-@settings(max_examples=150, deadline=None)
-@given(data=st.data(), block=blocks(), elect=st.booleans())
-def test_a_ties_block_is_combine_with_zero_dropped(data, block, elect):
-    base, experts, rng = block
-    cfg, options = combine_config(data.draw, len(experts), elect)
-    cuts = []
-    for e in experts:  # the cut at an entry's own |d| (so ties exist), at 0, or none
-        magnitude = (e.float() - base.float()).abs().reshape(-1)
-        tau = data.draw(st.sampled_from([float(magnitude[int(rng.integers(0, base.numel()))]), 0.0]))
-        tau = 0.0 if math.isnan(tau) else tau
-        cuts.append((tau, data.draw(st.integers(0, 6))) if data.draw(st.integers(0, 9)) else None)
-
-    def sparsify(d, i):
-        return d if cuts[i] is None else zero_dropped_(d, *cuts[i])
-
-    expected = _combine(base, experts, cfg, None, elect, sparsify)
-    got = fused.merge_rows(base, experts, cuts=cuts, **options)
-    assert same_bits(got, expected)
-
-
 def test_an_election_near_zero_takes_the_sorted_sums_sign():
     # 1 + 2^-24 - 1 - 2^-24 in order is 0 (+2^-24 is lost), sorted it is -2^-24 + ... : only the sorted sum's
     # sign is the same in every order (task_vector.sign_of_sum), so three experts here need the sort
@@ -222,34 +201,6 @@ def test_sum_in_order_adds_the_rows_in_order_from_zero_for_any_number(rows, n):
     for row in x:
         in_order = in_order + row
     assert same_bits(sum_in_order(torch.from_numpy(x)), torch.from_numpy(in_order))
-
-
-# ---------------------------------------------------------------- TIES' counting pass
-
-
-@settings(max_examples=60, deadline=None)
-@given(block=blocks(), k_share=st.floats(0.01, 0.99), chunks=st.integers(1, 4))
-def test_the_counting_pass_gives_thresholds_counts_and_candidates(block, k_share, chunks):
-    base, experts, _ = block
-    b, e = base.float().reshape(-1), experts[0].reshape(-1)
-    chunks = min(chunks, b.numel())
-    pieces = [(b[i::chunks].contiguous(), e[i::chunks].contiguous()) for i in range(chunks)]
-    n = b.numel()
-    k = max(1, min(n, round(k_share * n)))
-    theirs, ours = Threshold(n, k), Threshold(n, k)
-    for pb, pe in pieces:
-        a = (pe.float() - pb).abs()
-        theirs.sample(a)
-        ours.sample(a)
-    if theirs.bounds_for_count()[0] == float("-inf"):
-        return  # count_band is not used then (rows.TiesRows: the torch pass keeps every value)
-    for pb, pe in pieces:
-        theirs.count((pe.float() - pb).abs())
-        fused.count_band(ours, pb, pe, torch.empty(pb.numel()))
-    assert ours.above == theirs.above
-    assert len(ours._cands) == len(theirs._cands)
-    assert all(same_bits(x, y) for x, y in zip(ours._cands, theirs._cands))
-    assert ours.result() == theirs.result()
 
 
 def test_mergeval_numba_0_turns_the_kernels_off():

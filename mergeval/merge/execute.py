@@ -206,7 +206,7 @@ def _load_kernels_first(plan: list[Unit], method: MergeMethod, base, n_experts: 
     Why: loaded by the first worker (numba's import and registries), they kept the other worker waiting on
     numba's locks and the consumer on both, and the load took longer there than alone; loaded here it runs
     uncontended and the merge that follows is shorter by more than the load costs. A method whose
-    row mergers do not take the kernels (task arithmetic) loads nothing."""
+    row mergers do not take the kernels (task arithmetic, TIES) loads nothing."""
     if method.rows is None or not hasattr(base, "get_rows"):
         return
     for unit in plan:

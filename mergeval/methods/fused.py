@@ -178,7 +178,8 @@ def merge_rows(
     """The block ``b + lambda * combine(s_1..s_N)`` cast to the base's dtype (see the module's docstring).
 
     masks: per expert DARE's keep mask over the block (a bool tensor of its size) or None; divisors: per
-    expert, divide its kept entries by this (0: do not); refuse_nonfinite: raise NonFinite when an input entry is NaN or Inf (the kernel counts them as it reads)."""
+    expert, divide its kept entries by this (0: do not); refuse_nonfinite: raise NonFinite when an input entry is
+    NaN or Inf (the kernel counts them as it reads)."""
     kernel = _kernels()[1]
     n_exp, n = len(experts), base.numel()
     # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block

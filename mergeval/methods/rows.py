@@ -86,7 +86,8 @@ class TiesRows:
                 sel.add_sample((experts[i].reshape(-1)[at].float() - b[at].float()).abs())
         for offset, base, experts in blocks.read_all():
             b = base.float()
-            work = torch.empty_like(b)  # |d_i| of this block, one expert after another
+            work = torch.empty(b.shape, dtype=b.dtype)  # |d_i| of this block, one expert after another; contiguous
+            # whatever b's layout, so the count takes NumPy's path (select.Threshold._count_numpy)
             for i, sel in select.items():
                 sel.count(torch.sub(experts[i].float(), b, out=work).abs_())
             offsets.append(offset)

@@ -62,8 +62,11 @@ work, experts, size = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 layers, hidden, intermediate = map(int, sys.argv[5:8])
 if size:  # a paper model's exact layout (merge_throughput.SYNTHETIC): its vocabulary, tied or not
     from merge_throughput import synthetic_models
-    base, rest = synthetic_models(work / "models", size, "bfloat16", experts)
-    dirs = [base, *rest]
+    root = work / "models"
+    dirs = [root / "base", *(root / f"expert{i}" for i in range(experts))]
+    if not (dirs[-1] / "config.json").exists():  # else a --work that has them, written whole (config.json last)
+        shutil.rmtree(root, ignore_errors=True)
+        synthetic_models(root, size, "bfloat16", experts)
 else:
     tiny = zoo_dir("tiny", cache_root(str(work / "zoo-cache")))
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]

@@ -183,7 +183,7 @@ def merge_rows(
     kernel = _kernels()[1]
     n_exp, n = len(experts), base.numel()
     # working arrays from torch's allocator: arrays NumPy allocates in the engine's threads and a block
-    # outlives fragmented glibc's heap (select.Threshold._count_numpy)
+    # outlives fragmented glibc's heap (select.Appended)
     if isinstance(experts, StackedRows):
         e = experts.stacked.view(n_exp, n)
     else:

@@ -71,8 +71,8 @@ class Appended:
 
     The reason is memory, not speed: a tensor kept per chunk of a tensor streamed in row blocks (the samples and
     candidates of each expert's |d_i|) lies in glibc's heap between the blocks' freed buffers and keeps their
-    pages from being reused or returned, so a TIES merge's resident memory grew by about a quarter of its
-    largest tensor's float32 size per expert (4 experts at Llama-3.2-3B's shapes: 3.1 GB against 1.5 GB for 2)."""
+    pages from being reused or returned, so a TIES merge's resident memory grew with the number of experts
+    (benchmarks/RESULTS.md, the whole run at Llama-3.2-3B's shapes)."""
 
     def __init__(self, capacity: int = 0):
         self.capacity = capacity  # entries of the first buffer (0: the first chunk's size)
